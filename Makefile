@@ -1,0 +1,43 @@
+# The two commands in the README: `make demo` and `make test`. Both work on a fresh machine with Python and make.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tamis-installed
+# Keep tests and the demo hermetic: no telemetry, no update checks, no hub look-ups.
+export DO_NOT_TRACK=1
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+export NO_ALBUMENTATIONS_UPDATE=1
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export HF_DATASETS_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false
+
+.PHONY: install demo test test-all lint clean-artifacts
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch first and explicitly: a bare `torch` requirement would pull a multi-GB build from the index.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install $(TORCH_SPEC)
+	$(PY) -m pip install -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tamis demo
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow and not gpu" -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -m "not gpu" -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pipeline flows tests benchmarks
+
+clean-artifacts:
+	find artifacts -mindepth 1 ! -name .gitkeep -exec rm -rf {} +

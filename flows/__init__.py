@@ -1,0 +1,1 @@
+"""Prefect flows: thin orchestration over `pipeline`. Import `flows.settings` first to point Prefect at artifacts/."""

@@ -1,0 +1,120 @@
+"""The `tamis` command. It launches flows, so it lives in flows/; everything else it calls is library code.
+
+Each area registers its commands from a small module (flows/cmd_*.py) so the entry point stays short.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from pipeline import __version__
+from pipeline.errors import TamisError
+
+app = typer.Typer(
+    name="tamis",
+    help="Data-centric active learning for vision-language models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console(stderr=True)
+state = {"debug": False}
+
+ConfigOpt = Annotated[
+    Optional[Path], typer.Option("--config", "-c", help="Project config YAML (default: the embedded configs/demo.yaml).")
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"tamis {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    state["debug"] = debug
+    from rich.logging import RichHandler
+
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=debug, rich_tracebacks=debug)],
+        force=True,
+    )
+    for noisy in ("httpx", "httpcore", "urllib3", "PIL", "matplotlib", "filelock", "fsspec"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def load(config: Path | None):
+    """Load the config once and point Prefect at the project's artifacts before Prefect is imported."""
+    from flows.settings import configure_prefect
+    from pipeline.config import load_config
+
+    cfg = load_config(config)
+    configure_prefect(cfg.artifacts)
+    return cfg
+
+
+config_app = typer.Typer(help="Inspect the project config.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None) -> None:
+    """Print the resolved config (defaults filled in, paths made absolute)."""
+    from pipeline.config import load_config
+
+    typer.echo(load_config(config).to_yaml(), nl=False)
+
+
+def _register_commands() -> None:
+    from flows import cmd_data, cmd_labels, cmd_model, cmd_prepare, cmd_rounds
+
+    for module in (cmd_data, cmd_prepare, cmd_model, cmd_labels, cmd_rounds):
+        module.register(app)
+
+
+_register_commands()
+
+
+def run() -> None:
+    """Console entry point: user errors become one paragraph and exit code 2, not a traceback."""
+    try:
+        app(standalone_mode=False)
+    except TamisError as exc:
+        if state["debug"]:
+            raise
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        console.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors and the like
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if state["debug"] or os.environ.get("TAMIS_DEBUG"):
+            raise
+        console.print(f"[bold red]unexpected error:[/] {exc.__class__.__name__}: {exc} (rerun with --debug for a traceback)")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    run()

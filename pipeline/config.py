@@ -1,0 +1,287 @@
+"""One project config: a pydantic model loaded once from YAML and validated up front.
+
+Relative paths in a config are resolved against the directory the command runs in (the project root), once, at
+load time, so that later stages never depend on the working directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pipeline.errors import ConfigError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+
+
+class Section(BaseModel):
+    # Unknown keys are errors: a typo in a YAML key must not be silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio"]
+Split = Literal["train", "pool", "test"]
+
+
+class SourceConfig(Section):
+    """One place samples come from. Paths inside a manifest are relative to the manifest's folder."""
+
+    kind: SourceKind
+    path: Path
+    image_column: str = "image"
+    question_column: str = "question"
+    answer_column: str = "answer"
+    split_column: str = "split"
+    # Split given to rows that do not name one. Labeled rows default to train, unlabeled ones to pool.
+    default_split: Split | None = None
+    # Image folders: the question asked of every image, and the sidecar text file extension (if any).
+    question: str | None = None
+    sidecar_ext: str = ".txt"
+    # Label Studio exports: the task data keys.
+    data_image_key: str = "image"
+    data_text_key: str = "text"
+    hf_split: str | None = None
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(default_factory=list)
+    # Closed answer set (classification / multiple-choice VQA). None means open answers (captions, free-form VQA).
+    answers: list[str] | None = None
+    question: str = "What is shown in the image?"
+    # Decompression-bomb guard: images with more pixels than this are quarantined, not decoded.
+    max_image_pixels: int = Field(default=64_000_000, ge=1)
+    # Extra roots a manifest may point into besides its own folder (absolute image paths are checked against these).
+    allowed_roots: list[Path] = Field(default_factory=list)
+    # Simulated annotator: a JSONL of held-back answers (sample_id / image → answer).
+    ground_truth: Path | None = None
+
+    @field_validator("answers")
+    @classmethod
+    def _answers_unique(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            if len(v) < 2:
+                raise ValueError("a closed answer set needs at least 2 answers")
+            if len(set(v)) != len(v):
+                raise ValueError("answers must be unique")
+        return v
+
+
+class PreprocessConfig(Section):
+    # Longest side in pixels; None picks the model family's default so its processor never stretches.
+    size: int | None = Field(default=None, ge=1)
+    pad: Literal["none", "square"] = "none"
+    pad_color: tuple[int, int, int] = (0, 0, 0)
+    # Transparent pixels are composited on this colour.
+    background: tuple[int, int, int] = (255, 255, 255)
+    num_proc: int = Field(default=1, ge=1)
+
+
+QualityFlag = Literal["blurry", "exact_duplicate", "near_duplicate", "low_information"]
+
+
+class QualityConfig(Section):
+    blur_threshold: float = Field(default=10.0, ge=0)
+    low_information_std: float = Field(default=2.0, ge=0)
+    near_duplicate_distance: int = Field(default=4, ge=0)
+    # Flags that keep a sample out of the pool (nothing is ever deleted).
+    exclude: list[QualityFlag] = Field(default_factory=lambda: ["exact_duplicate", "low_information"])
+
+
+class ImageAugmentConfig(Section):
+    brightness_contrast_p: float = Field(default=0.5, ge=0, le=1)
+    brightness_limit: float = Field(default=0.2, ge=0, le=1)
+    contrast_limit: float = Field(default=0.2, ge=0, le=1)
+    affine_p: float = Field(default=0.5, ge=0, le=1)
+    rotate_limit: float = Field(default=10.0, ge=0, le=180)
+    scale_limit: float = Field(default=0.1, ge=0, le=0.5)
+    translate_limit: float = Field(default=0.05, ge=0, le=0.5)
+    blur_p: float = Field(default=0.1, ge=0, le=1)
+    blur_limit: int = Field(default=3, ge=3)
+    noise_p: float = Field(default=0.1, ge=0, le=1)
+    horizontal_flip_p: float = Field(default=0.0, ge=0, le=1)
+
+
+class TextAugmentConfig(Section):
+    keyboard_p: float = Field(default=0.0, ge=0, le=1)
+    ocr_p: float = Field(default=0.0, ge=0, le=1)
+    random_char_p: float = Field(default=0.0, ge=0, le=1)
+    word_swap_p: float = Field(default=0.0, ge=0, le=1)
+    word_delete_p: float = Field(default=0.0, ge=0, le=1)
+    word_crop_p: float = Field(default=0.0, ge=0, le=1)
+    synonym_p: float = Field(default=0.0, ge=0, le=1)
+
+
+class AugmentConfig(Section):
+    copies: int = Field(default=0, ge=0)
+    image: ImageAugmentConfig = Field(default_factory=ImageAugmentConfig)
+    text: TextAugmentConfig = Field(default_factory=TextAugmentConfig)
+    num_proc: int = Field(default=1, ge=1)
+
+
+Family = Literal["idefics3", "qwen2_vl", "qwen2_5_vl"]
+
+
+class ModelConfig(Section):
+    # Hub ID or local directory. Offline machines must use a local directory.
+    name_or_path: str = "artifacts/models/tiny-idefics3"
+    # Detected from the checkpoint's config when not given.
+    family: Family | None = None
+    # When the model directory is missing, build a tiny random-weight model of this family there (tests, demo).
+    build_tiny_if_missing: bool = False
+    mode: Literal["qlora", "lora", "full"] = "qlora"
+    lora_r: int = Field(default=8, ge=1)
+    lora_alpha: int = Field(default=16, ge=1)
+    lora_dropout: float = Field(default=0.05, ge=0, lt=1)
+    # None uses the family's default target modules.
+    target_modules: list[str] | None = None
+    attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
+    # auto = bf16 where the GPU supports it, else fp16 on GPU, fp32 on CPU.
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    max_new_tokens: int = Field(default=16, ge=1)
+
+
+class TrainConfig(Section):
+    # "auto" lets the memory planner choose micro-batch / accumulation / checkpointing for the hardware.
+    batch_size: int | Literal["auto"] = "auto"
+    effective_batch_size: int = Field(default=16, ge=1)
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    epochs: float = Field(default=1.0, gt=0)
+    max_steps: int | None = Field(default=None, ge=1)
+    learning_rate: float = Field(default=2e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    warmup_ratio: float = Field(default=0.05, ge=0, lt=1)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    checkpoint_every: int = Field(default=50, ge=1)
+    init: Literal["fresh", "warm"] = "fresh"
+    max_grad_norm: float = Field(default=1.0, gt=0)
+
+
+class SelectConfig(Section):
+    batch_size: int = Field(default=32, ge=1)
+    # Heuristic name, one of pipeline.strategies.HEURISTICS.
+    strategy: Literal[
+        "random", "least_confidence", "margin", "entropy", "bald", "token_entropy", "answer_disagreement"
+    ] = "entropy"
+    diversity: Literal["top_k", "k_center", "cluster_margin", "stratified"] = "top_k"
+    cold_start: Literal["typical", "random"] = "typical"
+    shard_size: int = Field(default=256, ge=1)
+    score_batch_size: int = Field(default=16, ge=1)
+    mc_dropout_passes: int = Field(default=0, ge=0)
+    length_normalize: bool = True
+    runner: Literal["local", "dask"] = "local"
+    dask_address: str | None = None
+    outliers: Literal["keep", "downweight", "exclude"] = "keep"
+
+
+class AnnotateConfig(Section):
+    # Label Studio serves local files as /data/local-files/?d=<path relative to its document root>.
+    image_url_prefix: str = "/data/local-files/?d="
+    export_images: Literal["prepared", "original"] = "prepared"
+    formats: list[Literal["label_studio", "csv", "jsonl", "images"]] = Field(
+        default_factory=lambda: ["label_studio", "csv", "jsonl", "images"]
+    )
+    relabel_top_n: int = Field(default=0, ge=0)
+
+
+class RoundsConfig(Section):
+    max_rounds: int = Field(default=5, ge=1)
+    label_budget: int | None = Field(default=None, ge=1)
+    target_metric: float | None = Field(default=None, gt=0, le=1)
+    plateau_rounds: int | None = Field(default=None, ge=1)
+    simulate_annotator: bool = False
+    cron: str = "0 6 * * 1"
+
+
+class PathsConfig(Section):
+    artifacts: Path = Path("artifacts")
+
+
+class ProjectConfig(Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
+    quality: QualityConfig = Field(default_factory=QualityConfig)
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    select: SelectConfig = Field(default_factory=SelectConfig)
+    annotate: AnnotateConfig = Field(default_factory=AnnotateConfig)
+    rounds: RoundsConfig = Field(default_factory=RoundsConfig)
+    seed: int = 0
+    paths: PathsConfig = Field(default_factory=PathsConfig)
+
+    def section(self, name: str) -> dict[str, Any]:
+        """A section as plain JSON data: what a stage records next to its outputs and keys its cache on."""
+        return getattr(self, name).model_dump(mode="json") if name != "seed" else {"seed": self.seed}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    @property
+    def artifacts(self) -> Path:
+        return self.paths.artifacts
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = ".".join(str(p) for p in err["loc"]) or "<top level>"
+    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind == "missing":
+        return f"{loc}: is required but missing"
+    if kind == "extra_forbidden":
+        return f"{loc}: unknown key; remove it or check its spelling"
+    bounds = {"greater_than_equal": "≥ {ge}", "greater_than": "> {gt}", "less_than_equal": "≤ {le}",
+              "less_than": "< {lt}"}
+    if kind in bounds:
+        return f"{loc}: {value!r} is not allowed; must be {bounds[kind].format(**ctx)}"
+    if kind == "literal_error":
+        return f"{loc}: {value!r} is not allowed; must be one of {ctx.get('expected')}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind == "value_error" and msg.startswith(f"{loc}:"):
+        return msg
+    return f"{loc}: {value!r} is not allowed; {msg}"
+
+
+def _absolutize(cfg: ProjectConfig, root: Path) -> ProjectConfig:
+    def fix(p: Path | None) -> Path | None:
+        return None if p is None else (p if p.is_absolute() else (root / p)).resolve()
+
+    cfg.paths.artifacts = fix(cfg.paths.artifacts)
+    for src in cfg.data.sources:
+        src.path = fix(src.path)
+    cfg.data.allowed_roots = [fix(p) for p in cfg.data.allowed_roots]
+    cfg.data.ground_truth = fix(cfg.data.ground_truth)
+    # A local model directory is a path; a hub ID ("org/name") is not, unless such a folder exists here.
+    mp = Path(cfg.model.name_or_path)
+    if mp.is_absolute() or (root / mp).exists() or cfg.model.build_tiny_if_missing:
+        cfg.model.name_or_path = str(fix(mp))
+    return cfg
+
+
+def parse_config(data: dict[str, Any] | None, *, origin: str = "<config>", root: Path | None = None) -> ProjectConfig:
+    """Validate a config mapping. Every error names the field, the bad value and what is allowed."""
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{origin}: the top level must be a mapping of sections, not {type(data).__name__}")
+    try:
+        cfg = ProjectConfig.model_validate(data or {})
+    except ValidationError as exc:
+        lines = "\n".join(f"  {_describe(e)}" for e in exc.errors())
+        raise ConfigError(f"{origin}: invalid config\n{lines}") from None
+    return _absolutize(cfg, (root or Path.cwd()).resolve())
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *, root: Path | None = None) -> ProjectConfig:
+    """Load and validate a YAML config; None loads the embedded default (configs/demo.yaml)."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found; pass an existing YAML file with --config")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return parse_config(data, origin=str(path), root=root)

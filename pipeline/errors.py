@@ -1,0 +1,33 @@
+"""User-facing errors. Each message names the file / field / number at fault and what to do about it."""
+
+
+class TamisError(Exception):
+    """Base for errors caused by user input or state; the CLI prints these without a traceback."""
+
+
+class ConfigError(TamisError):
+    pass
+
+
+class ArtifactError(TamisError):
+    """An artifact is missing, or its content no longer matches the digest its manifest recorded."""
+
+
+class DataError(TamisError):
+    pass
+
+
+class LabelImportError(TamisError):
+    pass
+
+
+class SelectionError(TamisError):
+    pass
+
+
+class ModelError(TamisError):
+    pass
+
+
+class LockError(TamisError):
+    pass

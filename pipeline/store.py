@@ -1,0 +1,299 @@
+"""Content digests, atomic writes and stage manifests: the artifact store every stage writes through.
+
+A stage writes its big outputs beside a small manifest (stage, version, input digests, config, output digests). A
+reader verifies the digests before it trusts a file, so a half-written or tampered artifact is reported, never used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from pipeline import __version__
+from pipeline.errors import ArtifactError
+
+_CHUNK = 1 << 20
+MANIFEST_NAME = "manifest.json"
+
+
+# ---------------------------------------------------------------------------------------------------- digests
+def digest_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def digest_file(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace, so equal objects give equal digests."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def digest_json(obj: Any) -> str:
+    return digest_bytes(canonical_json(obj).encode("utf-8"))
+
+
+def digest_dir(path: str | os.PathLike[str]) -> str:
+    """Digest of a folder's files: their relative paths and contents (names matter, timestamps do not)."""
+    root = Path(path)
+    entries = sorted(
+        (p.relative_to(root).as_posix(), digest_file(p)) for p in root.rglob("*") if p.is_file()
+    )
+    return digest_json(entries)
+
+
+def digest_path(path: str | os.PathLike[str]) -> str:
+    p = Path(path)
+    if p.is_dir():
+        return digest_dir(p)
+    if p.is_file():
+        return digest_file(p)
+    raise ArtifactError(f"{p}: does not exist, so it has no digest")
+
+
+# ---------------------------------------------------------------------------------------------- atomic writes
+def _fsync_dir(path: Path) -> None:
+    # Persist the rename itself; not every platform lets a directory be opened.
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write via a temp file in the same folder, fsync, rename: readers see the old file or the new one, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False, default=str) + "\n")
+
+
+def atomic_write_jsonl(path: str | os.PathLike[str], rows: list[Mapping[str, Any]]) -> Path:
+    return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows))
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Build a folder under a temp name and swap it in only when the block succeeds.
+
+    For outputs written by other libraries (`save_pretrained`, `Dataset.save_to_disk`) that cannot write one file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def append_jsonl(path: str | os.PathLike[str], rows: list[Mapping[str, Any]]) -> None:
+    """Append whole lines and fsync: for append-only logs (the label ledger, execution log).
+
+    One write call per batch keeps a crash from interleaving half lines; readers skip a torn last line.
+    """
+    if not rows:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        # A previous crash may have left a torn last line; start ours on a fresh line so it stays parseable.
+        if os.fstat(fd).st_size:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    payload = b"\n" + payload
+        os.write(fd, payload)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read an append-only JSONL log, skipping a torn line left by a crash mid-append."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- manifests
+class OutputRef(BaseModel):
+    path: str  # relative to the manifest's folder
+    digest: str
+
+
+class Manifest(BaseModel):
+    stage: str
+    stage_version: str
+    key: str
+    inputs: dict[str, str] = Field(default_factory=dict)
+    config_digest: str
+    config: dict[str, Any] = Field(default_factory=dict)
+    outputs: dict[str, OutputRef] = Field(default_factory=dict)
+    info: dict[str, Any] = Field(default_factory=dict)
+    created_at: str
+    tamis_version: str = __version__
+
+    def path_of(self, name: str, root: Path) -> Path:
+        return root / self.outputs[name].path
+
+
+def stage_key(stage: str, version: str, inputs: Mapping[str, str], config: Any) -> str:
+    """Cache key of a stage run: its name, version, its inputs' content digests and its config section."""
+    return digest_json({"stage": stage, "version": version, "inputs": dict(inputs), "config": config})
+
+
+def write_manifest(
+    folder: str | os.PathLike[str],
+    *,
+    stage: str,
+    stage_version: str,
+    inputs: Mapping[str, str],
+    config: Any,
+    outputs: Mapping[str, str | os.PathLike[str]],
+    info: Mapping[str, Any] | None = None,
+) -> Manifest:
+    """Record a finished stage: digests every output (a file or folder under `folder`), then writes the manifest last.
+
+    Writing the manifest last is what makes a stage's outputs count as complete.
+    """
+    folder = Path(folder)
+    refs = {}
+    for name, p in outputs.items():
+        p = Path(p)
+        p = p if p.is_absolute() else folder / p
+        refs[name] = OutputRef(path=os.path.relpath(p, folder), digest=digest_path(p))
+    m = Manifest(
+        stage=stage,
+        stage_version=stage_version,
+        key=stage_key(stage, stage_version, inputs, config),
+        inputs=dict(inputs),
+        config_digest=digest_json(config),
+        config=config if isinstance(config, dict) else {"value": config},
+        outputs=refs,
+        info=dict(info or {}),
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+    atomic_write_json(folder / "config.json", m.config)
+    atomic_write_json(folder / MANIFEST_NAME, m.model_dump(mode="json"))
+    return m
+
+
+def read_manifest(folder: str | os.PathLike[str], *, verify: bool = True) -> Manifest:
+    """Load a stage manifest and (by default) check every output against its recorded digest."""
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no manifest; the stage that writes {folder.name!r} has not finished here")
+    try:
+        m = Manifest.model_validate_json(path.read_text(encoding="utf-8"))
+    except Exception as exc:  # noqa: BLE001 - any parse problem is the same user-facing fault
+        raise ArtifactError(f"{path}: unreadable manifest ({exc.__class__.__name__}); delete {folder} to rebuild it") from None
+    if verify:
+        verify_manifest(m, folder)
+    return m
+
+
+def verify_manifest(m: Manifest, folder: Path) -> None:
+    for name, ref in m.outputs.items():
+        p = folder / ref.path
+        if not p.exists():
+            raise ArtifactError(f"{p}: output {name!r} of stage {m.stage!r} is missing; delete {folder} to rebuild it")
+        actual = digest_path(p)
+        if actual != ref.digest:
+            raise ArtifactError(
+                f"{p}: output {name!r} of stage {m.stage!r} is corrupt (digest {actual[:12]}…, manifest says "
+                f"{ref.digest[:12]}…); delete {folder} to rebuild it"
+            )
+
+
+def find_valid_manifest(folder: str | os.PathLike[str], key: str) -> Manifest | None:
+    """The manifest in `folder` if it was written for this cache key and its outputs verify; else None."""
+    folder = Path(folder)
+    if not (folder / MANIFEST_NAME).is_file():
+        return None
+    try:
+        m = read_manifest(folder, verify=False)
+        if m.key != key:
+            return None
+        verify_manifest(m, folder)
+    except ArtifactError:
+        return None
+    return m
+
+
+# ----------------------------------------------------------------------------------------- execution log
+EXECUTIONS = "executions.jsonl"
+
+
+def record_execution(artifacts: str | os.PathLike[str], stage: str, key: str, **extra: Any) -> None:
+    """Append one line per stage body that actually ran: how tests and benchmarks see what a re-run redid."""
+    append_jsonl(
+        Path(artifacts) / EXECUTIONS,
+        [{"stage": stage, "key": key, "pid": os.getpid(), "time": time.time(), **extra}],
+    )
+
+
+def executions(artifacts: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    return read_jsonl(Path(artifacts) / EXECUTIONS)

@@ -1,0 +1,58 @@
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import DEFAULT_CONFIG, load_config, parse_config
+from pipeline.errors import ConfigError
+
+
+def test_embedded_default_loads_and_resolves_paths(tmp_path):
+    cfg = load_config(None, root=tmp_path)
+    assert cfg.paths.artifacts == (tmp_path / "artifacts").resolve()
+    assert cfg.data.sources[0].path.is_absolute()
+    assert cfg.data.answers == [str(d) for d in range(10)]
+    assert DEFAULT_CONFIG.name == "demo.yaml"
+
+
+def test_error_names_field_value_and_bound():
+    with pytest.raises(ConfigError) as e:
+        parse_config({"select": {"batch_size": -3}})
+    assert "select.batch_size: -3 is not allowed; must be ≥ 1" in str(e.value)
+
+
+def test_unknown_key_and_bad_literal_are_named():
+    with pytest.raises(ConfigError) as e:
+        parse_config({"model": {"mode": "int8", "lora_rank": 4}})
+    msg = str(e.value)
+    assert "model.mode: 'int8' is not allowed; must be one of" in msg
+    assert "model.lora_rank: unknown key" in msg
+
+
+def test_wrong_type_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="train.learning_rate"):
+        parse_config({"train": {"learning_rate": "fast"}})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("select: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(top)
+
+
+def test_answers_must_be_unique():
+    with pytest.raises(ConfigError, match="data.answers"):
+        parse_config({"data": {"answers": ["a", "a"]}})
+
+
+def test_section_and_yaml_roundtrip(tmp_path):
+    cfg = parse_config({"seed": 7}, root=tmp_path)
+    assert cfg.section("seed") == {"seed": 7}
+    assert cfg.section("select")["batch_size"] == 32
+    again = tmp_path / "c.yaml"
+    again.write_text(cfg.to_yaml())
+    assert load_config(again, root=tmp_path) == cfg
+    assert isinstance(cfg.artifacts, Path)

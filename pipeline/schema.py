@@ -1,0 +1,42 @@
+"""The row contract every stage shares. Readers produce these columns; later stages add theirs beside them.
+
+Ingested dataset (Hugging Face `datasets`, Arrow, saved with `save_to_disk`):
+
+    sample_id   str          stable content digest of image bytes + question (see `sample_id_for`)
+    image       bytes        the original encoded image file, exactly as read (validated by a full decode)
+    image_path  str          absolute path of the image file ("" when the source held bytes, e.g. an HF dataset)
+    question    str          the text asked about the image (prompt)
+    answer      str | None   the label / reference answer when the source has one
+    split       str          "train" (labeled seed), "pool" (unlabeled, selectable) or "test" (evaluation)
+    source      str          where the row came from: "<file>:<line>" / "<folder>/<file>"
+    sources     list[str]    every source of this content (exact duplicates are collapsed into one row)
+    width       int          after EXIF transpose
+    height      int
+    mode        str          the decoded PIL mode before conversion (e.g. "CMYK", "I;16", "P", "RGBA")
+
+Prepared dataset adds:
+
+    prepared    bytes        PNG of the preprocessed RGB image (aspect kept; optional square pad)
+    prep_width  int
+    prep_height int
+
+Quality table (a separate Arrow/JSON output keyed by sample_id): flags list[str], reasons list[str], excluded bool,
+blur_score float.
+"""
+
+from __future__ import annotations
+
+from pipeline.store import digest_bytes
+
+SPLITS = ("train", "pool", "test")
+INGEST_COLUMNS = (
+    "sample_id", "image", "image_path", "question", "answer", "split", "source", "sources", "width", "height", "mode",
+)
+
+
+def sample_id_for(image_bytes: bytes, question: str) -> str:
+    """Stable ID from content alone, so the same sample keeps its ID across runs and sources.
+
+    80 bits of sha256 (20 hex chars): collision-free in practice for any pool, short enough for file names.
+    """
+    return digest_bytes(image_bytes + b"\0" + question.encode("utf-8"))[:20]

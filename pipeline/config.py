@@ -181,6 +181,8 @@ class SelectConfig(Section):
 class AnnotateConfig(Section):
     # Label Studio serves local files as /data/local-files/?d=<path relative to its document root>.
     image_url_prefix: str = "/data/local-files/?d="
+    # LABEL_STUDIO_LOCAL_FILES_DOCUMENT_ROOT: image paths in tasks are relative to it. None = the artifacts folder.
+    document_root: Path | None = None
     export_images: Literal["prepared", "original"] = "prepared"
     formats: list[Literal["label_studio", "csv", "jsonl", "images"]] = Field(
         default_factory=lambda: ["label_studio", "csv", "jsonl", "images"]
@@ -254,6 +256,7 @@ def _absolutize(cfg: ProjectConfig, root: Path) -> ProjectConfig:
         src.path = fix(src.path)
     cfg.data.allowed_roots = [fix(p) for p in cfg.data.allowed_roots]
     cfg.data.ground_truth = fix(cfg.data.ground_truth)
+    cfg.annotate.document_root = fix(cfg.annotate.document_root)
     # A local model directory is a path; a hub ID ("org/name") is not, unless such a folder exists here.
     mp = Path(cfg.model.name_or_path)
     if mp.is_absolute() or (root / mp).exists() or cfg.model.build_tiny_if_missing:

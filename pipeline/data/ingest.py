@@ -1,0 +1,223 @@
+"""Ingestion: every source → one validated Arrow dataset, with every rejected row quarantined and every exact duplicate
+collapsed (and reported), so that  ingested + quarantined + duplicates == read  always holds.
+
+Rows stream through an Arrow file on disk, so memory stays flat however large the pool; only the small per-row
+`sources` lists are kept until the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.config import DataConfig, ProjectConfig
+from pipeline.data.images import ImageRejected, open_image
+from pipeline.data.readers import READERS, RawRow, Rejected
+from pipeline.errors import ArtifactError, DataError
+from pipeline.schema import INGEST_COLUMNS, SPLITS, sample_id_for
+from pipeline.store import (
+    Manifest,
+    atomic_dir,
+    atomic_write_jsonl,
+    canonical_json,
+    digest_bytes,
+    digest_json,
+    digest_path,
+    read_manifest,
+    write_manifest,
+)
+
+if TYPE_CHECKING:
+    import datasets
+
+log = logging.getLogger(__name__)
+
+STAGE = "ingest"
+# Bump when the library's ingestion output changes for the same inputs (Prefect cannot see edits in pipeline/).
+INGEST_VERSION = "1"
+_BATCH = 256
+
+
+def ingest_features() -> datasets.Features:
+    from datasets import Features, List, Value
+
+    s = Value("string")
+    return Features({
+        "sample_id": s, "image": Value("binary"), "image_path": s, "question": s, "answer": s, "split": s,
+        "source": s, "sources": List(s), "width": Value("int32"), "height": Value("int32"), "mode": s,
+    })
+
+
+def source_digest(cfg: DataConfig) -> str:
+    """Content digest of every source file and every image (and text) its rows reference: the ingest cache input."""
+    parts = []
+    for src in cfg.sources:
+        rows = []
+        for item in READERS[src.kind]().rows(src, cfg):
+            if isinstance(item, RawRow):
+                rows.append([item.source, item.image_path, digest_bytes(item.image), item.question, item.answer,
+                             item.split])
+            else:
+                rows.append([item.source, item.path, item.reason])
+        # Manifests are small; a folder or saved dataset is fully covered by its rows' content.
+        file = digest_path(src.path) if src.kind in ("jsonl", "csv", "label_studio") else None
+        parts.append({"kind": src.kind, "path": str(src.path), "file": file, "rows": sorted(rows, key=canonical_json)})
+    return digest_json(parts)
+
+
+class _Accounting:
+    """Collects what happened to each row read; owns the invariant the manifest reports."""
+
+    def __init__(self) -> None:
+        self.read = 0
+        self.quarantine: list[dict[str, Any]] = []
+        self.duplicates: list[dict[str, Any]] = []
+        self.kept: dict[str, dict[str, Any]] = {}  # sample_id → {source, answer, split, sources}
+
+    def reject(self, source: str, reason: str, path: str = "", **extra: Any) -> None:
+        self.quarantine.append({"source": source, "path": path, "reason": reason, **extra})
+
+    def counts(self) -> dict[str, int]:
+        c = {"read": self.read, "ingested": len(self.kept), "quarantined": len(self.quarantine),
+             "duplicates": len(self.duplicates)}
+        assert c["ingested"] + c["quarantined"] + c["duplicates"] == c["read"], c
+        return c
+
+
+def _validate(row: RawRow, cfg: DataConfig, acc: _Accounting) -> dict[str, Any] | None:
+    """A complete dataset row, or None after quarantining it with the reason."""
+    try:
+        img = open_image(row.image, max_pixels=cfg.max_image_pixels)
+    except ImageRejected as exc:
+        acc.reject(row.source, f"{exc.reason}; replace or remove the image", row.image_path)
+        return None
+    width, height, mode = img.width, img.height, img.mode
+    img.close()
+    split = row.split or ("train" if row.answer is not None else "pool")
+    if split not in SPLITS:
+        acc.reject(row.source, f"split {split!r} is not one of {list(SPLITS)}; fix the split value in the source",
+                   row.image_path)
+        return None
+    if split in ("train", "test") and row.answer is None:
+        acc.reject(row.source, f"split {split!r} needs an answer but the row has none; add the answer or use split "
+                   "'pool'", row.image_path)
+        return None
+    if row.answer is not None and cfg.answers is not None and row.answer not in cfg.answers:
+        acc.reject(row.source, f"answer {row.answer!r} is not in data.answers {cfg.answers}; fix the label or add it "
+                   "to data.answers", row.image_path)
+        return None
+    return {
+        "sample_id": sample_id_for(row.image, row.question), "image": row.image, "image_path": row.image_path,
+        "question": row.question, "answer": row.answer, "split": split, "source": row.source,
+        "width": width, "height": height, "mode": mode,
+    }
+
+
+def _dedupe(rec: dict[str, Any], acc: _Accounting) -> bool:
+    """True if `rec` is new; an exact duplicate is folded into the first row with the same ID (first one wins)."""
+    kept = acc.kept.get(rec["sample_id"])
+    if kept is None:
+        acc.kept[rec["sample_id"]] = {"source": rec["source"], "answer": rec["answer"], "split": rec["split"],
+                                      "sources": [rec["source"]]}
+        return True
+    kept["sources"].append(rec["source"])
+    entry = {"sample_id": rec["sample_id"], "kept": kept["source"], "duplicate": rec["source"],
+             "path": rec["image_path"]}
+    conflicts = [f"{k} {kept[k]!r} kept, {rec[k]!r} dropped" for k in ("answer", "split") if kept[k] != rec[k]]
+    if conflicts:
+        entry["conflict"] = "; ".join(conflicts)
+    acc.duplicates.append(entry)
+    return False
+
+
+def _read_all(cfg: DataConfig, acc: _Accounting, arrow_path: Path) -> None:
+    import pyarrow as pa
+
+    schema = ingest_features().arrow_schema
+    batch: list[dict[str, Any]] = []
+    with pa.OSFile(str(arrow_path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        def flush() -> None:
+            if batch:
+                writer.write_batch(pa.RecordBatch.from_pylist(batch, schema=schema))
+                batch.clear()
+
+        for src in cfg.sources:
+            log.info("ingest: reading %s source %s", src.kind, src.path)
+            for item in READERS[src.kind]().rows(src, cfg):
+                acc.read += 1
+                if isinstance(item, Rejected):
+                    acc.reject(item.source, item.reason, item.path)
+                else:
+                    rec = _validate(item, cfg, acc)
+                    if rec is not None and _dedupe(rec, acc):
+                        batch.append({**rec, "sources": []})  # filled in at the end, once all duplicates are known
+                        if len(batch) >= _BATCH:
+                            flush()
+                if acc.read % 1000 == 0:
+                    log.info("ingest: %d rows read, %d kept, %d quarantined", acc.read, len(acc.kept),
+                             len(acc.quarantine))
+        flush()
+
+
+def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> Manifest:
+    """Read every source of `cfg.data` into `out_dir` (dataset/, quarantine.jsonl, duplicates.jsonl, manifest.json).
+
+    `digest` is `source_digest(cfg.data)` when the caller already computed it (the flow does, for its cache key).
+    """
+    import datasets
+
+    data = cfg.data
+    if not data.sources:
+        raise DataError("data.sources is empty; add at least one source (kind + path) to the config")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    digest = digest or source_digest(data)
+    acc = _Accounting()
+    arrow_path = out_dir / f".rows-{os.getpid()}.arrow"
+    try:
+        _read_all(data, acc, arrow_path)
+        with atomic_dir(out_dir / "dataset") as tmp:
+            ds = datasets.Dataset.from_file(str(arrow_path))
+            sources = [acc.kept[sid]["sources"] for sid in ds["sample_id"]]
+            ds = ds.remove_columns("sources").add_column("sources", sources, feature=ingest_features()["sources"])
+            ds.select_columns(list(INGEST_COLUMNS)).save_to_disk(str(tmp))
+            del ds
+    finally:
+        arrow_path.unlink(missing_ok=True)
+    atomic_write_jsonl(out_dir / "quarantine.jsonl", acc.quarantine)
+    atomic_write_jsonl(out_dir / "duplicates.jsonl", acc.duplicates)
+    counts = acc.counts()
+    splits = Counter(k["split"] for k in acc.kept.values())
+    conflicts = sum("conflict" in d for d in acc.duplicates)
+    if conflicts:
+        log.warning("ingest: %d duplicate(s) disagree on answer or split with the row kept; see %s", conflicts,
+                    out_dir / "duplicates.jsonl")
+    if counts["quarantined"]:
+        log.warning("ingest: %d of %d rows quarantined; reasons in %s", counts["quarantined"], counts["read"],
+                    out_dir / "quarantine.jsonl")
+    if not counts["ingested"]:
+        log.warning("ingest: no usable rows in %d read; later stages have nothing to work on", counts["read"])
+    log.info("ingest: %s", counts)
+    return write_manifest(
+        out_dir,
+        stage=STAGE,
+        stage_version=INGEST_VERSION,
+        inputs={"sources": digest},
+        config=cfg.section("data"),
+        outputs={"dataset": "dataset", "quarantine": "quarantine.jsonl", "duplicates": "duplicates.jsonl"},
+        info={"counts": counts, "splits": {s: splits.get(s, 0) for s in SPLITS}, "duplicate_conflicts": conflicts},
+    )
+
+
+def load_ingested(folder: str | os.PathLike[str]) -> datasets.Dataset:
+    """The ingested dataset in `folder`, after checking every output against the digests its manifest recorded."""
+    import datasets
+
+    folder = Path(folder)
+    m = read_manifest(folder)
+    if m.stage != STAGE:
+        raise ArtifactError(f"{folder}: holds the output of stage {m.stage!r}, not {STAGE!r}; pass the ingest folder")
+    return datasets.load_from_disk(str(m.path_of("dataset", folder)))

@@ -1,0 +1,362 @@
+"""Source readers: one small class per source kind, all yielding the same raw rows (or rejections with reasons).
+
+A reader only locates and reads bytes; decoding, IDs, splits and de-duplication happen once, in `ingest`.
+Image paths in a manifest are relative to the manifest's folder and must stay inside it (or inside
+`data.allowed_roots`): a path that escapes is rejected before anything is read from it.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlparse
+
+from pipeline.config import DataConfig, SourceConfig
+from pipeline.errors import DataError
+
+
+@dataclass(frozen=True)
+class RawRow:
+    image: bytes
+    image_path: str  # absolute path of the file read; "" when the source held the bytes (HF datasets)
+    question: str
+    answer: str | None
+    split: str | None  # as written in the source; validated by ingest
+    source: str  # "<file>:<line>" (manifests), "<file>:<row>" (datasets, exports) or the image file (folders)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    source: str
+    reason: str
+    path: str = ""
+
+
+Item = RawRow | Rejected
+
+
+def _text(value: Any) -> str | None:
+    """Text cell → stripped str; missing / empty → None (numbers in JSON answers become their text)."""
+    if value is None:
+        return None
+    s = str(value).strip()
+    return s or None
+
+
+def _question(value: Any, source: SourceConfig, cfg: DataConfig) -> str:
+    return _text(value) or source.question or cfg.question
+
+
+def _roots(base: Path, cfg: DataConfig) -> list[Path]:
+    return [base.resolve(), *(Path(r).resolve() for r in cfg.allowed_roots)]
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    return any(path.is_relative_to(r) for r in roots)
+
+
+def read_image_file(ref: str, base: Path, cfg: DataConfig, source: str) -> RawRow | Rejected:
+    """Resolve `ref` against `base`, refuse escapes, read the bytes; every failure is a Rejected a person can act on.
+
+    The returned RawRow carries only image, image_path and source; callers fill in the text fields.
+    """
+    raw = Path(ref)
+    candidate = raw if raw.is_absolute() else base / raw
+    roots = _roots(base, cfg)
+    # resolve() follows symlinks, so a link pointing out of the root is caught like a literal "../".
+    resolved = candidate.resolve()
+    if not _inside(resolved, roots):
+        allowed = ", ".join(str(r) for r in roots)
+        how = "a symlink resolving to " if candidate.is_symlink() else ""
+        return Rejected(
+            source,
+            f"image path {ref!r} escapes the dataset root ({how}{resolved}); allowed roots: {allowed}; "
+            "move the image under the root or add its folder to data.allowed_roots",
+            str(candidate),
+        )
+    try:
+        st = os.stat(resolved)
+    except FileNotFoundError:
+        what = "broken symlink (its target is missing)" if candidate.is_symlink() else "file not found"
+        return Rejected(source, f"{what}: {candidate}; fix the path or restore the file", str(candidate))
+    except OSError as exc:
+        return Rejected(source, f"cannot access {candidate}: {exc.strerror}", str(candidate))
+    if stat.S_ISDIR(st.st_mode):
+        return Rejected(source, f"{candidate} is a directory, not an image file; point to the image inside it",
+                        str(candidate))
+    if not stat.S_ISREG(st.st_mode):
+        return Rejected(source, f"{candidate} is not a regular file (device, pipe or socket)", str(candidate))
+    try:
+        data = resolved.read_bytes()
+    except OSError as exc:
+        return Rejected(source, f"cannot read {candidate}: {exc.strerror}; check its permissions", str(candidate))
+    return RawRow(data, str(resolved), "", None, None, source)
+
+
+def _with_text(row: RawRow | Rejected, question: str, answer: str | None, split: str | None) -> Item:
+    if isinstance(row, Rejected):
+        return row
+    return RawRow(row.image, row.image_path, question, answer, split, row.source)
+
+
+def _require_source(source: SourceConfig, *, folder: bool) -> Path:
+    p = Path(source.path)
+    if folder and not p.is_dir():
+        raise DataError(f"data.sources ({source.kind}): {p} is not an existing folder; fix the source path")
+    if not folder and not p.exists():
+        raise DataError(f"data.sources ({source.kind}): {p} does not exist; fix the source path")
+    return p
+
+
+def _check_columns(source: SourceConfig, found: list[str], where: str) -> None:
+    """The image column must exist; the text columns may be absent only when the user left their default names."""
+    missing = [source.image_column] if source.image_column not in found else []
+    for field in ("question_column", "answer_column", "split_column"):
+        name = getattr(source, field)
+        if field in source.model_fields_set and name not in found:
+            missing.append(name)
+    if missing:
+        raise DataError(
+            f"{where}: column(s) {missing} not found; columns found: {found}; "
+            "rename the columns or set image_column / question_column / answer_column / split_column in the source"
+        )
+
+
+class Reader:
+    """Yields one RawRow or Rejected per sample of a source; raises DataError when the whole source is unusable."""
+
+    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+        raise NotImplementedError
+
+
+class FolderReader(Reader):
+    """One sub-folder per class (answer = folder name); images directly in the root are unlabeled.
+
+    `<stem><sidecar_ext>` beside an image overrides the question. Hidden files are not samples.
+    Symlinked folders are not followed (loops, escapes); each is reported as one rejected row.
+    """
+
+    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+        root = _require_source(source, folder=True)
+        ext = source.sidecar_ext.lower()
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            here = Path(dirpath)
+            for d in list(dirnames):
+                if (here / d).is_symlink():
+                    dirnames.remove(d)
+                    yield Rejected(str(here / d), "symlinked folder is not followed; copy its images into "
+                                   f"{root} instead", str(here / d))
+            names = sorted(f for f in filenames if not f.startswith("."))
+            for name in names:
+                p = here / name
+                if ext and p.suffix.lower() == ext:
+                    continue
+                rel = p.relative_to(root)
+                answer = rel.parts[0] if len(rel.parts) > 1 else None
+                row = read_image_file(str(rel), root, cfg, str(p))
+                question = source.question or cfg.question
+                sidecar = p.with_suffix(source.sidecar_ext) if ext else None
+                if isinstance(row, RawRow) and sidecar is not None and sidecar.is_file():
+                    try:
+                        question = _text(sidecar.read_text(encoding="utf-8-sig")) or question
+                    except (UnicodeDecodeError, OSError) as exc:
+                        yield Rejected(str(p), f"sidecar {sidecar} unreadable ({exc}); save it as UTF-8 text", str(p))
+                        continue
+                yield _with_text(row, question, answer, source.default_split)
+
+
+class JsonlReader(Reader):
+    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+        path = _require_source(source, folder=False)
+        base = path.resolve().parent
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                where = f"{path}:{lineno}"
+                if not raw.strip():
+                    continue
+                try:
+                    rec = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
+                except UnicodeDecodeError as exc:
+                    yield Rejected(where, f"line is not UTF-8 ({exc.reason} at byte {exc.start}); save the file as UTF-8")
+                    continue
+                except json.JSONDecodeError as exc:
+                    yield Rejected(where, f"line is not valid JSON ({exc.msg} at column {exc.colno})")
+                    continue
+                if not isinstance(rec, dict):
+                    yield Rejected(where, f"line is a JSON {type(rec).__name__}, expected an object with "
+                                   f"{source.image_column!r}")
+                    continue
+                yield _manifest_row(rec, where, base, source, cfg)
+
+
+def _manifest_row(rec: dict[str, Any], where: str, base: Path, source: SourceConfig, cfg: DataConfig) -> Item:
+    ref = _text(rec.get(source.image_column))
+    if ref is None:
+        return Rejected(where, f"no image: field {source.image_column!r} is missing or empty "
+                        f"(fields present: {sorted(rec)}); set image_column in the source if it has another name")
+    row = read_image_file(ref, base, cfg, where)
+    return _with_text(
+        row,
+        _question(rec.get(source.question_column), source, cfg),
+        _text(rec.get(source.answer_column)),
+        _text(rec.get(source.split_column)) or source.default_split,
+    )
+
+
+class CsvReader(Reader):
+    """CSV with a header row; a BOM and quoted multi-line cells are fine. Locations give the record's first line."""
+
+    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+        path = _require_source(source, folder=False)
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            line = data[: exc.start].count(b"\n") + 1
+            raise DataError(
+                f"{path}:{line}: not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); "
+                "re-save the CSV as UTF-8"
+            ) from None
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        found = list(reader.fieldnames or [])
+        _check_columns(source, found, str(path))
+        base = path.resolve().parent
+        start = reader.line_num + 1
+        for rec in reader:
+            where = f"{path}:{start}"
+            start = reader.line_num + 1
+            if None in rec:
+                yield Rejected(where, f"row has {len(found) + len(rec[None])} cells but the header has {len(found)}; "
+                               "quote cells that contain commas")
+                continue
+            yield _manifest_row(rec, where, base, source, cfg)
+
+
+class HFReader(Reader):
+    """A dataset saved with `save_to_disk`; the image column holds bytes, an Image feature or file paths."""
+
+    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+        import datasets
+
+        path = _require_source(source, folder=True)
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as exc:
+            raise DataError(f"{path}: not a dataset saved with save_to_disk ({exc})") from None
+        if isinstance(ds, datasets.DatasetDict):
+            names = list(ds)
+            if source.hf_split is None and len(names) == 1:
+                ds = ds[names[0]]
+            elif source.hf_split in ds:
+                ds = ds[source.hf_split]
+            else:
+                raise DataError(f"{path}: hf_split {source.hf_split!r} not found; the dataset has splits {names}; "
+                                "set hf_split in the source")
+        _check_columns(source, list(ds.column_names), str(path))
+        if isinstance(ds.features[source.image_column], datasets.Image):
+            # Keep the original encoded bytes: no decode/re-encode round trip, which would change IDs.
+            ds = ds.cast_column(source.image_column, datasets.Image(decode=False))
+        base = path.resolve()
+        for i, rec in enumerate(ds):
+            where = f"{path}:{i}"
+            value = rec[source.image_column]
+            text = (
+                _question(rec.get(source.question_column), source, cfg),
+                _text(rec.get(source.answer_column)),
+                _text(rec.get(source.split_column)) or source.default_split,
+            )
+            if isinstance(value, dict):
+                data, ref = value.get("bytes"), value.get("path")
+            elif isinstance(value, (bytes, bytearray)):
+                data, ref = bytes(value), None
+            elif isinstance(value, str):
+                data, ref = None, value
+            else:
+                yield Rejected(where, f"column {source.image_column!r} holds {type(value).__name__}; "
+                               "expected image bytes, an Image feature or a file path")
+                continue
+            if data:
+                yield RawRow(bytes(data), "", *text, where)
+            elif ref:
+                yield _with_text(read_image_file(ref, base, cfg, where), *text)
+            else:
+                yield Rejected(where, f"column {source.image_column!r} is empty (no bytes and no path)")
+
+
+class LabelStudioReader(Reader):
+    """A Label Studio JSON export: tasks with data.<image key> and data.<text key>, annotations when present."""
+
+    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+        path = _require_source(source, folder=False)
+        try:
+            tasks = json.loads(path.read_text(encoding="utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DataError(f"{path}: not a Label Studio JSON export ({exc}); export the project as JSON") from None
+        if isinstance(tasks, dict):
+            tasks = [tasks]
+        if not isinstance(tasks, list):
+            raise DataError(f"{path}: expected a JSON list of tasks, found {type(tasks).__name__}")
+        base = path.resolve().parent
+        for i, task in enumerate(tasks, start=1):
+            where = f"{path}:task {task.get('id', i) if isinstance(task, dict) else i}"
+            if not isinstance(task, dict):
+                yield Rejected(where, f"task is a JSON {type(task).__name__}, expected an object")
+                continue
+            data = task.get("data", task)
+            ref = _text(data.get(source.data_image_key)) if isinstance(data, dict) else None
+            if ref is None:
+                yield Rejected(where, f"task has no data.{source.data_image_key}; set data_image_key in the source")
+                continue
+            local = _local_path(ref)
+            if local is None:
+                yield Rejected(where, f"image {ref!r} is not a local file (remote URLs and Label Studio uploads are "
+                               "not fetched offline); export with local files or copy the image next to the export")
+                continue
+            yield _with_text(
+                read_image_file(local, base, cfg, where),
+                _question(data.get(source.data_text_key), source, cfg),
+                _annotation_answer(task.get("annotations") or []),
+                _text(data.get(source.split_column)) or source.default_split,
+            )
+
+
+def _local_path(ref: str) -> str | None:
+    url = urlparse(ref)
+    if url.path.startswith("/data/local-files"):
+        d = parse_qs(url.query).get("d")
+        return d[0] if d else None
+    if url.scheme in ("", "file") and not url.path.startswith("/data/upload"):
+        return unquote(url.path) if url.scheme == "file" else ref
+    return None
+
+
+def _annotation_answer(annotations: list[Any]) -> str | None:
+    """The answer of the ground-truth (else latest) non-cancelled annotation: its choices, else its text area."""
+    usable = [a for a in annotations if isinstance(a, dict) and not a.get("was_cancelled") and a.get("result")]
+    usable.sort(key=lambda a: bool(a.get("ground_truth")))  # stable: ground truth last, then list order
+    for ann in reversed(usable):
+        for kind, key in (("choices", "choices"), ("textarea", "text")):
+            for res in ann["result"]:
+                if isinstance(res, dict) and res.get("type") == kind:
+                    values = [_text(v) for v in (res.get("value") or {}).get(key) or []]
+                    values = [v for v in values if v]
+                    if values:
+                        return ", ".join(values) if kind == "choices" else "\n".join(values)
+    return None
+
+
+READERS: dict[str, type[Reader]] = {
+    "folder": FolderReader,
+    "jsonl": JsonlReader,
+    "csv": CsvReader,
+    "hf": HFReader,
+    "label_studio": LabelStudioReader,
+}

@@ -36,3 +36,79 @@ def prefect_harness():
 
 
 # --- shared fixtures below; each area appends its own under a heading ---
+
+
+# --- annotation: a small prepared dataset with generated images and its held-back ground truth ---
+def make_tiny_vqa(root: Path, n: int = 12, *, open_answers: bool = False):
+    """(datasets.Dataset with the prepared-schema columns, ground-truth JSONL path). IDs s000…, answers i % 10."""
+    import io
+    import json
+
+    from datasets import Dataset
+    from PIL import Image
+
+    rows, gt = [], []
+    for i in range(n):
+        im = Image.new("RGB", (10 + i, 12), ((37 * i) % 256, (91 * i) % 256, 128))
+        jpg, png = io.BytesIO(), io.BytesIO()
+        im.save(jpg, format="JPEG")
+        im.resize((12, 12)).save(png, format="PNG")
+        answer = f"a photo of {i % 10}" if open_answers else str(i % 10)
+        name = f"img_{i:03d}.jpg"
+        rows.append({
+            "sample_id": f"s{i:03d}", "image": jpg.getvalue(), "image_path": str(root / "src" / name),
+            "question": "Which digit is shown?", "answer": None, "split": "pool", "prepared": png.getvalue(),
+        })
+        gt.append({"sample_id": f"s{i:03d}", "image": name, "answer": answer})
+    gt_path = root / "ground_truth.jsonl"
+    gt_path.parent.mkdir(parents=True, exist_ok=True)
+    gt_path.write_text("".join(json.dumps(r) + "\n" for r in gt), encoding="utf-8")
+    return Dataset.from_list(rows), gt_path
+
+
+@pytest.fixture
+def make_vqa(tmp_path):
+    """Factory: make_vqa(n=12, open_answers=False) → (dataset, ground-truth path) under tmp_path/vqa."""
+    return lambda n=12, open_answers=False: make_tiny_vqa(tmp_path / "vqa", n, open_answers=open_answers)
+
+
+# --- prepare stage (preprocess / quality / augment) ---
+@pytest.fixture
+def image_dataset():
+    """Build an ingested-schema `datasets.Dataset` from images (PIL images or encoded bytes).
+
+    `image_dataset(images, answers=None, splits=None, questions=None)`; answers default to None (pool rows).
+    """
+    import io
+
+    import datasets
+    from PIL import Image
+
+    from pipeline.schema import sample_id_for
+
+    def build(images, answers=None, splits=None, questions=None):
+        rows = []
+        for i, im in enumerate(images):
+            if isinstance(im, Image.Image):
+                buf = io.BytesIO()
+                im.save(buf, "PNG")
+                data, (w, h), mode = buf.getvalue(), im.size, im.mode
+            else:
+                data, w, h, mode = im, 0, 0, ""
+            q = questions[i] if questions else "What is shown in the image?"
+            a = answers[i] if answers else None
+            rows.append({
+                "sample_id": sample_id_for(data, q), "image": data, "image_path": f"/data/img{i}.png", "question": q,
+                "answer": a, "split": splits[i] if splits else ("train" if a else "pool"), "source": f"test:{i}",
+                "sources": [f"test:{i}"], "width": w, "height": h, "mode": mode,
+            })
+        features = datasets.Features({
+            "sample_id": datasets.Value("string"), "image": datasets.Value("binary"),
+            "image_path": datasets.Value("string"), "question": datasets.Value("string"),
+            "answer": datasets.Value("string"), "split": datasets.Value("string"), "source": datasets.Value("string"),
+            "sources": datasets.List(datasets.Value("string")), "width": datasets.Value("int32"),
+            "height": datasets.Value("int32"), "mode": datasets.Value("string"),
+        })
+        return datasets.Dataset.from_list(rows, features=features)
+
+    return build

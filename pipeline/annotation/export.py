@@ -1,0 +1,351 @@
+"""Export a round's selection for annotators: Label Studio tasks + labeling interface, CSV, JSONL and the images.
+
+Every file is a pure function of the selection, the dataset rows and the config (sorted keys, no timestamps), so
+re-exporting the same selection gives byte-identical files and the same digests.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from PIL import Image
+
+from pipeline.config import ProjectConfig
+from pipeline.errors import TamisError
+from pipeline.store import Manifest, atomic_dir, atomic_write_text, digest_bytes, digest_json, write_manifest
+
+log = logging.getLogger(__name__)
+
+EXPORT_VERSION = "1"
+TASKS_FILE = "label_studio_tasks.json"
+LABEL_CONFIG_FILE = "label_config.xml"
+CSV_FILE = "annotate.csv"
+JSONL_FILE = "annotate.jsonl"
+IMAGES_DIR = "images"
+# Names used in the labeling interface; the importer and the simulated annotator read results by these.
+FROM_NAME, TO_NAME = "answer", "image"
+TABLE_COLUMNS = ("sample_id", "image", "text", "model_answer", "confidence", "label")
+
+# A file name on every OS: no separators, no leading dot (hidden files, "." and ".."), bounded length.
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class ExportError(TamisError):
+    pass
+
+
+def export_dir(artifacts: Path, round_index: int) -> Path:
+    return Path(artifacts) / "rounds" / f"{round_index:03d}" / "export"
+
+
+def check_sample_id(sample_id: Any, where: str = "") -> str:
+    if not isinstance(sample_id, str) or not _SAFE_ID.fullmatch(sample_id):
+        raise ExportError(
+            f"{where}sample_id {sample_id!r} is not a safe file name (letters, digits, '.', '_', '-'; not starting "
+            "with '.'; at most 128 characters); fix the sample IDs in the dataset"
+        )
+    return sample_id
+
+
+@dataclass(frozen=True)
+class ExportItem:
+    sample_id: str
+    rank: int
+    score: float
+    question: str
+    image_bytes: bytes
+    image_ext: str
+    prediction: str | None = None
+    confidence: float | None = None
+    scores: Mapping[str, float] = field(default_factory=dict)
+    original_name: str = ""
+
+    @property
+    def image_name(self) -> str:
+        return f"{self.sample_id}.{self.image_ext}"
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    round_index: int
+    answers: list[str] | None
+    image_url_prefix: str
+    # Relative path from Label Studio's document root to the export folder (posix).
+    export_relpath: str
+    model_version: str = "tamis"
+
+
+class Exporter:
+    """One output format. `write` returns the paths it wrote (files or folders), relative to out_dir."""
+
+    name: ClassVar[str]
+
+    def __init__(self, ctx: ExportContext):
+        self.ctx = ctx
+
+    def write(self, items: Sequence[ExportItem], out_dir: Path) -> list[str]:
+        raise NotImplementedError
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+def label_config_xml(answers: list[str] | None) -> str:
+    """Label Studio labeling interface: Choices for a closed answer set, a TextArea for open answers."""
+    view = ET.Element("View")
+    ET.SubElement(view, "Image", name=TO_NAME, value="$image")
+    ET.SubElement(view, "Text", name="question", value="$text")
+    if answers:
+        choices = ET.SubElement(
+            view, "Choices", name=FROM_NAME, toName=TO_NAME, choice="single", showInLine="true", required="true"
+        )
+        for a in answers:
+            ET.SubElement(choices, "Choice", value=a)
+    else:
+        ET.SubElement(
+            view, "TextArea", name=FROM_NAME, toName=TO_NAME, maxSubmissions="1", editable="true", required="true"
+        )
+    ET.indent(view)
+    return ET.tostring(view, encoding="unicode") + "\n"
+
+
+class LabelStudioExporter(Exporter):
+    name = "label_studio"
+
+    def _prediction(self, item: ExportItem) -> list[dict[str, Any]]:
+        if item.prediction is None:
+            return []
+        answers = self.ctx.answers
+        if answers:
+            # Label Studio rejects a pre-annotation that is not one of the interface's choices.
+            if item.prediction not in answers:
+                return []
+            result = {"type": "choices", "value": {"choices": [item.prediction]}}
+        else:
+            result = {"type": "textarea", "value": {"text": [item.prediction]}}
+        result |= {"from_name": FROM_NAME, "to_name": TO_NAME}
+        pred: dict[str, Any] = {"model_version": self.ctx.model_version, "result": [result]}
+        if item.confidence is not None:
+            pred["score"] = float(item.confidence)
+        return [pred]
+
+    def write(self, items: Sequence[ExportItem], out_dir: Path) -> list[str]:
+        prefix, rel = self.ctx.image_url_prefix, self.ctx.export_relpath
+        tasks = [
+            {
+                "data": {
+                    "image": f"{prefix}{rel}/{IMAGES_DIR}/{it.image_name}",
+                    "text": it.question,
+                    # JSON_MIN exports drop `meta`; the ID must also travel in `data`.
+                    "sample_id": it.sample_id,
+                    **({"original_image": it.original_name} if it.original_name else {}),
+                },
+                "meta": {
+                    "sample_id": it.sample_id,
+                    "round": self.ctx.round_index,
+                    "rank": it.rank,
+                    "score": it.score,
+                    "scores": dict(it.scores),
+                },
+                "predictions": self._prediction(it),
+            }
+            for it in items
+        ]
+        atomic_write_text(out_dir / TASKS_FILE, _dumps(tasks))
+        atomic_write_text(out_dir / LABEL_CONFIG_FILE, label_config_xml(self.ctx.answers))
+        return [TASKS_FILE, LABEL_CONFIG_FILE]
+
+
+def _table_rows(items: Sequence[ExportItem]) -> list[dict[str, Any]]:
+    return [
+        {
+            "sample_id": it.sample_id,
+            "image": it.image_name,
+            "text": it.question,
+            "model_answer": it.prediction,
+            "confidence": it.confidence,
+            "label": "",
+        }
+        for it in items
+    ]
+
+
+class CsvExporter(Exporter):
+    name = "csv"
+
+    def write(self, items: Sequence[ExportItem], out_dir: Path) -> list[str]:
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=TABLE_COLUMNS, lineterminator="\n")
+        w.writeheader()
+        for row in _table_rows(items):
+            w.writerow({k: "" if v is None else v for k, v in row.items()})
+        atomic_write_text(out_dir / CSV_FILE, buf.getvalue())
+        return [CSV_FILE]
+
+
+class JsonlExporter(Exporter):
+    name = "jsonl"
+
+    def write(self, items: Sequence[ExportItem], out_dir: Path) -> list[str]:
+        text = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in _table_rows(items))
+        atomic_write_text(out_dir / JSONL_FILE, text)
+        return [JSONL_FILE]
+
+
+class ImagesExporter(Exporter):
+    name = "images"
+
+    def write(self, items: Sequence[ExportItem], out_dir: Path) -> list[str]:
+        # Swapped in as a whole so images of an earlier, different selection never linger beside the new ones.
+        with atomic_dir(out_dir / IMAGES_DIR) as tmp:
+            for it in items:
+                target = (tmp / it.image_name).resolve()
+                if target.parent != tmp.resolve():
+                    raise ExportError(f"{it.image_name!r} would be written outside {out_dir / IMAGES_DIR}")
+                target.write_bytes(it.image_bytes)
+        return [IMAGES_DIR]
+
+
+EXPORTERS: dict[str, type[Exporter]] = {
+    c.name: c for c in (LabelStudioExporter, CsvExporter, JsonlExporter, ImagesExporter)
+}
+
+_EXT = {"JPEG": "jpg", "PNG": "png", "GIF": "gif", "BMP": "bmp", "TIFF": "tif", "WEBP": "webp"}
+
+
+def _image_ext(data: bytes, sample_id: str) -> str:
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            fmt = im.format or ""
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is the same user-facing fault
+        raise ExportError(f"sample {sample_id}: image bytes are not a readable image ({exc}); re-run prepare") from None
+    return _EXT.get(fmt, fmt.lower() or "bin")
+
+
+def _document_relpath(out_dir: Path, cfg: ProjectConfig) -> str:
+    root = cfg.annotate.document_root
+    out = out_dir.resolve()
+    if root is None:
+        artifacts = cfg.artifacts.resolve()
+        root = artifacts if out.is_relative_to(artifacts) and out != artifacts else out.parent
+    root = Path(root).resolve()
+    # Label Studio serves only from a strict sub-folder of its document root.
+    if not out.is_relative_to(root) or out == root:
+        raise ExportError(
+            f"export folder {out} is not inside annotate.document_root {root}; Label Studio can serve local files "
+            "only from a sub-folder of LABEL_STUDIO_LOCAL_FILES_DOCUMENT_ROOT: set annotate.document_root to a "
+            "folder above the export"
+        )
+    return out.relative_to(root).as_posix()
+
+
+def build_items(
+    selection_rows: Sequence[Mapping[str, Any]], dataset: Any, *, image_source: str
+) -> list[ExportItem]:
+    """Join selection rows with their dataset rows (by sample_id), in rank order."""
+    rows = sorted(selection_rows, key=lambda r: (r.get("rank", 0), str(r.get("sample_id"))))
+    seen: set[str] = set()
+    for i, r in enumerate(rows):
+        sid = check_sample_id(r.get("sample_id"), f"selection row {i}: ")
+        if sid in seen:
+            raise ExportError(f"selection row {i}: sample_id {sid} appears twice; re-run the select stage")
+        seen.add(sid)
+    column = "prepared" if image_source == "prepared" else "image"
+    if column not in dataset.column_names:
+        raise ExportError(
+            f"dataset has no {column!r} column (columns: {', '.join(dataset.column_names)}); run prepare first or "
+            "set annotate.export_images: original"
+        )
+    index = {sid: i for i, sid in enumerate(dataset["sample_id"])}
+    missing = [sid for sid in seen if sid not in index]
+    if missing:
+        raise ExportError(
+            f"{len(missing)} of {len(rows)} selected samples are not in the dataset (first: {sorted(missing)[0]}); "
+            "the selection is from another dataset version: re-run the select stage"
+        )
+    cols = ["sample_id", "question", column] + (["image_path"] if "image_path" in dataset.column_names else [])
+    sub = dataset.select_columns(cols).select([index[r["sample_id"]] for r in rows])
+    items = []
+    for r, d in zip(rows, sub, strict=True):
+        data = d[column]
+        items.append(
+            ExportItem(
+                sample_id=r["sample_id"],
+                rank=int(r.get("rank", 0)),
+                score=float(r.get("score") or 0.0),
+                question=d["question"] or "",
+                image_bytes=data,
+                image_ext="png" if column == "prepared" else _image_ext(data, r["sample_id"]),
+                prediction=r.get("prediction"),
+                confidence=None if r.get("confidence") is None else float(r["confidence"]),
+                scores={k: float(v) for k, v in sorted((r.get("scores") or {}).items())},
+                original_name=os.path.basename(d.get("image_path") or ""),
+            )
+        )
+    return items
+
+
+def export_selection(
+    selection_rows: Sequence[Mapping[str, Any]],
+    dataset: Any,
+    cfg: ProjectConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    round_index: int,
+) -> Manifest:
+    """Write every format in cfg.annotate.formats into out_dir, then the manifest (last, so it marks completion)."""
+    out_dir = Path(out_dir)
+    formats = list(dict.fromkeys(cfg.annotate.formats))
+    if "label_studio" in formats and "images" not in formats:
+        log.warning("Label Studio tasks point at %s/, but annotate.formats does not export the images", IMAGES_DIR)
+    items = build_items(selection_rows, dataset, image_source=cfg.annotate.export_images)
+    adapters = {r.get("adapter_digest") for r in selection_rows} - {None}
+    ctx = ExportContext(
+        round_index=round_index,
+        answers=cfg.data.answers,
+        image_url_prefix=cfg.annotate.image_url_prefix,
+        export_relpath=_document_relpath(out_dir, cfg),
+        model_version=f"adapter-{sorted(adapters)[0][:12]}" if len(adapters) == 1 else "tamis",
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outputs: dict[str, str] = {}
+    for name in formats:
+        for rel in EXPORTERS[name](ctx).write(items, out_dir):
+            outputs[rel] = rel
+    config = {"annotate": cfg.section("annotate"), "answers": cfg.data.answers}
+    strategies = sorted({str(r.get("strategy")) for r in selection_rows if r.get("strategy")})
+    log.info("Exported %d samples of round %d to %s (%s)", len(items), round_index, out_dir, ", ".join(formats))
+    return write_manifest(
+        out_dir,
+        stage="export",
+        stage_version=EXPORT_VERSION,
+        inputs={"selection": digest_json([dict(r) for r in selection_rows]),
+                "images": digest_json([(it.image_name, digest_bytes(it.image_bytes)) for it in items])},
+        config=config,
+        outputs=outputs,
+        info={"round": round_index, "count": len(items), "strategies": strategies},
+    )
+
+
+def exported_sample_ids(artifacts: str | os.PathLike[str]) -> set[str]:
+    """Every sample_id tamis has sent out for labeling (any round, any task set under rounds/)."""
+    ids: set[str] = set()
+    rounds = Path(artifacts) / "rounds"
+    for p in sorted(rounds.rglob(TASKS_FILE)) if rounds.is_dir() else []:
+        try:
+            tasks = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ExportError(f"{p}: unreadable export ({exc}); re-run the export of that round") from None
+        ids.update(t["data"]["sample_id"] for t in tasks if isinstance(t, dict) and "sample_id" in t.get("data", {}))
+    return ids

@@ -112,3 +112,45 @@ def image_dataset():
         return datasets.Dataset.from_list(rows, features=features)
 
     return build
+
+
+# --- prepare stage (preprocess / quality / augment) ---
+@pytest.fixture
+def image_dataset():
+    """Build an ingested-schema `datasets.Dataset` from images (PIL images or encoded bytes).
+
+    `image_dataset(images, answers=None, splits=None, questions=None)`; answers default to None (pool rows).
+    """
+    import io
+
+    import datasets
+    from PIL import Image
+
+    from pipeline.schema import sample_id_for
+
+    def build(images, answers=None, splits=None, questions=None):
+        rows = []
+        for i, im in enumerate(images):
+            if isinstance(im, Image.Image):
+                buf = io.BytesIO()
+                im.save(buf, "PNG")
+                data, (w, h), mode = buf.getvalue(), im.size, im.mode
+            else:
+                data, w, h, mode = im, 0, 0, ""
+            q = questions[i] if questions else "What is shown in the image?"
+            a = answers[i] if answers else None
+            rows.append({
+                "sample_id": sample_id_for(data, q), "image": data, "image_path": f"/data/img{i}.png", "question": q,
+                "answer": a, "split": splits[i] if splits else ("train" if a else "pool"), "source": f"test:{i}",
+                "sources": [f"test:{i}"], "width": w, "height": h, "mode": mode,
+            })
+        features = datasets.Features({
+            "sample_id": datasets.Value("string"), "image": datasets.Value("binary"),
+            "image_path": datasets.Value("string"), "question": datasets.Value("string"),
+            "answer": datasets.Value("string"), "split": datasets.Value("string"), "source": datasets.Value("string"),
+            "sources": datasets.List(datasets.Value("string")), "width": datasets.Value("int32"),
+            "height": datasets.Value("int32"), "mode": datasets.Value("string"),
+        })
+        return datasets.Dataset.from_list(rows, features=features)
+
+    return build

@@ -1,0 +1,263 @@
+"""Aspect-preserving image preparation: decode → RGB → longest side = N (albumentations) → optional square pad.
+
+The prepared image is what every later stage sees (quality, augmentation, training, scoring, export), so the model's
+processor gets an image it never has to stretch. Decoding dominates the cost, so large JPEGs are decoded at a reduced
+DCT scale (a power of two that still leaves the longest side ≥ N) before the area resize.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import albumentations as A
+import cv2
+import numpy as np
+from PIL import Image, ImageOps
+
+from pipeline.config import ModelConfig, PreprocessConfig
+from pipeline.data.images import ImageRejected, open_image
+from pipeline.errors import ArtifactError, ConfigError, DataError
+from pipeline.store import Manifest, atomic_dir, atomic_write_jsonl, read_manifest, write_manifest
+
+if TYPE_CHECKING:
+    import datasets
+
+log = logging.getLogger(__name__)
+
+STAGE = "preprocess"
+# Bump when prepared pixels change for the same inputs (Prefect cannot see edits in pipeline/).
+PREPROCESS_VERSION = "1"
+
+# Longest side per model family when preprocess.size is not set: a multiple of the family's patch grid, so its
+# processor neither stretches nor crops. Idefics3/SmolVLM: SigLIP 512-px tiles; Qwen2(.5)-VL: 14-px patches merged
+# 2×2 → 28-px units, 448 = 16 × 28.
+FAMILY_SIZES: dict[str, int] = {"idefics3": 512, "qwen2_vl": 448, "qwen2_5_vl": 448}
+
+_ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
+_JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+def resolve_size(pre: PreprocessConfig, model: ModelConfig) -> int:
+    """preprocess.size if set, else the model family's default (detected from the checkpoint when not configured)."""
+    if pre.size is not None:
+        return pre.size
+    family = model.family
+    if family is None:
+        from pipeline.model.families import detect_family
+
+        try:
+            family = detect_family(model.name_or_path)
+        except Exception as exc:  # noqa: BLE001 - any detection failure has the same fix
+            raise ConfigError(
+                f"preprocess.size is not set and the model family of {model.name_or_path!r} cannot be detected "
+                f"({exc}); set preprocess.size (e.g. 448) or model.family ({', '.join(FAMILY_SIZES)})"
+            ) from None
+    if family not in FAMILY_SIZES:
+        raise ConfigError(f"model.family {family!r} has no default preprocess.size; set preprocess.size explicitly")
+    return FAMILY_SIZES[family]
+
+
+# ------------------------------------------------------------------------------------------------ colour
+def _high_depth_to_uint8(a: np.ndarray, mode: str) -> np.ndarray:
+    """16/32-bit grey → 8 bit.
+
+    I;16*: divide by the format's full range (65535), so brightness means the same in every image of a dataset (a
+    dark exposure stays dark instead of being stretched). I (32-bit int) has no declared range: values within
+    0..65535 are 16-bit data in a wider container (older Pillow opened 16-bit PNGs as I) and scale the same way;
+    anything else is stretched over its actual min..max. F: 0..1 → ×255, else min..max.
+    """
+    a = np.nan_to_num(a.astype(np.float64))
+    lo, hi = float(a.min()), float(a.max())
+    if mode.startswith("I;16") or (mode == "I" and lo >= 0 and hi <= 65535):
+        a = a / 65535.0 * 255.0
+    elif mode == "F" and lo >= 0 and hi <= 1:
+        a = a * 255.0
+    else:
+        a = (a - lo) / (hi - lo) * 255.0 if hi > lo else np.zeros_like(a)
+    return np.rint(a).clip(0, 255).astype(np.uint8)
+
+
+def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255)) -> np.ndarray:
+    """Any PIL mode → uint8 H×W×3 RGB: alpha composited on `background`, 16-bit scaled, CMYK/palette/1-bit converted."""
+    mode = img.mode
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        grey = _high_depth_to_uint8(np.asarray(img), mode)
+        return np.repeat(grey[..., None], 3, axis=2)
+    try:
+        if mode in _ALPHA_MODES or "transparency" in img.info:
+            rgba = np.asarray(img.convert("RGBA"), dtype=np.float32)
+            alpha = rgba[..., 3:] / 255.0
+            out = rgba[..., :3] * alpha + np.asarray(background, np.float32) * (1.0 - alpha)
+            return np.rint(out).clip(0, 255).astype(np.uint8)
+        rgb = img if mode == "RGB" else img.convert("RGB")
+    except ValueError as exc:
+        raise ImageRejected(f"cannot convert image mode {mode!r} to RGB: {exc}") from None
+    return np.asarray(rgb)
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+def decode_image(data: bytes, *, max_pixels: int, longest: int | None = None) -> Image.Image:
+    """Decode + EXIF-transpose. With `longest`, a JPEG is decoded at the largest power-of-two reduction (PIL `draft`)
+    whose longest side is still ≥ `longest`; the pixel guard and error reasons are those of `open_image`."""
+    if longest and data[:3] == _JPEG_MAGIC:
+        try:
+            img = Image.open(io.BytesIO(data))
+            w, h = img.size
+            if 0 < w * h <= max_pixels:
+                k = longest / max(w, h)
+                if k < 0.5:
+                    # draft keeps both sides ≥ the request, so the longest side stays ≥ `longest`.
+                    img.draft(img.mode, (math.ceil(w * k), math.ceil(h * k)))
+                img.load()
+                return ImageOps.exif_transpose(img)
+        except Exception:  # noqa: BLE001 - the full decode below gives the precise rejection reason
+            pass
+    return open_image(data, max_pixels=max_pixels)
+
+
+def encode_png(rgb: np.ndarray) -> bytes:
+    ok, buf = cv2.imencode(".png", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
+    if not ok:
+        raise DataError(f"PNG encoding failed for an image of shape {rgb.shape}")
+    return buf.tobytes()
+
+
+def decode_prepared(png: bytes) -> np.ndarray:
+    """A `prepared` PNG → uint8 H×W×3 RGB."""
+    bgr = cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_COLOR)
+    if bgr is None:
+        raise DataError(f"prepared image is not a decodable PNG ({len(png)} bytes); rebuild the prepare stage")
+    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+
+
+# ------------------------------------------------------------------------------------------------ resizing
+class ImagePreparer:
+    """Encoded bytes → prepared RGB array and the content box (x, y, w, h) inside it (the rest is padding)."""
+
+    def __init__(self, cfg: PreprocessConfig, *, size: int, max_pixels: int):
+        self.size, self.max_pixels, self.background = size, max_pixels, tuple(cfg.background)
+        # Area averaging is the antialiased choice for shrinking; cubic keeps upscaled tiny images smooth.
+        self._down = A.LongestMaxSize(max_size=size, interpolation=cv2.INTER_AREA, p=1.0)
+        self._up = A.LongestMaxSize(max_size=size, interpolation=cv2.INTER_CUBIC, p=1.0)
+        self._pad = (
+            A.PadIfNeeded(min_height=size, min_width=size, position="center", border_mode=cv2.BORDER_CONSTANT,
+                          fill=tuple(cfg.pad_color), p=1.0)
+            if cfg.pad == "square" else None
+        )
+
+    def __call__(self, data: bytes) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+        img = decode_image(data, max_pixels=self.max_pixels, longest=self.size)
+        rgb = np.ascontiguousarray(to_rgb(img, self.background))
+        resize = self._down if max(rgb.shape[:2]) > self.size else self._up
+        rgb = resize(image=rgb)["image"]
+        h, w = rgb.shape[:2]
+        if self._pad is None:
+            return rgb, (0, 0, w, h)
+        # PadIfNeeded(center) puts the odd pixel at the bottom/right: the content starts at floor(pad / 2).
+        return self._pad(image=rgb)["image"], ((self.size - w) // 2, (self.size - h) // 2, w, h)
+
+
+def prepare_image(data: bytes, cfg: PreprocessConfig, *, size: int, max_pixels: int) -> np.ndarray:
+    """One encoded image → prepared uint8 H×W×3 (longest side `size`, aspect kept, optionally padded square)."""
+    return ImagePreparer(cfg, size=size, max_pixels=max_pixels)(data)[0]
+
+
+# ------------------------------------------------------------------------------------------------ dataset
+def prepared_features(base: datasets.Features) -> datasets.Features:
+    from datasets import Features, List, Value
+
+    return Features({
+        **base, "prepared": Value("binary"), "prep_width": Value("int32"), "prep_height": Value("int32"),
+        "prep_box": List(Value("int32")), "prep_error": Value("string"),
+    })
+
+
+def _prepare_batch(batch: dict[str, list[Any]], *, cfg: dict[str, Any], size: int, max_pixels: int) -> dict:
+    # Plain dicts in, so `datasets` can fingerprint the call and worker processes rebuild the transforms themselves.
+    prep = ImagePreparer(PreprocessConfig(**cfg), size=size, max_pixels=max_pixels)
+    out: dict[str, list[Any]] = {k: [] for k in ("prepared", "prep_width", "prep_height", "prep_box", "prep_error")}
+    for data in batch["image"]:
+        try:
+            rgb, box = prep(data)
+            png, err = encode_png(rgb), ""
+        except (DataError, ValueError, OSError, cv2.error) as exc:
+            rgb, box, png = np.zeros((0, 0, 3), np.uint8), (0, 0, 0, 0), None
+            err = exc.reason if isinstance(exc, ImageRejected) else f"{exc.__class__.__name__}: {exc}"
+        out["prepared"].append(png)
+        out["prep_width"].append(rgb.shape[1])
+        out["prep_height"].append(rgb.shape[0])
+        out["prep_box"].append(list(box))
+        out["prep_error"].append(err)
+    return out
+
+
+def preprocess_dataset(
+    ds: datasets.Dataset,
+    cfg: PreprocessConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    size: int,
+    max_pixels: int,
+    inputs: Mapping[str, str] | None = None,
+) -> Manifest:
+    """Prepare every row's `image` into `out_dir` (dataset/, quarantine.jsonl, manifest.json).
+
+    Adds `prepared` (PNG), `prep_width`, `prep_height`, `prep_box` ([x, y, w, h] of the image inside the padding).
+    A row whose image cannot be prepared goes to quarantine.jsonl with its reason, never silently away.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {**cfg.model_dump(mode="json"), "size": size, "max_pixels": max_pixels}
+    if "image" not in ds.column_names:
+        raise DataError(f"dataset has no 'image' column (columns: {', '.join(ds.column_names)}); pass an ingested dataset")
+    # map's cache files go to a scratch folder of ours, never beside the input dataset (that would change its digest).
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".work-") as work:
+        mapped = ds.map(
+            _prepare_batch,
+            fn_kwargs={"cfg": cfg.model_dump(mode="json"), "size": size, "max_pixels": max_pixels},
+            batched=True,
+            batch_size=64,
+            num_proc=cfg.num_proc if cfg.num_proc > 1 and len(ds) > 1 else None,
+            features=prepared_features(ds.features),
+            cache_file_name=str(Path(work) / "prepared.arrow"),
+            desc="preprocess",
+        )
+        errors = mapped["prep_error"]
+        bad = [i for i, e in enumerate(errors) if e]
+        quarantine = []
+        if bad:
+            cols = [c for c in ("sample_id", "source", "image_path") if c in mapped.column_names]
+            rows = mapped.select(bad).select_columns([*cols, "prep_error"])
+            quarantine = [{**{c: r[c] for c in cols}, "stage": STAGE, "reason": r["prep_error"]} for r in rows]
+            log.warning("preprocess: %d of %d rows quarantined; reasons in %s", len(bad), len(ds),
+                        out_dir / "quarantine.jsonl")
+        bad_set = set(bad)
+        kept = mapped.select([i for i in range(len(mapped)) if i not in bad_set]) if bad else mapped
+        with atomic_dir(out_dir / "dataset") as tmp:
+            kept.remove_columns("prep_error").save_to_disk(str(tmp))
+        del mapped, kept
+    atomic_write_jsonl(out_dir / "quarantine.jsonl", quarantine)
+    log.info("preprocess: %d rows prepared at %d px, %d quarantined", len(ds) - len(bad), size, len(bad))
+    return write_manifest(
+        out_dir, stage=STAGE, stage_version=PREPROCESS_VERSION, inputs=inputs or {}, config=config,
+        outputs={"dataset": "dataset", "quarantine": "quarantine.jsonl"},
+        info={"rows": len(ds) - len(bad), "quarantined": len(bad), "size": size},
+    )
+
+
+def load_prepared(folder: str | os.PathLike[str]) -> datasets.Dataset:
+    """The prepared dataset in a preprocess stage folder, after verifying its manifest's digests."""
+    import datasets
+
+    folder = Path(folder)
+    m = read_manifest(folder)
+    if m.stage != STAGE:
+        raise ArtifactError(f"{folder}: holds the output of stage {m.stage!r}, not {STAGE!r}; pass a prepare folder")
+    return datasets.load_from_disk(str(m.path_of("dataset", folder)))

@@ -1,9 +1,144 @@
-"""`tamis` commands for this area; `register` adds them to the app."""
+"""`tamis labels import|history` and `tamis simulate-annotator`: the annotation round-trip from the command line."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Annotated
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+# Defined here, not imported from flows.cli: cli imports this module while it is still initialising.
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="Project config YAML (default: the embedded configs/demo.yaml).")
+]
+LOCK_NAME = "round.lock"
+
+
+def _latest_round(artifacts: Path) -> int:
+    rounds = artifacts / "rounds"
+    found = [int(p.name) for p in rounds.glob("[0-9][0-9][0-9]")] if rounds.is_dir() else []
+    return max(found, default=0)
+
+
+def _known_ids(artifacts: Path, dataset: Path | None) -> set[str]:
+    from pipeline.annotation import exported_sample_ids
+
+    ids = exported_sample_ids(artifacts)
+    if dataset is not None:
+        from datasets import load_from_disk
+
+        from pipeline.errors import DataError
+
+        try:
+            ids |= set(load_from_disk(str(dataset))["sample_id"])
+        except (FileNotFoundError, KeyError, ValueError) as exc:
+            raise DataError(f"{dataset}: not a saved tamis dataset with a sample_id column ({exc})") from None
+    return ids
+
+
+def labels_import(
+    file: Annotated[Path, typer.Argument(help="Label Studio JSON / JSON_MIN export, CSV or JSONL (sample_id,label).")],
+    config: ConfigOpt = None,
+    round_index: Annotated[
+        int | None, typer.Option("--round", help="Round the labels belong to (default: the latest exported).")
+    ] = None,
+    dataset: Annotated[
+        Path | None, typer.Option(help="A saved dataset whose samples may be labeled besides the exported ones.")
+    ] = None,
+    strict: Annotated[bool, typer.Option(help="Reject the whole file if any row is rejected.")] = False,
+) -> None:
+    """Validate a label file and append its labels to the ledger (artifacts/labels.jsonl)."""
+    from pipeline.annotation import Ledger, import_labels, ledger_path
+    from pipeline.config import load_config
+    from pipeline.lock import ProjectLock
+
+    out = Console()
+    cfg = load_config(config)
+    artifacts = cfg.artifacts
+    known = _known_ids(artifacts, dataset)
+    # The round flow imports the inbox under the same lock: two writers must not judge corrections concurrently.
+    with ProjectLock(artifacts / LOCK_NAME, purpose="label import"):
+        rep = import_labels(
+            file,
+            known_ids=known,
+            answers=cfg.data.answers,
+            ledger=Ledger(ledger_path(artifacts)),
+            round_index=_latest_round(artifacts) if round_index is None else round_index,
+            rejections_dir=artifacts / "rejections",
+            strict=strict,
+        )
+    out.print(rep.summary(), highlight=False)
+    for r in rep.rejected[:20]:
+        out.print(f"  rejected {r.where}: {r.reason}", highlight=False)
+    if len(rep.rejected) > 20:
+        out.print(f"  … {len(rep.rejected) - 20} more in {rep.rejections_file}", highlight=False)
+    for c in rep.conflicts:
+        out.print(f"  conflict {c.sample_id}: votes {c.votes} → {c.outcome} {c.label or ''}", highlight=False)
+
+
+def labels_history(
+    sample_id: Annotated[str, typer.Argument(help="The sample whose label history to show.")],
+    config: ConfigOpt = None,
+) -> None:
+    """Every ledger entry of one sample, oldest first; the last one is its current label."""
+    from pipeline.annotation import Ledger, ledger_path
+    from pipeline.config import load_config
+
+    out = Console()
+    hist = Ledger(ledger_path(load_config(config).artifacts)).history(sample_id)
+    if not hist:
+        out.print(f"{sample_id}: no labels in the ledger")
+        raise typer.Exit(1)
+    t = Table(title=f"label history of {sample_id}")
+    for col in ("time", "kind", "label", "annotator", "round", "source file", "supersedes", ""):
+        t.add_column(col)
+    for i, e in enumerate(hist):
+        t.add_row(
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.get("time", 0))),
+            e["kind"],
+            e["label"],
+            e["annotator"],
+            str(e["round"]),
+            Path(e["source_file"]).name,
+            f"{e['supersedes']} ({e.get('previous_label')})" if e.get("supersedes") else "",
+            "current" if i == len(hist) - 1 else "",
+        )
+    out.print(t)
+
+
+def simulate(
+    round_index: Annotated[int, typer.Option("--round", help="The exported round to answer.")],
+    config: ConfigOpt = None,
+    noise: Annotated[float, typer.Option(help="Fraction of answers to flip to a wrong answer.")] = 0.0,
+    seed: Annotated[int | None, typer.Option(help="Seed for the flips (default: the config's seed).")] = None,
+) -> None:
+    """Answer an exported round from data.ground_truth; writes a Label Studio export into artifacts/inbox."""
+    from pipeline.annotation import export_dir, simulate_annotator
+    from pipeline.annotation.simulate import sidecar_path
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+
+    out = Console()
+    cfg = load_config(config)
+    if cfg.data.ground_truth is None:
+        raise ConfigError("data.ground_truth is not set; the simulated annotator needs the held-back answers JSONL")
+    path = simulate_annotator(
+        export_dir(cfg.artifacts, round_index),
+        cfg.data.ground_truth,
+        cfg.artifacts / "inbox",
+        round_index=round_index,
+        noise=noise,
+        seed=cfg.seed if seed is None else seed,
+    )
+    out.print(f"wrote {path} (flips recorded in {sidecar_path(path)})", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
-    pass
+    labels_app = typer.Typer(help="Import annotators' labels; inspect the label ledger.", no_args_is_help=True)
+    labels_app.command("import")(labels_import)
+    labels_app.command("history")(labels_history)
+    app.add_typer(labels_app, name="labels")
+    app.command("simulate-annotator")(simulate)

@@ -1,0 +1,93 @@
+"""The label ledger: an append-only JSONL log, the single source of truth for what is labeled.
+
+Nothing rewrites or truncates it. A changed label is a new "correction" entry that names the entry it supersedes;
+the newest entry per sample wins and the full history stays readable. "Newest" is file order, not the `time` field,
+because wall clocks can step backwards while appends cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import LabelImportError
+from pipeline.store import append_jsonl, digest_json, read_jsonl
+
+LEDGER_NAME = "labels.jsonl"
+KINDS = ("label", "correction")
+REQUIRED = ("sample_id", "label", "annotator", "round", "source_file", "source_digest", "kind")
+
+
+def ledger_path(artifacts: str | os.PathLike[str]) -> Path:
+    return Path(artifacts) / LEDGER_NAME
+
+
+def make_entry(
+    sample_id: str,
+    label: str,
+    *,
+    annotator: str,
+    round_index: int,
+    source_file: str,
+    source_digest: str,
+    supersedes: Mapping[str, Any] | None = None,
+    votes: list[dict[str, str]] | None = None,
+    now: float | None = None,
+) -> dict[str, Any]:
+    """A ledger entry; a label replacing an existing one is a correction pointing at the entry it supersedes."""
+    e: dict[str, Any] = {
+        "sample_id": sample_id,
+        "label": label,
+        "annotator": annotator,
+        "round": round_index,
+        "source_file": source_file,
+        "source_digest": source_digest,
+        "time": time.time() if now is None else now,
+        "kind": "correction" if supersedes else "label",
+    }
+    if supersedes:
+        e["supersedes"] = supersedes["entry_id"]
+        e["previous_label"] = supersedes["label"]
+    if votes:
+        e["votes"] = votes
+    e["entry_id"] = digest_json(e)[:16]
+    return e
+
+
+class Ledger:
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+
+    def entries(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.path)
+
+    def current(self) -> dict[str, dict[str, Any]]:
+        """sample_id → its newest entry."""
+        return {e["sample_id"]: e for e in self.entries() if "sample_id" in e}
+
+    def labels(self) -> dict[str, str]:
+        return {sid: e["label"] for sid, e in self.current().items()}
+
+    def history(self, sample_id: str) -> list[dict[str, Any]]:
+        """Every entry for one sample, oldest first; the last one is current."""
+        return [e for e in self.entries() if e.get("sample_id") == sample_id]
+
+    def imported_digests(self) -> set[str]:
+        return {e["source_digest"] for e in self.entries() if e.get("source_digest")}
+
+    def append(self, entries: Iterable[Mapping[str, Any]]) -> int:
+        """Append a batch in one fsync'd write: a crash leaves either all of it or a torn last line readers skip."""
+        rows = [dict(e) for e in entries]
+        for i, e in enumerate(rows):
+            missing = [k for k in REQUIRED if k not in e]
+            if missing:
+                raise LabelImportError(f"ledger entry {i} ({e.get('sample_id')!r}) lacks {', '.join(missing)}")
+            if e["kind"] not in KINDS:
+                raise LabelImportError(f"ledger entry {i}: kind {e['kind']!r} is not one of {', '.join(KINDS)}")
+            if not isinstance(e["label"], str) or not e["label"].strip():
+                raise LabelImportError(f"ledger entry {i} ({e['sample_id']}): empty label")
+        append_jsonl(self.path, rows)
+        return len(rows)

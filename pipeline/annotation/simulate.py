@@ -1,0 +1,163 @@
+"""A simulated annotator: answers an exported round from held-back ground truth and drops a *Label Studio export*
+into the inbox, so benchmarks and the demo go through the same import path as people do.
+
+Deterministic (seeded, no timestamps): simulating the same round twice writes the same bytes, which the importer
+then recognises as already imported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import xml.etree.ElementTree as ET
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlparse
+
+from pipeline.annotation.export import FROM_NAME, LABEL_CONFIG_FILE, TASKS_FILE, TO_NAME
+from pipeline.errors import ArtifactError, DataError
+from pipeline.store import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+SIDECAR_DIR = "sidecars"  # a sub-folder: the inbox import reads only top-level files
+
+
+def simulated_file(inbox_dir: str | os.PathLike[str], round_index: int) -> Path:
+    return Path(inbox_dir) / f"simulated-round-{round_index:03d}.json"
+
+
+def sidecar_path(label_file: str | os.PathLike[str]) -> Path:
+    p = Path(label_file)
+    return p.parent / SIDECAR_DIR / f"{p.stem}.flips.json"
+
+
+def load_ground_truth(path: str | os.PathLike[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(sample_id → answer, image file name → answer) from a JSONL of {"sample_id", "image", "answer"}."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: ground-truth file not found; set data.ground_truth to the held-back answers JSONL")
+    by_id: dict[str, str] = {}
+    by_image: dict[str, str] = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{n}:{exc.colno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(d, dict) or d.get("answer") in (None, ""):
+            raise DataError(f"{path}:{n}: expected an object with a non-empty 'answer', got {line[:80]!r}")
+        if d.get("sample_id"):
+            by_id[str(d["sample_id"])] = str(d["answer"])
+        if d.get("image"):
+            by_image[PurePosixPath(str(d["image"]).replace("\\", "/")).name] = str(d["answer"])
+    return by_id, by_image
+
+
+def _choices(export_dir: Path) -> list[str] | None:
+    p = export_dir / LABEL_CONFIG_FILE
+    if not p.is_file():
+        return None
+    root = ET.fromstring(p.read_text(encoding="utf-8"))
+    values = [c.get("value") for c in root.iter("Choice")]
+    return [v for v in values if v is not None] or None
+
+
+def _image_name(url: Any) -> str:
+    if not isinstance(url, str):
+        return ""
+    parsed = urlparse(url)
+    return PurePosixPath(unquote(parse_qs(parsed.query).get("d", [parsed.path])[0])).name
+
+
+def simulate_annotator(
+    export_dir: str | os.PathLike[str],
+    ground_truth_path: str | os.PathLike[str],
+    inbox_dir: str | os.PathLike[str],
+    *,
+    round_index: int,
+    noise: float = 0.0,
+    seed: int = 0,
+    annotator: str = "simulated",
+) -> Path:
+    """Answer every task of a round's export and write a Label Studio JSON export into inbox_dir.
+
+    A fraction `noise` of the answers (rounded) is flipped to another answer; which ones goes to a sidecar JSON.
+    Tasks with no ground truth come back skipped (was_cancelled), as a person would skip them.
+    """
+    if not 0.0 <= noise <= 1.0:
+        raise DataError(f"noise {noise} is not a fraction; use a value between 0 and 1")
+    export_dir = Path(export_dir)
+    tasks_path = export_dir / TASKS_FILE
+    if not tasks_path.is_file():
+        raise ArtifactError(f"{tasks_path}: no Label Studio tasks for round {round_index}; export the round first")
+    tasks = json.loads(tasks_path.read_text(encoding="utf-8"))
+    by_id, by_image = load_ground_truth(ground_truth_path)
+    choices = _choices(export_dir)
+
+    truth: list[str | None] = []
+    for t in tasks:
+        data, meta = t.get("data", {}), t.get("meta", {})
+        sid = data.get("sample_id") or meta.get("sample_id")
+        ans = by_id.get(sid) if sid else None
+        if ans is None:
+            ans = by_image.get(data.get("original_image", "")) or by_image.get(_image_name(data.get("image")))
+        truth.append(ans)
+    answered = [i for i, a in enumerate(truth) if a is not None]
+
+    rng = random.Random(f"tamis-simulate:{seed}:{round_index}")
+    pool = choices or sorted({a for a in by_id.values()} | {a for a in by_image.values()})
+    n_flip = round(noise * len(answered))
+    if n_flip and len(pool) < 2:
+        raise DataError(f"cannot flip answers with noise {noise}: only {len(pool)} distinct answer(s) known")
+    flipped = sorted(rng.sample(answered, n_flip))
+    given = list(truth)
+    for i in flipped:
+        given[i] = rng.choice([a for a in pool if a != truth[i]])
+
+    out_tasks = []
+    for i, (t, ans) in enumerate(zip(tasks, given, strict=True)):
+        if ans is None:
+            result: list[dict[str, Any]] = []
+        elif choices:
+            result = [{"from_name": FROM_NAME, "to_name": TO_NAME, "type": "choices", "value": {"choices": [ans]},
+                       "origin": "manual", "id": f"sim{i}"}]
+        else:
+            result = [{"from_name": FROM_NAME, "to_name": TO_NAME, "type": "textarea", "value": {"text": [ans]},
+                       "origin": "manual", "id": f"sim{i}"}]
+        out_tasks.append({
+            "id": i + 1,
+            "data": t.get("data", {}),
+            "meta": t.get("meta", {}),
+            "annotations": [{
+                "id": i + 1,
+                "completed_by": annotator,
+                "result": result,
+                "was_cancelled": ans is None,
+                "ground_truth": False,
+                "lead_time": 0.0,
+            }],
+            # A real JSON export lists prediction IDs here, not the predictions themselves.
+            "predictions": [],
+        })
+    out = simulated_file(inbox_dir, round_index)
+    atomic_write_json(sidecar_path(out), {
+        "round": round_index,
+        "noise": noise,
+        "seed": seed,
+        "tasks": len(tasks),
+        "answered": len(answered),
+        "missing": [tasks[i].get("data", {}).get("sample_id") for i, a in enumerate(truth) if a is None],
+        "flipped": [{"sample_id": tasks[i].get("data", {}).get("sample_id"), "true": truth[i], "given": given[i]}
+                    for i in flipped],
+    })
+    atomic_write_text(out, json.dumps(out_tasks, sort_keys=True, indent=2, ensure_ascii=False) + "\n")
+    if len(answered) < len(tasks):
+        log.warning("Simulated annotator: no ground truth for %d of %d tasks; they come back skipped",
+                    len(tasks) - len(answered), len(tasks))
+    log.info("Simulated annotator answered %d tasks of round %d (%d flipped) → %s",
+             len(answered), round_index, n_flip, out)
+    return out

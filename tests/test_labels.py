@@ -1,0 +1,231 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.annotation.labels import import_inbox, import_labels, read_label_file
+from pipeline.annotation.ledger import Ledger
+from pipeline.errors import LabelImportError
+
+DIGITS = [str(i) for i in range(10)]
+KNOWN = {f"s{i:03d}" for i in range(12)}
+
+
+def _ann(label, who=1, cancelled=False, kind="choices"):
+    value = {"choices": [label]} if kind == "choices" else {"text": [label]}
+    result = [] if cancelled or label is None else [
+        {"from_name": "answer", "to_name": "image", "type": kind, "value": value}]
+    return {"completed_by": who, "result": result, "was_cancelled": cancelled}
+
+
+def _task(sid, *anns, where="data"):
+    t = {"id": 1, "data": {"image": f"/data/local-files/?d=rounds/001/export/images/{sid}.png", "text": "q"},
+         "annotations": list(anns)}
+    if where == "data":
+        t["data"]["sample_id"] = sid
+    elif where == "meta":
+        t["meta"] = {"sample_id": sid}
+    return t
+
+
+def _write(path, obj):
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj, indent=2), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def env(tmp_path):
+    led = Ledger(tmp_path / "artifacts" / "labels.jsonl")
+
+    def run(path, *, answers=DIGITS, strict=False, round_index=1):
+        return import_labels(path, known_ids=KNOWN, answers=answers, ledger=led, round_index=round_index,
+                             rejections_dir=tmp_path / "artifacts" / "rejections", strict=strict)
+
+    return led, run
+
+
+def _ledger_bytes(led):
+    return led.path.read_bytes() if led.path.exists() else b""
+
+
+def test_label_studio_json_majority_tie_cancelled_and_accounting(tmp_path, env):
+    led, run = env
+    tasks = [
+        _task("s000", _ann("3", 1), _ann("3", 2), _ann("5", 3)),  # majority 3, a conflict
+        _task("s001", _ann("4", 1), _ann("7", 2)),  # tie: not accepted
+        _task("s002", _ann(None, 1, cancelled=True), _ann("2", 2)),  # one skipped
+        _task("s003", _ann("6", {"id": 9, "email": "a@b.c"}), where="meta"),  # ID from meta
+        _task("s004", _ann("1", 1), where="image"),  # ID from the exported image name
+        _task("s005"),  # never annotated: not a label row
+        _task("s006", _ann(None, 4)),  # empty result = skipped
+    ]
+    rep = run(_write(tmp_path / "ls.json", tasks))
+    assert rep.format == "label_studio"
+    assert led.labels() == {"s000": "3", "s002": "2", "s003": "6", "s004": "1"}
+    assert rep.rows_read == 10 and rep.skipped_cancelled == 2 and rep.unlabeled_tasks == 1
+    assert rep.accepted_rows + len(rep.rejected) + rep.skipped_cancelled == rep.rows_read
+    assert {(c.sample_id, c.outcome, c.label) for c in rep.conflicts} == {("s000", "majority", "3"),
+                                                                          ("s001", "tie", None)}
+    assert [r.sample_id for r in rep.rejected] == ["s001", "s001"] and "tie" in rep.rejected[0].reason
+    s000 = led.current()["s000"]
+    assert s000["annotator"] == "1,2" and len(s000["votes"]) == 3
+    assert led.current()["s003"]["annotator"] == "a@b.c"
+    assert {e["source_digest"] for e in led.entries()} == {rep.digest}
+    rejected = [json.loads(x) for x in open(rep.rejections_file)]
+    assert len(rejected) == 2 and rejected[0]["line"] == rep.rejected[0].line
+
+
+def test_json_min_csv_and_jsonl_formats(tmp_path, env):
+    led, run = env
+    json_min = [{"image": "x", "sample_id": "s000", "answer": "1", "annotator": "u@x"},
+                {"image": "y", "sample_id": "s001", "answer": {"choices": ["2"]}, "annotator": "u@x"},
+                {"image": "z", "sample_id": "s002"}]
+    rep = run(_write(tmp_path / "min.json", json_min))
+    assert rep.format == "label_studio_min" and rep.unlabeled_tasks == 1 and len(rep.accepted) == 2
+    rep = run(_write(tmp_path / "l.csv", "\ufeffsample_id,label,annotator\ns003, 3 ,bob\n\ns004,4,bob\n"))
+    assert rep.format == "csv" and len(rep.accepted) == 2
+    rep = run(_write(tmp_path / "l.jsonl", '{"sample_id": "s005", "label": "5"}\n\n{"sample_id": "s006", "label": "6"}\n'))
+    assert rep.format == "jsonl" and len(rep.accepted) == 2
+    assert led.labels() == {"s000": "1", "s001": "2"} | {f"s{i:03d}": str(i) for i in range(3, 7)}
+    assert led.current()["s003"]["annotator"] == "bob" and led.current()["s005"]["annotator"] == "unknown"
+
+
+def test_row_rejections_name_file_and_line(tmp_path, env):
+    led, run = env
+    text = ("sample_id,label\n"
+            "s000,1\n"          # line 2 ok
+            "s999,1\n"          # 3 unknown id
+            "s001,cat\n"        # 4 not in the answer set
+            "s002,  \n"         # 5 empty
+            "s000,1\n"          # 6 duplicate of line 2
+            "s003,3\n")         # 7 ok
+    path = _write(tmp_path / "rows.csv", text)
+    before = _ledger_bytes(led)
+    with pytest.raises(LabelImportError) as exc:
+        run(path, strict=True)
+    msg = str(exc.value)
+    assert "4 of 6 label rows rejected, nothing imported" in msg and f"{path}:3" in msg
+    assert _ledger_bytes(led) == before
+
+    rep = run(path)
+    reasons = {r.line: r.reason for r in rep.rejected}
+    assert set(reasons) == {3, 4, 5, 6}
+    assert "unknown sample_id 's999'" in reasons[3] and "12 samples" in reasons[3]
+    assert "'cat' is not in the answer set [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]" in reasons[4]
+    assert "empty label" in reasons[5]
+    assert f"duplicate row: s000 by unknown already given at {path}:2" in reasons[6]
+    assert rep.rows_read == 6 and rep.accepted_rows == 2 and rep.accounted
+    assert led.labels() == {"s000": "1", "s003": "3"}
+    assert [json.loads(x)["line"] for x in open(rep.rejections_file)] == [3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    "name, text, where",
+    [
+        ("bad.json", '[\n  {"data": {"sample_id": "s000"},\n   "annotations": [}\n]', ":3:"),
+        ("bad2.json", '[{"data": {"sample_id": "s000"}, "annotations": []}\n\n{"data": {}}]', ":3:"),
+        ("obj.json", '{"tasks": []}', ":1: expected a JSON list"),
+        ("empty.json", "  \n", "the file is empty"),
+        ("bad.csv", 'sample_id,label\ns000,1\ns001,"2\n', ":3"),
+        ("fields.csv", "sample_id,label\ns000,1\ns001,2,3\n", ":3: 3 fields, but the header has 2"),
+        ("header.csv", "id,answer\ns000,1\n", ":1: the header lacks column(s) sample_id, label"),
+        ("bad.jsonl", '{"sample_id": "s000", "label": "1"}\n{"sample_id": "s001", "label": }\n', ":2:"),
+        ("list.jsonl", '["s000", "1"]\n', ":1: a list"),
+        ("labels.txt", "s000 1\n", "unknown label file type '.txt'"),
+    ],
+)
+def test_malformed_files_name_the_line_and_append_nothing(tmp_path, env, name, text, where):
+    led, run = env
+    run(_write(tmp_path / "ok.jsonl", '{"sample_id": "s011", "label": "1"}\n'))
+    before = _ledger_bytes(led)
+    path = _write(tmp_path / name, text)
+    with pytest.raises(LabelImportError) as exc:
+        run(path)
+    assert f"{path}" in str(exc.value) and where in str(exc.value)
+    assert _ledger_bytes(led) == before
+
+
+def test_other_project_and_unannotated_exports_are_errors(tmp_path, env):
+    led, run = env
+    with pytest.raises(LabelImportError, match="none of its 2 sample IDs .* another project"):
+        run(_write(tmp_path / "other.json", [_task("zz1", _ann("1")), _task("zz2", _ann("2"))]))
+    with pytest.raises(LabelImportError, match="no label rows in 2 task"):
+        run(_write(tmp_path / "todo.json", [_task("s000"), _task("s001")]))
+    assert not led.path.exists()
+
+
+def test_double_import_is_a_noop_and_a_changed_label_is_a_correction(tmp_path, env):
+    led, run = env
+    a = _write(tmp_path / "a.json", [_task("s000", _ann("1")), _task("s001", _ann("2"))])
+    first = run(a)
+    after_first = _ledger_bytes(led)
+    again = run(a)
+    assert again.already_imported and again.accepted == [] and _ledger_bytes(led) == after_first
+    b = _write(tmp_path / "b.jsonl", '{"sample_id": "s000", "label": "7"}\n{"sample_id": "s001", "label": "2"}\n')
+    rep = run(b, round_index=2)
+    assert rep.corrections == 1 and rep.unchanged == ["s001"]
+    hist = led.history("s000")
+    assert [(e["kind"], e["label"], e["round"]) for e in hist] == [("label", "1", 1), ("correction", "7", 2)]
+    assert hist[1]["supersedes"] == first.accepted[0]["entry_id"]
+    assert led.labels()["s000"] == "7" and len(led.history("s001")) == 1
+
+
+def test_open_answers_accept_free_text(tmp_path, env):
+    led, run = env
+    rep = run(_write(tmp_path / "open.json", [_task("s000", _ann(" a red bus ", kind="textarea"))]), answers=None)
+    assert len(rep.accepted) == 1 and led.labels() == {"s000": "a red bus"}
+
+
+def test_inbox_is_read_whole_before_anything_is_appended(tmp_path, env):
+    led, _ = env
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    _write(inbox / "1-good.csv", "sample_id,label\ns000,1\n")
+    _write(inbox / "2-bad.json", '[{"data": {"sample_id": "s001"}, "annotations": [\n}]')
+    _write(inbox / ".3-partial.json.tmp", "[")
+    (inbox / "notes.txt").write_text("ignored")
+    kw = dict(known_ids=KNOWN, answers=DIGITS, ledger=led, round_index=1, rejections_dir=tmp_path / "rej")
+    with pytest.raises(LabelImportError, match=r"2-bad.json:2:"):
+        import_inbox(inbox, **kw)
+    assert not led.path.exists()
+    (inbox / "2-bad.json").unlink()
+    _write(inbox / "3-more.jsonl", '{"sample_id": "s002", "label": "2"}\n')
+    _write(inbox / "4-copy.csv", "sample_id,label\ns000,1\n")  # same bytes as 1-good.csv
+    reps = import_inbox(inbox, **kw)
+    assert [r.file.rsplit("/", 1)[1] for r in reps] == ["1-good.csv", "3-more.jsonl", "4-copy.csv"]
+    assert [len(r.accepted) for r in reps] == [1, 1, 0] and reps[2].already_imported
+    assert all(r.already_imported for r in import_inbox(inbox, **kw))
+    assert led.labels() == {"s000": "1", "s002": "2"}
+    assert (inbox / "1-good.csv").exists()  # nothing is moved
+
+
+def test_read_label_file_rejects_non_utf8(tmp_path):
+    p = tmp_path / "latin.csv"
+    p.write_bytes(b"sample_id,label\ns000,caf\xe9\n")
+    with pytest.raises(LabelImportError, match=r"latin.csv:2: not UTF-8"):
+        read_label_file(p)
+
+
+def test_cli_import_and_history(tmp_path, make_vqa, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps table cells to the terminal width
+    from flows.cli import app
+    from pipeline.annotation.export import export_dir, export_selection
+    from pipeline.config import load_config
+
+    ds, _ = make_vqa(n=4)
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(f"paths: {{artifacts: {tmp_path / 'art'}}}\ndata: {{answers: {DIGITS}}}\n")
+    cfg = load_config(cfg_path)
+    sel = [{"sample_id": f"s00{i}", "rank": i, "score": 1.0, "scores": {}} for i in range(3)]
+    export_selection(sel, ds, cfg, export_dir(cfg.artifacts, 1), round_index=1)
+    runner = CliRunner()
+    f1 = _write(tmp_path / "a.jsonl", '{"sample_id": "s000", "label": "4"}\n{"sample_id": "s003", "label": "4"}\n')
+    res = runner.invoke(app, ["labels", "import", str(f1), "--config", str(cfg_path)])
+    assert res.exit_code == 0, res.output
+    assert "1 labels appended" in res.output and "unknown sample_id 's003'" in res.output  # s003 never exported
+    f2 = _write(tmp_path / "b.csv", "sample_id,label\ns000,9\n")
+    assert runner.invoke(app, ["labels", "import", str(f2), "-c", str(cfg_path), "--round", "2"]).exit_code == 0
+    res = runner.invoke(app, ["labels", "history", "s000", "-c", str(cfg_path)])
+    assert res.exit_code == 0, res.output
+    assert "correction" in res.output and "current" in res.output and "a.jsonl" in res.output
+    assert runner.invoke(app, ["labels", "history", "s001", "-c", str(cfg_path)]).exit_code == 1

@@ -1,0 +1,112 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.annotation.export import export_dir, export_selection
+from pipeline.annotation.labels import import_inbox
+from pipeline.annotation.ledger import Ledger, ledger_path
+from pipeline.annotation.simulate import sidecar_path, simulate_annotator
+from pipeline.config import parse_config
+from pipeline.errors import DataError
+
+DIGITS = [str(i) for i in range(10)]
+
+
+def _project(tmp_path, ds, ids, *, answers=DIGITS, round_index=1):
+    cfg = parse_config({"paths": {"artifacts": "artifacts"}, "data": {"answers": answers}}, root=tmp_path)
+    sel = [{"sample_id": sid, "rank": k, "score": 0.5, "prediction": "0", "confidence": 0.3, "scores": {}}
+           for k, sid in enumerate(ids)]
+    out = export_dir(cfg.artifacts, round_index)
+    export_selection(sel, ds, cfg, out, round_index=round_index)
+    return cfg, out
+
+
+def _import(cfg, ids, answers=DIGITS):
+    led = Ledger(ledger_path(cfg.artifacts))
+    reps = import_inbox(cfg.artifacts / "inbox", known_ids=set(ids), answers=answers, ledger=led, round_index=1,
+                        rejections_dir=cfg.artifacts / "rejections")
+    return led, reps
+
+
+def _truth(gt_path):
+    return {r["sample_id"]: r["answer"] for r in map(json.loads, gt_path.read_text().splitlines())}
+
+
+def test_simulated_export_imports_cleanly_and_is_idempotent(tmp_path, make_vqa):
+    ds, gt = make_vqa()
+    ids = [f"s{i:03d}" for i in range(12)]
+    cfg, out = _project(tmp_path, ds, ids)
+    inbox = cfg.artifacts / "inbox"
+    path = simulate_annotator(out, gt, inbox, round_index=1)
+    tasks = json.loads(path.read_text())
+    ann = tasks[0]["annotations"][0]
+    assert ann["completed_by"] == "simulated" and ann["was_cancelled"] is False
+    assert ann["result"][0]["type"] == "choices" and ann["result"][0]["from_name"] == "answer"
+    led, [rep] = _import(cfg, ids)
+    assert rep.format == "label_studio" and len(rep.accepted) == 12 and not rep.rejected and rep.accounted
+    assert led.labels() == _truth(gt)
+    first = path.read_bytes()
+    assert simulate_annotator(out, gt, inbox, round_index=1) == path and path.read_bytes() == first
+    _, [again] = _import(cfg, ids)
+    assert again.already_imported
+
+
+def test_noise_flips_the_requested_fraction_and_records_them(tmp_path, make_vqa):
+    ds, gt = make_vqa()
+    ids = [f"s{i:03d}" for i in range(12)]
+    cfg, out = _project(tmp_path, ds, ids)
+    path = simulate_annotator(out, gt, cfg.artifacts / "inbox", round_index=1, noise=0.25, seed=7)
+    side = json.loads(sidecar_path(path).read_text())
+    flipped = {f["sample_id"]: f for f in side["flipped"]}
+    assert len(flipped) == round(0.25 * 12) == 3 and side["answered"] == 12
+    led, [rep] = _import(cfg, ids)
+    truth = _truth(gt)
+    wrong = {sid for sid, label in led.labels().items() if label != truth[sid]}
+    assert wrong == set(flipped)
+    assert all(f["given"] in DIGITS and f["given"] != f["true"] == truth[s] for s, f in flipped.items())
+    same = simulate_annotator(out, gt, tmp_path / "inbox2", round_index=1, noise=0.25, seed=7)
+    assert same.read_bytes() == path.read_bytes()  # seeded: the same flips again
+
+
+def test_missing_ground_truth_comes_back_skipped_and_open_answers(tmp_path, make_vqa):
+    ds, gt = make_vqa(open_answers=True)
+    ids = ["s000", "s001", "s002"]
+    # s001 keeps only its image name in the ground truth (fallback), s002 has none at all.
+    rows = [json.loads(x) for x in gt.read_text().splitlines()]
+    rows = [r for r in rows if r["sample_id"] != "s002"]
+    rows[1].pop("sample_id")
+    gt.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg, out = _project(tmp_path, ds, ids, answers=None)
+    path = simulate_annotator(out, gt, cfg.artifacts / "inbox", round_index=1, noise=1.0)
+    side = json.loads(sidecar_path(path).read_text())
+    assert side["missing"] == ["s002"] and len(side["flipped"]) == 2
+    result = json.loads(path.read_text())[0]["annotations"][0]["result"][0]
+    assert result["type"] == "textarea"
+    led, [rep] = _import(cfg, ids, answers=None)
+    assert rep.skipped_cancelled == 1 and len(rep.accepted) == 2 and rep.accounted
+    assert all(led.labels()[s] != f"a photo of {int(s[1:]) % 10}" for s in ("s000", "s001"))
+
+
+def test_bad_noise_and_ground_truth_are_clear_errors(tmp_path, make_vqa):
+    ds, gt = make_vqa(n=3)
+    cfg, out = _project(tmp_path, ds, ["s000"])
+    with pytest.raises(DataError, match="noise 1.5 is not a fraction"):
+        simulate_annotator(out, gt, tmp_path / "in", round_index=1, noise=1.5)
+    gt.write_text('{"sample_id": "s000", "answer": "1"}\n{"sample_id": "s001", "answer": \n')
+    with pytest.raises(DataError, match=r"ground_truth.jsonl:2:"):
+        simulate_annotator(out, gt, tmp_path / "in", round_index=1)
+
+
+def test_cli_simulate_annotator(tmp_path, make_vqa):
+    from flows.cli import app
+
+    ds, gt = make_vqa(n=4)
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(f"paths: {{artifacts: {tmp_path / 'artifacts'}}}\n"
+                        f"data: {{answers: {DIGITS}, ground_truth: {gt}}}\n")
+    _project(tmp_path, ds, ["s000", "s003"], round_index=2)
+    res = CliRunner().invoke(app, ["simulate-annotator", "--round", "2", "--config", str(cfg_path)])
+    assert res.exit_code == 0, res.output
+    labels = json.loads((tmp_path / "artifacts" / "inbox" / "simulated-round-002.json").read_text())
+    assert [t["annotations"][0]["result"][0]["value"]["choices"] for t in labels] == [["0"], ["3"]]

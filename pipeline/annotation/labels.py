@@ -131,6 +131,8 @@ def json_array_items(text: str, name: str) -> list[tuple[int, Any]]:
             "export from Label Studio as JSON or JSON_MIN"
         )
     items: list[tuple[int, Any]] = []
+    # Lines are counted incrementally: counting from the start for every task would be quadratic.
+    seen_pos, seen_line = 0, 1
     pos = _WS.match(text, pos + 1).end()
     if text.startswith("]", pos):
         pos += 1
@@ -140,7 +142,9 @@ def json_array_items(text: str, name: str) -> list[tuple[int, Any]]:
                 obj, end = dec.raw_decode(text, pos)
             except json.JSONDecodeError as exc:
                 raise _json_error(name, exc) from None
-            items.append((_line_of(text, pos), obj))
+            seen_line += text.count("\n", seen_pos, pos)
+            seen_pos = pos
+            items.append((seen_line, obj))
             pos = _WS.match(text, end).end()
             if text.startswith(",", pos):
                 pos = _WS.match(text, pos + 1).end()

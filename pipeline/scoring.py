@@ -1,0 +1,333 @@
+"""Score pool samples with the current model: class probabilities, token entropies, embeddings.
+
+Closed answer sets: the image + question prefix runs once per sample and every candidate answer is scored from it.
+When every candidate is a single token (digits, letters, yes/no) one next-token distribution gives all candidates;
+otherwise the prefix's KV cache is repeated once per candidate and only the candidate tokens run on top of it.
+Open answers: greedy generation with per-token log-probs and entropies.
+MC dropout: k extra passes with only the LoRA dropout layers switched to training mode.
+Embeddings come from the same prefix forward (mean of the last hidden state over the prefix tokens).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pipeline.store import Manifest, atomic_write_bytes, atomic_write_json, read_manifest, write_manifest
+
+log = logging.getLogger(__name__)
+SCORE_VERSION = "1"
+
+
+@dataclass
+class ScoreResult:
+    """Per-shard scores; every array's first axis is the shard's samples, in `sample_ids` order."""
+
+    sample_ids: list[str]
+    embeddings: np.ndarray  # [n, d] float32
+    probs: np.ndarray | None = None  # [n, c] candidate probabilities (closed sets)
+    mc_probs: np.ndarray | None = None  # [n, c, k] MC-dropout candidate probabilities
+    token_logprobs: np.ndarray | None = None  # [n, t] generated-token log-probs, NaN-padded (open answers)
+    token_entropy: np.ndarray | None = None  # [n, t] per-token entropies, NaN-padded (open answers)
+    answers: list[str] | None = None  # greedy answer per sample (open answers)
+    mc_answers: list[list[str]] | None = None  # [n][k] answers under MC dropout (open answers)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {"embeddings": self.embeddings}
+        for name in ("probs", "mc_probs", "token_logprobs", "token_entropy"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+def decode_rgb(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+@contextmanager
+def lora_dropout_active(model: torch.nn.Module):
+    """Switch on dropout inside LoRA layers only (MC dropout); everything else stays in eval mode."""
+    switched = [m for name, m in model.named_modules() if "lora_dropout" in name and isinstance(m, torch.nn.Dropout)]
+    if not switched:
+        log.warning("MC dropout requested but the model has no LoRA dropout layers (lora_dropout = 0?)")
+    for m in switched:
+        m.train()
+    try:
+        yield len(switched)
+    finally:
+        for m in switched:
+            m.eval()
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(p for p in model.parameters()).device
+
+
+def _last_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real token per row, for either padding side."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (attention_mask * positions).argmax(dim=1)
+
+
+class ClosedSetScorer:
+    """Candidate probabilities for a closed answer set, computed from one prefix pass per sample batch."""
+
+    def __init__(self, loaded: Any, answers: Sequence[str], *, length_normalize: bool = True):
+        self.model, self.processor, self.family = loaded.model, loaded.processor, loaded.family
+        self.answers = list(answers)
+        self.length_normalize = length_normalize
+        self._cand: list[list[int]] | None = None
+
+    def _candidates(self, question: str) -> list[list[int]]:
+        if self._cand is None:
+            self._cand = [self.family.answer_token_ids(self.processor, question, a) for a in self.answers]
+            if len({tuple(c) for c in self._cand}) != len(self._cand):
+                raise ValueError("two answers in data.answers tokenize identically; they cannot be told apart")
+        return self._cand
+
+    @torch.no_grad()
+    def _prefix(self, images: list[Image.Image], questions: list[str]) -> tuple[Any, Any, torch.Tensor]:
+        enc = self.family.encode(self.processor, images, questions).to(_device_of(self.model))
+        out = self.model(**enc, output_hidden_states=True, use_cache=not self.single_token)
+        return enc, out, _last_index(enc["attention_mask"])
+
+    @property
+    def single_token(self) -> bool:
+        return self._cand is not None and all(len(c) == 1 for c in self._cand)
+
+    @torch.no_grad()
+    def logprobs(self, images: list[Image.Image], questions: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(candidate log-likelihoods [n, c], pooled prefix embeddings [n, d]) for one batch."""
+        cand = self._candidates(questions[0])
+        enc, out, last = self._prefix(images, questions)
+        hidden = out.hidden_states[-1]
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        emb = ((hidden * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu().numpy()
+        rows = torch.arange(len(images), device=last.device)
+        first = torch.log_softmax(out.logits[rows, last].float(), dim=-1)  # [n, vocab]
+        if self.single_token:
+            ll = first[:, [c[0] for c in cand]]
+        else:
+            ll = self._multi_token(out, enc, first, cand)
+        return ll.cpu().numpy(), emb
+
+    def _multi_token(self, out: Any, enc: Any, first: torch.Tensor, cand: list[list[int]]) -> torch.Tensor:
+        """Score multi-token candidates on top of the prefix's KV cache, one sample at a time (padding-free)."""
+        n, c = first.shape[0], len(cand)
+        lengths = torch.tensor([len(t) for t in cand], device=first.device)
+        width = int(lengths.max())
+        toks = torch.zeros(c, width, dtype=torch.long, device=first.device)
+        for j, t in enumerate(cand):
+            toks[j, : len(t)] = torch.tensor(t, device=first.device)
+        valid = torch.arange(width, device=first.device)[None, :] < lengths[:, None]
+        result = torch.empty(n, c, device=first.device)
+        if n != 1:
+            raise ValueError("multi-token candidates are scored one sample per prefix pass (score_batch_size 1)")
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(c)
+        prefix_mask = enc["attention_mask"].repeat_interleave(c, dim=0)
+        attn = torch.cat([prefix_mask, valid.long()], dim=1)
+        start = enc["attention_mask"].shape[1]
+        cont = self.model(
+            input_ids=toks,
+            attention_mask=attn,
+            past_key_values=cache,
+            cache_position=torch.arange(start, start + width, device=first.device),
+            use_cache=True,
+        )
+        step = torch.log_softmax(cont.logits.float(), dim=-1)  # [c, width, vocab]: token t+1 given tokens ≤ t
+        tok_ll = torch.zeros(c, width, device=first.device)
+        tok_ll[:, 0] = first[0, toks[:, 0]]
+        if width > 1:
+            tok_ll[:, 1:] = step[:, :-1].gather(-1, toks[:, 1:].unsqueeze(-1)).squeeze(-1)
+        tok_ll = tok_ll * valid
+        total = tok_ll.sum(1)
+        result[0] = total / lengths if self.length_normalize else total
+        return result
+
+    def score(self, rows: Sequence[dict], *, batch_size: int, mc_passes: int = 0, seed: int = 0) -> ScoreResult:
+        images = [decode_rgb(r["prepared"]) for r in rows]
+        questions = [r["question"] for r in rows]
+        self._candidates(questions[0])
+        if not self.single_token:
+            batch_size = 1
+        lls, embs, mc = [], [], []
+        for i in range(0, len(rows), batch_size):
+            ims, qs = images[i : i + batch_size], questions[i : i + batch_size]
+            ll, emb = self.logprobs(ims, qs)
+            lls.append(ll)
+            embs.append(emb)
+            if mc_passes:
+                torch.manual_seed(seed + i)
+                with lora_dropout_active(self.model):
+                    mc.append(np.stack([self.logprobs(ims, qs)[0] for _ in range(mc_passes)], axis=-1))
+        ll = np.concatenate(lls)
+        result = ScoreResult(
+            sample_ids=[r["sample_id"] for r in rows],
+            embeddings=np.concatenate(embs).astype(np.float32),
+            probs=_softmax(ll, axis=1),
+        )
+        if mc:
+            result.mc_probs = _softmax(np.concatenate(mc), axis=1)
+        return result
+
+
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    z = x - x.max(axis=axis, keepdims=True)
+    e = np.exp(z)
+    return (e / e.sum(axis=axis, keepdims=True)).astype(np.float32)
+
+
+def normalize_answer(text: str) -> str:
+    return " ".join(text.lower().strip().strip(".!?").split())
+
+
+class OpenAnswerScorer:
+    """Greedy answers with per-token log-probs and entropies; MC dropout gives answer agreement."""
+
+    def __init__(self, loaded: Any, *, max_new_tokens: int = 16, min_new_tokens: int = 0):
+        self.model, self.processor, self.family = loaded.model, loaded.processor, loaded.family
+        self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
+
+    @torch.no_grad()
+    def _generate(self, images: list[Image.Image], questions: list[str]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+        enc = self.family.encode(self.processor, images, questions).to(_device_of(self.model))
+        out = self.model.generate(
+            **enc,
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens,
+            do_sample=False,
+            output_logits=True,  # raw logits: scores are post-processed (min_new_tokens puts -inf in them)
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+        )
+        new = out.sequences[:, enc["input_ids"].shape[1] :]
+        logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.logits], dim=1)  # [n, t, vocab]
+        chosen = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        entropy = -torch.special.xlogy(logp.exp(), logp.exp()).sum(-1)
+        eos = self.processor.tokenizer.eos_token_id
+        pad = self.processor.tokenizer.pad_token_id
+        # Tokens after the first EOS are padding from batched generation.
+        done = torch.cumsum((new == eos) | (new == pad), dim=1) - ((new == eos) | (new == pad)).long()
+        keep = done == 0
+        chosen = torch.where(keep, chosen, torch.nan)
+        entropy = torch.where(keep, entropy, torch.nan)
+        hidden = out.hidden_states[0][-1]  # prefix pass, last layer
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        emb = ((hidden * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu().numpy()
+        texts = self.processor.tokenizer.batch_decode(new, skip_special_tokens=True)
+        return [t.strip() for t in texts], chosen.cpu().numpy(), entropy.cpu().numpy(), emb
+
+    def score(self, rows: Sequence[dict], *, batch_size: int, mc_passes: int = 0, seed: int = 0) -> ScoreResult:
+        answers, lps, ents, embs, mc = [], [], [], [], []
+        for i in range(0, len(rows), batch_size):
+            chunk = rows[i : i + batch_size]
+            ims, qs = [decode_rgb(r["prepared"]) for r in chunk], [r["question"] for r in chunk]
+            a, lp, ent, emb = self._generate(ims, qs)
+            answers += a
+            lps.append(lp)
+            ents.append(ent)
+            embs.append(emb)
+            if mc_passes:
+                torch.manual_seed(seed + i)
+                with lora_dropout_active(self.model):
+                    runs = [self._generate(ims, qs)[0] for _ in range(mc_passes)]
+                mc += [list(x) for x in zip(*runs, strict=True)]
+        width = max(x.shape[1] for x in lps)
+        pad = lambda xs: np.concatenate(  # noqa: E731
+            [np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=np.nan) for x in xs]
+        ).astype(np.float32)
+        result = ScoreResult(
+            sample_ids=[r["sample_id"] for r in rows],
+            embeddings=np.concatenate(embs).astype(np.float32),
+            token_logprobs=pad(lps),
+            token_entropy=pad(ents),
+            answers=answers,
+        )
+        if mc:
+            result.mc_answers = mc
+        return result
+
+
+def agreement_codes(mc_answers: list[list[str]]) -> np.ndarray:
+    """[n, k] integer codes of normalised answers, so answer agreement is a pure array function."""
+    codes = np.zeros((len(mc_answers), len(mc_answers[0]) if mc_answers else 0), dtype=np.int64)
+    for i, runs in enumerate(mc_answers):
+        vocab: dict[str, int] = {}
+        codes[i] = [vocab.setdefault(normalize_answer(a), len(vocab)) for a in runs]
+    return codes
+
+
+def make_scorer(loaded: Any, answers: Sequence[str] | None, *, length_normalize: bool = True, max_new_tokens: int = 16):
+    if answers:
+        return ClosedSetScorer(loaded, answers, length_normalize=length_normalize)
+    return OpenAnswerScorer(loaded, max_new_tokens=max_new_tokens, min_new_tokens=1)
+
+
+# ------------------------------------------------------------------------------------------- shards on disk
+SCORES_FILE = "scores.npz"
+IDS_FILE = "scores.json"
+
+
+def save_scores(result: ScoreResult, out_dir: str | Path, *, inputs: dict[str, str], config: dict) -> Manifest:
+    """Write one shard's scores atomically (npz of plain arrays, never pickled) and its manifest last."""
+    out_dir = Path(out_dir)
+    buf = io.BytesIO()
+    np.savez(buf, **result.arrays())
+    atomic_write_bytes(out_dir / SCORES_FILE, buf.getvalue())
+    atomic_write_json(
+        out_dir / IDS_FILE,
+        {"sample_ids": result.sample_ids, "answers": result.answers, "mc_answers": result.mc_answers,
+         "extra": result.extra},
+    )
+    return write_manifest(
+        out_dir, stage="score", stage_version=SCORE_VERSION, inputs=inputs, config=config,
+        outputs={"scores": SCORES_FILE, "ids": IDS_FILE}, info={"n": len(result.sample_ids)},
+    )
+
+
+def load_scores(out_dir: str | Path) -> ScoreResult:
+    out_dir = Path(out_dir)
+    read_manifest(out_dir)  # verifies digests: a torn or tampered shard is reported, not used
+    meta = json.loads((out_dir / IDS_FILE).read_text(encoding="utf-8"))
+    with np.load(out_dir / SCORES_FILE, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    return ScoreResult(sample_ids=meta["sample_ids"], answers=meta.get("answers"), mc_answers=meta.get("mc_answers"),
+                       extra=meta.get("extra") or {}, **arrays)
+
+
+def concat_scores(parts: Sequence[ScoreResult]) -> ScoreResult:
+    def cat(name: str) -> np.ndarray | None:
+        values = [getattr(p, name) for p in parts]
+        if any(v is None for v in values):
+            return None
+        if values[0].ndim == 2 and name.startswith("token_"):
+            width = max(v.shape[1] for v in values)
+            values = [np.pad(v, ((0, 0), (0, width - v.shape[1])), constant_values=np.nan) for v in values]
+        return np.concatenate(values)
+
+    answers = None if any(p.answers is None for p in parts) else [a for p in parts for a in p.answers]
+    mc_answers = None if any(p.mc_answers is None for p in parts) else [a for p in parts for a in p.mc_answers]
+    return ScoreResult(
+        sample_ids=[s for p in parts for s in p.sample_ids], embeddings=cat("embeddings"), probs=cat("probs"),
+        mc_probs=cat("mc_probs"), token_logprobs=cat("token_logprobs"), token_entropy=cat("token_entropy"),
+        answers=answers, mc_answers=mc_answers,
+    )
+
+
+def plan_shards(sample_ids: Sequence[str], shard_size: int) -> list[list[str]]:
+    """Fixed-size shards in sorted-ID order, so the same pool always gives the same shards (and cache keys)."""
+    ids = sorted(sample_ids)
+    return [ids[i : i + shard_size] for i in range(0, len(ids), shard_size)]

@@ -1,0 +1,129 @@
+"""Scoring with the real tiny 4-bit model: candidate probabilities, MC dropout, open answers, shards on disk."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pipeline.config import ModelConfig
+from pipeline.errors import ArtifactError
+from pipeline.model.loading import load_model
+from pipeline.model.tiny import make_tiny_model
+from pipeline.scoring import (
+    ClosedSetScorer,
+    OpenAnswerScorer,
+    agreement_codes,
+    concat_scores,
+    load_scores,
+    plan_shards,
+    save_scores,
+)
+
+DIGITS = [str(d) for d in range(10)]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    path = make_tiny_model("idefics3", tmp_path_factory.mktemp("tiny") / "idefics3")
+    return load_model(ModelConfig(name_or_path=str(path), family="idefics3", mode="qlora"))
+
+
+def _rows(n, size=32):
+    rows = []
+    for i in range(n):
+        buf = io.BytesIO()
+        Image.fromarray((np.random.RandomState(i).rand(size, size, 3) * 255).astype("uint8")).save(buf, "PNG")
+        rows.append({"sample_id": f"s{i:02d}", "prepared": buf.getvalue(), "question": "Which digit is shown in the image?"})
+    return rows
+
+
+def _naive_loglik(loaded, row, answer):
+    """One full forward per candidate over prompt + answer: the reference the batched scorer must match."""
+    from pipeline.scoring import decode_rgb
+
+    enc = loaded.family.encode(loaded.processor, [decode_rgb(row["prepared"])], [row["question"]], [answer])
+    n_ans = len(loaded.family.answer_token_ids(loaded.processor, row["question"], answer))
+    start = int(enc["answer_start"][0])
+    with torch.no_grad():
+        logits = loaded.model(**{k: v for k, v in enc.items() if k not in ("labels", "answer_start")}).logits
+    logp = logits.float().log_softmax(-1)[0]
+    ids = enc["input_ids"][0]
+    return sum(logp[start + j - 1, ids[start + j]].item() for j in range(n_ans)), n_ans
+
+
+def test_single_token_candidates_match_one_forward_per_candidate(loaded):
+    rows = _rows(5)
+    res = ClosedSetScorer(loaded, DIGITS).score(rows, batch_size=4)
+    assert res.probs.shape == (5, 10) and res.embeddings.shape[0] == 5
+    np.testing.assert_allclose(res.probs.sum(1), 1, atol=1e-5)
+    for i in (0, 3):
+        ll = np.array([_naive_loglik(loaded, rows[i], a)[0] for a in DIGITS])
+        ref = np.exp(ll - ll.max()) / np.exp(ll - ll.max()).sum()
+        np.testing.assert_allclose(res.probs[i], ref, atol=1e-4)
+
+
+def test_multi_token_candidates_reuse_the_prefix_cache(loaded):
+    rows = _rows(2)
+    answers = ["cat", "dog house", "seven"]
+    for normalize in (False, True):
+        res = ClosedSetScorer(loaded, answers, length_normalize=normalize).score(rows, batch_size=8)
+        for i in range(2):
+            ll = []
+            for a in answers:
+                total, n = _naive_loglik(loaded, rows[i], a)
+                ll.append(total / n if normalize else total)
+            ll = np.array(ll)
+            np.testing.assert_allclose(res.probs[i], np.exp(ll) / np.exp(ll).sum(), atol=1e-4)
+
+
+def test_batching_and_repeat_runs_do_not_change_scores(loaded):
+    rows = _rows(6)
+    a = ClosedSetScorer(loaded, DIGITS).score(rows, batch_size=1)
+    b = ClosedSetScorer(loaded, DIGITS).score(rows, batch_size=6)
+    np.testing.assert_allclose(a.probs, b.probs, atol=1e-4)
+    np.testing.assert_allclose(a.embeddings, b.embeddings, atol=1e-3)
+
+
+def test_mc_dropout_gives_k_distinct_passes(tmp_path_factory):
+    path = make_tiny_model("idefics3", tmp_path_factory.mktemp("tiny-mc") / "idefics3")
+    ld = load_model(ModelConfig(name_or_path=str(path), family="idefics3", mode="qlora", lora_dropout=0.5),
+                    trainable=True)
+    torch.manual_seed(0)
+    for name, p in ld.model.named_parameters():
+        if "lora_B" in name:  # a fresh LoRA has B = 0, so dropout on its input would change nothing
+            p.data.normal_(0, 0.5)
+    ld.model.eval()
+    res = ClosedSetScorer(ld, DIGITS).score(_rows(3), batch_size=3, mc_passes=4, seed=1)
+    assert res.mc_probs.shape == (3, 10, 4)
+    np.testing.assert_allclose(res.mc_probs.sum(1), 1, atol=1e-5)
+    assert np.abs(res.mc_probs[..., 0] - res.mc_probs[..., 1]).max() > 1e-4
+    again = ClosedSetScorer(ld, DIGITS).score(_rows(3), batch_size=3, mc_passes=4, seed=1)
+    np.testing.assert_allclose(res.mc_probs, again.mc_probs, atol=1e-6)  # seeded: reproducible
+    assert not any(m.training for m in ld.model.modules())  # dropout switched off again
+
+
+def test_open_answers_record_token_entropy_and_logprobs(loaded):
+    res = OpenAnswerScorer(loaded, max_new_tokens=4, min_new_tokens=1).score(_rows(3), batch_size=2, mc_passes=2)
+    assert len(res.answers) == 3 and res.token_entropy.shape[0] == 3
+    assert np.isfinite(res.token_entropy[:, 0]).all() and (res.token_entropy[:, 0] > 0).all()
+    assert (res.token_logprobs[np.isfinite(res.token_logprobs)] <= 0).all()
+    assert np.array(res.mc_answers).shape == (3, 2)
+    codes = agreement_codes([["A cat.", "a cat", "dog"]])
+    assert codes.tolist() == [[0, 0, 1]]
+
+
+def test_shards_roundtrip_and_corruption_is_reported(loaded, tmp_path):
+    rows = _rows(4)
+    res = ClosedSetScorer(loaded, DIGITS).score(rows, batch_size=4)
+    save_scores(res, tmp_path / "s0", inputs={"shard": "x"}, config={"k": 1})
+    back = load_scores(tmp_path / "s0")
+    assert back.sample_ids == res.sample_ids
+    np.testing.assert_array_equal(back.probs, res.probs)
+    both = concat_scores([back, back])
+    assert both.probs.shape == (8, 10) and len(both.sample_ids) == 8
+    (tmp_path / "s0" / "scores.npz").write_bytes(b"torn")
+    with pytest.raises(ArtifactError, match="corrupt"):
+        load_scores(tmp_path / "s0")
+    assert plan_shards(["c", "a", "b", "d", "e"], 2) == [["a", "b"], ["c", "d"], ["e"]]

@@ -17,10 +17,13 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        load(config)
+        from pipeline.data.ingest import source_digest
+
+        # Reading the sources first reports an unreadable source as a plain user error, before Prefect starts.
+        digest = source_digest(load(config).data)
         from flows.ingest import ingest_flow
 
-        ref = ingest_flow(str(config) if config else None)
+        ref = ingest_flow(str(config) if config else None, digest)
         counts, folder = ref["counts"], Path(ref["dir"])
         table = Table(title="ingest")
         table.add_column("rows")

@@ -29,9 +29,12 @@ def ingest_task(artifacts: str, source_digest: str, data_config: dict[str, Any],
     return {"dir": str(out_dir), "digest": m.key, "counts": m.info["counts"]}
 
 
-def ingest_ref(cfg: ProjectConfig) -> dict[str, Any]:
-    """Run (or reuse) ingestion for `cfg`; call it from inside a flow. Returns {"dir", "digest", "counts"}."""
-    digest = source_digest(cfg.data)
+def ingest_ref(cfg: ProjectConfig, digest: str | None = None) -> dict[str, Any]:
+    """Run (or reuse) ingestion for `cfg`; call it from inside a flow. Returns {"dir", "digest", "counts"}.
+
+    `digest` is `source_digest(cfg.data)` if the caller computed it already (it reads every source image).
+    """
+    digest = digest or source_digest(cfg.data)
     data_config = cfg.section("data")
     return run_stage(
         ingest_task,
@@ -43,5 +46,5 @@ def ingest_ref(cfg: ProjectConfig) -> dict[str, Any]:
 
 
 @flow(name="ingest")
-def ingest_flow(config_path: str | None = None) -> dict[str, Any]:
-    return ingest_ref(load_config(config_path))
+def ingest_flow(config_path: str | None = None, source_digest: str | None = None) -> dict[str, Any]:
+    return ingest_ref(load_config(config_path), source_digest)

@@ -51,7 +51,10 @@ def _stratified_test(target: np.ndarray, test_fraction: float, seed: int) -> np.
     test = np.zeros(len(target), dtype=bool)
     for c in np.unique(target):
         idx = np.flatnonzero(target == c)
-        n = int(round(len(idx) * test_fraction))
+        # Half-up rounding, and at least one test row per class, so tiny slices still evaluate every digit.
+        n = int(np.floor(len(idx) * test_fraction + 0.5))
+        if test_fraction > 0 and len(idx) > 1:
+            n = max(n, 1)
         test[rng.permutation(idx)[:n]] = True
     return test
 

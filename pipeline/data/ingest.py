@@ -52,7 +52,12 @@ def ingest_features() -> datasets.Features:
 
 
 def source_digest(cfg: DataConfig) -> str:
-    """Content digest of every source file and every image (and text) its rows reference: the ingest cache input."""
+    """Content digest of every source file and every image (and text) its rows reference: the ingest cache input.
+
+    It reads every source, so a source that cannot be read at all fails here, before any flow starts.
+    """
+    if not cfg.sources:
+        raise DataError("data.sources is empty; add at least one source (kind + path) to the config")
     parts = []
     for src in cfg.sources:
         rows = []
@@ -170,8 +175,6 @@ def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> M
     import datasets
 
     data = cfg.data
-    if not data.sources:
-        raise DataError("data.sources is empty; add at least one source (kind + path) to the config")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     digest = digest or source_digest(data)
@@ -183,7 +186,8 @@ def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> M
             ds = datasets.Dataset.from_file(str(arrow_path))
             sources = [acc.kept[sid]["sources"] for sid in ds["sample_id"]]
             ds = ds.remove_columns("sources").add_column("sources", sources, feature=ingest_features()["sources"])
-            ds.select_columns(list(INGEST_COLUMNS)).save_to_disk(str(tmp))
+            # An empty dataset otherwise saves as zero shards, which load_from_disk cannot read back.
+            ds.select_columns(list(INGEST_COLUMNS)).save_to_disk(str(tmp), num_shards=None if len(ds) else 1)
             del ds
     finally:
         arrow_path.unlink(missing_ok=True)

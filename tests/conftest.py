@@ -112,3 +112,13 @@ def image_dataset():
         return datasets.Dataset.from_list(rows, features=features)
 
     return build
+
+
+# --- model: one tiny random-weight checkpoint per family, built once per session (about a second each) ---
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """{family: checkpoint folder} for idefics3, qwen2_vl and qwen2_5_vl (32-px images, 4 image tokens)."""
+    from pipeline.model.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {f: make_tiny_model(f, root / f) for f in ("idefics3", "qwen2_vl", "qwen2_5_vl")}

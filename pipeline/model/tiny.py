@@ -1,0 +1,197 @@
+"""Tiny random-weight models of the real architectures, built offline, for tests, the demo and CI.
+
+Each is a real checkpoint folder (config, safetensors weights, tokenizer, the family's processor, chat template) that
+`AutoProcessor` / `AutoModelForImageTextToText` load exactly like a hub download, in 4-bit too. The tokenizer is a
+byte-level BPE trained here on a few hundred words; every digit answer ("3", and " 3" as it follows SmolVLM's
+"Assistant:") is one token, so scoring can read candidates from one next-token distribution.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ModelError
+from pipeline.model.families import Family, get_family
+from pipeline.store import atomic_dir, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IMAGE_SIZE = 32
+# Vision patch size per family: a 32-px image gives 16 patches → 4 image tokens after the 2x2 merge / pixel shuffle.
+PATCH = 8
+MERGE = 2
+VOCAB_SIZE = 1024
+TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 1024}
+# bitsandbytes' CPU inference kernel packs 4-bit weights in blocks: every quantized layer needs in_features % 64 == 0
+# and out_features % 32 == 0, so no width below 64.
+VISION = {"hidden_size": 64, "intermediate_size": 128}
+VOCAB_WORDS: tuple[str, ...] = (
+    "the", "a", "an", "is", "are", "was", "of", "in", "on", "at", "to", "and", "or", "not", "no", "yes", "it", "this",
+    "that", "what", "which", "who", "where", "how", "many", "much", "there", "here", "image", "picture", "photo",
+    "shown", "show", "digit", "number", "letter", "word", "text", "color", "colour", "red", "green", "blue", "black",
+    "white", "yellow", "gray", "left", "right", "top", "bottom", "small", "large", "big", "one", "two", "three",
+    "four", "five", "six", "seven", "eight", "nine", "zero", "ten", "cat", "dog", "car", "person", "man", "woman",
+    "tree", "house", "sky", "water", "object", "animal", "describe", "caption", "answer", "question", "with", "from",
+    "by", "for", "do", "does", "you", "see", "can", "has", "have", "be", "in the image", "a photo of",
+    "helpful", "assistant", "user", "system", "You are a helpful assistant.",
+)
+QUESTIONS: tuple[str, ...] = (
+    "Which digit is shown in the image?", "What is shown in the image?", "Describe the image.",
+    "What number is in the picture?", "Is there a digit in this image?", "What color is the digit?",
+)
+DIGITS = tuple(str(d) for d in range(10))
+
+
+def _corpus(words: Sequence[str]) -> list[str]:
+    lines = list(words) + list(QUESTIONS)
+    lines += [" ".join(words[i:i + 8]) for i in range(0, len(words), 4)]
+    # Repeated so BPE learns " 0".." 9" as merges: SmolVLM answers follow "Assistant:" with a space.
+    lines += [" ".join(DIGITS)] * 50 + [f"Assistant: {d}" for d in DIGITS] * 20
+    return lines
+
+
+def build_tokenizer(family: Family, words: Sequence[str] = VOCAB_WORDS) -> Any:
+    """A byte-level BPE trained on `words`, wrapped with the family's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=list(family.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tk.train_from_iterator(_corpus(words), trainer)
+    specials = {"bos_token": "<|im_start|>", "eos_token": family.end_token,
+                "pad_token": "<|endoftext|>", "unk_token": None}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, additional_special_tokens=[t for t in family.special_tokens if t not in specials.values()],
+        model_max_length=TEXT["max_position_embeddings"], **specials,
+    )
+    tok.chat_template = family.chat_template
+    for prefix in ("", " "):
+        for d in DIGITS:
+            if len(tok(prefix + d, add_special_tokens=False)["input_ids"]) != 1:
+                raise ModelError(f"tiny tokenizer: answer {prefix + d!r} is not one token; add it to the corpus")
+    return tok
+
+
+def _ids(tok: Any, *tokens: str) -> list[int]:
+    return [int(tok.convert_tokens_to_ids(t)) for t in tokens]
+
+
+def _text_config(tok: Any) -> dict[str, Any]:
+    return {**TEXT, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id, "tie_word_embeddings": False}
+
+
+def _idefics3(tok: Any, image_size: int) -> tuple[Any, Any]:
+    from transformers import Idefics3Config, Idefics3ImageProcessor, Idefics3Processor
+
+    scale = MERGE
+    (image_id,) = _ids(tok, "<image>")
+    config = Idefics3Config(
+        text_config={"model_type": "llama", **_text_config(tok), "rms_norm_eps": 1e-5},
+        vision_config={**VISION, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": image_size, "patch_size": PATCH},
+        scale_factor=scale, image_token_id=image_id, pad_token_id=tok.pad_token_id,
+    )
+    ip = Idefics3ImageProcessor(size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size},
+                                do_image_splitting=False)
+    seq_len = (image_size // PATCH) ** 2 // scale**2
+    return config, Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=seq_len,
+                                     chat_template=tok.chat_template)
+
+
+def _qwen_processor(tok: Any, image_size: int, cls: Any) -> Any:
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    unit = PATCH * MERGE
+    geometry = {"patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2}
+    size = {"shortest_edge": unit * unit, "longest_edge": image_size * image_size}
+    return cls(image_processor=Qwen2VLImageProcessor(size=size, **geometry),
+               video_processor=Qwen2VLVideoProcessor(size=size, **geometry),
+               tokenizer=tok, chat_template=tok.chat_template)
+
+
+def _qwen_ids(tok: Any) -> dict[str, int]:
+    image, video, start, end = _ids(tok, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    return {"image_token_id": image, "video_token_id": video, "vision_start_token_id": start,
+            "vision_end_token_id": end}
+
+
+def _rope() -> dict[str, Any]:
+    # M-RoPE splits the rotary half-dimension into (time, height, width): it must sum to head_dim / 2.
+    head_dim = TEXT["hidden_size"] // TEXT["num_attention_heads"]
+    return {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, head_dim // 2 - 5]}
+
+
+def _qwen2_vl(tok: Any, image_size: int) -> tuple[Any, Any]:
+    from transformers import Qwen2VLConfig, Qwen2VLProcessor
+
+    config = Qwen2VLConfig(
+        text_config={**_text_config(tok), "rope_parameters": _rope()},
+        vision_config={"depth": 2, "embed_dim": VISION["hidden_size"], "hidden_size": TEXT["hidden_size"], "num_heads": 2,
+                       "mlp_ratio": 2, "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": 2},
+        **_qwen_ids(tok),
+    )
+    return config, _qwen_processor(tok, image_size, Qwen2VLProcessor)
+
+
+def _qwen2_5_vl(tok: Any, image_size: int) -> tuple[Any, Any]:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLProcessor
+
+    config = Qwen2_5_VLConfig(
+        text_config={**_text_config(tok), "rope_parameters": _rope()},
+        vision_config={**VISION, "depth": 2, "num_heads": 2,
+                       "out_hidden_size": TEXT["hidden_size"], "patch_size": PATCH, "spatial_merge_size": MERGE,
+                       "temporal_patch_size": 2, "window_size": PATCH * MERGE * 2, "fullatt_block_indexes": [1]},
+        **_qwen_ids(tok),
+    )
+    return config, _qwen_processor(tok, image_size, Qwen2_5_VLProcessor)
+
+
+BUILDERS = {"idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl}
+
+
+def make_tiny_model(
+    family: str,
+    out_dir: str | Path,
+    *,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    vocab_words: Sequence[str] = VOCAB_WORDS,
+    seed: int = 0,
+) -> Path:
+    """Build a random-weight `family` model (a few MB) with its tokenizer and processor into `out_dir`."""
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    fam = get_family(family)
+    unit = PATCH * MERGE
+    if image_size < unit or image_size % unit:
+        raise ModelError(f"tiny model image_size {image_size} must be a positive multiple of {unit} "
+                         f"(patch {PATCH} × merge {MERGE}), e.g. 32")
+    tok = build_tokenizer(fam, vocab_words)
+    config, processor = BUILDERS[family](tok, image_size)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    out = Path(out_dir)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        atomic_write_json(tmp / "tamis_tiny.json", {"family": family, "image_size": image_size, "seed": seed,
+                                                    "vocab_size": len(tok)})
+    n = sum(p.numel() for p in model.parameters())
+    log.info("built tiny %s model in %s: %.2fM parameters, %d-px images, vocab %d", family, out, n / 1e6,
+             image_size, len(tok))
+    return out
+
+

@@ -1,0 +1,137 @@
+"""Select the next batch from a scored pool: drop what may not be picked, score, diversify."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import SelectionError
+from pipeline.strategies.heuristics import HEURISTICS, get_heuristic
+from pipeline.strategies.selectors import SELECTORS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The picked samples in pick order; rank 1 is picked first."""
+
+    ids: list[str]
+    ranks: list[int]
+    scores: list[float]
+    strategy: str
+    diversity: str
+    # Index of each pick in the caller's candidate_ids, to fetch its rows without a lookup.
+    positions: list[int]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One JSON-ready row per pick (the select flow adds the adapter digest)."""
+        return [
+            {"sample_id": i, "rank": r, "score": s, "strategy": self.strategy, "diversity": self.diversity}
+            for i, r, s in zip(self.ids, self.ranks, self.scores, strict=True)
+        ]
+
+
+def _aligned(name: str, a: Any, n: int) -> np.ndarray | None:
+    if a is None:
+        return None
+    arr = np.asarray(a)
+    if arr.ndim == 0 or arr.shape[0] != n:
+        raise SelectionError(
+            f"select: {name} has shape {arr.shape} but there are {n} candidate ids; "
+            f"row i of {name} must belong to candidate_ids[i]"
+        )
+    return arr
+
+
+def select_batch(
+    candidate_ids: list[str],
+    *,
+    k: int,
+    strategy: str,
+    diversity: str,
+    probs: np.ndarray | None = None,
+    embeddings: np.ndarray | None = None,
+    predicted: np.ndarray | None = None,
+    exclude: Collection[str] = (),
+    seed: int,
+    labeled_embeddings: np.ndarray | None = None,
+    allow_partial: bool = False,
+    options: Mapping[str, Any] | None = None,
+) -> Selection:
+    """Pick `k` of `candidate_ids` with heuristic `strategy` and selector `diversity`.
+
+    `probs`, `embeddings` and `predicted` are row-aligned with `candidate_ids` (shapes: see heuristics.py).
+    `exclude` holds IDs that must never be picked: already labeled, quarantined, excluded by quality, exported but
+    not yet labeled. Candidates are put in sample-ID order first, so the result does not depend on the order shards
+    arrived in: the same inputs and seed give the same IDs. `options` are passed to the selector's constructor
+    (e.g. {"uncertainty": "product"} for k_center). Without `probs` only `random` or `typical` (cold start) work.
+    """
+    if strategy not in HEURISTICS:
+        raise SelectionError(f"select: unknown strategy {strategy!r}; choose one of {sorted(HEURISTICS)}")
+    if diversity not in SELECTORS:
+        raise SelectionError(f"select: unknown diversity {diversity!r}; choose one of {sorted(SELECTORS)}")
+    if k < 1:
+        raise SelectionError(f"select: batch size must be >= 1, got {k}")
+    ids = list(candidate_ids)
+    n = len(ids)
+    if len(set(ids)) != n:
+        dup, times = Counter(ids).most_common(1)[0]
+        raise SelectionError(f"select: candidate id {dup!r} appears {times} times; each sample may be scored once")
+    probs, embeddings, predicted = (_aligned(nm, a, n) for nm, a in
+                                    (("probs", probs), ("embeddings", embeddings), ("predicted", predicted)))
+
+    excluded = set(exclude)
+    keep = np.array([i for i, sid in enumerate(ids) if sid not in excluded], dtype=np.int64)
+    left = len(keep)
+    if left < k:
+        msg = (f"Pool exhausted: {left} unlabeled samples left, {k} requested "
+               f"({n} candidates, {n - left} already labeled, quarantined, flagged or exported)")
+        if not allow_partial:
+            raise SelectionError(f"{msg}; lower select.batch_size to {left} or add samples to the pool")
+        log.warning("%s; selecting all %d", msg, left)
+        k = left
+    if k == 0:
+        return Selection([], [], [], strategy, diversity, [])
+    pos = keep[np.argsort(np.asarray([ids[i] for i in keep]), kind="stable")]
+
+    if probs is not None:
+        scores = get_heuristic(strategy, seed=seed).score(probs[pos])
+    elif strategy == "random":
+        scores = get_heuristic("random", seed=seed).score(pos)
+    elif diversity == "typical":
+        scores = np.zeros(len(pos))  # cold start: typicality alone decides
+    else:
+        raise SelectionError(
+            f"select: strategy {strategy!r} needs model scores (probs), got none; "
+            "for a cold start without a model use diversity='typical' or strategy='random'"
+        )
+    if len(scores) != len(pos):
+        raise SelectionError(f"select: strategy {strategy!r} returned {len(scores)} scores for {len(pos)} candidates")
+
+    try:
+        selector = SELECTORS[diversity](**dict(options or {}))
+    except TypeError as exc:
+        raise SelectionError(f"select: bad options {dict(options or {})} for diversity {diversity!r}: {exc}") from None
+    picks = selector.select(
+        k,
+        scores=scores,
+        embeddings=None if embeddings is None else embeddings[pos],
+        predicted=None if predicted is None else predicted[pos],
+        seed=seed,
+        labeled_embeddings=labeled_embeddings,
+    )
+    chosen = pos[picks]
+    return Selection(
+        ids=[ids[i] for i in chosen],
+        ranks=list(range(1, len(chosen) + 1)),
+        scores=[float(x) for x in scores[picks]],
+        strategy=strategy,
+        diversity=diversity,
+        positions=[int(i) for i in chosen],
+    )

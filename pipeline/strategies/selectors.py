@@ -1,0 +1,432 @@
+"""Batch selectors: turn per-candidate scores (and embeddings / predicted classes) into k diverse picks.
+
+A selector returns indices into the candidate arrays in pick order (first = picked first). Distances are Euclidean
+on the embeddings as given; L2-normalise them beforehand for cosine geometry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Literal
+
+import faiss
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from pipeline.errors import SelectionError
+from pipeline.strategies.heuristics import rank
+
+# Rows per distance block and centre columns per GEMM: keeps each temporary under ~50 MB at any pool size.
+_BLOCK = 1024
+_CENTER_CHUNK = 1024
+_DONE = np.iinfo(np.int64).max
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on macOS
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def faiss_threads(n: int | None = None) -> Iterator[None]:
+    """Run faiss with `n` OpenMP threads (default: the CPUs this process may use, not the host's core count)."""
+    prev = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(n or available_cpus())
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(prev)
+
+
+def kmeans_labels(
+    x: np.ndarray, n_clusters: int, *, seed: int, niter: int = 20, max_points_per_centroid: int = 64
+) -> np.ndarray:
+    """Cluster id per row with seeded faiss k-means.
+
+    Training reads at most `max_points_per_centroid * n_clusters` rows (a seeded subsample), then every row is
+    assigned. Seeding is k-means++ where it is cheap; random seeding splits well-separated blobs wrongly, and exact
+    k-means++ took ~2 s for 300 clusters of 20k x 384 here, so larger problems use AFK-MC2, its MCMC approximation
+    (same objective, ~0.1 s).
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n = len(x)
+    if not 1 <= n_clusters <= n:
+        raise SelectionError(f"k-means: cannot make {n_clusters} clusters from {n} embeddings")
+    if n_clusters == n:
+        return np.arange(n, dtype=np.int64)
+    rows = min(n, max_points_per_centroid * n_clusters)
+    init = (faiss.ClusteringInitMethod_KMEANS_PLUS_PLUS if rows * n_clusters <= 1_000_000
+            else faiss.ClusteringInitMethod_AFK_MC2)
+    with faiss_threads():
+        km = faiss.Kmeans(
+            x.shape[1], n_clusters, niter=niter, seed=seed % (2**31), verbose=False, init_method=init,
+            max_points_per_centroid=max_points_per_centroid, min_points_per_centroid=1,
+        )
+        km.train(x)
+        _, labels = km.index.search(x, 1)
+    return labels[:, 0].astype(np.int64)
+
+
+def _sqnorms(x: np.ndarray) -> np.ndarray:
+    return np.einsum("ij,ij->i", x, x)
+
+
+def _min_sqdist(x: np.ndarray, xsq: np.ndarray, c: np.ndarray, csq: np.ndarray) -> np.ndarray:
+    """min_j ||x_i - c_j||^2 as sq_i + min_j (csq_j - 2 x_i.c_j), a float32 GEMM per centre chunk."""
+    best = np.full(len(x), np.inf, dtype=np.float32)
+    for j in range(0, len(c), _CENTER_CHUNK):
+        g = x @ c[j : j + _CENTER_CHUNK].T
+        g *= -2.0
+        g += csq[None, j : j + _CENTER_CHUNK]
+        np.minimum(best, g.min(axis=1), out=best)
+    best += xsq
+    # Cancellation can leave tiny negatives for (near-)duplicates.
+    return np.maximum(best, 0.0)
+
+
+def k_center_greedy(
+    x: np.ndarray,
+    k: int,
+    *,
+    centers: np.ndarray | None = None,
+    first: int | None = None,
+    weights: np.ndarray | None = None,
+    blas_threads: int | None = 1,
+) -> np.ndarray:
+    """Greedy core-set (Sener & Savarese 2018): repeatedly pick argmax_i weight_i * min_j ||x_i - c_j||^2.
+
+    Exact, but lazy: each row keeps an upper bound of its min-distance and the number of centres it has been
+    checked against. Only rows whose bound reaches the top are updated, in blocks, against the centres added since
+    their last check (one float32 GEMM per block). A row is picked once its bound is exact and still the largest.
+    Every (row, centre) pair is computed at most once, so the cost never exceeds one n x (L + k) GEMM, and on real
+    pools only a small fraction of it: 1,000 of 100,000 x 384 takes ~1 s instead of ~1,000 full passes.
+
+    `centers` are already-labeled embeddings; without them the first pick is row `first`. The blocks are small,
+    so BLAS runs on `blas_threads` (None: the library default): with 2 threads on 2 busy cores OpenBLAS' spinning
+    workers made this 10-20x slower here, single-threaded it stays ~1 s.
+    """
+    with threadpool_limits(blas_threads, user_api="blas"):
+        return _k_center_lazy(x, k, centers=centers, first=first, weights=weights)
+
+
+def _k_center_lazy(
+    x: np.ndarray, k: int, *, centers: np.ndarray | None, first: int | None, weights: np.ndarray | None
+) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, d = x.shape
+    n_lab = 0 if centers is None else len(centers)
+    if n_lab == 0 and first is None:
+        raise SelectionError("k-center: needs labeled centres or a first pick")
+    w = None if weights is None else np.asarray(weights, dtype=np.float32)
+    cap = n_lab + k
+    c = np.empty((max(cap, 1), d), dtype=np.float32)
+    csq = np.empty(len(c), dtype=np.float32)
+    picks: list[int] = []
+    stamp = np.ones(n, dtype=np.int64)
+    if n_lab:
+        c[:n_lab] = centers
+        t = n_lab
+    else:
+        c[0] = x[first]
+        picks.append(int(first))
+        t = 1
+    csq[:t] = _sqnorms(c[:t])
+    # One pass against the first centre gives every row a finite upper bound to start from.
+    xsq = _sqnorms(x)
+    md = _min_sqdist(x, xsq, c[:1], csq[:1])
+    key = md if w is None else md * w
+    for i in picks:
+        key[i], stamp[i] = -np.inf, _DONE
+    block = _BLOCK
+    while len(picks) < k:
+        i = int(np.argmax(key))
+        if stamp[i] >= t:
+            picks.append(i)
+            c[t], csq[t] = x[i], xsq[i]
+            t += 1
+            key[i], stamp[i] = -np.inf, _DONE
+            block = _BLOCK
+            continue
+        top = np.argpartition(key, n - block)[n - block :] if block < n else np.arange(n)
+        top = top[stamp[top] < t]
+        # Rows checked equally recently share the centres they still need: sort by stamp, update in groups.
+        top = top[np.argsort(stamp[top], kind="stable")]
+        group = max(128, block // 8)
+        for s in range(0, len(top), group):
+            g = top[s : s + group]
+            s0 = int(stamp[g[0]])
+            md[g] = np.minimum(md[g], _min_sqdist(x[g], xsq[g], c[s0:t], csq[s0:t]))
+            stamp[g] = t
+            key[g] = md[g] if w is None else md[g] * w[g]
+        # Still not settled: the bound ordering is poor here, look at more rows next time.
+        block = min(2 * block, n)
+    return np.asarray(picks, dtype=np.int64)
+
+
+def _check_embeddings(emb: np.ndarray | None, n: int, who: str) -> np.ndarray:
+    if emb is None:
+        raise SelectionError(f"{who}: needs embeddings [n, d]; the scorer writes them next to the scores")
+    e = np.asarray(emb)
+    if e.ndim != 2 or e.shape[0] != n or e.shape[1] == 0:
+        raise SelectionError(f"{who}: embeddings must have shape [{n}, d] to match {n} scores, got {e.shape}")
+    if e.dtype.kind not in "fiu":
+        raise SelectionError(f"{who}: embeddings must be numbers, got dtype {e.dtype}")
+    e = np.ascontiguousarray(e, dtype=np.float32)
+    if not np.isfinite(e).all():
+        rows = np.unique(np.argwhere(~np.isfinite(e))[:, 0])
+        raise SelectionError(
+            f"{who}: {len(rows)} embedding rows contain NaN/inf (first at row {int(rows[0])}); rescore or quarantine them"
+        )
+    return e
+
+
+def _order_round_robin(group: np.ndarray, within: np.ndarray, group_order: np.ndarray) -> np.ndarray:
+    """Positions sorted by (round, group turn): the r-th pick of every group comes before any (r+1)-th pick."""
+    return np.lexsort((group_order[group], within))
+
+
+def _within_rank(group: np.ndarray) -> np.ndarray:
+    """For rows already in preference order, each row's 0-based position inside its group."""
+    order = np.argsort(group, kind="stable")
+    sorted_g = group[order]
+    starts = np.r_[0, np.flatnonzero(sorted_g[1:] != sorted_g[:-1]) + 1]
+    pos = np.arange(len(group)) - np.repeat(starts, np.diff(np.r_[starts, len(group)]))
+    out = np.empty(len(group), dtype=np.int64)
+    out[order] = pos
+    return out
+
+
+class Selector:
+    """Picks k candidates; returns indices into the candidate arrays in pick order."""
+
+    name: str = ""
+
+    def select(
+        self,
+        k: int,
+        *,
+        scores: np.ndarray,
+        embeddings: np.ndarray | None = None,
+        predicted: np.ndarray | None = None,
+        seed: int,
+        labeled_embeddings: np.ndarray | None = None,
+    ) -> np.ndarray:
+        raise NotImplementedError
+
+    def _scores(self, k: int, scores: np.ndarray) -> np.ndarray:
+        s = np.asarray(scores, dtype=np.float64)
+        if s.ndim != 1:
+            raise SelectionError(f"{self.name}: scores must be 1-D [n], got shape {s.shape}")
+        if not 1 <= k <= len(s):
+            raise SelectionError(f"{self.name}: cannot pick {k} of {len(s)} candidates; k must be in [1, {len(s)}]")
+        if not np.isfinite(s).all():
+            raise SelectionError(f"{self.name}: {int((~np.isfinite(s)).sum())} of {len(s)} scores are NaN/inf")
+        return s
+
+
+class TopK(Selector):
+    """The k highest scores; ties in a seeded order."""
+
+    name = "top_k"
+
+    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
+        return rank(self._scores(k, scores), seed=seed)[:k]
+
+
+class KCenter(Selector):
+    """Greedy core-set on embeddings, starting from the labeled set (or the top-scored candidate without one).
+
+    uncertainty="none" ignores scores after the first pick; "product" picks argmax of min-distance x score (an
+    uncertain sample far from everything chosen); "top_m" runs the core-set only over the top `top_m_factor * k`
+    candidates by score (Ash et al. style "filter then diversify").
+    """
+
+    name = "k_center"
+
+    def __init__(self, uncertainty: Literal["none", "product", "top_m"] = "none", top_m_factor: int = 10) -> None:
+        if uncertainty not in ("none", "product", "top_m"):
+            raise SelectionError(f"k_center: uncertainty must be 'none', 'product' or 'top_m', got {uncertainty!r}")
+        if top_m_factor < 1:
+            raise SelectionError(f"k_center: top_m_factor must be >= 1, got {top_m_factor}")
+        self.uncertainty, self.top_m_factor = uncertainty, top_m_factor
+
+    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
+        s = self._scores(k, scores)
+        e = _check_embeddings(embeddings, len(s), self.name)
+        lab = None
+        if labeled_embeddings is not None and len(labeled_embeddings):
+            lab = np.asarray(labeled_embeddings, dtype=np.float32)
+            if lab.ndim != 2 or lab.shape[1] != e.shape[1]:
+                raise SelectionError(
+                    f"k_center: labeled embeddings must have shape [m, {e.shape[1]}] like the candidates, got {lab.shape}"
+                )
+            if not np.isfinite(lab).all():
+                raise SelectionError("k_center: labeled embeddings contain NaN/inf; rescore the labeled set")
+        order = rank(s, seed=seed)
+        weights = None
+        if self.uncertainty == "top_m":
+            idx = order[: min(len(s), self.top_m_factor * k)]
+            first = 0  # idx starts with the top-scored candidate
+        else:
+            idx, first = np.arange(len(s)), int(order[0])
+        if self.uncertainty == "product":
+            if s.min() < 0:
+                raise SelectionError(f"k_center: uncertainty='product' needs scores >= 0, got minimum {s.min():.4g}")
+            weights = s * s  # min-distances are squared, so argmax of d^2 s^2 = argmax of d s
+        picks = k_center_greedy(e[idx], k, centers=lab, first=None if lab is not None else first, weights=weights)
+        return idx[picks]
+
+
+class ClusterMargin(Selector):
+    """Cluster-Margin (Citovsky et al. 2021): uncertainty first, then spread across clusters.
+
+    All candidates are clustered with seeded faiss k-means (the paper uses average-linkage HAC, which is quadratic
+    in memory; k-means scales to 100k+ pools and gives the same kind of partition). The top `margin_factor * k`
+    candidates by score are grouped by cluster; clusters are visited smallest first (ties: the one holding the
+    higher score first), taking the most uncertain remaining candidate of each, round after round, until k.
+    `n_clusters` defaults to sqrt(n).
+    """
+
+    name = "cluster_margin"
+
+    def __init__(self, n_clusters: int | None = None, margin_factor: int = 10, niter: int = 20) -> None:
+        if n_clusters is not None and n_clusters < 1:
+            raise SelectionError(f"cluster_margin: n_clusters must be >= 1, got {n_clusters}")
+        if margin_factor < 1:
+            raise SelectionError(f"cluster_margin: margin_factor must be >= 1, got {margin_factor}")
+        self.n_clusters, self.margin_factor, self.niter = n_clusters, margin_factor, niter
+
+    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
+        s = self._scores(k, scores)
+        e = _check_embeddings(embeddings, len(s), self.name)
+        n = len(s)
+        nc = min(n, self.n_clusters or max(1, round(n**0.5)))
+        labels = kmeans_labels(e, nc, seed=seed, niter=self.niter)
+        top = rank(s, seed=seed)[: min(n, self.margin_factor * k)]
+        g = labels[top]
+        size = np.bincount(g, minlength=nc)
+        first_seen = np.full(nc, len(top))
+        np.minimum.at(first_seen, g, np.arange(len(top)))
+        turn = np.empty(nc, dtype=np.int64)
+        turn[np.lexsort((first_seen, size))] = np.arange(nc)
+        return top[_order_round_robin(g, _within_rank(g), turn)[:k]]
+
+
+class Stratified(Selector):
+    """Most uncertain per predicted class.
+
+    allocation="even" gives every class the same share (water-filling: a class with too few candidates passes its
+    surplus on), which counters the class imbalance active learning tends to amplify; "proportional" follows the
+    classes' frequencies among the candidates (largest-remainder rounding). Leftover slots go to classes in the order
+    of their most uncertain candidate. Picks are returned in score order.
+    """
+
+    name = "stratified"
+
+    def __init__(self, allocation: Literal["even", "proportional"] = "even") -> None:
+        if allocation not in ("even", "proportional"):
+            raise SelectionError(f"stratified: allocation must be 'even' or 'proportional', got {allocation!r}")
+        self.allocation = allocation
+
+    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
+        s = self._scores(k, scores)
+        if predicted is None:
+            raise SelectionError("stratified: needs the predicted class of every candidate (predicted=[n])")
+        p = np.asarray(predicted)
+        if p.shape != s.shape:
+            raise SelectionError(f"stratified: predicted must have shape {s.shape} like the scores, got {p.shape}")
+        order = rank(s, seed=seed)
+        _, cls = np.unique(p, return_inverse=True)
+        cls = cls.ravel()
+        counts = np.bincount(cls)
+        nc = len(counts)
+        first_seen = np.full(nc, len(s))
+        np.minimum.at(first_seen, cls[order], np.arange(len(s)))
+        pref = np.argsort(first_seen, kind="stable")  # classes by their most uncertain candidate
+        quota = self._allocate(k, counts, pref)
+        within = _within_rank(cls[order])
+        chosen = order[within < quota[cls[order]]]
+        return chosen
+
+    def _allocate(self, k: int, counts: np.ndarray, pref: np.ndarray) -> np.ndarray:
+        quota = np.zeros(len(counts), dtype=np.int64)
+        if self.allocation == "proportional":
+            exact = k * counts / counts.sum()
+            quota = np.floor(exact).astype(np.int64)
+            frac = (exact - quota)[pref]
+            extra = pref[np.argsort(-frac, kind="stable")][: k - quota.sum()]
+            quota[extra] += 1
+            return quota
+        left = k
+        while left:
+            open_ = pref[quota[pref] < counts[pref]]
+            share = left // len(open_)
+            if share == 0:
+                quota[open_[:left]] += 1
+                break
+            add = np.minimum(share, counts[open_] - quota[open_])
+            quota[open_] += add
+            left -= int(add.sum())
+        return quota
+
+
+class Typical(Selector):
+    """Cold start without labels (TypiClust, Hacohen et al. 2022): k-means into k clusters, then the most typical
+    member of each, typicality = 1 / mean distance to its `n_neighbors` nearest neighbours inside the cluster.
+
+    Scores are not used. Clusters larger than `max_cluster_points` have typicality measured on a seeded sample of
+    that many members (the pairwise distances are quadratic in cluster size). If k-means leaves a cluster empty, the
+    remaining picks are the next most typical members of the largest clusters.
+    """
+
+    name = "typical"
+
+    def __init__(self, n_neighbors: int = 20, max_cluster_points: int = 2000, niter: int = 20) -> None:
+        if n_neighbors < 1 or max_cluster_points < 2:
+            raise SelectionError(
+                f"typical: need n_neighbors >= 1 and max_cluster_points >= 2, got {n_neighbors}, {max_cluster_points}"
+            )
+        self.n_neighbors, self.max_cluster_points, self.niter = n_neighbors, max_cluster_points, niter
+
+    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
+        s = self._scores(k, scores)
+        e = _check_embeddings(embeddings, len(s), self.name)
+        labels = kmeans_labels(e, k, seed=seed, niter=self.niter)
+        rng = np.random.default_rng(seed)
+        typ = np.full(len(s), -np.inf)
+        for c in np.unique(labels):
+            members = np.flatnonzero(labels == c)
+            if len(members) > self.max_cluster_points:
+                members = np.sort(rng.choice(members, self.max_cluster_points, replace=False))
+            typ[members] = self._typicality(e[members])
+        size = np.bincount(labels, minlength=k)
+        turn = np.empty(k, dtype=np.int64)
+        turn[np.lexsort((np.arange(k), -size))] = np.arange(k)
+        # Members in typicality order (ties by index), then round-robin over clusters, largest first.
+        pref = np.lexsort((np.arange(len(s)), -typ))
+        g = labels[pref]
+        return pref[_order_round_robin(g, _within_rank(g), turn)[:k]]
+
+    def _typicality(self, x: np.ndarray) -> np.ndarray:
+        m = len(x)
+        if m == 1:
+            return np.ones(1)
+        xsq = _sqnorms(x)
+        d2 = xsq[:, None] + xsq[None, :] - 2.0 * (x @ x.T)
+        np.fill_diagonal(d2, np.inf)
+        nn = min(self.n_neighbors, m - 1)
+        near = np.sqrt(np.maximum(np.partition(d2, nn - 1, axis=1)[:, :nn], 0.0))
+        return 1.0 / (near.mean(axis=1, dtype=np.float64) + 1e-12)
+
+
+SELECTORS: dict[str, type[Selector]] = {
+    "top_k": TopK,
+    "k_center": KCenter,
+    "cluster_margin": ClusterMargin,
+    "stratified": Stratified,
+    "typical": Typical,
+}

@@ -151,3 +151,30 @@ def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
         "last_metrics": {m["metric"]: m["value"] for m in metrics if last_round is not None and m["round"] == last_round},
         "metrics_rows": len(metrics),
     }
+
+
+def predict_answers(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | None, *,
+                    batch_size: int = 16, max_new_tokens: int = 16) -> list[str]:
+    """The model's answer per row: the most likely candidate for closed sets, greedy generation for open answers."""
+    from pipeline.scoring import make_scorer
+
+    scorer = make_scorer(loaded, answers, max_new_tokens=max_new_tokens)
+    res = scorer.score(list(rows), batch_size=batch_size)
+    if answers:
+        return [answers[i] for i in res.probs.argmax(1)]
+    return list(res.answers or [])
+
+
+def evaluate_model(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | None, *,
+                   batch_size: int = 16, max_new_tokens: int = 16) -> dict[str, Any]:
+    """Metrics of `loaded` on labeled rows (`prepared`, `question`, `answer`) and the per-row predictions."""
+    if not rows:
+        raise ValueError("evaluation needs at least one test row with an answer (split: test)")
+    preds = predict_answers(loaded, rows, answers, batch_size=batch_size, max_new_tokens=max_new_tokens)
+    refs = [r["answer"] for r in rows]
+    return {
+        "metrics": score_answers(preds, refs, closed=bool(answers)),
+        "n": len(rows),
+        "predictions": [{"sample_id": r["sample_id"], "prediction": p, "answer": a}
+                        for r, p, a in zip(rows, preds, refs, strict=True)],
+    }

@@ -1,0 +1,219 @@
+"""Score the pool in cached shards, then select the round's batch.
+
+Each shard is one task keyed by adapter digest + shard content + scoring config + stage version, so a round killed
+mid-scoring resumes at the first unfinished shard, and the shards can run on a Dask cluster (`select.runner: dask`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+
+from flows.stages import run_stage, stage_task
+from pipeline.config import ModelConfig, ProjectConfig
+from pipeline.preprocess import load_prepared
+from pipeline.scoring import SCORE_VERSION, concat_scores, load_scores, make_scorer, plan_shards, save_scores
+from pipeline.store import atomic_write_jsonl, digest_json, find_valid_manifest, stage_key, write_manifest
+from pipeline.strategies import select_batch
+
+log = logging.getLogger(__name__)
+SELECT_VERSION = "1"
+
+
+def make_task_runner(cfg: ProjectConfig) -> Any:
+    """Threads locally; a Dask cluster (or a local one when no address is given) for `select.runner: dask`."""
+    if cfg.select.runner == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        if cfg.select.dask_address:
+            return DaskTaskRunner(address=cfg.select.dask_address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1, "processes": True})
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    # Torch already uses every core inside one shard; more threads would only fight over them.
+    return ThreadPoolTaskRunner(max_workers=1)
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded(model_json: str, adapter_dir: str | None, adapter_digest: str | None) -> Any:
+    """One model per worker process, reused across its shards (the digest makes a retrained adapter a new entry)."""
+    from pipeline.model.loading import load_model
+
+    return load_model(ModelConfig.model_validate_json(model_json), adapter=adapter_dir)
+
+
+@functools.lru_cache(maxsize=2)
+def _index(prepared_dir: str) -> tuple[Any, dict[str, int]]:
+    ds = load_prepared(prepared_dir)
+    return ds, {sid: i for i, sid in enumerate(ds["sample_id"])}
+
+
+def score_config(cfg: ProjectConfig) -> dict[str, Any]:
+    return {
+        "answers": cfg.data.answers,
+        "length_normalize": cfg.select.length_normalize,
+        "mc_dropout_passes": cfg.select.mc_dropout_passes,
+        "score_batch_size": cfg.select.score_batch_size,
+        "max_new_tokens": cfg.model.max_new_tokens,
+        "seed": cfg.seed,
+    }
+
+
+@stage_task("score_shard", SCORE_VERSION)
+def score_shard_task(
+    artifacts: str,
+    model: dict[str, Any],
+    adapter: dict[str, Any] | None,
+    prepared: dict[str, Any],
+    shard_ids: list[str],
+    scoring: dict[str, Any],
+    out_dir: str,
+) -> dict[str, Any]:
+    inputs = {"adapter": (adapter or {}).get("digest", "base"), "prepared": prepared["digest"],
+              "shard": digest_json(shard_ids)}
+    key = stage_key("score_shard", SCORE_VERSION, inputs, {"model": model, "scoring": scoring})
+    if (m := find_valid_manifest(out_dir, key)) is None:
+        ds, index = _index(prepared["dir"])
+        rows = ds.select([index[s] for s in shard_ids])
+        rows = [{"sample_id": r["sample_id"], "prepared": r["prepared"], "question": r["question"]} for r in rows]
+        loaded = _loaded(json.dumps(model, sort_keys=True), adapter and adapter["dir"], adapter and adapter["digest"])
+        scorer = make_scorer(loaded, scoring["answers"], length_normalize=scoring["length_normalize"],
+                             max_new_tokens=scoring["max_new_tokens"])
+        result = scorer.score(rows, batch_size=scoring["score_batch_size"],
+                              mc_passes=scoring["mc_dropout_passes"], seed=scoring["seed"])
+        m = save_scores(result, out_dir, inputs=inputs, config={"model": model, "scoring": scoring})
+    return {"dir": out_dir, "digest": m.key}
+
+
+def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
+               pool_ids: list[str], round_dir: Path) -> list[dict[str, Any]]:
+    """Submit one task per shard on the flow's task runner; a progress artifact shows shards done / total."""
+    shards = plan_shards(pool_ids, cfg.select.shard_size)
+    model, scoring = cfg.section("model"), score_config(cfg)
+    progress = create_progress_artifact(progress=0.0, description=f"pool scoring: 0 / {len(shards)} shards")
+    futures = []
+    for ids in shards:
+        shard_key = digest_json({"adapter": (adapter or {}).get("digest"), "prepared": prepared["digest"],
+                                 "ids": ids, "model": model, "scoring": scoring})
+        futures.append(score_shard_task.submit(
+            artifacts=str(cfg.artifacts), model=model, adapter=adapter, prepared=prepared, shard_ids=ids,
+            scoring=scoring, out_dir=str(cfg.artifacts / "scores" / shard_key[:16]),
+        ))
+    refs = []
+    for i, fut in enumerate(futures, 1):
+        refs.append(fut.result())
+        update_progress_artifact(progress, progress=100.0 * i / len(futures),
+                                 description=f"pool scoring: {i} / {len(futures)} shards")
+    return refs
+
+
+def predictions(scores: Any, answers: list[str] | None) -> tuple[list[str | None], list[float | None]]:
+    """The model's current answer and its confidence per sample (pre-annotations for the annotators)."""
+    if scores.probs is not None and answers:
+        best = scores.probs.argmax(1)
+        return [answers[i] for i in best], [float(p) for p in scores.probs.max(1)]
+    if scores.answers is not None:
+        mean_lp = np.nanmean(np.where(np.isfinite(scores.token_logprobs), scores.token_logprobs, np.nan), axis=1)
+        return list(scores.answers), [float(np.exp(x)) if np.isfinite(x) else None for x in mean_lp]
+    return [None] * len(scores.sample_ids), [None] * len(scores.sample_ids)
+
+
+def heuristic_input(scores: Any, strategy: str) -> np.ndarray | None:
+    """The array a heuristic reads: candidate probs ([n, c] or MC [n, c, k]), token entropies, or agreement codes."""
+    from pipeline.scoring import agreement_codes
+
+    if strategy == "token_entropy":
+        return scores.token_entropy
+    if strategy == "answer_disagreement":
+        return agreement_codes(scores.mc_answers) if scores.mc_answers else None
+    if strategy == "bald":
+        return scores.mc_probs
+    if strategy == "random":
+        return None
+    return scores.mc_probs.mean(-1) if scores.mc_probs is not None and scores.probs is None else scores.probs
+
+
+@stage_task("select", SELECT_VERSION)
+def select_task(
+    artifacts: str,
+    shard_refs: list[dict[str, Any]],
+    select: dict[str, Any],
+    answers: list[str] | None,
+    exclude_digest: str,
+    exclude_path: str,
+    cold_start: bool,
+    adapter_digest: str | None,
+    seed: int,
+    out_dir: str,
+) -> dict[str, Any]:
+    from pipeline.config import SelectConfig
+    from pipeline.store import read_jsonl
+
+    sel_cfg = SelectConfig.model_validate(select)
+    scores = concat_scores([load_scores(r["dir"]) for r in shard_refs])
+    exclude = {r["sample_id"] for r in read_jsonl(exclude_path)}
+    if cold_start:
+        strategy, diversity = ("random", "top_k") if sel_cfg.cold_start == "random" else ("random", "typical")
+        probs = None
+    else:
+        strategy, diversity = sel_cfg.strategy, sel_cfg.diversity
+        probs = heuristic_input(scores, strategy)
+        if probs is None and strategy != "random":
+            from pipeline.errors import SelectionError
+
+            raise SelectionError(
+                f"select.strategy {strategy!r} needs "
+                + ("select.mc_dropout_passes ≥ 2" if strategy in ("bald", "answer_disagreement") else "closed answers")
+                + f"; the pool was scored with {select.get('mc_dropout_passes', 0)} MC passes"
+            )
+    predicted_answer, confidence = predictions(scores, answers)
+    predicted = scores.probs.argmax(1) if scores.probs is not None else None
+    selection = select_batch(
+        scores.sample_ids, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, probs=probs,
+        embeddings=scores.embeddings, predicted=predicted, exclude=exclude, seed=seed,
+    )
+    per_sample = {sid: i for i, sid in enumerate(scores.sample_ids)}
+    rows = []
+    for row in selection.rows():
+        i = per_sample[row["sample_id"]]
+        rows.append({**row, "rank": row["rank"] - 1, "adapter_digest": adapter_digest,
+                     "prediction": predicted_answer[i], "confidence": confidence[i],
+                     "scores": {strategy: row["score"]}})
+    out = Path(out_dir)
+    atomic_write_jsonl(out / "selection.jsonl", rows)
+    m = write_manifest(out, stage="select", stage_version=SELECT_VERSION,
+                       inputs={"scores": digest_json([r["digest"] for r in shard_refs]), "exclude": exclude_digest},
+                       config=select, outputs={"selection": "selection.jsonl"},
+                       info={"n": len(rows), "strategy": strategy, "diversity": diversity, "pool": len(scores.sample_ids)})
+    return {"dir": out_dir, "digest": m.key, "n": len(rows)}
+
+
+def selection_table(rows: list[dict[str, Any]], top: int = 20) -> list[dict[str, Any]]:
+    return [{k: r.get(k) for k in ("rank", "sample_id", "score", "prediction", "confidence")} for r in rows[:top]]
+
+
+def select_ref(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
+               pool_ids: list[str], exclude: list[str], round_dir: Path) -> dict[str, Any]:
+    """Score the eligible pool and select; writes round_dir/selection.jsonl. Call from inside a flow."""
+    from pipeline.store import read_jsonl
+
+    refs = score_pool(cfg, prepared=prepared, adapter=adapter, pool_ids=pool_ids, round_dir=round_dir)
+    exclude_rows = [{"sample_id": s} for s in sorted(set(exclude))]
+    exclude_path = round_dir / "exclude.jsonl"
+    atomic_write_jsonl(exclude_path, exclude_rows)
+    ref = run_stage(
+        select_task, artifacts=str(cfg.artifacts), shard_refs=refs, select=cfg.section("select"),
+        answers=cfg.data.answers, exclude_digest=digest_json(exclude_rows), exclude_path=str(exclude_path),
+        cold_start=adapter is None, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
+        out_dir=str(round_dir / "selection"),
+    )
+    rows = read_jsonl(Path(ref["dir"]) / "selection.jsonl")
+    create_table_artifact(key="selection", table=selection_table(rows),
+                          description=f"Top of the selection ({len(rows)} samples)")
+    return ref

@@ -288,24 +288,28 @@ class ClusterMargin(Selector):
     in memory; k-means scales to 100k+ pools and gives the same kind of partition). The top `margin_factor * k`
     candidates by score are grouped by cluster; clusters are visited smallest first (ties: the one holding the
     higher score first), taking the most uncertain remaining candidate of each, round after round, until k.
-    `n_clusters` defaults to sqrt(n).
+    `n_clusters` defaults to sqrt(n); k-means trains on `max_points_per_centroid` rows per cluster, which is plenty
+    for a partition that only spreads picks and keeps 100k x 384 under ~1 s.
     """
 
     name = "cluster_margin"
 
-    def __init__(self, n_clusters: int | None = None, margin_factor: int = 10, niter: int = 20) -> None:
+    def __init__(
+        self, n_clusters: int | None = None, margin_factor: int = 10, niter: int = 20, max_points_per_centroid: int = 32
+    ) -> None:
         if n_clusters is not None and n_clusters < 1:
             raise SelectionError(f"cluster_margin: n_clusters must be >= 1, got {n_clusters}")
         if margin_factor < 1:
             raise SelectionError(f"cluster_margin: margin_factor must be >= 1, got {margin_factor}")
         self.n_clusters, self.margin_factor, self.niter = n_clusters, margin_factor, niter
+        self.max_points_per_centroid = max_points_per_centroid
 
     def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
         s = self._scores(k, scores)
         e = _check_embeddings(embeddings, len(s), self.name)
         n = len(s)
         nc = min(n, self.n_clusters or max(1, round(n**0.5)))
-        labels = kmeans_labels(e, nc, seed=seed, niter=self.niter)
+        labels = kmeans_labels(e, nc, seed=seed, niter=self.niter, max_points_per_centroid=self.max_points_per_centroid)
         top = rank(s, seed=seed)[: min(n, self.margin_factor * k)]
         g = labels[top]
         size = np.bincount(g, minlength=nc)

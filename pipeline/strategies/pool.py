@@ -70,7 +70,8 @@ def select_batch(
     `exclude` holds IDs that must never be picked: already labeled, quarantined, excluded by quality, exported but
     not yet labeled. Candidates are put in sample-ID order first, so the result does not depend on the order shards
     arrived in: the same inputs and seed give the same IDs. `options` are passed to the selector's constructor
-    (e.g. {"uncertainty": "product"} for k_center). Without `probs` only `random` or `typical` (cold start) work.
+    (e.g. {"uncertainty": "product"} for k_center); `labeled_embeddings` seed k_center's core-set. Without `probs`
+    only `random` or `typical` (cold start) work.
     """
     if strategy not in HEURISTICS:
         raise SelectionError(f"select: unknown strategy {strategy!r}; choose one of {sorted(HEURISTICS)}")

@@ -187,3 +187,39 @@ def test_preprocess_same_bytes_with_two_processes(tmp_path, image_dataset):
     a, b = load_prepared(tmp_path / "a"), load_prepared(tmp_path / "b")
     assert a["sample_id"][:] == b["sample_id"][:]
     assert a["prepared"][:] == b["prepared"][:]
+
+
+def test_ingested_bad_mode_images_go_through_preprocessing(tmp_path):
+    from pipeline.config import parse_config
+    from pipeline.data.ingest import ingest, load_ingested
+
+    root = tmp_path / "src"
+    root.mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    palette = Image.new("P", (7, 7), 3)
+    palette.putpalette([i % 256 for i in range(768)])
+    files = {  # the modes of the ingestion tests' bad-image zoo that ingestion accepts
+        "wrong_ext.jpg": encode(Image.new("L", (5, 5), 77)),
+        "cmyk.jpg": encode(Image.new("CMYK", (6, 6), (10, 20, 30, 40)), "JPEG"),
+        "16bit.png": encode(Image.new("I;16", (5, 4), 40000)),
+        "palette.png": encode(palette),
+        "rgba.png": encode(Image.new("RGBA", (3, 3), (1, 2, 3, 128))),
+        "rotated.jpg": encode(Image.new("RGB", (40, 20), (200, 10, 10)), "JPEG", exif=exif.tobytes()),
+    }
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    (root / "m.jsonl").write_text("".join(json.dumps({"image": n, "answer": n}) + "\n" for n in files))
+    cfg = parse_config({"data": {"sources": [{"kind": "jsonl", "path": str(root / "m.jsonl")}]},
+                        "paths": {"artifacts": str(tmp_path / "art")}})
+    ingest(cfg, tmp_path / "ingest")
+    ds = load_ingested(tmp_path / "ingest")
+    assert set(ds["mode"][:]) == {"L", "CMYK", "I;16", "P", "RGBA", "RGB"}
+
+    m = preprocess_dataset(ds, PreprocessConfig(), tmp_path / "prep", size=20, max_pixels=MAXPIX)
+    assert m.info["quarantined"] == 0
+    rows = {r["answer"]: r for r in load_prepared(tmp_path / "prep")}
+    assert set(rows) == set(files)
+    assert (rows["rotated.jpg"]["prep_width"], rows["rotated.jpg"]["prep_height"]) == (10, 20)
+    np.testing.assert_allclose(decode_prepared(rows["16bit.png"]["prepared"])[0, 0], [156] * 3, atol=1)
+    np.testing.assert_allclose(decode_prepared(rows["rgba.png"]["prepared"])[0, 0], [128, 128, 129], atol=2)

@@ -1,0 +1,54 @@
+"""Scheduled rounds: `tamis serve`, the one-process alternative to the `prefect.yaml` deployment.
+
+Both register the deployment `labeling-round/scheduled`; `serve` also runs the scheduled flow runs itself, so no work
+pool or worker is needed (but the schedule only fires while it runs).
+"""
+# No `from __future__ import annotations`: typer reads the annotations at run time.
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from pipeline.errors import ConfigError
+
+DEPLOYMENT_NAME = "scheduled"
+
+
+def checked_cron(cron: str, origin: str) -> str:
+    """Refuse a bad cron expression before Prefect does, with the source of the value and an example."""
+    from prefect.client.schemas.schedules import CronSchedule
+    from pydantic import ValidationError
+
+    try:
+        CronSchedule(cron=cron)
+    except ValidationError:
+        raise ConfigError(
+            f"{origin}: {cron!r} is not a valid cron expression; give 5 fields (minute hour day-of-month month "
+            "day-of-week, in UTC), e.g. '0 6 * * 1' for Mondays at 06:00"
+        ) from None
+    return cron
+
+
+def serve_round(config: Path | None, cron: str | None, cfg: Any) -> None:
+    """Register `labeling-round/scheduled` with `cron` (default: rounds.cron) and run its flow runs until stopped."""
+    origin = "--cron" if cron else f"{config or 'the demo config'}: rounds.cron"
+    schedule = checked_cron(cron or cfg.rounds.cron, origin)
+    from flows.round import round_flow_for
+
+    # Absolute, because the runs may start in another working directory than this command.
+    params = {"config_path": str(config.resolve())} if config else {}
+    round_flow_for(cfg).serve(name=DEPLOYMENT_NAME, cron=schedule, parameters=params)
+
+
+def register_serve(app: typer.Typer) -> None:
+    from flows.cli import ConfigOpt, load
+
+    @app.command("serve")
+    def serve_cmd(
+        config: ConfigOpt = None,
+        cron: Annotated[str | None, typer.Option("--cron", help="Cron schedule in UTC, e.g. '0 6 * * 1' "
+                                                  "(default: rounds.cron of the config).")] = None,
+    ) -> None:
+        """Run labeling rounds on a schedule from this process (deployment labeling-round/scheduled); Ctrl-C stops."""
+        serve_round(config, cron, load(config))

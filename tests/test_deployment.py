@@ -1,0 +1,195 @@
+"""Scheduled rounds: prefect.yaml, `tamis serve`, and a real `prefect server` → deploy → process worker → run."""
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from flows.cli import app
+from pipeline.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+PREFECT = str(BIN / "prefect")
+runner = CliRunner()
+
+
+# ------------------------------------------------------------------------------------------------- fast checks
+def test_prefect_yaml_deploys_the_round_flow_offline_on_the_demo_schedule():
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    assert not spec.get("build") and not spec.get("push")  # nothing that needs a registry or the network
+    (dep,) = spec["deployments"]
+    assert dep["name"] == "scheduled" and dep["work_pool"]["name"] == "tamis"
+    path, func = dep["entrypoint"].split(":")
+    assert (ROOT / path).is_file() and f"def {func}(" in (ROOT / path).read_text()
+    assert (ROOT / dep["parameters"]["config_path"]).is_file()
+    from pipeline.config import RoundsConfig
+
+    assert [s["cron"] for s in dep["schedules"]] == [demo.get("rounds", {}).get("cron", RoundsConfig().cron)]
+    assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $TAMIS_PROJECT_DIR }}"}}]
+    assert dep["work_pool"]["job_variables"]["env"]["TAMIS_PROJECT_DIR"] == "{{ $PWD }}"
+
+
+def test_serve_refuses_a_bad_cron_naming_where_it_came_from(tmp_path):
+    res = runner.invoke(app, ["serve", "--cron", "every monday"])
+    assert res.exit_code != 0 and isinstance(res.exception, ConfigError)
+    assert "--cron: 'every monday' is not a valid cron expression" in str(res.exception)
+    assert "'0 6 * * 1'" in str(res.exception)
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"artifacts": str(tmp_path / "art")}, "rounds": {"cron": "0 25 * * *"}}))
+    res = runner.invoke(app, ["serve", "--config", str(config)])
+    assert isinstance(res.exception, ConfigError)
+    assert f"{config}: rounds.cron: '0 25 * * *' is not a valid cron expression" in str(res.exception)
+
+
+# --------------------------------------------------------------------------------------- real server, slow
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "<no log>"
+
+
+def _start(cmd: list[str], env: dict[str, str], log: Path, cwd: Path) -> subprocess.Popen:
+    # Own process group: the worker's flow-run child is stopped with it.
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=20)
+
+
+def _cli(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 180) -> str:
+    proc = subprocess.run([PREFECT, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"prefect {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory) -> Iterator[tuple[str, dict[str, str]]]:
+    """A real `prefect server start` on 127.0.0.1 with its own PREFECT_HOME → (API URL, env for clients)."""
+    import httpx
+
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(home / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
+               PREFECT_UI_ENABLED="false", PREFECT_LOGGING_LEVEL="INFO")
+    log = home / "server.log"
+    server = _start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log, home)
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, f"prefect server exited with {server.returncode}:\n{_tail(log)}"
+            try:
+                if httpx.get(f"{api}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"prefect server not healthy after 240 s:\n{_tail(log)}"
+            time.sleep(1)
+        yield api, {**env, "PREFECT_API_URL": api}
+    finally:
+        _stop(server)
+
+
+def _tiny_project(root: Path) -> Path:
+    """A copy of the project code + a tiny config (60 digits, tiny model built on first use) → the config path."""
+    from pipeline.data.demo import write_digits
+
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("flows", "pipeline", "configs"):
+        shutil.copytree(ROOT / name, root / name, ignore=ignore)
+    shutil.copy2(ROOT / "prefect.yaml", root / "prefect.yaml")
+    data = write_digits(root / "data" / "digits", limit=60)
+    cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    cfg["paths"]["artifacts"] = str(root / "artifacts")
+    cfg["data"]["sources"] = [{"kind": "jsonl", "path": str(data / "manifest.jsonl")}]
+    cfg["data"]["ground_truth"] = str(data / "ground_truth.jsonl")
+    cfg["model"].update(name_or_path=str(root / "models" / "tiny-idefics3"), build_tiny_if_missing=True)
+    cfg["train"].update(batch_size=4, effective_batch_size=4, max_steps=2)
+    cfg["select"].update(batch_size=8, shard_size=64)
+    cfg["rounds"].update(simulate_annotator=True)
+    path = root / "configs" / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+@pytest.mark.slow
+def test_deploy_from_prefect_yaml_to_a_process_worker_and_run_a_round(prefect_server, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api, env = prefect_server
+    project = tmp_path / "project"
+    config = _tiny_project(project)
+    # Shells set PWD to the folder `prefect deploy` runs in; the copy's packages shadow the editable install.
+    env = {**env, "PWD": str(project), "PYTHONPATH": str(project)}
+
+    _cli(["work-pool", "create", "tamis", "--type", "process"], env, project)
+    _cli(["deploy", "--all", "--no-prompt"], env, project, timeout=300)
+    out = _cli(["deployment", "run", "labeling-round/scheduled", "--params", f'{{"config_path": "{config}"}}'],
+               env, project)
+    run_id = re.search(r"UUID: ([0-9a-f-]{36})", out)
+    assert run_id, out
+
+    worker_log = tmp_path / "worker.log"
+    worker = _start([PREFECT, "worker", "start", "--pool", "tamis"], env, worker_log, tmp_path)
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+            dep = client.read_deployment_by_name("labeling-round/scheduled")
+            assert [s.schedule.cron for s in dep.schedules] == ["0 6 * * 1"]
+            assert dep.parameters == {"config_path": "configs/demo.yaml"} and dep.work_pool_name == "tamis"
+            assert dep.job_variables["env"]["TAMIS_PROJECT_DIR"] == str(project)
+
+            deadline = time.monotonic() + 900
+            while not (run := client.read_flow_run(run_id.group(1))).state.is_final():
+                assert worker.poll() is None, f"worker exited with {worker.returncode}:\n{_tail(worker_log)}"
+                assert time.monotonic() < deadline, f"run still {run.state.name} after 900 s:\n{_tail(worker_log)}"
+                time.sleep(3)
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+            assert run.state.is_completed(), (
+                f"run ended {run.state.name}: {run.state.message}\n"
+                + "\n".join(lg.message for lg in logs[-40:]) + f"\n--- worker ---\n{_tail(worker_log)}"
+            )
+            arts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    finally:
+        _stop(worker)
+
+    assert run.parameters == {"config_path": str(config)} and run.deployment_id == dep.id
+    by_key = {a.key: a for a in arts}
+    assert by_key["round-summary"].type == "markdown"
+    assert "Labeling round 0" in by_key["round-summary"].data and "labeled samples" in by_key["round-summary"].data
+    # Prefect stores a link artifact as markdown: [text](url).
+    link = re.search(r"\]\((file://[^)]+)\)", by_key["export-folder"].data)
+    assert link, by_key["export-folder"].data
+    export = Path(unquote(urlparse(link.group(1)).path))
+    assert export.is_dir() and export.is_relative_to(project / "artifacts") and any(export.iterdir())
+    # The job variables reached the flow-run process: task results sit next to the project's artifacts.
+    assert any((project / "artifacts" / "prefect" / "results").iterdir())

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
-from flows.stages import run_stage, stage_task
+from flows.stages import ref_is_valid, run_stage, stage_task
 from pipeline.config import ModelConfig, ProjectConfig
 from pipeline.preprocess import load_prepared
 from pipeline.scoring import SCORE_VERSION, concat_scores, load_scores, make_scorer, plan_shards, save_scores
@@ -97,17 +97,22 @@ def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[st
     shards = plan_shards(pool_ids, cfg.select.shard_size)
     model, scoring = cfg.section("model"), score_config(cfg)
     progress = create_progress_artifact(progress=0.0, description=f"pool scoring: 0 / {len(shards)} shards")
-    futures = []
+    params, futures = [], []
     for ids in shards:
         shard_key = digest_json({"adapter": (adapter or {}).get("digest"), "prepared": prepared["digest"],
                                  "ids": ids, "model": model, "scoring": scoring})
-        futures.append(score_shard_task.submit(
+        params.append(dict(
             artifacts=str(cfg.artifacts), model=model, adapter=adapter, prepared=prepared, shard_ids=ids,
             scoring=scoring, out_dir=str(cfg.artifacts / "scores" / shard_key[:16]),
         ))
+        futures.append(score_shard_task.submit(**params[-1]))
     refs = []
     for i, fut in enumerate(futures, 1):
-        refs.append(fut.result())
+        ref = fut.result()
+        if not ref_is_valid(ref):
+            # The cached ref names a shard folder deleted or damaged since: score that shard again.
+            ref = score_shard_task.with_options(refresh_cache=True).submit(**params[i - 1]).result()
+        refs.append(ref)
         update_progress_artifact(progress, progress=100.0 * i / len(futures),
                                  description=f"pool scoring: {i} / {len(futures)} shards")
     return refs

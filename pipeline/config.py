@@ -159,6 +159,10 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(default=50, ge=1)
     init: Literal["fresh", "warm"] = "fresh"
     max_grad_norm: float = Field(default=1.0, gt=0)
+    # Out-of-sample probabilities for label checks: k-fold adapters on the labeled set, or (cheaper for big models)
+    # the round's adapter on samples labeled after it was trained.
+    kfold: int = Field(default=3, ge=2)
+    oos_method: Literal["kfold", "heldout"] = "kfold"
 
 
 class SelectConfig(Section):
@@ -176,6 +180,12 @@ class SelectConfig(Section):
     runner: Literal["local", "dask"] = "local"
     dask_address: str | None = None
     outliers: Literal["keep", "downweight", "exclude"] = "keep"
+    # Outlier flags: robust z of the mean distance to this many nearest neighbours (labeled ∪ pool) above outlier_z,
+    # or in the top 10 % of uncertainty for uncertain_rounds rounds despite labeled neighbours.
+    outlier_neighbors: int = Field(default=10, ge=1)
+    outlier_z: float = Field(default=3.5, gt=0)
+    outlier_weight: float = Field(default=0.5, ge=0, le=1)
+    uncertain_rounds: int = Field(default=3, ge=2)
 
 
 class AnnotateConfig(Section):

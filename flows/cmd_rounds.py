@@ -1,9 +1,108 @@
-"""`tamis` commands for this area; `register` adds them to the app."""
+"""`tamis round`, `tamis demo`, `tamis status`: run labeling rounds and see where a project stands."""
+# No `from __future__ import annotations`: typer reads the annotations at run time, and ConfigOpt is local.
 
-from __future__ import annotations
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
 
+def _round_row(state: dict[str, Any]) -> list[str]:
+    metrics = state.get("metrics") or {}
+    main = metrics.get("accuracy", metrics.get("token_f1"))
+    return [str(state["round"]), str(state["labeled"]), "—" if main is None else f"{main:.3f}", state["strategy"],
+            str(state.get("selected", 0)), state.get("stopped") or ""]
+
+
+def _rounds_table(states: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="labeling rounds")
+    for col, just in (("round", "right"), ("labels", "right"), ("accuracy", "right"), ("strategy", "left"),
+                      ("selected", "right"), ("stopped", "left")):
+        table.add_column(col, justify=just)
+    for s in states:
+        table.add_row(*_round_row(s))
+    return table
+
+
 def register(app: typer.Typer) -> None:
-    pass
+    from flows.cli import ConfigOpt, load
+    from flows.deploy import register_serve
+
+    register_serve(app)
+
+    @app.command("round")
+    def round_cmd(
+        config: ConfigOpt = None,
+        simulate: Annotated[bool | None, typer.Option("--simulate/--no-simulate", help="Let the simulated annotator "
+                                                        "label the export (default: rounds.simulate_annotator).")] = None,
+    ) -> None:
+        """Run the next labeling round (or finish / re-run the current one: finished work comes from the cache)."""
+        from rich.console import Console
+
+        cfg = load(config)
+        from flows.round import round_flow_for
+
+        state = round_flow_for(cfg)(str(config) if config else None, simulate=simulate)
+        Console().print(_rounds_table([state]))
+
+    @app.command("demo")
+    def demo_cmd(
+        config: ConfigOpt = None,
+        rounds: Annotated[int | None, typer.Option("--rounds", min=1, help="Stop after this many rounds "
+                                                     "(default: rounds.max_rounds).")] = None,
+    ) -> None:
+        """The demo: digits data + a tiny 4-bit model, several rounds with the simulated annotator, on the CPU."""
+        import time
+
+        from rich.console import Console
+
+        cfg = load(config)
+        out = Console()
+        digits = cfg.data.sources[0].path.parent if cfg.data.sources else None
+        if digits is not None and not cfg.data.sources[0].path.exists():
+            from pipeline.data.demo import write_digits
+
+            write_digits(digits)
+            out.print(f"wrote the digits demo data to {digits}", highlight=False)
+        from flows.round import round_flow_for
+
+        flow = round_flow_for(cfg)
+        states = []
+        for _ in range(rounds or cfg.rounds.max_rounds):
+            t0 = time.perf_counter()
+            state = flow(str(config) if config else None, simulate=True)
+            state["seconds"] = round(time.perf_counter() - t0, 1)
+            states.append(state)
+            out.print(_rounds_table(states))
+            if state.get("stopped"):
+                break
+        out.print(f"learning curve: {cfg.artifacts / 'learning_curve.png'}", highlight=False)
+        last_export = next((s["export_dir"] for s in reversed(states) if s.get("export_dir")), None)
+        if last_export:
+            out.print(f"last export for annotators: {last_export}", highlight=False)
+
+    @app.command("status")
+    def status_cmd(config: ConfigOpt = None) -> None:
+        """Rounds so far, labeled / pool / quarantined counts, last metrics."""
+        import json
+
+        from rich.console import Console
+
+        from pipeline.evaluate import status_summary
+        from pipeline.rounds import completed_rounds
+
+        cfg = load(config)
+        out = Console()
+        states = completed_rounds(cfg.artifacts)
+        if not states:
+            out.print(f"no finished round yet in {cfg.artifacts}; start one with `tamis round`", highlight=False)
+        else:
+            out.print(_rounds_table(states))
+        quarantined = sum(
+            sum(1 for _ in open(p, encoding="utf-8")) for p in Path(cfg.artifacts).glob("*/*/quarantine.jsonl")
+        )
+        summary = {**status_summary(cfg.artifacts), "quarantined_rows": quarantined,
+                   "pool_eligible": states[-1]["pool"] if states else None}
+        out.print_json(json.dumps(summary, default=str))

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ProjectConfig
+from pipeline.errors import DataError
+from pipeline.store import atomic_dir, atomic_write_text
 
 ROUND_FILE = "round.json"
 
@@ -46,15 +48,30 @@ def exported_before(artifacts: str | os.PathLike[str], round_index: int) -> set[
     return ids
 
 
-def labeled_rows(prepared: Any, labels: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Training rows: the prepared image and question of each labeled sample, with its label as the answer."""
-    by_id = {r["sample_id"]: r["label"] for r in labels}
+def save_labeled_set(prepared: Any, labels: Mapping[str, str], out_dir: str | os.PathLike[str], *,
+                     digest: str) -> dict[str, str]:
+    """The labeled training set: prepared rows of the labeled samples with their current label as the answer.
+
+    Saved as a dataset (what augmentation and training read); returns {"dataset": path, "digest": digest}. The
+    folder is rebuilt only when its recorded digest differs, so a re-run leaves it alone.
+    """
+    out_dir = Path(out_dir)
+    stamp = out_dir / "digest.txt"
+    if stamp.is_file() and stamp.read_text(encoding="utf-8") == digest:
+        return {"dataset": str(out_dir / "dataset"), "digest": digest}
     index = {sid: i for i, sid in enumerate(prepared["sample_id"])}
-    missing = [s for s in by_id if s not in index]
+    missing = sorted(s for s in labels if s not in index)
     if missing:
-        raise KeyError(f"{len(missing)} labeled samples are not in the prepared dataset (first: {missing[0]})")
-    sub = prepared.select_columns(["sample_id", "prepared", "question"]).select(sorted(index[s] for s in by_id))
-    return [{**row, "answer": by_id[row["sample_id"]]} for row in sub]
+        raise DataError(f"{len(missing)} labeled samples are not in the prepared dataset (first: {missing[0]}); "
+                        "were they labeled for another dataset?")
+    sub = prepared.select(sorted(index[s] for s in labels))
+    # keep_in_memory: a cache file would land inside the prepare stage's folder and break its digest.
+    sub = sub.map(lambda sid: {"answer": labels[sid], "split": "train"}, input_columns=["sample_id"],
+                  keep_in_memory=True)
+    with atomic_dir(out_dir / "dataset") as tmp:
+        sub.save_to_disk(str(tmp))
+    atomic_write_text(stamp, digest)
+    return {"dataset": str(out_dir / "dataset"), "digest": digest}
 
 
 def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Sequence[Mapping[str, Any]],

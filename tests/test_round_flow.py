@@ -1,0 +1,95 @@
+"""End to end: two labeling rounds with the tiny 4-bit model under a Prefect test server."""
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+import yaml
+
+from pipeline.annotation.ledger import Ledger, ledger_path
+from pipeline.config import load_config
+from pipeline.data.demo import write_digits
+from pipeline.errors import LockError
+from pipeline.lock import ProjectLock
+from pipeline.rounds import completed_rounds
+from pipeline.store import executions, read_jsonl, read_manifest
+
+
+def write_project(root, tiny_models, **overrides):
+    digits = write_digits(root / "digits", limit=60)
+    model_dir = root / "model"
+    shutil.copytree(tiny_models["idefics3"], model_dir)
+    cfg = {
+        "seed": 0,
+        "paths": {"artifacts": str(root / "artifacts")},
+        "data": {"sources": [{"kind": "jsonl", "path": str(digits / "manifest.jsonl")}],
+                 "answers": [str(d) for d in range(10)], "question": "Which digit is shown in the image?",
+                 "ground_truth": str(digits / "ground_truth.jsonl")},
+        "preprocess": {"size": 32, "pad": "square"},
+        "model": {"name_or_path": str(model_dir), "family": "idefics3", "mode": "qlora"},
+        "train": {"batch_size": 4, "effective_batch_size": 4, "max_steps": 2, "learning_rate": 0.002,
+                  "checkpoint_every": 1},
+        "select": {"batch_size": 6, "strategy": "margin", "diversity": "cluster_margin", "shard_size": 16},
+        "rounds": {"max_rounds": 5, "simulate_annotator": True},
+    }
+    for section, values in overrides.items():
+        cfg[section].update(values)
+    path = root / "tamis.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def stage_runs(artifacts):
+    return Counter(e["stage"] for e in executions(artifacts))
+
+
+def test_two_rounds_cached_rerun_label_import_and_corrupt_inbox(tmp_path, tiny_models, prefect_harness):
+    from flows.round import labeling_round
+
+    config = write_project(tmp_path, tiny_models)
+    art = load_config(config).artifacts
+
+    first = labeling_round(str(config))
+    assert first["round"] == 0 and first["labeled"] == 0 and first["selected"] == 6
+    assert first["strategy"].startswith("cold start")
+    tasks = json.loads((art / "rounds/000/export/label_studio_tasks.json").read_text())
+    assert len(tasks) == 6
+    assert (art / "inbox/simulated-round-000.json").is_file()  # the simulated annotator's Label Studio export
+
+    second = labeling_round(str(config), simulate=False)
+    assert second["round"] == 1 and second["labeled"] == 6
+    ledger = Ledger(ledger_path(art))
+    assert sorted(ledger.labels()) == sorted(t["data"]["sample_id"] for t in tasks)
+    assert set(second["metrics"]) == {"accuracy", "exact_match"}
+    selection = read_jsonl(art / "rounds/001/selection/selection.jsonl")
+    assert len(selection) == 6 and not {r["sample_id"] for r in selection} & set(ledger.labels())
+    assert {"sample_id", "rank", "score", "strategy", "adapter_digest", "prediction", "confidence"} <= set(selection[0])
+    for stage_dir in ("rounds/001/export", "rounds/001/selection"):
+        read_manifest(art / stage_dir)  # digests verify
+
+    before = stage_runs(art)
+    again = labeling_round(str(config), simulate=False)
+    assert again["round"] == 1 and again["metrics"] == second["metrics"]
+    assert stage_runs(art) == before  # a finished round re-runs without executing any stage body
+
+    # A corrupt inbox file is rejected with its line number; the ledger does not change.
+    entries = len(ledger.entries())
+    (art / "inbox" / "broken.json").write_text('[\n  {"data": {"sample_id": "x"},\n  "annotations": [\n')
+    third = labeling_round(str(config), simulate=False)
+    rejected = [i for i in third["imports"] if "error" in i]
+    assert len(rejected) == 1 and "broken.json" in rejected[0]["file"] and "line" in rejected[0]["error"]
+    assert len(ledger.entries()) == entries
+    assert third["round"] == 1  # nothing new was labeled: still the same round
+    assert [s["round"] for s in completed_rounds(art)] == [0, 1]
+    assert (art / "learning_curve.png").stat().st_size > 0
+
+
+def test_second_concurrent_round_is_refused(tmp_path, tiny_models, prefect_harness):
+    from flows.round import labeling_round
+
+    config = write_project(tmp_path, tiny_models)
+    art = load_config(config).artifacts
+    with ProjectLock(art / "round.lock"):
+        with pytest.raises(LockError, match="Another labeling round is running"):
+            labeling_round(str(config))

@@ -5,6 +5,7 @@ pool or worker is needed (but the schedule only fires while it runs).
 """
 # No `from __future__ import annotations`: typer reads the annotations at run time.
 
+import logging
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,6 +13,7 @@ import typer
 
 from pipeline.errors import ConfigError
 
+log = logging.getLogger(__name__)
 DEPLOYMENT_NAME = "scheduled"
 
 
@@ -30,11 +32,28 @@ def checked_cron(cron: str, origin: str) -> str:
     return cron
 
 
+def server_url() -> str:
+    """The Prefect API to serve against; Prefect's embedded server has no scheduler, so a schedule would never fire."""
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    if not url:
+        raise ConfigError(
+            "PREFECT_API_URL is not set: `tamis serve` needs a running Prefect server to fire its schedule (the "
+            "embedded one has no scheduler); run `prefect server start`, then "
+            "`export PREFECT_API_URL=http://127.0.0.1:4200/api` and retry"
+        )
+    return url
+
+
 def serve_round(config: Path | None, cron: str | None, cfg: Any) -> None:
     """Register `labeling-round/scheduled` with `cron` (default: rounds.cron) and run its flow runs until stopped."""
     origin = "--cron" if cron else f"{config or 'the demo config'}: rounds.cron"
     schedule = checked_cron(cron or cfg.rounds.cron, origin)
+    url = server_url()
     from flows.round import round_flow_for
+
+    log.info("serving labeling-round/%s on cron %r (UTC) against %s", DEPLOYMENT_NAME, schedule, url)
 
     # Absolute, because the runs may start in another working directory than this command.
     params = {"config_path": str(config.resolve())} if config else {}

@@ -55,6 +55,19 @@ def test_serve_refuses_a_bad_cron_naming_where_it_came_from(tmp_path):
     assert f"{config}: rounds.cron: '0 25 * * *' is not a valid cron expression" in str(res.exception)
 
 
+def test_serve_refuses_to_start_without_a_server_to_fire_the_schedule(tmp_path):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"artifacts": str(tmp_path / "art")}}))
+    # The session's test harness may have set an API URL in the settings context; drop it here.
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        res = runner.invoke(app, ["serve", "--config", str(config), "--cron", "0 6 * * 1"])
+    assert isinstance(res.exception, ConfigError)
+    assert "PREFECT_API_URL is not set" in str(res.exception) and "prefect server start" in str(res.exception)
+    assert not (tmp_path / "art" / "rounds").exists()
+
+
 # --------------------------------------------------------------------------------------- real server, slow
 def _free_port() -> int:
     with socket.socket() as s:
@@ -154,8 +167,7 @@ def test_deploy_from_prefect_yaml_to_a_process_worker_and_run_a_round(prefect_se
 
     _cli(["work-pool", "create", "tamis", "--type", "process"], env, project)
     _cli(["deploy", "--all", "--no-prompt"], env, project, timeout=300)
-    out = _cli(["deployment", "run", "labeling-round/scheduled", "--params", f'{{"config_path": "{config}"}}'],
-               env, project)
+    out = _cli(["deployment", "run", "labeling-round/scheduled", "--param", f"config_path={config}"], env, project)
     run_id = re.search(r"UUID: ([0-9a-f-]{36})", out)
     assert run_id, out
 
@@ -193,3 +205,33 @@ def test_deploy_from_prefect_yaml_to_a_process_worker_and_run_a_round(prefect_se
     assert export.is_dir() and export.is_relative_to(project / "artifacts") and any(export.iterdir())
     # The job variables reached the flow-run process: task results sit next to the project's artifacts.
     assert any((project / "artifacts" / "prefect" / "results").iterdir())
+
+
+@pytest.mark.slow
+def test_serve_registers_the_scheduled_deployment_from_the_config(prefect_server, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api, env = prefect_server
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"artifacts": str(tmp_path / "art")}, "rounds": {"cron": "15 4 * * 2"}}))
+    log = tmp_path / "serve.log"
+    serve = _start([str(BIN / "tamis"), "serve", "--config", str(config)], env, log, tmp_path)
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+            deadline = time.monotonic() + 180
+            while True:
+                assert serve.poll() is None, f"tamis serve exited with {serve.returncode}:\n{_tail(log)}"
+                try:
+                    dep = client.read_deployment_by_name("labeling-round/scheduled")
+                    if [s.schedule.cron for s in dep.schedules] == ["15 4 * * 2"]:
+                        break
+                except ObjectNotFound:
+                    pass
+                assert time.monotonic() < deadline, f"no served deployment after 180 s:\n{_tail(log)}"
+                time.sleep(1)
+    finally:
+        _stop(serve)
+    assert dep.parameters == {"config_path": str(config.resolve())}
+    assert dep.work_pool_name is None  # served from the process itself, no work pool

@@ -8,13 +8,15 @@ import pytest
 from PIL import Image
 
 from pipeline.config import ModelConfig, PreprocessConfig
-from pipeline.data.images import open_image
+from pipeline.data.images import ImageRejected, open_image
 from pipeline.errors import ConfigError
 from pipeline.preprocess import (
     FAMILY_SIZES,
     ImagePreparer,
+    _fast_jpeg_rgb,
     decode_image,
     decode_prepared,
+    decode_rgb,
     load_prepared,
     prepare_image,
     preprocess_dataset,
@@ -140,6 +142,29 @@ def test_reduced_jpeg_decode_keeps_size_and_matches_full_decode():
     out = prepare_image(data, PreprocessConfig(), size=448, max_pixels=MAXPIX)
     assert out.shape == full.shape
     assert np.abs(out.astype(int) - full.astype(int)).mean() < 2.0
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_opencv_jpeg_path_matches_pil_for_every_exif_orientation(orientation):
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(photo(96, 40, seed=orientation), "JPEG", quality=95, exif=exif)
+    reference = to_rgb(open_image(data, max_pixels=MAXPIX))  # PIL: full decode + exif_transpose
+    fast = _fast_jpeg_rgb(data, max_pixels=MAXPIX, longest=96)
+    assert fast is not None and fast.shape == reference.shape
+    assert np.abs(fast.astype(int) - reference.astype(int)).max() <= 1
+    reduced = decode_rgb(data, max_pixels=MAXPIX, longest=24)  # ¼-scale decode, still ≥ 24
+    drafted = to_rgb(decode_image(data, max_pixels=MAXPIX, longest=24))
+    assert reduced.shape == drafted.shape and max(reduced.shape[:2]) == 24
+    assert np.abs(reduced.astype(int) - drafted.astype(int)).mean() < 1
+
+
+def test_truncated_or_huge_jpeg_never_takes_the_opencv_path():
+    data = encode(photo(64, 48), "JPEG")
+    assert _fast_jpeg_rgb(data[:-100], max_pixels=MAXPIX, longest=32) is None
+    assert _fast_jpeg_rgb(data, max_pixels=100, longest=32) is None
+    with pytest.raises(ImageRejected, match="truncated"):
+        decode_rgb(data[:-100], max_pixels=MAXPIX, longest=32)
 
 
 def test_resolve_size():

@@ -154,6 +154,9 @@ class Family:
         if answers is None:
             return self._call(processor, images, prompts, size, "left")
 
+        for i, a in enumerate(answers):
+            if not isinstance(a, str) or not a.strip():
+                raise ModelError(f"encode: row {i}: answer is {a!r}; training needs a non-empty answer string")
         full = [self.prompt(processor, q, a) for q, a in zip(questions, answers, strict=True)]
         for i, (p, f) in enumerate(zip(prompts, full, strict=True)):
             if not f.startswith(p):

@@ -24,6 +24,7 @@ DEFAULT_IMAGE_SIZE = 32
 PATCH = 8
 MERGE = 2
 VOCAB_SIZE = 1024
+HEAD_GAIN = 3.0
 TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 1024}
 # bitsandbytes' CPU inference kernel packs 4-bit weights in blocks: every quantized layer needs in_features % 64 == 0
@@ -156,6 +157,24 @@ def _qwen2_5_vl(tok: Any, image_size: int) -> tuple[Any, Any]:
     return config, _qwen_processor(tok, image_size, Qwen2_5_VLProcessor)
 
 
+def _fan_in_init(model: Any) -> None:
+    """Re-draw weights with std 1/sqrt(fan_in): at width 64 the default std 0.02 leaves logits nearly flat and image
+    signals faint, so no adapter could fit anything. This keeps activations at unit scale through every layer."""
+    import torch
+
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d)):
+                fan_in = m.weight[0].numel()
+                # A wider output head lets logits reach the range a trained model has (an adapter cannot scale it).
+                m.weight.normal_(0.0, (HEAD_GAIN if m is head else 1.0) * fan_in ** -0.5)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, torch.nn.Embedding):
+                m.weight.normal_(0.0, 1.0)
+
+
 BUILDERS = {"idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl}
 
 
@@ -180,6 +199,7 @@ def make_tiny_model(
     config, processor = BUILDERS[family](tok, image_size)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    _fan_in_init(model)
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )

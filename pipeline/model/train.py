@@ -1,0 +1,495 @@
+"""Supervised fine-tuning of a LoRA adapter (or the full model) on (image, question, answer) rows.
+
+A plain torch loop rather than HF Trainer, to own resume and out-of-memory recovery:
+- The data order is a function of the optimizer step alone (seeded epoch permutations cut into effective batches),
+  so a resumed run, or one whose micro-batch was halved after an OOM, sees exactly the same samples per step.
+- The loss is the mean over the answer tokens of the whole optimizer step, whatever the micro-batch split.
+- Checkpoints (trainable weights, optimizer, scheduler, scaler and RNG states; safetensors + JSON) are written every
+  `train.checkpoint_every` steps with atomic_dir; re-running with the same out_dir continues from the last one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from pipeline.config import ProjectConfig
+from pipeline.errors import DataError, ModelError
+from pipeline.model.loading import Loaded, load_model
+from pipeline.store import (
+    Manifest,
+    atomic_dir,
+    atomic_write_json,
+    digest_bytes,
+    digest_json,
+    digest_path,
+    find_valid_manifest,
+    stage_key,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
+TRAIN_VERSION = "1"
+KEEP_CHECKPOINTS = 2
+LOW_UTILISATION = 70.0
+
+OomHook = Callable[[int, int], None]  # (optimizer step, micro-batch size) → may raise torch.cuda.OutOfMemoryError
+StepHook = Callable[[int, float], None]  # (optimizer steps done, loss) after each step
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    adapter_dir: Path | None  # None when stopped early (stop_after_steps)
+    steps: int
+    total_steps: int
+    losses: list[float]
+    settings: dict[str, Any]
+    info: dict[str, Any] = field(default_factory=dict)
+    manifest: Manifest | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.adapter_dir is not None
+
+
+# ------------------------------------------------------------------------------------------------------ data
+def _row_image(row: dict[str, Any]) -> bytes:
+    data = row.get("prepared") or row.get("image")
+    if isinstance(data, dict):  # an HF `Image` feature: {"bytes": ..., "path": ...}
+        data = data.get("bytes")
+    return data
+
+
+def check_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """Validate every training row up front and return a digest of their content (image, question, answer)."""
+    if len(rows) == 0:
+        raise DataError("no labeled rows to train on: label some samples (tamis import-labels) or add a train split")
+    parts = []
+    for i in range(len(rows)):
+        row = rows[i]
+        rid = row.get("sample_id", f"#{i}")
+        image = _row_image(row)
+        if not isinstance(image, (bytes, bytearray)) or not image:
+            raise DataError(f"training row {i} (sample {rid}): no image bytes in 'prepared' or 'image'; "
+                            "run the prepare stage first")
+        for key in ("question", "answer"):
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise DataError(f"training row {i} (sample {rid}): field {key!r} is {row.get(key)!r}; "
+                                f"a non-empty string is needed (only labeled rows can be trained on)")
+        parts.append((digest_bytes(bytes(image)), row["question"], row["answer"]))
+    return digest_json(parts)
+
+
+def step_indices(step: int, n_rows: int, effective: int, seed: int) -> list[int]:
+    """Row indices of optimizer step `step`: consecutive slices of a stream of seeded epoch permutations."""
+    out: list[int] = []
+    pos = step * effective
+    while len(out) < effective:
+        epoch, offset = divmod(pos, n_rows)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        perm = torch.randperm(n_rows, generator=g).tolist()
+        take = perm[offset: offset + effective - len(out)]
+        out += take
+        pos += len(take)
+    return out
+
+
+def _decode(data: bytes, where: str) -> Image.Image:
+    try:
+        return Image.open(io.BytesIO(data)).convert("RGB")
+    except Exception as exc:  # noqa: BLE001 - any decode failure is the same user-facing fault
+        raise DataError(f"{where}: image bytes do not decode ({exc.__class__.__name__}: {exc}); "
+                        "re-run the prepare stage") from None
+
+
+# -------------------------------------------------------------------------------------------------- schedule
+def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if kind == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        return max(0.0, 1.0 - progress) if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state dict into tensors (safetensors) and plain data (JSON): no pickle on disk."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, state in sd["state"].items():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in [*tensors.items(), *meta["scalars"].items()]:
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = v
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
+    root = out_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        # atomic_dir only renames a folder into place once it is complete, so a visible step-N is whole.
+        if p.name.startswith("step-") and p.name[5:].isdigit() and (p / "state.json").is_file():
+            found.append((int(p.name[5:]), p))
+    return sorted(found)
+
+
+def _save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+                     scaler: Any, state: dict[str, Any]) -> Path:
+    from safetensors.torch import save_file
+
+    path = out_dir / "checkpoints" / f"step-{step}"
+    with atomic_dir(path) as tmp:
+        save_file({n: p.detach().cpu().contiguous() for n, p in _trainable(model).items()}, tmp / "trainable.safetensors")
+        tensors, meta = _optimizer_tensors(opt)
+        save_file(tensors, tmp / "optimizer.safetensors")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+        save_file(rng, tmp / "rng.safetensors")
+        atomic_write_json(tmp / "optimizer.json", meta)
+        atomic_write_json(tmp / "state.json", {**state, "step": step, "scheduler": sched.state_dict(),
+                                               "scaler": scaler.state_dict() if scaler is not None else None})
+    for old_step, old in _checkpoints(out_dir)[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
+        log.debug("removed old checkpoint %s (step %d)", old, old_step)
+    return path
+
+
+def _load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+                     scaler: Any) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    params = _trainable(model)
+    saved = load_file(path / "trainable.safetensors")
+    if set(saved) != set(params):
+        raise ModelError(f"{path}: checkpoint holds {len(saved)} trainable tensors but the model has {len(params)}; "
+                         f"delete {path.parent} to start training over")
+    with torch.no_grad():
+        for name, tensor in saved.items():
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+    meta = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
+    opt.load_state_dict(_optimizer_state(load_file(path / "optimizer.safetensors"), meta))
+    sched.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    rng = load_file(path / "rng.safetensors")
+    torch.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available():
+        cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    return state
+
+
+# ------------------------------------------------------------------------------------------------ utilisation
+class UtilisationWatch:
+    """Samples GPU utilisation and memory in a background thread (NVML when importable, else torch's counters)."""
+
+    def __init__(self, device: str, interval_s: float = 1.0):
+        self.device, self.interval_s = device, interval_s
+        self.util: list[float] = []
+        self.mem_mb: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml: Any = None
+
+    def __enter__(self) -> UtilisationWatch:
+        if self.device != "cuda":
+            return self
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:  # noqa: BLE001 - NVML is optional; torch's counters are the fallback
+            self._nvml = None
+        torch.cuda.reset_peak_memory_stats()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        if self._nvml is not None:
+            import pynvml
+
+            self.util.append(float(pynvml.nvmlDeviceGetUtilizationRates(self._nvml).gpu))
+            self.mem_mb.append(pynvml.nvmlDeviceGetMemoryInfo(self._nvml).used / 2**20)
+        else:
+            try:
+                self.util.append(float(torch.cuda.utilization()))
+            except Exception:  # noqa: BLE001 - torch.cuda.utilization itself needs NVML
+                pass
+            self.mem_mb.append(torch.cuda.memory_allocated() / 2**20)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def summary(self) -> dict[str, Any]:
+        if self.device != "cuda":
+            import psutil
+
+            return {"device": self.device, "peak_rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1)}
+        mean = sum(self.util) / len(self.util) if self.util else None
+        out = {
+            "device": "cuda",
+            "source": "nvml" if self._nvml is not None else "torch",
+            "samples": len(self.util),
+            "mean_utilisation_percent": None if mean is None else round(mean, 1),
+            "peak_allocated_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1),
+            "peak_used_mb": round(max(self.mem_mb), 1) if self.mem_mb else None,
+        }
+        if mean is not None and mean < LOW_UTILISATION:
+            log.warning("GPU utilisation averaged %.0f%% (< %.0f%%) during training: the micro-batch is probably "
+                        "too small for this GPU; raise train.batch_size", mean, LOW_UTILISATION)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------- training
+def _autocast(device: str, precision: str) -> Any:
+    if precision == "fp32":
+        return torch.autocast(device_type=device, enabled=False)
+    return torch.autocast(device_type=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def _to(enc: Any, device: torch.device) -> dict[str, Any]:
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in enc.items()}
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(p for p in model.parameters()).device
+
+
+def _fingerprint(cfg: ProjectConfig, rows_digest: str, init_digest: str) -> str:
+    """What a checkpoint must match to be resumed: same rows, same model/train config, seed and initial adapter."""
+    train = cfg.section("train")
+    # The micro-batch may be lowered after an OOM, and checkpointing changes nothing numerically.
+    for k in ("checkpoint_every", "batch_size", "gradient_checkpointing"):
+        train.pop(k, None)
+    return digest_json({"rows": rows_digest, "model": cfg.section("model"), "train": train, "seed": cfg.seed,
+                        "init": init_digest})
+
+
+def train_adapter(
+    cfg: ProjectConfig,
+    rows: Sequence[dict[str, Any]],
+    out_dir: str | Path,
+    *,
+    init_adapter: str | Path | None = None,
+    hw: Any = None,
+    progress: bool = True,
+    stop_after_steps: int | None = None,
+    oom_hook: OomHook | None = None,
+    on_step: StepHook | None = None,
+) -> TrainResult:
+    """Train an adapter on `rows` (dicts with `prepared` or `image` bytes, `question`, `answer`) into out_dir.
+
+    Writes out_dir/adapter (PEFT `save_pretrained`; the whole model in full mode) and out_dir/manifest.json (stage
+    "train"). Re-running with the same out_dir resumes from out_dir/checkpoints, or returns at once when the
+    manifest already matches. `stop_after_steps` stops after that many optimizer steps without saving the adapter
+    (tests of resume); `oom_hook` is called before each micro-batch and may raise an OOM error (tests of recovery).
+    """
+    from pipeline.model.hardware import choose_train_settings, detect_hardware
+
+    out_dir = Path(out_dir)
+    hw = hw if hw is not None else detect_hardware()
+    rows_digest = check_rows(rows)
+    if cfg.train.init == "warm" and init_adapter is None:
+        log.info("train.init is warm but there is no previous adapter (first round): starting a fresh one")
+    init = Path(init_adapter) if cfg.train.init == "warm" and init_adapter is not None else None
+    init_digest = digest_path(init) if init is not None else ""
+    config = {"model": cfg.section("model"), "train": cfg.section("train"), "seed": cfg.seed}
+    inputs = {"rows": rows_digest, "init_adapter": init_digest}
+    key = stage_key("train", TRAIN_VERSION, inputs, config)
+    done = find_valid_manifest(out_dir, key)
+    if done is not None:
+        log.info("training in %s is already complete (manifest matches); reusing it", out_dir)
+        return TrainResult(out_dir, out_dir / done.outputs["adapter"].path, done.info["steps"],
+                           done.info["total_steps"], done.info["losses"], done.info["settings"], done.info, done)
+
+    settings = choose_train_settings(cfg.train, cfg.model, hw)
+    micro, accum = settings.micro_batch, settings.grad_accum
+    effective = micro * accum
+    n = len(rows)
+    total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * n / effective))
+    fingerprint = _fingerprint(cfg, rows_digest, init_digest)
+
+    torch.manual_seed(cfg.seed)  # the LoRA initialisation
+    loaded: Loaded = load_model(cfg.model, adapter=init, trainable=True, hw=hw)
+    model, processor, family = loaded.model, loaded.processor, loaded.family
+    device = _model_device(model)
+    if settings.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+    if hasattr(model, "config"):
+        model.config.use_cache = False
+
+    params = list(_trainable(model).values())
+    if not params:
+        raise ModelError(f"model.mode={cfg.model.mode}: nothing to train (no parameter requires a gradient)")
+    opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
+    warmup = math.ceil(cfg.train.warmup_ratio * total_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.scheduler, warmup, total_steps))
+    scaler = torch.amp.GradScaler(hw.device) if settings.precision == "fp16" and hw.device == "cuda" else None
+
+    step, losses, ooms = 0, [], []
+    ckpts = _checkpoints(out_dir)
+    if ckpts:
+        last_step, last = ckpts[-1]
+        meta = json.loads((last / "state.json").read_text(encoding="utf-8"))
+        if meta.get("fingerprint") != fingerprint:
+            log.warning("checkpoints in %s were made for other rows or settings: starting over", last.parent)
+            shutil.rmtree(last.parent, ignore_errors=True)
+        else:
+            state = _load_checkpoint(last, model, opt, sched, scaler)
+            step, losses, ooms = state["step"], state["losses"], state.get("ooms", [])
+            micro, accum = state["micro_batch"], state["grad_accum"]
+            log.info("resuming training from %s (step %d of %d)", last, step, total_steps)
+
+    log.info("training %s (%s) on %d rows: %d steps × %d samples (micro-batch %d × accumulation %d), %s, "
+             "gradient checkpointing %s", family.name, cfg.model.mode, n, total_steps, effective, micro, accum,
+             settings.precision, "on" if settings.gradient_checkpointing else "off")
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total_steps, initial=step, disable=not progress, desc="train", unit="step")
+    started = time.monotonic()
+    model.train()
+    with UtilisationWatch(hw.device) as watch:
+        while step < total_steps:
+            if stop_after_steps is not None and step >= stop_after_steps:
+                break
+            idx = step_indices(step, n, effective, cfg.seed)
+            try:
+                loss = _optimizer_step(model, processor, family, rows, idx, micro, device, hw.device,
+                                       settings.precision, opt, scaler, cfg.train.max_grad_norm, step, oom_hook)
+            except torch.cuda.OutOfMemoryError as exc:
+                opt.zero_grad(set_to_none=True)
+                if hw.device == "cuda":
+                    torch.cuda.empty_cache()
+                if micro == 1:
+                    raise ModelError(f"out of GPU memory at step {step} even with micro-batch 1 ({exc}); use "
+                                     "model.mode qlora, train.gradient_checkpointing true, or smaller images "
+                                     "(preprocess.size)") from None
+                micro, accum = micro // 2, accum * 2
+                ooms.append({"step": step, "micro_batch": micro, "grad_accum": accum})
+                log.warning("out of memory at step %d: retrying with micro-batch %d × accumulation %d (same "
+                            "effective batch %d)", step, micro, accum, effective)
+                continue
+            sched.step()
+            step += 1
+            losses.append(loss)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            if on_step is not None:
+                on_step(step, loss)
+            if step % cfg.train.checkpoint_every == 0 and step < total_steps:
+                _save_checkpoint(out_dir, step, model, opt, sched, scaler,
+                                 {"fingerprint": fingerprint, "losses": losses, "ooms": ooms, "micro_batch": micro,
+                                  "grad_accum": accum, "total_steps": total_steps})
+    bar.close()
+    model.eval()
+    util = watch.summary()
+    settings_info = {**asdict(settings), "micro_batch": micro, "grad_accum": accum}
+    info = {
+        "steps": step, "total_steps": total_steps, "losses": losses, "settings": settings_info, "ooms": ooms,
+        "utilisation": util, "rows": n, "effective_batch": effective, "warmup_steps": warmup,
+        "seconds": round(time.monotonic() - started, 2), "model": loaded.info,
+    }
+    if step < total_steps:
+        log.info("stopped after %d of %d steps (stop_after_steps); the last checkpoint can be resumed", step,
+                 total_steps)
+        return TrainResult(out_dir, None, step, total_steps, losses, settings_info, info)
+
+    adapter_dir = out_dir / "adapter"
+    with atomic_dir(adapter_dir) as tmp:
+        model.save_pretrained(tmp)
+        if cfg.model.mode == "full":
+            processor.save_pretrained(tmp)
+    manifest = write_manifest(out_dir, stage="train", stage_version=TRAIN_VERSION, inputs=inputs, config=config,
+                              outputs={"adapter": adapter_dir}, info=info)
+    # The adapter is recorded; the checkpoints only served to get here.
+    shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+    log.info("trained %d steps in %.1fs: loss %.4f → %.4f; adapter %s (digest %s…)", step, info["seconds"],
+             losses[0] if losses else float("nan"), losses[-1] if losses else float("nan"), adapter_dir,
+             manifest.outputs["adapter"].digest[:12])
+    return TrainResult(out_dir, adapter_dir, step, total_steps, losses, settings_info, info, manifest)
+
+
+def _optimizer_step(model: torch.nn.Module, processor: Any, family: Any, rows: Sequence[dict[str, Any]],
+                    idx: list[int], micro: int, device: torch.device, device_type: str, precision: str,
+                    opt: torch.optim.Optimizer, scaler: Any, max_grad_norm: float, step: int,
+                    oom_hook: OomHook | None) -> float:
+    """One optimizer step over rows `idx` in micro-batches; returns the step's mean answer-token loss."""
+    batches = []
+    for i in range(0, len(idx), micro):
+        chunk = [rows[j] for j in idx[i: i + micro]]
+        images = [_decode(_row_image(r), f"training row {j} (sample {r.get('sample_id', j)})")
+                  for j, r in zip(idx[i: i + micro], chunk, strict=True)]
+        enc = family.encode(processor, images, [r["question"] for r in chunk], [r["answer"] for r in chunk])
+        enc = dict(enc)
+        enc.pop("answer_start")
+        batches.append(enc)
+    # Each micro-batch's mean is weighted by its share of the step's answer tokens: the step's loss is the mean over
+    # all its tokens, whatever the split (and so unchanged when an OOM halves the micro-batch).
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
+    total = sum(counts)
+    opt.zero_grad(set_to_none=True)
+    step_loss = 0.0
+    for enc, count in zip(batches, counts, strict=True):
+        if oom_hook is not None:
+            oom_hook(step, micro)
+        with _autocast(device_type, precision):
+            out = model(**_to(enc, device))
+        loss = out.loss.float() * (count / total)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        step_loss += float(loss.detach())
+    params = [p for p in model.parameters() if p.requires_grad]
+    if scaler is not None:
+        scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    return step_loss

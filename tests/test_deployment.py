@@ -198,6 +198,7 @@ def test_deploy_from_prefect_yaml_to_a_process_worker_and_run_a_round(prefect_se
     by_key = {a.key: a for a in arts}
     assert by_key["round-summary"].type == "markdown"
     assert "Labeling round 0" in by_key["round-summary"].data and "labeled samples" in by_key["round-summary"].data
+    assert by_key["selection"].type == "table"
     # Prefect stores a link artifact as markdown: [text](url).
     link = re.search(r"\]\((file://[^)]+)\)", by_key["export-folder"].data)
     assert link, by_key["export-folder"].data

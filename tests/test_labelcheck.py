@@ -1,0 +1,285 @@
+"""Label checks: confident-learning detection, issue table, relabel queue round-trip, agreement, out-of-sample probs."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.annotation.export import TASKS_FILE, export_dir, export_selection
+from pipeline.annotation.labels import import_labels
+from pipeline.annotation.ledger import Ledger, ledger_path, make_entry
+from pipeline.annotation.simulate import sidecar_path, simulate_annotator
+from pipeline.config import ProjectConfig, load_config
+from pipeline.labelcheck import (
+    Issue,
+    LabelCheckError,
+    class_thresholds,
+    export_relabel,
+    find_label_issues,
+    label_issue_table,
+    label_report_markdown,
+    labels_spent,
+    out_of_sample_probs,
+    relabel_dir,
+    stratified_folds,
+    write_label_report,
+)
+from pipeline.labelcheck import annotator_agreement as agreement
+from pipeline.store import read_jsonl, read_manifest
+
+DIGITS = [str(d) for d in range(10)]
+
+
+# ------------------------------------------------------------------------------------------- pure detection
+def test_stratified_folds_are_balanced_seeded_and_spread_each_class():
+    labels = [str(i % 4) for i in range(50)]
+    f = stratified_folds(labels, 3, seed=0)
+    assert sorted(np.bincount(f, minlength=3)) == [16, 17, 17]
+    for c in "0123":
+        counts = np.bincount(f[np.asarray(labels) == c], minlength=3)
+        assert counts.max() - counts.min() <= 1
+    np.testing.assert_array_equal(f, stratified_folds(labels, 3, seed=0))
+    assert not np.array_equal(f, stratified_folds(labels, 3, seed=1))
+
+
+def test_hand_made_errors_are_found_ranked_and_given_the_right_suggestion():
+    answers = ["cat", "dog", "owl"]
+    probs = np.array([
+        [0.9, 0.05, 0.05],  # cat, right
+        [0.8, 0.1, 0.1],    # cat, right
+        [0.1, 0.85, 0.05],  # dog, right
+        [0.2, 0.7, 0.1],    # dog, right
+        [0.05, 0.05, 0.9],  # owl, right
+        [0.1, 0.8, 0.1],    # given cat: looks like a dog (error)
+        [0.04, 0.2, 0.76],  # given dog: an owl (error, milder)
+        [0.45, 0.45, 0.1],  # given cat: ambiguous, below both thresholds
+        [0.2, 0.2, 0.6],    # owl, unsure but no other class reaches its threshold
+    ])
+    given = ["cat", "cat", "dog", "dog", "owl", "cat", "dog", "cat", "owl"]
+    ids = [f"x{i}" for i in range(9)]
+    t = class_thresholds(probs, np.array([answers.index(g) for g in given]), 3)
+    np.testing.assert_allclose(t, [np.mean([0.9, 0.8, 0.1, 0.45]), np.mean([0.85, 0.7, 0.2]), 0.75])
+    issues = find_label_issues(probs, given, answers, sample_ids=ids)
+    assert [i.sample_id for i in issues] == ["x5", "x6"]
+    assert [i.suggested_label for i in issues] == ["dog", "owl"]
+    assert issues[0].margin == pytest.approx(0.1 - 0.8) and issues[1].margin == pytest.approx(0.2 - 0.76)
+    assert issues[0].given_label == "cat" and issues[0].threshold == pytest.approx(t[0])
+
+
+def test_a_class_nobody_was_given_is_never_suggested():
+    probs = np.array([[0.2, 0.8, 0.0], [0.9, 0.1, 0.0], [0.1, 0.1, 0.8]])
+    issues = find_label_issues(probs, ["a", "a", "a"], ["a", "b", "c"])
+    assert issues == []
+
+
+def test_noisy_classifier_flipped_labels_rank_far_above_chance():
+    """A synthetic classifier that is usually right: the flipped 10 % must dominate the top of the ranking."""
+    rng = np.random.default_rng(0)
+    n, c = 500, 10
+    truth = rng.integers(0, c, n)
+    logits = rng.normal(size=(n, c))
+    logits[np.arange(n), truth] += 2.5
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    given = truth.copy()
+    flipped = rng.choice(n, n // 10, replace=False)
+    given[flipped] = (truth[flipped] + rng.integers(1, c, len(flipped))) % c
+    issues = find_label_issues(probs, [str(g) for g in given], [str(j) for j in range(c)])
+    top = {i.index for i in issues[: len(flipped)]}
+    precision = len(top & set(flipped.tolist())) / len(flipped)
+    assert precision > 0.5, precision  # chance is 0.1
+    right = [i for i in issues if i.index in set(flipped.tolist())]
+    assert np.mean([i.suggested_label == str(truth[i.index]) for i in right]) > 0.7
+
+
+def test_bad_inputs_name_the_row_and_the_fix():
+    p = np.full((2, 3), 1 / 3)
+    with pytest.raises(LabelCheckError, match=r"shape \(2, 3\), expected \(3, 3\)"):
+        find_label_issues(p, ["a", "b", "c"], ["a", "b", "c"])
+    with pytest.raises(LabelCheckError, match="label 'z' of row 1"):
+        find_label_issues(p, ["a", "z"], ["a", "b", "c"])
+    q = p.copy()
+    q[1, 0] = np.nan
+    with pytest.raises(LabelCheckError, match="row 1 are NaN"):
+        find_label_issues(q, ["a", "b"], ["a", "b", "c"])
+    with pytest.raises(LabelCheckError, match="row 0 is not a probability distribution"):
+        find_label_issues(p * 2, ["a", "b"], ["a", "b", "c"])
+
+
+# ----------------------------------------------------------------------------- ledger: table, budget, agreement
+def _entries():
+    e1 = make_entry("s000", "3", annotator="ann", round_index=1, source_file="/in/r1.json", source_digest="d1")
+    e2 = make_entry("s001", "5", annotator="bob,carl", round_index=1, source_file="/in/r1.json", source_digest="d1",
+                    votes=[{"annotator": "bob", "label": "5"}, {"annotator": "carl", "label": "5"},
+                           {"annotator": "ann", "label": "6"}])
+    e3 = make_entry("s002", "1", annotator="ann,bob", round_index=2, source_file="/in/r2.json", source_digest="d2",
+                    votes=[{"annotator": "ann", "label": "1"}, {"annotator": "bob", "label": "1"},
+                           {"annotator": "carl", "label": "7"}])
+    e4 = make_entry("s000", "8", annotator="carl", round_index=2, source_file="/in/relabel.json",
+                    source_digest="d3", supersedes=e1)
+    return [e1, e2, e3, e4]
+
+
+def test_issue_table_names_annotators_and_source_file(tmp_path):
+    ledger = Ledger(tmp_path / "labels.jsonl")
+    ledger.append(_entries())
+    issues = [Issue(0, "s001", "5", "6", 0.1, 0.55, -0.45, 0.6), Issue(3, "s000", "3", "1", 0.05, 0.9, -0.85, 0.5)]
+    table = label_issue_table(issues, ledger)
+    rows = {r["sample_id"]: r for r in table}
+    assert set(rows) == {"s001", "s000"}
+    assert rows["s001"]["annotators"] == ["ann", "bob", "carl"] and rows["s001"]["source_file"] == "/in/r1.json"
+    assert rows["s001"]["suggested_label"] == "6"
+    # The probabilities saw label 3; the ledger has since corrected s000 to 8: the table says so.
+    assert rows["s000"]["origin"] == "correction" and rows["s000"]["ledger_label"] == "8"
+    assert rows["s000"]["annotators"] == ["carl"]
+    assert [r["sample_id"] for r in table] == ["s001", "s000"] and [r["rank"] for r in table] == [1, 2]
+    seed = label_issue_table([Issue(0, "t0", "9", "0", 0.1, 0.8, -0.7, 0.5)], [])
+    assert seed[0]["origin"] == "dataset" and seed[0]["annotators"] == []
+
+
+def test_labels_spent_counts_labels_and_corrections(tmp_path):
+    ledger = Ledger(tmp_path / "labels.jsonl")
+    assert labels_spent(ledger) == 0
+    ledger.append(_entries())
+    assert labels_spent(ledger) == 4 and labels_spent(ledger.entries()) == 4
+
+
+def test_annotator_agreement_with_majority_and_model():
+    a = agreement(_entries(), {"s001": "5", "s002": "7", "s000": "8"})
+    assert a["ann"] == {"n": 2, "agree_majority": 0.5, "n_model": 3, "agree_model": 0.0}
+    assert a["bob"] == {"n": 2, "agree_majority": 1.0, "n_model": 2, "agree_model": 0.5}
+    assert a["carl"] == {"n": 2, "agree_majority": 0.5, "n_model": 3, "agree_model": 1.0}
+    assert agreement(_entries(), {})["ann"]["agree_model"] is None
+
+
+# ------------------------------------------------------------------------------ relabel queue round-trip
+def test_relabel_export_then_import_records_corrections(tmp_path, make_vqa, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    from flows.cli import app
+
+    ds, gt = make_vqa(n=12)
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(f"paths: {{artifacts: {tmp_path / 'art'}}}\ndata: {{answers: {DIGITS}}}\n")
+    cfg = load_config(cfg_path)
+    ledger = Ledger(ledger_path(cfg.artifacts))
+    known = set(ds["sample_id"])
+    # Round 0: everything is labeled by a noisy annotator (3 of 12 flipped).
+    sel = [{"sample_id": s, "rank": i, "score": 1.0} for i, s in enumerate(sorted(known))]
+    export_selection(sel, ds, cfg, export_dir(cfg.artifacts, 0), round_index=0)
+    inbox0 = tmp_path / "inbox0"
+    f0 = simulate_annotator(export_dir(cfg.artifacts, 0), gt, inbox0, round_index=0, noise=0.25, seed=1)
+    import_labels(f0, known_ids=known, answers=DIGITS, ledger=ledger, round_index=0, rejections_dir=tmp_path / "rej")
+    flips = {f["sample_id"]: f for f in json.loads(sidecar_path(f0).read_text())["flipped"]}
+    assert len(flips) == 3
+    spent = labels_spent(ledger)
+
+    # The detector's verdict (hand-made): the flipped samples, with their true label suggested, and one false alarm.
+    labels = ledger.labels()
+    ok = next(s for s in sorted(labels) if s not in flips)
+    issues = [Issue(i, s, f["given"], f["true"], 0.05, 0.9, -0.85 + i / 100, 0.5) for i, (s, f) in enumerate(flips.items())]
+    issues.append(Issue(9, ok, labels[ok], str((int(labels[ok]) + 1) % 10), 0.3, 0.4, -0.1, 0.5))
+    ids = sorted(labels)
+    probs = np.full((12, 10), 0.1)
+    out = relabel_dir(cfg.artifacts, 1)
+    m = export_relabel(issues, ds, cfg, out, round_index=1)
+    read_manifest(out)
+    assert m.info["count"] == 4 and (out / "images").is_dir() and len(read_jsonl(out / "relabel.jsonl")) == 4
+    tasks = json.loads((out / TASKS_FILE).read_text())
+    t = next(t for t in tasks if t["data"]["sample_id"] in flips)
+    preds = {p["model_version"]: p["result"][0]["value"]["choices"][0] for p in t["predictions"]}
+    assert preds == {"current-label": flips[t["data"]["sample_id"]]["given"],
+                     "suggested-label": flips[t["data"]["sample_id"]]["true"]}
+    assert export_relabel([], ds, cfg, relabel_dir(cfg.artifacts, 2), round_index=2) is None
+
+    # An honest annotator answers the relabel set; the CLI import turns the fixes into correction entries.
+    f1 = simulate_annotator(out, gt, tmp_path / "inbox1", round_index=1, noise=0.0)
+    runner = CliRunner()
+    res = runner.invoke(app, ["labels", "import", str(f1), "-c", str(cfg_path), "--round", "1"])
+    assert res.exit_code == 0, res.output
+    assert "3 labels appended (3 corrections), 1 unchanged" in res.output
+    fixed = next(iter(flips))
+    hist = ledger.history(fixed)
+    assert [e["kind"] for e in hist] == ["label", "correction"] and hist[1]["supersedes"] == hist[0]["entry_id"]
+    assert ledger.labels()[fixed] == flips[fixed]["true"]
+    assert labels_spent(ledger) == spent + 3
+    res = runner.invoke(app, ["labels", "history", fixed, "-c", str(cfg_path)])
+    assert res.exit_code == 0 and "correction" in res.output and "current" in res.output
+
+    table = label_issue_table(issues, ledger)
+    rep = write_label_report(tmp_path / "report", oos=_oos(ids, probs), table=table, agreement={}, answers=DIGITS)
+    assert rep.info["issues"] == 4 and len(read_jsonl(tmp_path / "report" / "issues.jsonl")) == 4
+    md = label_report_markdown(table, agreement(ledger.entries(), {}), method="kfold", checked=12)
+    assert "4 likely label errors among 12" in md and "| simulated |" in md
+
+
+def _oos(ids, probs):
+    from pipeline.labelcheck import OOSResult
+
+    return OOSResult(list(ids), np.asarray(probs, np.float32), np.zeros(len(ids), np.int64), "kfold")
+
+
+# ---------------------------------------------------------------------- out-of-sample probs with the tiny model
+def _rows(n):
+    from PIL import Image
+
+    rows = []
+    for i in range(n):
+        buf = io.BytesIO()
+        Image.fromarray((np.random.RandomState(i).rand(32, 32, 3) * 255).astype("uint8")).save(buf, "PNG")
+        rows.append({"sample_id": f"r{i:02d}", "prepared": buf.getvalue(),
+                     "question": "Which digit is shown in the image?", "answer": str(i % 3)})
+    return rows
+
+
+def _tiny_cfg(tmp_path, model_dir, **train):
+    return ProjectConfig.model_validate({
+        "paths": {"artifacts": str(tmp_path / "art")}, "data": {"answers": DIGITS},
+        "model": {"name_or_path": str(model_dir), "family": "idefics3", "mode": "qlora"},
+        "train": {"max_steps": 2, "batch_size": 4, "effective_batch_size": 4, "learning_rate": 3e-3,
+                  "gradient_checkpointing": False, **train},
+        "select": {"score_batch_size": 8},
+    })
+
+
+def test_kfold_probs_hold_every_sample_out_once_cache_and_agree_with_heldout(tmp_path, tiny_models):
+    from pipeline.model.train import check_rows
+
+    cfg = _tiny_cfg(tmp_path, tiny_models["idefics3"])
+    rows = _rows(8)
+    work = tmp_path / "lc"
+    oos = out_of_sample_probs(cfg, rows[::-1], work, k=2)
+    assert oos.method == "kfold" and oos.sample_ids == sorted(r["sample_id"] for r in rows)
+    assert oos.probs.shape == (8, 10) and np.allclose(oos.probs.sum(1), 1, atol=1e-4)
+    assert sorted(np.bincount(oos.folds)) == [4, 4] and not any(f["reused"] for f in oos.info["folds"])
+    by_id = {r["sample_id"]: r for r in rows}
+    for i in range(2):
+        # No leakage: fold i's adapter trained on exactly the other folds' rows.
+        train_ids = [s for s, f in zip(oos.sample_ids, oos.folds, strict=True) if f != i]
+        assert read_manifest(work / f"fold-{i}").inputs["rows"] == check_rows([by_id[s] for s in train_ids])
+    again = out_of_sample_probs(cfg, rows, work, k=2)
+    assert all(f["reused"] for f in again.info["folds"])
+    np.testing.assert_array_equal(again.probs, oos.probs)
+
+    trained = [s for s, f in zip(oos.sample_ids, oos.folds, strict=True) if f != 0]
+    held = out_of_sample_probs(cfg, rows, work, method="heldout", adapter=work / "fold-0" / "adapter",
+                               trained_ids=trained)
+    assert held.method == "heldout" and held.info["skipped_trained_on"] == 4
+    fold0 = [j for j, f in enumerate(oos.folds) if f == 0]
+    assert held.sample_ids == [oos.sample_ids[j] for j in fold0]
+    np.testing.assert_allclose(held.probs, oos.probs[fold0], atol=1e-5)
+
+
+def test_oos_refuses_what_it_cannot_check(tmp_path, tiny_models):
+    cfg = _tiny_cfg(tmp_path, tiny_models["idefics3"])
+    rows = _rows(4)
+    with pytest.raises(LabelCheckError, match="4 labeled samples cannot make 5 folds"):
+        out_of_sample_probs(cfg, rows, tmp_path, k=5)
+    with pytest.raises(LabelCheckError, match="needs the round's adapter"):
+        out_of_sample_probs(cfg, rows, tmp_path, method="heldout")
+    bad = [dict(rows[0], answer="seven"), *rows[1:]]
+    with pytest.raises(LabelCheckError, match=r"sample r00\): label 'seven' is not in data.answers"):
+        out_of_sample_probs(cfg, bad, tmp_path)
+    open_cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"answers": None})})
+    with pytest.raises(LabelCheckError, match="closed answer set"):
+        out_of_sample_probs(open_cfg, rows, tmp_path)

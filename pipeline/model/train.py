@@ -266,9 +266,10 @@ class UtilisationWatch:
 
     def summary(self) -> dict[str, Any]:
         if self.device != "cuda":
-            import psutil
+            import resource
 
-            return {"device": self.device, "peak_rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1)}
+            # ru_maxrss is in KiB on Linux: the process's peak resident memory so far (model load included).
+            return {"device": self.device, "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         mean = sum(self.util) / len(self.util) if self.util else None
         out = {
             "device": "cuda",

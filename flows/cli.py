@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -28,7 +28,7 @@ console = Console(stderr=True)
 state = {"debug": False}
 
 ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", "-c", help="Project config YAML (default: the embedded configs/demo.yaml).")
+    Path | None, typer.Option("--config", "-c", help="Project config YAML (default: the embedded configs/demo.yaml).")
 ]
 
 

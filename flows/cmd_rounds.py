@@ -41,10 +41,10 @@ def register(app: typer.Typer) -> None:
         """Run the next labeling round (or finish / re-run the current one: finished work comes from the cache)."""
         from rich.console import Console
 
-        cfg = load(config)
-        from flows.round import round_flow_for
+        load(config)
+        from flows.round import labeling_round
 
-        state = round_flow_for(cfg)(str(config) if config else None, simulate=simulate)
+        state = labeling_round(str(config) if config else None, simulate=simulate)
         Console().print(_rounds_table([state]))
 
     @app.command("demo")
@@ -66,9 +66,8 @@ def register(app: typer.Typer) -> None:
 
             write_digits(digits)
             out.print(f"wrote the digits demo data to {digits}", highlight=False)
-        from flows.round import round_flow_for
+        from flows.round import labeling_round as flow
 
-        flow = round_flow_for(cfg)
         states = []
         for _ in range(rounds or cfg.rounds.max_rounds):
             t0 = time.perf_counter()

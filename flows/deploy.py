@@ -51,13 +51,13 @@ def serve_round(config: Path | None, cron: str | None, cfg: Any) -> None:
     origin = "--cron" if cron else f"{config or 'the demo config'}: rounds.cron"
     schedule = checked_cron(cron or cfg.rounds.cron, origin)
     url = server_url()
-    from flows.round import round_flow_for
+    from flows.round import labeling_round
 
     log.info("serving labeling-round/%s on cron %r (UTC) against %s", DEPLOYMENT_NAME, schedule, url)
 
     # Absolute, because the runs may start in another working directory than this command.
     params = {"config_path": str(config.resolve())} if config else {}
-    round_flow_for(cfg).serve(name=DEPLOYMENT_NAME, cron=schedule, parameters=params)
+    labeling_round.serve(name=DEPLOYMENT_NAME, cron=schedule, parameters=params)
 
 
 def register_serve(app: typer.Typer) -> None:

@@ -16,7 +16,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
 from flows.ingest import ingest_ref
 from flows.prepare import augment_ref, prepare_refs
-from flows.select import make_task_runner, select_ref
+from flows.select import select_ref
 from flows.stages import run_stage, stage_task
 from pipeline.annotation.export import EXPORT_VERSION, TASKS_FILE, export_dir, export_selection
 from pipeline.annotation.labels import import_labels, inbox_files
@@ -230,11 +230,6 @@ def labeling_round(config_path: str | None = None, simulate: bool | None = None)
     get_run_logger().info("labeling round for %s (artifacts in %s)", config_path or "the demo config", cfg.artifacts)
     with ProjectLock(cfg.artifacts / "round.lock"):
         return run_round(cfg, simulate=simulate)
-
-
-def round_flow_for(cfg: ProjectConfig) -> Any:
-    """The round flow with the task runner the config asks for (threads, or Dask for scoring shards)."""
-    return labeling_round.with_options(task_runner=make_task_runner(cfg))
 
 
 def current_state(cfg: ProjectConfig) -> dict[str, Any]:

@@ -13,13 +13,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prefect import flow
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from flows.stages import ref_is_valid, run_stage, stage_task
 from pipeline.config import ModelConfig, ProjectConfig
 from pipeline.preprocess import load_prepared
 from pipeline.scoring import SCORE_VERSION, concat_scores, load_scores, make_scorer, plan_shards, save_scores
-from pipeline.store import atomic_write_jsonl, digest_json, find_valid_manifest, stage_key, write_manifest
+from pipeline.store import (
+    atomic_write_jsonl,
+    digest_json,
+    find_valid_manifest,
+    read_jsonl,
+    stage_key,
+    write_manifest,
+)
 from pipeline.strategies import select_batch
 
 log = logging.getLogger(__name__)
@@ -91,19 +99,21 @@ def score_shard_task(
     return {"dir": out_dir, "digest": m.key}
 
 
-def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
-               pool_ids: list[str], round_dir: Path) -> list[dict[str, Any]]:
-    """Submit one task per shard on the flow's task runner; a progress artifact shows shards done / total."""
-    shards = plan_shards(pool_ids, cfg.select.shard_size)
-    model, scoring = cfg.section("model"), score_config(cfg)
+@flow(name="score-pool")
+def score_pool_flow(artifacts: str, model: dict[str, Any], scoring: dict[str, Any], adapter: dict[str, Any] | None,
+                    prepared: dict[str, Any], pool_file: str, shard_size: int) -> list[dict[str, Any]]:
+    """One task per shard on this subflow's task runner (threads, or Dask workers); a progress artifact shows
+    shards done / total. The pool's IDs travel as a file: a 100k-sample pool would bloat the run's parameters."""
+    pool_ids = [r["sample_id"] for r in read_jsonl(pool_file)]
+    shards = plan_shards(pool_ids, shard_size)
     progress = create_progress_artifact(progress=0.0, description=f"pool scoring: 0 / {len(shards)} shards")
     params, futures = [], []
     for ids in shards:
         shard_key = digest_json({"adapter": (adapter or {}).get("digest"), "prepared": prepared["digest"],
                                  "ids": ids, "model": model, "scoring": scoring})
         params.append(dict(
-            artifacts=str(cfg.artifacts), model=model, adapter=adapter, prepared=prepared, shard_ids=ids,
-            scoring=scoring, out_dir=str(cfg.artifacts / "scores" / shard_key[:16]),
+            artifacts=artifacts, model=model, adapter=adapter, prepared=prepared, shard_ids=ids,
+            scoring=scoring, out_dir=str(Path(artifacts) / "scores" / shard_key[:16]),
         ))
         futures.append(score_shard_task.submit(**params[-1]))
     refs = []
@@ -116,6 +126,17 @@ def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[st
         update_progress_artifact(progress, progress=100.0 * i / len(futures),
                                  description=f"pool scoring: {i} / {len(futures)} shards")
     return refs
+
+
+def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
+               pool_ids: list[str], round_dir: Path) -> list[dict[str, Any]]:
+    """Score the pool in shards with the task runner `select.runner` asks for (also under a deployment's worker)."""
+    pool_file = round_dir / "pool.jsonl"
+    atomic_write_jsonl(pool_file, [{"sample_id": s} for s in sorted(pool_ids)])
+    runner_flow = score_pool_flow.with_options(task_runner=make_task_runner(cfg))
+    return runner_flow(artifacts=str(cfg.artifacts), model=cfg.section("model"), scoring=score_config(cfg),
+                       adapter=adapter, prepared=prepared, pool_file=str(pool_file),
+                       shard_size=cfg.select.shard_size)
 
 
 def predictions(scores: Any, answers: list[str] | None) -> tuple[list[str | None], list[float | None]]:

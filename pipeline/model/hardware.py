@@ -7,9 +7,11 @@ falls back to fixed tiers by GPU memory.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.config import ModelConfig, TrainConfig
@@ -141,31 +143,85 @@ def _accum_for(effective: int, micro: int) -> int:
     return max(1, -(-effective // micro))
 
 
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def _shape(model_cfg: ModelConfig, model_config: Any) -> Any:
+    """The planner's view of the model, or None when its config cannot be read (then the tiers decide)."""
+    from pipeline.errors import TamisError
+    from pipeline.model.planner import ModelShape, analyze
+
+    if isinstance(model_config, ModelShape):
+        return model_config
+    source = model_config
+    if source is None:
+        path = Path(model_cfg.name_or_path)
+        if path.is_absolute() or path.exists():
+            if not (path / "config.json").is_file():
+                log.info("%s has no config.json yet: batch settings from the memory tiers", path)
+                return None
+            source = str(path)
+        else:
+            source = model_cfg.name_or_path  # a hub ID: readable when it is in the local cache
+    try:
+        # Cache only: choosing batch settings must not wait on (or fail for) the network.
+        return _analyze_cached(source) if isinstance(source, str) else analyze(source, local_only=True)
+    except (TamisError, OSError, ValueError) as exc:
+        log.warning("cannot plan memory for %s (%s): batch settings from the memory tiers", source, exc)
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _analyze_cached(source: str) -> Any:
+    from pipeline.model.planner import analyze
+
+    return analyze(source, local_only=True)
+
+
 def choose_train_settings(
     train_cfg: TrainConfig,
     model_cfg: ModelConfig,
     hw: Hardware,
     model_config: Any = None,
     *,
-    seq_len: int = 256,
+    seq_len: int = 128,
     image_size: int | None = None,
 ) -> TrainSettings:
     """Micro-batch, accumulation, checkpointing, precision and quantization for this model on this hardware.
 
-    `model_config` is a transformers config (or a path / hub ID to read one from); None reads it from
-    `model_cfg.name_or_path` when that is a local folder, and falls back to fixed tiers when it cannot.
-    `seq_len` counts text tokens per sample; image tokens are added from `image_size`.
+    The effective batch (micro × accumulation) stays `train.effective_batch_size`. `model_config` is a transformers
+    config, a config.json / model folder / hub ID, or a planner `ModelShape`; None reads `model_cfg.name_or_path`.
+    The memory planner then picks the largest micro-batch that fits within SAFETY × free memory, without gradient
+    checkpointing unless checkpointing allows at least twice the micro-batch (or nothing fits without it). When no
+    config can be read, fixed tiers by GPU memory decide. `seq_len` counts text tokens per sample; the image tokens
+    of one `image_size` px image (default: the model's native size) are added. CPU training uses micro-batch 1.
     """
     precision = choose_precision(train_cfg, model_cfg, hw)
     quantize = model_cfg.mode == "qlora"
     effective = train_cfg.effective_batch_size
     ckpt_cfg = train_cfg.gradient_checkpointing
+    ckpt_options = [ckpt_cfg] if isinstance(ckpt_cfg, bool) else [False, True]
+    shape = _shape(model_cfg, model_config)
+    budget = hw.memory_budget_bytes
 
+    def fits(micro: int, ckpt: bool) -> Any:
+        from pipeline.model.planner import plan
+
+        attention = "eager" if model_cfg.attn_implementation == "eager" else "sdpa"
+        return plan(shape, mode=model_cfg.mode, batch=micro, seq_len=seq_len, image_size=image_size,
+                    gpu_memory_bytes=budget, lora_r=model_cfg.lora_r, target_modules=model_cfg.target_modules,
+                    checkpointing=ckpt, precision=precision, device=hw.device, lora_dropout=model_cfg.lora_dropout,
+                    attention=attention, margin=SAFETY)
+
+    where = f"{hw.device} with {budget / GiB:.1f} GiB free"
     if isinstance(train_cfg.batch_size, int):
         micro = train_cfg.batch_size
         accum = _accum_for(effective, micro)
-        ckpt = ckpt_cfg if isinstance(ckpt_cfg, bool) else _fits_or_checkpoint(
-            model_cfg, hw, model_config, micro, precision, seq_len, image_size)
+        if shape is None:
+            ckpt = ckpt_options[0] if len(ckpt_options) == 1 else tier_micro_batch(hw)[1]
+        else:
+            ckpt = next((c for c in ckpt_options if fits(micro, c).fits), ckpt_options[-1])
         reason = f"train.batch_size={micro} is set; accumulation {accum} for effective batch {effective}"
         if micro * accum != effective:
             reason += f" (becomes {micro * accum}: {effective} is not a multiple of {micro})"
@@ -173,16 +229,59 @@ def choose_train_settings(
                         effective, micro, micro * accum)
         return TrainSettings(micro, accum, ckpt, precision, quantize, reason)
 
-    micro, ckpt = tier_micro_batch(hw)
-    micro = _largest_divisor_at_most(effective, micro)
-    if isinstance(ckpt_cfg, bool):
-        ckpt = ckpt_cfg
-    reason = (f"tier for {hw.device} with {hw.memory_budget_bytes / GiB:.1f} GiB: micro-batch {micro} × "
-              f"accumulation {effective // micro}")
+    if shape is None:
+        micro, ckpt = tier_micro_batch(hw)
+        micro = _largest_divisor_at_most(effective, micro)
+        ckpt = ckpt_options[0] if len(ckpt_options) == 1 else ckpt
+        reason = f"memory tier for {where} (no model config to plan from)"
+        return TrainSettings(micro, effective // micro, ckpt, precision, quantize, reason)
+
+    candidates = [1] if hw.device != "cuda" else _divisors_desc(effective)
+    best: dict[bool, tuple[int, Any]] = {}
+    for ckpt in ckpt_options:
+        for micro in candidates:
+            p = fits(micro, ckpt)
+            if p.fits:
+                best[ckpt] = (micro, p)
+                break
+    if not best:
+        ckpt = ckpt_options[-1]
+        p = fits(1, ckpt)
+        reason = (f"does not fit: micro-batch 1 needs {p.total / GiB:.2f} GiB by the planner, "
+                  f"{SAFETY:.0%} of {where} is {SAFETY * budget / GiB:.2f} GiB; "
+                  + ("use model.mode: qlora, " if model_cfg.mode != "qlora" else "")
+                  + "lower preprocess.size or the text length")
+        log.warning("training settings: %s", reason)
+        return TrainSettings(1, effective, ckpt, precision, quantize, reason)
+    no_ckpt, with_ckpt = best.get(False), best.get(True)
+    # Checkpointing costs about a third more compute: worth it only for a much larger micro-batch on a GPU that is
+    # not yet saturated (micro-batch ≥ 8 already is, for these models).
+    if no_ckpt is not None and (with_ckpt is None or with_ckpt[0] < 2 * no_ckpt[0] or no_ckpt[0] >= 8):
+        (micro, p), ckpt = no_ckpt, False
+    else:
+        assert with_ckpt is not None
+        (micro, p), ckpt = with_ckpt, True
+    reason = (f"planner: micro-batch {micro} × accumulation {effective // micro}, checkpointing "
+              f"{'on' if ckpt else 'off'} needs {p.total / GiB:.2f} GiB of {where} "
+              f"(limit {SAFETY:.0%})")
     return TrainSettings(micro, effective // micro, ckpt, precision, quantize, reason)
 
 
-def _fits_or_checkpoint(model_cfg: ModelConfig, hw: Hardware, model_config: Any, micro: int, precision: Precision,
-                        seq_len: int, image_size: int | None) -> bool:
-    micro_tier, ckpt = tier_micro_batch(hw)
-    return ckpt or micro > micro_tier
+_UNITS = {"": GiB, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": GiB, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_memory(text: str) -> int:
+    """'16GiB', '24 GB', '8000MiB' → bytes; a bare number is GiB."""
+    import re
+
+    from pipeline.errors import ConfigError
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"memory size {text!r} is not understood; write it like 16GiB, 24GB or 8000MiB")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ConfigError(f"memory size {text!r} must be more than 0")
+    return value

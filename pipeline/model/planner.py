@@ -1,0 +1,504 @@
+"""Peak training memory from a model's config alone: weights, adapters, optimizer, activations, logits, runtime.
+
+The model is built on the meta device (no weights are allocated) to list its Linear layers and other parameters; the
+bitsandbytes rules of transformers decide which Linears become NF4. Activation terms are per-token byte counts of the
+tensors autograd saves in one decoder / encoder layer, derived from the layer structure (RMSNorm upcasts, SDPA keeps
+q, k, v, out and the log-sum-exp, SwiGLU keeps three intermediate tensors, LoRA keeps its dropped-out input) and
+checked against the saved-tensor bytes of real models in tests/test_planner.py.
+
+Assumptions (say so when comparing with a measurement):
+- qlora: `prepare_model_for_kbit_training` has cast every non-4-bit parameter to fp32.
+- lora: the base model sits in the compute dtype; full: parameters, gradients and AdamW states in the compute dtype.
+- LoRA adapters, their gradients and AdamW states are fp32 (PEFT's `autocast_adapter_dtype`).
+- Images are planned as squares of `image_size` px: an upper bound for aspect-preserving preprocessing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+GiB = 1 << 30
+Mode = Literal["qlora", "lora", "full"]
+MODES: tuple[Mode, ...] = ("qlora", "lora", "full")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+NF4_BLOCK = 64          # bnb 4-bit blocksize: one absmax per 64 weights
+DQ_BLOCK = 256          # double quantization: absmaxes quantized to 8 bit in blocks of 256
+VISION_PREFIXES = ("vision_model", "visual", "vision_tower", "vision_encoder")
+# Leaf names whose input is not otherwise kept by autograd in a frozen layer: a LoRA there keeps one more tensor.
+_UNSHARED_INPUTS = ("o_proj", "out_proj", "down_proj", "fc2", "proj", "dense")
+# CUDA context + cuBLAS workspaces (not in max_memory_allocated, but in nvidia-smi); torch + transformers on CPU.
+RUNTIME_BYTES = {"cuda": 600 * MiB, "cpu": 700 * MiB}
+FRAGMENTATION = 0.05    # caching-allocator slack on the dynamic part
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+
+    @property
+    def numel(self) -> int:
+        return self.in_features * self.out_features
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A stack of identical transformer layers (the language model, or the vision encoder)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_dim: int       # key/value width (GQA keeps fewer heads)
+    q_dim: int
+    swiglu: bool
+    rms_norm: bool
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs from a model, read once from its config on the meta device."""
+
+    model_type: str
+    linears: tuple[Linear, ...]
+    other_params: int          # parameters outside Linear layers (embeddings, norms, convolutions), counted once
+    other_param_names: tuple[tuple[str, int], ...]
+    buffer_bytes: int
+    skip_quant: tuple[str, ...]  # module name patterns transformers keeps out of 4-bit
+    text: Stack
+    vision: Stack | None
+    vocab: int
+    family: str | None
+    vision_cfg: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def params(self) -> int:
+        return self.other_params + sum(lin.numel + (lin.out_features if lin.bias else 0) for lin in self.linears)
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: Mode
+    batch: int
+    seq_len: int                 # text tokens per sample, image tokens excluded
+    image_size: int
+    image_tokens: int            # tokens the images add to each sample's sequence
+    vision_tokens: int           # patches the vision encoder sees per sample
+    checkpointing: bool
+    precision: str
+    device: str
+    terms: dict[str, int]        # bytes per term, in table order
+    gpu_memory_bytes: int | None
+    margin: float
+    trainable_params: int
+    total_params: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def weights(self) -> int:
+        return sum(v for k, v in self.terms.items() if k.startswith("weights"))
+
+    @property
+    def budget(self) -> int | None:
+        return None if self.gpu_memory_bytes is None else int(self.gpu_memory_bytes * self.margin)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget is None else self.total <= self.budget
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode, "batch": self.batch, "seq_len": self.seq_len, "image_size": self.image_size,
+            "image_tokens": self.image_tokens, "vision_tokens": self.vision_tokens,
+            "checkpointing": self.checkpointing, "precision": self.precision, "device": self.device,
+            "terms_mb": {k: round(v / MiB, 1) for k, v in self.terms.items()}, "total_mb": round(self.total / MiB, 1),
+            "gpu_memory_mb": None if self.gpu_memory_bytes is None else round(self.gpu_memory_bytes / MiB),
+            "fits": self.fits, "trainable_params": self.trainable_params, "total_params": self.total_params,
+        }
+
+
+# ------------------------------------------------------------------------------------------------ model shape
+def load_model_config(source: Any, *, local_only: bool = False) -> Any:
+    """A transformers config from a config object, a dict, a config.json file, a model folder or a hub ID
+    (`local_only`: from the HF cache only, never the network)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        return source
+    if isinstance(source, dict):
+        data = dict(source)
+    else:
+        path = Path(str(source))
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise ModelError(f"{path}: not valid JSON (line {exc.lineno}): {exc.msg}") from None
+        elif not path.exists() and (path.is_absolute() or str(source).startswith(".")):
+            raise ModelError(f"{path}: no such model folder or config.json")
+        else:
+            try:
+                return AutoConfig.from_pretrained(str(source), local_files_only=local_only)
+            except (OSError, ValueError) as exc:
+                raise ModelError(f"{source}: cannot read a model config ({exc}); pass a local model folder or "
+                                 "config.json (offline machines cannot reach the hub)") from None
+    if "model_type" not in data:
+        raise ModelError(f"{source if not isinstance(source, dict) else '<config dict>'}: no 'model_type' key; "
+                         "is this a transformers config.json?")
+    data.pop("transformers_version", None)
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def _meta_model(config: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        for auto in (AutoModelForImageTextToText, AutoModelForCausalLM):
+            try:
+                return auto.from_config(config)
+            except ValueError:
+                continue
+    raise ModelError(f"model_type {config.model_type!r}: transformers has no image-text-to-text or causal-LM class "
+                     "for it, so its memory cannot be planned")
+
+
+def _skip_patterns(model: Any) -> list[str]:
+    """Module names transformers leaves out of bitsandbytes 4-bit by default (lm_head, tied weights, fp32 keeps)."""
+    try:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        skip = list(get_keys_to_not_convert(model))
+    except (ImportError, AttributeError):  # older transformers: the output embedding is the documented default
+        skip = ["lm_head"]
+    return sorted(set(skip) | set(getattr(model, "_keep_in_fp32_modules", None) or ()))
+
+
+def _quantized(name: str, patterns: Sequence[str]) -> bool:
+    # Same matching as transformers' should_convert_module: prefix at a module boundary, regex, or suffix.
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return not any(re.match(rf"(?:{p}){boundary}", name) or name.endswith(p) for p in patterns)
+
+
+def _stack_text(tc: Any) -> Stack:
+    h, heads = tc.hidden_size, tc.num_attention_heads
+    hd = getattr(tc, "head_dim", None) or h // heads
+    kv = getattr(tc, "num_key_value_heads", None) or heads
+    return Stack(tc.num_hidden_layers, h, tc.intermediate_size, heads, kv * hd, heads * hd,
+                 swiglu=True, rms_norm=True)
+
+
+def _stack_vision(vc: Any, model_type: str) -> Stack:
+    h = getattr(vc, "embed_dim", None) or vc.hidden_size  # Qwen2-VL: hidden_size is the merger's output width
+    inter = getattr(vc, "intermediate_size", None) or int(h * getattr(vc, "mlp_ratio", 4))
+    layers = getattr(vc, "num_hidden_layers", None) or vc.depth
+    heads = getattr(vc, "num_attention_heads", None) or vc.num_heads
+    swiglu = model_type == "qwen2_5_vl"
+    return Stack(layers, h, inter, heads, h, h, swiglu=swiglu, rms_norm=swiglu)
+
+
+def _family_of(model_type: str) -> str | None:
+    return {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl"}.get(
+        model_type)
+
+
+def analyze(model_config: Any, *, local_only: bool = False) -> ModelShape:
+    """Read a model's structure from its config: builds it on the meta device, allocates no weights."""
+    import torch
+
+    config = load_model_config(model_config, local_only=local_only)
+    model = _meta_model(config)
+    linears, others = [], []
+    for name, mod in model.named_modules():
+        if type(mod) is torch.nn.Linear:
+            linears.append(Linear(name, mod.in_features, mod.out_features, mod.bias is not None))
+    linear_params = {f"{lin.name}.{p}" for lin in linears for p in ("weight", "bias")}
+    for name, p in model.named_parameters():
+        if name not in linear_params:
+            others.append((name, p.numel()))
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    vc = getattr(config, "vision_config", None)
+    return ModelShape(
+        model_type=config.model_type,
+        linears=tuple(linears),
+        other_params=sum(n for _, n in others),
+        other_param_names=tuple(others),
+        buffer_bytes=buffers,
+        skip_quant=tuple(_skip_patterns(model)),
+        text=_stack_text(config.get_text_config()),
+        vision=None if vc is None else _stack_vision(vc, config.model_type),
+        vocab=config.get_text_config().vocab_size,
+        family=_family_of(config.model_type),
+        vision_cfg={} if vc is None else {
+            k: getattr(vc, k) for k in ("image_size", "patch_size", "spatial_merge_size") if hasattr(vc, k)
+        } | ({"scale_factor": config.scale_factor} if hasattr(config, "scale_factor") else {}),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ image tokens
+def image_token_counts(shape: ModelShape, image_size: int) -> tuple[int, int]:
+    """(tokens in the text sequence, patches through the vision encoder) for one square image of `image_size` px."""
+    vc = shape.vision_cfg
+    if shape.vision is None or image_size <= 0:
+        return 0, 0
+    if shape.family == "idefics3":
+        tile, patch = vc.get("image_size", 512), vc.get("patch_size", 16)
+        # Up to one tile the image is the global tile alone; larger ones are split plus one global tile.
+        tiles = 1 if image_size <= tile else math.ceil(image_size / tile) ** 2 + 1
+        patches = (tile // patch) ** 2
+        per_tile = patches // vc.get("scale_factor", 1) ** 2 + 3  # + row/col and fake-image marker tokens
+        return tiles * per_tile, tiles * patches
+    patch, merge = vc.get("patch_size", 14), vc.get("spatial_merge_size", 2)
+    unit = patch * merge
+    side = max(unit, round(image_size / unit) * unit)
+    patches = (side // patch) ** 2
+    return patches // merge**2 + 2, patches  # + vision start/end tokens
+
+
+# ------------------------------------------------------------------------------------------------ LoRA targets
+def lora_targets(shape: ModelShape, target_modules: Sequence[str] | str | None) -> list[Linear]:
+    """The Linear layers PEFT wraps, as pipeline.model.loading configures it: a regex (fullmatch), or names that match
+    anywhere (the vision encoder too), or None for the family's default (language model projections only)."""
+    if target_modules is None and shape.family is not None:
+        from pipeline.model.families import get_family
+
+        target_modules = get_family(shape.family).lora_target()
+    if isinstance(target_modules, str):
+        pattern = re.compile(target_modules)
+        return [lin for lin in shape.linears if pattern.fullmatch(lin.name)]
+    names = list(target_modules or ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    return [lin for lin in shape.linears if any(lin.name == n or lin.name.endswith(f".{n}") for n in names)]
+
+
+def _is_vision(name: str) -> bool:
+    return any(f"{p}." in f"{name}." for p in VISION_PREFIXES)
+
+
+# ------------------------------------------------------------------------------------------------ the terms
+def _weights(shape: ModelShape, mode: Mode, p: int, skip: Sequence[str], double_quant: bool) -> dict[str, int]:
+    if mode != "qlora":
+        bias = sum(lin.out_features for lin in shape.linears if lin.bias)
+        return {"weights": (shape.other_params + bias + sum(lin.numel for lin in shape.linears)) * p
+                + shape.buffer_bytes}
+    packed = consts = kept = 0
+    for lin in shape.linears:
+        kept += lin.out_features * 4 if lin.bias else 0
+        if not _quantized(lin.name, skip):
+            kept += lin.numel * 4
+            continue
+        packed += (lin.numel + 1) // 2
+        blocks = math.ceil(lin.numel / NF4_BLOCK)
+        if double_quant:
+            # uint8 absmax per block, fp32 absmax + the 256-entry fp32 code of the second level, one fp32 offset
+            consts += blocks + 4 * math.ceil(blocks / DQ_BLOCK) + 256 * 4 + 4
+        else:
+            consts += 4 * blocks
+        consts += 16 * 4  # the NF4 code table
+    return {"weights_nf4": packed, "weights_nf4_constants": consts,
+            "weights_other": (shape.other_params * 4 + kept) + shape.buffer_bytes}
+
+
+def _layer_bytes(s: Stack, p: int, *, trained: bool, full: bool, attention: str, seq: int) -> float:
+    """Bytes autograd keeps per token in one layer of `s` while gradients flow through it."""
+    if not trained:
+        return 0.0
+    h, i = s.hidden, s.intermediate
+    norms = 2 * (4 * h if s.rms_norm else p * h)         # RMSNorm keeps its fp32 upcast; LayerNorm its input
+    attn = p * (2 * s.q_dim + 2 * s.kv_dim) + 4 * s.heads  # q, k, v, out, logsumexp
+    if attention == "eager":
+        attn += p * s.heads * seq                         # the softmax probabilities
+    mlp = p * (3 * i if s.swiglu else 2 * i)              # SwiGLU: gate, act, up; GELU: input, output
+    total = norms + attn + mlp
+    if full:  # weight gradients need every Linear's input: the normed hiddens, the attention output, down's input
+        total += p * (2 * h + s.q_dim + (i if s.swiglu else 0))
+    return total
+
+
+def _working_set(s: Stack, p: int, tokens: int, per_image: int, attention: str) -> float:
+    # One layer's live tensors in a forward pass without saved state (frozen tower, or checkpoint recompute slack).
+    work = tokens * p * (4 * s.hidden + 2 * s.intermediate)
+    if attention == "eager":
+        work += p * s.heads * per_image * tokens
+    return work
+
+
+def plan(
+    model_config: Any,
+    *,
+    mode: Mode = "qlora",
+    batch: int = 1,
+    seq_len: int = 256,
+    image_size: int | None = None,
+    gpu_memory_bytes: int | None = None,
+    lora_r: int = 8,
+    target_modules: Sequence[str] | str | None = None,
+    checkpointing: bool = False,
+    precision: str = "bf16",
+    device: Literal["cuda", "cpu"] = "cuda",
+    lora_dropout: float = 0.05,
+    attention: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa",
+    skip_modules: Sequence[str] | None = None,
+    double_quant: bool = True,
+    margin: float = 0.85,
+) -> Plan:
+    """Estimated peak memory of one training step (forward, backward, optimizer step), term by term.
+
+    `model_config` is anything `load_model_config` reads, or a `ModelShape` from `analyze` (faster when planning
+    many configurations). `seq_len` counts text tokens per sample; the image tokens of one `image_size` px image are
+    added. `fits` compares the total with `margin` × `gpu_memory_bytes`.
+    """
+    if mode not in MODES:
+        raise ModelError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if precision not in DTYPE_BYTES:
+        raise ModelError(f"precision {precision!r} is not one of {', '.join(DTYPE_BYTES)}")
+    if batch < 1 or seq_len < 1:
+        raise ModelError(f"batch ({batch}) and seq_len ({seq_len}) must be ≥ 1")
+    shape = model_config if isinstance(model_config, ModelShape) else analyze(model_config)
+    p = DTYPE_BYTES[precision]
+    image_size = image_size if image_size is not None else int(shape.vision_cfg.get("image_size", 0) or 448)
+    img_tokens, vis_tokens = image_token_counts(shape, image_size)
+    seq = seq_len + img_tokens
+    tokens, vtokens = batch * seq, batch * vis_tokens
+    full = mode == "full"
+
+    skip = list(shape.skip_quant) + list(skip_modules or ())
+    # fp16 weights cannot be trained under a grad scaler, so full fp16 training keeps fp32 weights (as loading does).
+    wp = 4 if full and precision == "fp16" else p
+    terms = _weights(shape, mode, wp, skip, double_quant)
+
+    if full:
+        trainable = shape.params
+        terms["gradients"] = trainable * wp
+        terms["optimizer"] = 2 * trainable * wp
+        adapted: list[Linear] = []
+    else:
+        adapted = lora_targets(shape, target_modules)
+        trainable = sum(lora_r * (lin.in_features + lin.out_features) for lin in adapted)
+        terms["lora_params"] = trainable * 4
+        terms["gradients"] = trainable * 4
+        terms["optimizer"] = trainable * 8
+
+    vision_trained = full or any(_is_vision(lin.name) for lin in adapted)
+    text_trained = full or any(not _is_vision(lin.name) for lin in adapted)
+    text, vision = shape.text, shape.vision
+    per_text = _layer_bytes(text, p, trained=text_trained, full=full, attention=attention, seq=seq)
+    per_vis = 0.0 if vision is None else _layer_bytes(
+        vision, p, trained=vision_trained, full=full, attention=attention, seq=vis_tokens)
+    mask = p if device == "cpu" else 1  # CPU dropout keeps a float mask, CUDA a bool one
+    lora_tok = lora_vtok = 0.0
+    for lin in adapted:
+        extra = lin.in_features * (p + mask) if lora_dropout > 0 else (
+            lin.in_features * p if lin.name.rsplit(".", 1)[-1] in _UNSHARED_INPUTS else 0)
+        extra += lora_r * p
+        if _is_vision(lin.name):
+            lora_vtok += extra
+        else:
+            lora_tok += extra
+
+    if checkpointing:
+        # Only each layer's input survives the forward; backward recomputes one layer at a time.
+        kept = (tokens * text.hidden * p * text.layers if text_trained else 0) + (
+            vtokens * vision.hidden * p * vision.layers if vision_trained and vision else 0)
+        recompute = max(tokens * (per_text + lora_tok / max(text.layers, 1)),
+                        vtokens * (per_vis + lora_vtok / max(vision.layers if vision else 1, 1)))
+        acts = kept + 2 * recompute  # the recomputed layer's activations and their gradients
+    else:
+        acts = tokens * (per_text * text.layers + lora_tok) + (
+            vtokens * (per_vis * vision.layers + lora_vtok) if vision else 0)
+    # The residual stream entering the model and the image features; a frozen tower's forward working set.
+    acts += tokens * text.hidden * p * 2
+    if vision is not None and not vision_trained:
+        acts += _working_set(vision, p, vtokens, vis_tokens, attention)
+    terms["activations"] = int(acts)
+    # Logits in compute dtype, their fp32 upcast for the loss, log-softmax output, and the gradient in backward.
+    terms["logits"] = int(tokens * shape.vocab * 16)
+    if mode == "qlora":  # backward dequantizes one weight at a time
+        terms["dequant_buffer"] = max((lin.numel for lin in shape.linears if _quantized(lin.name, skip)), default=0) * p
+    dynamic = terms["activations"] + terms["logits"]
+    terms["runtime"] = RUNTIME_BYTES[device] + int(FRAGMENTATION * dynamic)
+    return Plan(mode, batch, seq_len, image_size, img_tokens, vis_tokens, checkpointing, precision, device,
+                terms, gpu_memory_bytes, margin, trainable, shape.params)
+
+
+def plan_grid(
+    model_config: Any,
+    *,
+    modes: Iterable[Mode] = MODES,
+    batches: Iterable[int] = (1, 2, 4, 8, 16),
+    checkpointing: Iterable[bool] = (False, True),
+    **kwargs: Any,
+) -> list[Plan]:
+    """Plans for every mode × checkpointing × micro-batch, the model analyzed once."""
+    shape = model_config if isinstance(model_config, ModelShape) else analyze(model_config)
+    return [plan(shape, mode=m, batch=b, checkpointing=c, **kwargs)
+            for m in modes for c in checkpointing for b in batches]
+
+
+# ------------------------------------------------------------------------------------------------ tables
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def terms_table(*plans: Plan) -> Any:
+    """Plans side by side, term by term (rich Table): e.g. one mode and batch with checkpointing off and on."""
+    from rich.table import Table
+
+    first = plans[0]
+    t = Table(title=f"{first.mode}, micro-batch {first.batch}, {first.seq_len} text + {first.image_tokens} image "
+                    f"tokens ({first.image_size} px), {first.precision}, peak GiB")
+    t.add_column("term")
+    for p in plans:
+        t.add_column(f"{p.mode} b{p.batch} ckpt {'on' if p.checkpointing else 'off'}", justify="right")
+    for k in dict.fromkeys(k for p in plans for k in p.terms):
+        t.add_row(k, *(_gib(p.terms.get(k, 0)) for p in plans))
+    t.add_row("[bold]total[/]", *(f"[bold]{_gib(p.total)}[/]" for p in plans))
+    if first.budget is not None:
+        t.add_row(f"budget: {first.margin:.0%} of {_gib(first.gpu_memory_bytes or 0)}", *(_gib(first.budget) for _ in plans))
+        t.add_row("fits", *("[green]yes[/]" if p.fits else "[red]no[/]" for p in plans))
+    return t
+
+
+def plan_table(model_config: Any, **kwargs: Any) -> Any:
+    """Which configurations fit (rich Table): mode × checkpointing × micro-batch, with the main terms."""
+    from rich.table import Table
+
+    plans = plan_grid(model_config, **kwargs)
+    t = Table(title="Peak training memory (GiB)")
+    for col in ("mode", "ckpt", "batch", "weights", "trainable+opt", "activations", "logits", "total", "fits"):
+        t.add_column(col, justify="right" if col not in ("mode", "ckpt", "fits") else "left")
+    for p in plans:
+        train = p.terms.get("lora_params", 0) + p.terms["gradients"] + p.terms["optimizer"]
+        fits = {None: "-", True: "[green]yes[/]", False: "[red]no[/]"}[p.fits]
+        t.add_row(p.mode, "on" if p.checkpointing else "off", str(p.batch), _gib(p.weights), _gib(train),
+                  _gib(p.terms["activations"]), _gib(p.terms["logits"]), _gib(p.total), fits)
+    return t
+
+
+def largest_fitting_batch(shape: ModelShape, budget_candidates: Sequence[int], **kwargs: Any) -> tuple[int, Plan] | None:
+    """The largest micro-batch among `budget_candidates` whose plan fits, with its plan; None when none fits."""
+    for b in sorted(budget_candidates, reverse=True):
+        p = plan(shape, batch=b, **kwargs)
+        if p.fits:
+            return b, p
+    return None
+
+
+__all__ = ["Linear", "ModelShape", "Plan", "Stack", "analyze", "image_token_counts", "largest_fitting_batch",
+           "load_model_config", "lora_targets", "plan", "plan_grid", "plan_table", "terms_table"]

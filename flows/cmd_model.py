@@ -49,6 +49,82 @@ def check_quant_cmd(
     typer.echo(json.dumps(report, indent=2))
 
 
+def hardware_cmd(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Project config YAML.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Show the detected GPU/CPU and the training settings (micro-batch, accumulation, checkpointing) chosen for it."""
+    from dataclasses import asdict
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeline.config import load_config
+    from pipeline.model.hardware import choose_train_settings, detect_hardware
+
+    cfg = load_config(config)
+    hw = detect_hardware()
+    s = choose_train_settings(cfg.train, cfg.model, hw, image_size=cfg.preprocess.size)
+    if as_json:
+        typer.echo(json.dumps({"hardware": hw.describe(), "model": cfg.model.name_or_path, "mode": cfg.model.mode,
+                               "settings": asdict(s)}, indent=2))
+        return
+    console = Console()
+    d = hw.describe()
+    t = Table(title="Detected hardware")
+    t.add_column("device")
+    t.add_column("memory (GiB)", justify="right")
+    t.add_column("free (GiB)", justify="right")
+    t.add_column("compute capability / cores")
+    t.add_column("bf16")
+    for g in d["gpus"]:
+        t.add_row(g["name"], str(g["total_memory_gib"]), str(g["free_memory_gib"]), g["compute_capability"],
+                  "yes" if g["bf16"] else "no")
+    t.add_row("CPU (RAM)", str(d["ram_gib"]), str(d["ram_available_gib"]), f"{d['cpu_count']} cores", "-")
+    console.print(t)
+    c = Table(title=f"Training settings for {cfg.model.name_or_path} ({cfg.model.mode})")
+    c.add_column("setting")
+    c.add_column("value")
+    for k in ("micro_batch", "grad_accum", "gradient_checkpointing", "precision", "quantize", "reason"):
+        c.add_row(k, str(getattr(s, k)))
+    console.print(c)
+
+
+def plan_cmd(
+    model: Annotated[str, typer.Option("--model", "-m", help="Hub ID, local model folder or config.json.")],
+    mode: Annotated[str, typer.Option("--mode", help="qlora, lora or full: the mode itemized term by term.")] = "qlora",
+    gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="e.g. 16GiB, 24GB (default: this GPU's free memory).")] = None,
+    batch: Annotated[int | None, typer.Option("--batch", min=1, help="Micro-batch to itemize (the table shows 1-16).")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=1, help="Text tokens per sample (image tokens are added).")] = 128,
+    image_size: Annotated[int | None, typer.Option("--image-size", min=1, help="Longest image side in px (default: the model's).")] = None,
+    lora_r: Annotated[int, typer.Option("--lora-r", min=1)] = 8,
+    precision: Annotated[str, typer.Option("--precision", help="bf16, fp16 or fp32 compute.")] = "bf16",
+) -> None:
+    """Estimate peak training memory from the model's config alone (no weights loaded) and show what fits."""
+    from rich.console import Console
+
+    from pipeline.model.hardware import SAFETY, detect_hardware, parse_memory
+    from pipeline.model.planner import analyze, plan, plan_table, terms_table
+
+    if gpu_memory is not None:
+        memory = parse_memory(gpu_memory)
+    else:
+        hw = detect_hardware()
+        memory = hw.gpus[0].available_bytes if hw.gpus else None
+    shape = analyze(Path(model) if Path(model).exists() else model)
+    kw = {"seq_len": seq_len, "image_size": image_size, "gpu_memory_bytes": memory, "lora_r": lora_r,
+          "precision": precision, "device": "cuda", "margin": SAFETY}
+    console = Console()
+    console.print(terms_table(*(plan(shape, mode=mode, batch=batch or 1, checkpointing=c, **kw)  # type: ignore[arg-type]
+                                for c in (False, True))))
+    batches = sorted({1, 2, 4, 8, 16, *([batch] if batch else [])})
+    console.print(plan_table(shape, batches=batches, **kw))
+    if memory is None:
+        console.print("No GPU detected and no --gpu-memory given: nothing to compare with.")
+
+
 def register(app: typer.Typer) -> None:
     app.command("make-tiny-model")(make_tiny_model_cmd)
     app.command("check-quant")(check_quant_cmd)
+    app.command("hardware")(hardware_cmd)
+    app.command("plan")(plan_cmd)

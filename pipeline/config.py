@@ -286,13 +286,36 @@ def parse_config(data: dict[str, Any] | None, *, origin: str = "<config>", root:
     return _absolutize(cfg, (root or Path.cwd()).resolve())
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping: plain YAML silently keeps the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key_node.value!r} appears twice in the same section; keep only one",
+                        key_node.start_mark)
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
+
+
+def _safe_load(text: str) -> Any:
+    loader = _UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def load_config(path: str | os.PathLike[str] | None = None, *, root: Path | None = None) -> ProjectConfig:
     """Load and validate a YAML config; None loads the embedded default (configs/demo.yaml)."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found; pass an existing YAML file with --config")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except UnicodeDecodeError as exc:

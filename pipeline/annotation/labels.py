@@ -169,6 +169,11 @@ def _annotator(value: Any, fallback: str) -> str:
     return fallback if value in (None, "") else str(value)
 
 
+def _sid(value: Any) -> str | None:
+    """A sample_id cell as text: a number or list an annotator typed in becomes an unknown ID, not a crash."""
+    return None if value in (None, "") else value.strip() if isinstance(value, str) else str(value)
+
+
 def _sid_from_image(url: Any) -> str | None:
     """Exported images are named <sample_id>.<ext>; recover the ID from a task's image URL or path."""
     if not isinstance(url, str) or not url:
@@ -216,7 +221,7 @@ class LabelStudioReader(LabelReader):
                 raise LabelImportError(f"{name}:{line}: task {t} is a {type(task).__name__}, not an object")
             data = task.get("data") if isinstance(task.get("data"), dict) else {}
             meta = task.get("meta") if isinstance(task.get("meta"), dict) else {}
-            sid = data.get("sample_id") or meta.get("sample_id") or _sid_from_image(data.get("image"))
+            sid = _sid(data.get("sample_id") or meta.get("sample_id")) or _sid_from_image(data.get("image"))
             anns = task.get("annotations") or []
             if not isinstance(anns, list):
                 raise LabelImportError(f"{name}:{line}: task {t}: 'annotations' must be a list")
@@ -260,7 +265,7 @@ class LabelStudioMinReader(LabelReader):
                 if len(value) != 1:
                     problem = f"{len(value)} values ({', '.join(map(str, value))}); give exactly one"
                 value = value[0] if len(value) == 1 else None
-            sid = task.get("sample_id") or _sid_from_image(task.get("image"))
+            sid = _sid(task.get("sample_id")) or _sid_from_image(task.get("image"))
             who = _annotator(task.get("annotator"), f"annotation-{task.get('annotation_id', t)}")
             rows.append(LabelRow(sid, None if value is None else str(value), who, line, f"{name}:{line}",
                                  problem=problem))

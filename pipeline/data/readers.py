@@ -67,6 +67,8 @@ def read_image_file(ref: str, base: Path, cfg: DataConfig, source: str) -> RawRo
 
     The returned RawRow carries only image, image_path and source; callers fill in the text fields.
     """
+    if "\x00" in ref:  # the OS refuses such a path with ValueError, which is no reason a person can act on
+        return Rejected(source, f"image path {ref!r} contains a NUL byte; fix the path in the source")
     raw = Path(ref)
     candidate = raw if raw.is_absolute() else base / raw
     roots = _roots(base, cfg)
@@ -112,6 +114,9 @@ def _require_source(source: SourceConfig, *, folder: bool) -> Path:
         raise DataError(f"data.sources ({source.kind}): {p} is not an existing folder; fix the source path")
     if not folder and not p.exists():
         raise DataError(f"data.sources ({source.kind}): {p} does not exist; fix the source path")
+    if not folder and p.is_dir():
+        raise DataError(f"data.sources ({source.kind}): {p} is a folder, not a {source.kind} file; point to the file "
+                        "inside it, or use kind: folder")
     return p
 
 
@@ -120,7 +125,9 @@ def _check_columns(source: SourceConfig, found: list[str], where: str) -> None:
     missing = [source.image_column] if source.image_column not in found else []
     for field in ("question_column", "answer_column", "split_column"):
         name = getattr(source, field)
-        if field in source.model_fields_set and name not in found:
+        # Compared with the default, not `model_fields_set`: flows rebuild the config from its JSON dump, which
+        # marks every field as set.
+        if name != SourceConfig.model_fields[field].default and name not in found:
             missing.append(name)
     if missing:
         raise DataError(
@@ -225,19 +232,26 @@ class CsvReader(Reader):
                 f"{path}:{line}: not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); "
                 "re-save the CSV as UTF-8"
             ) from None
-        reader = csv.DictReader(io.StringIO(text, newline=""))
-        found = list(reader.fieldnames or [])
-        _check_columns(source, found, str(path))
-        base = path.resolve().parent
-        start = reader.line_num + 1
-        for rec in reader:
-            where = f"{path}:{start}"
+        # strict: an unclosed quote must be an error, not a cell that silently swallows every row after it.
+        reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
+        start = 1
+        try:
+            found = list(reader.fieldnames or [])
+            _check_columns(source, found, str(path))
+            base = path.resolve().parent
             start = reader.line_num + 1
-            if None in rec:
-                yield Rejected(where, f"row has {len(found) + len(rec[None])} cells but the header has {len(found)}; "
-                               "quote cells that contain commas")
-                continue
-            yield _manifest_row(rec, where, base, source, cfg)
+            for rec in reader:
+                where = f"{path}:{start}"
+                start = reader.line_num + 1
+                if None in rec:
+                    yield Rejected(where, f"row has {len(found) + len(rec[None])} cells but the header has "
+                                   f"{len(found)}; quote cells that contain commas")
+                    continue
+                yield _manifest_row(rec, where, base, source, cfg)
+        except csv.Error as exc:
+            # The reader cannot resync after a malformed record, so the rest of the file is unreadable.
+            raise DataError(f"{path}:{start}: not valid CSV ({exc}); fix the record that starts on that line (an "
+                            "unclosed quote turns the rest of the file into one cell)") from None
 
 
 class HFReader(Reader):
@@ -345,8 +359,8 @@ def _annotation_answer(annotations: list[Any]) -> str | None:
     for ann in reversed(usable):
         for kind, key in (("choices", "choices"), ("textarea", "text")):
             for res in ann["result"]:
-                if isinstance(res, dict) and res.get("type") == kind:
-                    values = [_text(v) for v in (res.get("value") or {}).get(key) or []]
+                if isinstance(res, dict) and res.get("type") == kind and isinstance(res.get("value"), dict):
+                    values = [_text(v) for v in res["value"].get(key) or []]
                     values = [v for v in values if v]
                     if values:
                         return ", ".join(values) if kind == "choices" else "\n".join(values)

@@ -41,7 +41,9 @@ def make_task_runner(cfg: ProjectConfig) -> Any:
 
         if cfg.select.dask_address:
             return DaskTaskRunner(address=cfg.select.dask_address)
-        return DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1, "processes": True})
+        # Dask binds the dashboard of ":8787" to every interface; keep the whole local cluster on loopback.
+        return DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1, "processes": True,
+                                              "host": "127.0.0.1", "dashboard_address": "127.0.0.1:8787"})
     from prefect.task_runners import ThreadPoolTaskRunner
 
     # Torch already uses every core inside one shard; more threads would only fight over them.

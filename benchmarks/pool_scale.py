@@ -5,8 +5,19 @@
 Parts:
   selection  k-center and cluster-margin picking --k of --n seeded, clustered float32 embeddings of dimension --d
              (keys kcenter_s, cluster_margin_s; target < 5 s each on 2 cores).
-  scoring    peak RSS of scoring + selecting a 10k and a 100k pool (keys rss_mb_10k, rss_mb_100k, rss_ratio):
-             not implemented yet; it belongs with the sharded scorer.
+  scoring    peak RSS of scoring + selecting a 10k and a 100k pool (keys rss_mb_10k, rss_mb_100k, rss_ratio;
+             target ratio <= 1.2). Each pool is a real prepared dataset on disk (generated images of varied sizes
+             run through preprocess_dataset; Arrow, memory-mapped), scored with the tiny 4-bit Idefics3 in a fresh
+             subprocess shard by shard as flows/select.py does (load the shard's rows, score, save, drop), then
+             selected from the saved shards (entropy + k_center). Peak RSS is the child's ru_maxrss.
+             Scoring 100k rows takes 10-20 min on 2 busy cores: when the smallest pool's throughput projects the
+             big pool past --max-score-s, the big pool scores --real-rows rows (evenly spread shards) for real and
+             the other shards are precomputed from the small pool's real scores (JSON: "scoring_100k":
+             "precomputed", with scored / precomputed row counts). Prepared pools are cached in --work-dir.
+
+    python benchmarks/pool_scale.py --part all --work-dir /tmp/tamis-pool-scale \\
+        --json-out benchmarks/results/pool_scale.json
+    python benchmarks/pool_scale.py --part scoring --pools 1000,5000     # a quick look
 """
 
 from __future__ import annotations
@@ -80,8 +91,219 @@ def run_selection(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------------------------------ scoring part
+QUESTION = "Which digit is shown in the image?"
+DIGITS = [str(d) for d in range(10)]
+MiB = 1 << 20
+
+
+def _rss_peak_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _pool_label(n: int) -> str:
+    return f"{n // 1000}k" if n % 1000 == 0 else str(n)
+
+
+def generated_images(n: int, *, seed: int, chunk: int = 5000):
+    """Chunks of ingested-schema rows: a digit on a coloured background, 20-64 px sides, PNG; unique bytes per row."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    from pipeline.schema import sample_id_for
+
+    rng = np.random.default_rng(seed)
+    for start in range(0, n, chunk):
+        rows: dict[str, list[Any]] = {k: [] for k in ("sample_id", "image", "image_path", "question", "answer",
+                                                      "split", "source", "sources", "width", "height", "mode")}
+        for i in range(start, min(n, start + chunk)):
+            w, h = (int(v) for v in rng.integers(20, 65, 2))
+            im = Image.new("RGB", (w, h), tuple(int(c) for c in rng.integers(0, 256, 3)))
+            ImageDraw.Draw(im).text((w // 3, h // 4), str(i % 10), fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+            im.putpixel((0, 0), (i & 255, (i >> 8) & 255, (i >> 16) & 255))  # no two images alike
+            buf = io.BytesIO()
+            im.save(buf, "PNG")
+            data = buf.getvalue()
+            for k, v in (("sample_id", sample_id_for(data, QUESTION)), ("image", data), ("image_path", ""),
+                         ("question", QUESTION), ("answer", None), ("split", "pool"), ("source", f"gen:{i}"),
+                         ("sources", [f"gen:{i}"]), ("width", w), ("height", h), ("mode", "RGB")):
+                rows[k].append(v)
+        yield rows
+
+
+def build_pool(out_dir: Path, n: int, *, seed: int) -> tuple[Path, float]:
+    """A prepared pool of n generated images (preprocess_dataset at 32 px); reused when it already verifies."""
+    import datasets
+
+    from pipeline.config import PreprocessConfig
+    from pipeline.errors import ArtifactError
+    from pipeline.preprocess import preprocess_dataset
+    from pipeline.store import read_manifest
+
+    what = {"generated": f"n={n} seed={seed} v1"}
+    try:
+        if read_manifest(out_dir).inputs == what:
+            return out_dir, 0.0
+    except ArtifactError:
+        pass
+    t = time.perf_counter()
+    features = datasets.Features({
+        "sample_id": datasets.Value("string"), "image": datasets.Value("binary"),
+        "image_path": datasets.Value("string"), "question": datasets.Value("string"),
+        "answer": datasets.Value("string"), "split": datasets.Value("string"), "source": datasets.Value("string"),
+        "sources": datasets.List(datasets.Value("string")), "width": datasets.Value("int32"),
+        "height": datasets.Value("int32"), "mode": datasets.Value("string"),
+    })
+    ds = datasets.concatenate_datasets([datasets.Dataset.from_dict(c, features=features)
+                                        for c in generated_images(n, seed=seed)])
+    m = preprocess_dataset(ds, PreprocessConfig(size=32), out_dir, size=32, max_pixels=1_000_000, inputs=what)
+    if m.info["rows"] != n:
+        raise SystemExit(f"{out_dir}: {m.info['quarantined']} of {n} generated images were quarantined")
+    return out_dir, time.perf_counter() - t
+
+
+def score_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """In a fresh process: score the pool shard by shard (as flows/select.py does), select, report peak RSS."""
+    import torch
+
+    from pipeline.config import ModelConfig
+    from pipeline.model.loading import load_model
+    from pipeline.preprocess import load_prepared
+    from pipeline.scoring import ClosedSetScorer, concat_scores, load_scores, plan_shards, save_scores
+    from pipeline.strategies import select_batch
+
+    torch.set_num_threads(spec["threads"])
+    out = Path(spec["out_dir"])
+    ds = load_prepared(spec["prepared"])
+    index = {sid: i for i, sid in enumerate(ds["sample_id"])}
+    loaded = load_model(ModelConfig(name_or_path=spec["model"], family="idefics3", mode="qlora"))
+    rss_loaded = _rss_peak_mb()
+    scorer = ClosedSetScorer(loaded, DIGITS)
+    shards = plan_shards(list(index), spec["shard_size"])
+    real = set(range(len(shards))) if spec["real_shards"] is None else set(spec["real_shards"])
+    t, scored = time.perf_counter(), 0
+    for j, ids in enumerate(shards):
+        if j not in real:
+            continue
+        rows = ds.select([index[s] for s in ids])
+        rows = [{"sample_id": r["sample_id"], "prepared": r["prepared"], "question": r["question"]} for r in rows]
+        result = scorer.score(rows, batch_size=spec["batch_size"])
+        save_scores(result, out / f"{j:06d}", inputs={"shard": str(j)}, config={"batch_size": spec["batch_size"]})
+        scored += len(rows)
+        del rows, result
+    score_s = time.perf_counter() - t
+    rss_scored = _rss_peak_mb()
+    t = time.perf_counter()
+    scores = concat_scores([load_scores(out / f"{j:06d}") for j in range(len(shards))])
+    sel = select_batch(scores.sample_ids, k=spec["k"], strategy="entropy", diversity=spec["diversity"],
+                       probs=scores.probs, embeddings=scores.embeddings, predicted=scores.probs.argmax(1),
+                       seed=0)
+    select_s = time.perf_counter() - t
+    return {
+        "rss_mb": round(_rss_peak_mb(), 1),
+        "rss_mb_after_load": round(rss_loaded, 1),
+        "rss_mb_after_scoring": round(rss_scored, 1),
+        "pool": len(index),
+        "shards": len(shards),
+        "scored_rows": scored,
+        "score_s": round(score_s, 1),
+        "score_sps": round(scored / score_s, 1) if score_s else None,
+        "select_s": round(select_s, 2),
+        "selected": len(sel.ids),
+        "embedding_dim": int(scores.embeddings.shape[1]),
+    }
+
+
+def write_precomputed(out: Path, pool_dir: Path, shard_size: int, skip: set[int], source: Path, seed: int) -> int:
+    """Score shards for the shards not scored for real: rows of the small pool's real scores, embeddings jittered."""
+    from pipeline.preprocess import load_prepared
+    from pipeline.scoring import ScoreResult, concat_scores, load_scores, plan_shards, save_scores
+
+    real = concat_scores([load_scores(p) for p in sorted(source.iterdir())])
+    rng = np.random.default_rng(seed)
+    scale = 0.05 * float(real.embeddings.std())
+    shards = plan_shards(load_prepared(pool_dir)["sample_id"], shard_size)
+    written = 0
+    for j, ids in enumerate(shards):
+        if j in skip:
+            continue
+        pick = rng.integers(0, len(real.sample_ids), len(ids))
+        emb = real.embeddings[pick] + rng.standard_normal((len(ids), real.embeddings.shape[1])).astype(np.float32) * scale
+        res = ScoreResult(sample_ids=list(ids), embeddings=emb.astype(np.float32), probs=real.probs[pick])
+        save_scores(res, out / f"{j:06d}", inputs={"precomputed": str(source)}, config={"jitter": scale})
+        written += len(ids)
+    return written
+
+
+def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    import subprocess
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                          env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"pool_scale: scoring child failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_scoring(args: argparse.Namespace) -> dict[str, Any]:
-    raise NotImplementedError("--part scoring (rss_mb_10k, rss_mb_100k, rss_ratio) is not implemented yet")
+    import shutil
+    import tempfile
+
+    from pipeline.model.tiny import make_tiny_model
+
+    pools = sorted(int(x) for x in args.pools.split(","))
+    tmp = None if args.work_dir else tempfile.TemporaryDirectory(prefix="tamis-pool-scale-")
+    work = Path(args.work_dir or tmp.name)
+    model = work / "tiny-idefics3"
+    if not (model / "config.json").is_file():
+        make_tiny_model("idefics3", model)
+    out: dict[str, Any] = {"scoring_model": "tiny idefics3 (pipeline.model.tiny), 4-bit NF4, fp32 compute, CPU",
+                           "scoring_shard_size": args.shard_size, "scoring_batch_size": args.score_batch_size,
+                           "scoring_select": f"entropy + {args.diversity}, k={args.select_k}", "runs": {}}
+    first: dict[str, Any] | None = None
+    try:
+        for n in pools:
+            label = _pool_label(n)
+            pool_dir, build_s = build_pool(work / f"pool-{n}", n, seed=args.seed)
+            run_dir = work / f"scores-{n}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            n_shards = -(-n // args.shard_size)
+            real_shards, mode = None, "full"
+            if first is not None and args.scoring_mode != "full":
+                projected = n / first["score_sps"]
+                if args.scoring_mode == "precomputed" or projected > args.max_score_s:
+                    count = max(1, min(n_shards, round(args.real_rows / args.shard_size)))
+                    real_shards = sorted({int(x) for x in np.linspace(0, n_shards - 1, count).round()})
+                    mode = "precomputed"
+                    out[f"projected_score_s_{label}"] = round(projected)
+                    pre = write_precomputed(run_dir, pool_dir, args.shard_size, set(real_shards),
+                                            work / f"scores-{pools[0]}", args.seed)
+                    out[f"precomputed_rows_{label}"] = pre
+            spec = {"prepared": str(pool_dir), "model": str(model), "out_dir": str(run_dir), "threads": args.threads,
+                    "shard_size": args.shard_size, "batch_size": args.score_batch_size, "k": args.select_k,
+                    "diversity": args.diversity, "real_shards": real_shards}
+            res = _child(spec)
+            res["build_s"] = round(build_s, 1)
+            first = first or res
+            out["runs"][label] = res
+            out[f"rss_mb_{label}"] = res["rss_mb"]
+            # Python + torch + transformers + the model are most of the peak; this is what the pool itself adds.
+            out[f"rss_mb_above_load_{label}"] = round(res["rss_mb"] - res["rss_mb_after_load"], 1)
+            out[f"scoring_{label}"] = mode
+            out[f"scored_rows_{label}"] = res["scored_rows"]
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    small, big = _pool_label(pools[0]), _pool_label(pools[-1])
+    out["rss_ratio"] = round(out[f"rss_mb_{big}"] / out[f"rss_mb_{small}"], 3)
+    out["rss_ratio_pools"] = f"{big} / {small}"
+    out["rss_ratio_target"] = 1.2
+    return out
 
 
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
@@ -101,7 +323,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeat", type=int, default=1, help="runs per timing; the fastest is reported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", type=Path, default=None)
+    sc = ap.add_argument_group("scoring part")
+    sc.add_argument("--pools", default="10000,100000", help="pool sizes, comma-separated; the ratio is last / first")
+    sc.add_argument("--shard-size", type=int, default=1000)
+    sc.add_argument("--score-batch-size", type=int, default=64)
+    sc.add_argument("--select-k", type=int, default=100, help="batch selected from each scored pool")
+    sc.add_argument("--diversity", default="k_center", choices=["top_k", "k_center", "cluster_margin"])
+    sc.add_argument("--scoring-mode", default="auto", choices=["auto", "full", "precomputed"],
+                    help="big pools: score every row, precompute most shards, or decide by --max-score-s")
+    sc.add_argument("--max-score-s", type=float, default=600.0, help="auto: longest projected scoring of one pool")
+    sc.add_argument("--real-rows", type=int, default=10_000, help="rows scored for real in a precomputed pool")
+    sc.add_argument("--work-dir", type=Path, default=None, help="keeps the generated pools between runs")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(score_child(json.loads(args.child))))
+        return {}
     result: dict[str, Any] = {
         "part": args.part,
         "threads": args.threads,

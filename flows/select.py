@@ -228,7 +228,7 @@ def selection_table(rows: list[dict[str, Any]], top: int = 20) -> list[dict[str,
 
 def select_ref(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
                pool_ids: list[str], exclude: list[str], round_dir: Path) -> dict[str, Any]:
-    """Score the eligible pool and select; writes round_dir/selection.jsonl. Call from inside a flow."""
+    """Score the eligible pool and select; writes round_dir/selection/selection.jsonl. Call from inside a flow."""
     from pipeline.store import read_jsonl
 
     refs = score_pool(cfg, prepared=prepared, adapter=adapter, pool_ids=pool_ids, round_dir=round_dir)

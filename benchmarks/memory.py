@@ -137,6 +137,40 @@ def run_case(args: argparse.Namespace) -> dict:
             "loss": round(loss, 4), "measure": how}
 
 
+def _summary(cases: list[dict]) -> dict:
+    def case(mode: str, ckpt: bool) -> dict | None:
+        return next((c for c in cases if c["mode"] == mode and c["gradient_checkpointing"] == ckpt), None)
+
+    def ratio(a: dict | None, b: dict | None, key) -> float | None:
+        return None if a is None or b is None else round(key(a) / key(b), 3)
+
+    def step(c: dict) -> float:  # what the step adds over weights, gradients, optimizer states and runtime
+        return c["peak_mb"] - c["before_step_mb"]
+
+    modes = dict.fromkeys(c["mode"] for c in cases)
+    saving = {m: ratio(case(m, True), case(m, False), lambda c: c["peak_mb"]) for m in modes}
+    act_saving = {m: ratio(case(m, True), case(m, False), step) for m in modes}
+    return {
+        "qlora_over_full": ratio(case("qlora", False), case("full", False), lambda c: c["peak_mb"]),
+        "checkpointing_saving": {m: None if r is None else round(1 - r, 3) for m, r in saving.items()},
+        "checkpointing_activation_saving": {m: None if r is None else round(1 - r, 3) for m, r in act_saving.items()},
+    }
+
+
+def _add_plan(case: dict, shape, args: argparse.Namespace, device: str, image_size: int):
+    from pipeline.model.planner import RUNTIME_BYTES, plan
+
+    p = plan(shape, mode=case["mode"], batch=args.batch, seq_len=args.seq_len, image_size=image_size,
+             lora_r=args.lora_r, checkpointing=case["gradient_checkpointing"],
+             precision="bf16" if device == "cuda" else "fp32", device=device)
+    # max_memory_allocated excludes the CUDA context; RSS includes the Python/torch runtime.
+    planned = p.total - (RUNTIME_BYTES["cuda"] if device == "cuda" else 0)
+    case["planned_mb"] = round(planned / MiB, 1)
+    case["planned_terms_mb"] = {k: round(v / MiB, 1) for k, v in p.terms.items()}
+    case["planned_error"] = round((planned / MiB - case["peak_mb"]) / case["peak_mb"], 3)
+    return p
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "smolvlm-256m-shape.json"))
@@ -150,6 +184,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="6 text / 2 vision layers, 32 text tokens, batch 1")
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--replan", type=Path, help="recompute the planner columns of this result JSON (same shape flags)")
     # Internal: one case in a child process.
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
@@ -162,10 +197,27 @@ def main() -> None:
     if args.child:
         print(json.dumps(run_case(args)))
         return
+    if args.replan:
+        # Planner changed, measurements did not: recompute planned_* in an earlier result without re-measuring.
+        from pipeline.model.planner import analyze
+        from pipeline.store import atomic_write_json
+
+        out = json.loads(args.replan.read_text())
+        args.batch, args.seq_len = out["batch"], out["seq_len"]
+        args.text_layers, args.vision_layers = out["model"]["text_layers"], out["model"]["vision_layers"]
+        cfg = _config(args)
+        shape = analyze(cfg)
+        device = "cpu" if out["device"] == "cpu" else "cuda"
+        for case in out["cases"]:
+            _add_plan(case, shape, args, device, cfg.vision_config.image_size)
+        out.update(_summary(out["cases"]))
+        print(json.dumps(out, indent=2))
+        atomic_write_json(args.json_out or args.replan, out)
+        return
 
     import torch
 
-    from pipeline.model.planner import analyze, plan
+    from pipeline.model.planner import analyze
     from pipeline.store import atomic_write_json
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -189,23 +241,11 @@ def main() -> None:
                     sys.stderr.write(proc.stderr[-3000:])
                     raise SystemExit(f"case {mode} ckpt={ckpt} failed (exit {proc.returncode})")
                 measured = json.loads(proc.stdout.strip().splitlines()[-1])
-                p = plan(shape, mode=mode, batch=args.batch, seq_len=args.seq_len,
-                         image_size=cfg.vision_config.image_size, lora_r=args.lora_r, checkpointing=ckpt,
-                         precision="bf16" if device == "cuda" else "fp32", device=device)
-                terms = {k: round(v / MiB, 1) for k, v in p.terms.items()}
-                # max_memory_allocated excludes the CUDA context; RSS includes the Python/torch runtime.
-                planned = p.total - (p.terms["runtime"] - int(0.05 * (p.terms["activations"] + p.terms["logits"]))
-                                     if device == "cuda" else 0)
-                case = {"mode": mode, "gradient_checkpointing": ckpt, **measured,
-                        "planned_mb": round(planned / MiB, 1), "planned_terms_mb": terms,
-                        "planned_error": round((planned / MiB - measured["peak_mb"]) / measured["peak_mb"], 3)}
+                case = {"mode": mode, "gradient_checkpointing": ckpt, **measured}
+                p = _add_plan(case, shape, args, device, cfg.vision_config.image_size)
                 cases.append(case)
                 print(json.dumps(case), file=sys.stderr)
 
-    def peak(mode: str, ckpt: bool) -> float | None:
-        return next((c["peak_mb"] for c in cases if c["mode"] == mode and c["gradient_checkpointing"] == ckpt), None)
-
-    full, qlora = peak("full", False), peak("qlora", False)
     out = {
         "device": device if device == "cpu" else torch.cuda.get_device_name(0),
         "model": {"config": str(Path(args.config).relative_to(ROOT) if Path(args.config).is_relative_to(ROOT)
@@ -214,9 +254,7 @@ def main() -> None:
                   "vision_layers": shape.vision.layers if shape.vision else 0},
         "batch": args.batch, "seq_len": args.seq_len, "image_tokens": p.image_tokens,
         "cases": cases,
-        "qlora_over_full": None if not (full and qlora) else round(qlora / full, 3),
-        "checkpointing_saving": {m: round(1 - peak(m, True) / peak(m, False), 3)
-                                 for m in args.modes.split(",") if peak(m, False)},
+        **_summary(cases),
     }
     text = json.dumps(out, indent=2)
     print(text)

@@ -150,5 +150,32 @@ def test_model_config_is_read_from_a_local_model_folder(tmp_path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_yaml_loads(path):
-    cfg = load_config(path, root=ROOT)
+    import yaml
+
+    from pipeline.config import parse_config
+
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if "project" in data:  # a benchmark's parameters around an ordinary project config
+        cfg = parse_config(data["project"], origin=f"{path}: project", root=ROOT)
+    else:
+        cfg = load_config(path, root=ROOT)
     assert cfg.model.name_or_path and cfg.train.effective_batch_size >= 1
+
+
+def test_cli_plan_and_hardware():
+    import json
+
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["plan", "--model", str(SHAPE_JSON), "--mode", "qlora", "--gpu-memory", "16GiB",
+                              "--batch", "4", "--image-size", "512"], env={"COLUMNS": "160"})
+    assert res.exit_code == 0, res.output
+    assert "weights_nf4" in res.output and "Peak training memory" in res.output and "yes" in res.output
+    res = runner.invoke(app, ["hardware", "--json", "-c", str(ROOT / "configs" / "smolvlm-qlora.yaml")])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output[res.output.index("{"):])
+    assert out["settings"]["micro_batch"] * out["settings"]["grad_accum"] == 16
+    assert out["hardware"]["device"] in ("cpu", "cuda")

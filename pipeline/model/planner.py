@@ -401,20 +401,28 @@ def plan(
     per_text = _layer_bytes(text, p, trained=text_trained, full=full, attention=attention, seq=seq)
     per_vis = 0.0 if vision is None else _layer_bytes(
         vision, p, trained=vision_trained, full=full, attention=attention, seq=vis_tokens)
-    mask = p if device == "cpu" else 1  # CPU dropout keeps a float mask, CUDA a bool one
+    # Adapters are fp32 and PEFT casts their input up: each adapted Linear keeps an fp32 copy of its input (dropped
+    # out, with a mask: float on CPU, bool on CUDA), unless dropout is off and the input is already fp32 and kept.
+    mask = 4 if device == "cpu" else 1
     lora_tok = lora_vtok = 0.0
     for lin in adapted:
-        extra = lin.in_features * (p + mask) if lora_dropout > 0 else (
-            lin.in_features * p if lin.name.rsplit(".", 1)[-1] in _UNSHARED_INPUTS else 0)
-        extra += lora_r * p
+        if lora_dropout > 0:
+            extra = lin.in_features * (4 + mask)
+        elif p < 4 or lin.name.rsplit(".", 1)[-1] in _UNSHARED_INPUTS:
+            extra = lin.in_features * 4
+        else:
+            extra = 0
+        extra += lora_r * 4
         if _is_vision(lin.name):
             lora_vtok += extra
         else:
             lora_tok += extra
 
+    # k-bit preparation upcasts the embeddings, so a qlora model's residual stream is fp32.
+    rp = 4 if mode == "qlora" else p
     if checkpointing:
         # Only each layer's input survives the forward; backward recomputes one layer at a time.
-        kept = (tokens * text.hidden * p * text.layers if text_trained else 0) + (
+        kept = (tokens * text.hidden * rp * text.layers if text_trained else 0) + (
             vtokens * vision.hidden * p * vision.layers if vision_trained and vision else 0)
         recompute = max(tokens * (per_text + lora_tok / max(text.layers, 1)),
                         vtokens * (per_vis + lora_vtok / max(vision.layers if vision else 1, 1)))
@@ -423,7 +431,7 @@ def plan(
         acts = tokens * (per_text * text.layers + lora_tok) + (
             vtokens * (per_vis * vision.layers + lora_vtok) if vision else 0)
     # The residual stream entering the model and the image features; a frozen tower's forward working set.
-    acts += tokens * text.hidden * p * 2
+    acts += tokens * text.hidden * rp * 2
     if vision is not None and not vision_trained:
         acts += _working_set(vision, p, vtokens, vis_tokens, attention)
     terms["activations"] = int(acts)

@@ -168,6 +168,11 @@ def _add_plan(case: dict, shape, args: argparse.Namespace, device: str, image_si
     case["planned_mb"] = round(planned / MiB, 1)
     case["planned_terms_mb"] = {k: round(v / MiB, 1) for k, v in p.terms.items()}
     case["planned_error"] = round((planned / MiB - case["peak_mb"]) / case["peak_mb"], 3)
+    # The dynamic part alone: what the step adds over the memory held before it, measured and planned.
+    dynamic = ("activations", "logits", "dequant_buffer")
+    planned_step = sum(p.terms.get(k, 0) for k in dynamic) + p.terms["runtime"] - RUNTIME_BYTES[device]
+    case["step_mb"] = round(case["peak_mb"] - case["before_step_mb"], 1)
+    case["planned_step_mb"] = round(planned_step / MiB, 1)
     return p
 
 

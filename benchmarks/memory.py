@@ -6,6 +6,11 @@ tokens), then the measured step, with the gradients and AdamW states of the warm
 peak RSS (fp32 compute), with the high-water mark reset after loading (Linux /proc/self/clear_refs) so that loading
 does not hide the step. The planner's prediction for the same case is printed beside it.
 
+How far to trust CPU RSS: it counts resident pages, not tensors. It includes the imported libraries (~0.85 GB),
+memory glibc keeps after frees, and file pages of the memory-mapped checkpoint; a 4-bit model quantized while loading
+from an fp32 checkpoint keeps ~0.7 GB of such residue. `step_mb` (peak minus the resident size before the measured
+step) isolates what the step itself adds and is the better figure to compare across modes.
+
     python benchmarks/memory.py --json-out benchmarks/results/memory.json
     python benchmarks/memory.py --quick    # fewer layers, shorter text: a quick look
 """

@@ -207,11 +207,13 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
         exp = run_stage(export_task, artifacts=str(art), selection=sel, prepared=prep["prepare"],
                         annotate=cfg.section("annotate"), answers=cfg.data.answers, round_index=r, out_dir=str(out))
         state.update(selected=sel["n"], export_dir=exp["dir"])
-        if cfg.rounds.simulate_annotator if simulate is None else simulate:
-            simulate_annotator(out, cfg.data.ground_truth, art / "inbox", round_index=r, seed=cfg.seed)
 
     state["adapter"] = adapter
     atomic_write_json(round_dir / ROUND_FILE, state)
+    # Only a finished round is answered: with its labels in the inbox before round.json, a crash in between made
+    # the re-run import them into this round (a cold-start round trained, its export replaced, rounds renumbered).
+    if state.get("export_dir") and (cfg.rounds.simulate_annotator if simulate is None else simulate):
+        simulate_annotator(state["export_dir"], cfg.data.ground_truth, art / "inbox", round_index=r, seed=cfg.seed)
     metrics_rows = read_metrics(art)
     if metrics_rows:
         plot_learning_curve(metrics_rows, art / "learning_curve.png")

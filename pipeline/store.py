@@ -7,6 +7,7 @@ reader verifies the digests before it trusts a file, so a half-written or tamper
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -78,20 +79,38 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _disk_full(exc: BaseException, path: Path, what: str) -> ArtifactError | None:
+    """A full disk (or quota) as a clear error naming the artifact; None for any other failure."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    try:
+        free = f"{shutil.disk_usage(path.parent).free:,} bytes free there"
+    except OSError:
+        free = "free space unknown"
+    return ArtifactError(
+        f"{path}: disk full while writing {what} ({free}); the previous version, if any, is unchanged. Free some "
+        "space (or set paths.artifacts to a bigger disk) and run again"
+    )
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write via a temp file in the same folder, fsync, rename: readers see the old file or the new one, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    except BaseException as exc:
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        if (err := _disk_full(exc, path, f"{len(data):,} bytes")) is not None:
+            raise err from exc
         raise
     _fsync_dir(path.parent)
     return path
@@ -117,7 +136,12 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    except OSError as exc:
+        if (err := _disk_full(exc, path, "a folder")) is not None:
+            raise err from exc
+        raise
     try:
         yield tmp
         for p in tmp.rglob("*"):
@@ -132,8 +156,10 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         _fsync_dir(path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if (err := _disk_full(exc, path, "a folder")) is not None:
+            raise err from exc
         raise
 
 
@@ -149,14 +175,28 @@ def append_jsonl(path: str | os.PathLike[str], rows: list[Mapping[str, Any]]) ->
     payload = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows).encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        start = os.fstat(fd).st_size
         # A previous crash may have left a torn last line; start ours on a fresh line so it stays parseable.
-        if os.fstat(fd).st_size:
+        if start:
             with open(path, "rb") as f:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
                     payload = b"\n" + payload
-        os.write(fd, payload)
-        os.fsync(fd)
+        view, written = memoryview(payload), 0
+        try:
+            # os.write may write only part (a nearly full disk): the rest must follow or the batch is cut back.
+            while written < len(payload):
+                written += os.write(fd, view[written:])
+            os.fsync(fd)
+        except OSError as exc:
+            # Whole lines of a half-written batch would read as complete (a ledger file "imported" with labels
+            # missing): cut back to where the batch began, unless another process appended meanwhile.
+            with contextlib.suppress(OSError):
+                if os.fstat(fd).st_size == start + written:
+                    os.ftruncate(fd, start)
+            if (err := _disk_full(exc, path, f"{len(rows)} lines ({len(payload):,} bytes)")) is not None:
+                raise err from exc
+            raise
     finally:
         os.close(fd)
 

@@ -1,0 +1,437 @@
+"""Fault injection: SIGKILL at every stage of a round, a full disk, torn files; nothing lost, nothing half-read.
+
+Fast (default run): real SIGKILLs of small writer processes, a real full disk (a 256 KiB tmpfs when this user may
+mount one) or a patched one, readers facing temp leftovers, a torn Prefect result file.
+Slow: a whole labeling round (ingest → … → export, then label import → training → … → export) run in subprocesses
+that are SIGKILLed at one point after another, each re-run resuming; the outcome must equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pipeline.annotation.labels import inbox_files
+from pipeline.annotation.ledger import Ledger, make_entry
+from pipeline.errors import ArtifactError
+from pipeline.rounds import completed_rounds
+from pipeline.store import (
+    MANIFEST_NAME,
+    append_jsonl,
+    atomic_dir,
+    atomic_write_json,
+    executions,
+    read_jsonl,
+    read_manifest,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("tamis_round_driver", ROOT / "benchmarks" / "_round_driver.py")
+driver = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = driver  # dataclasses look their module up while the file executes
+_spec.loader.exec_module(driver)
+
+SEED = int(os.environ.get("TAMIS_FAULT_SEED", "7"))  # the random kill delays; printed on failure
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def verify_all_manifests(artifacts: Path) -> list[Path]:
+    """Every manifest.json under artifacts verifies (a manifest is written last, so one that exists is whole)."""
+    found = sorted(artifacts.rglob(MANIFEST_NAME))
+    for m in found:
+        if not any(driver.is_temp_name(part) for part in m.relative_to(artifacts).parts):
+            read_manifest(m.parent)
+    return found
+
+
+# ---------------------------------------------------------------------------------- SIGKILL of small writers
+def _start_writer(code: str, *args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout.readline().strip() == b"ready", proc.stderr.read().decode()
+    return proc
+
+
+WRITER = """
+import sys
+from pipeline.store import atomic_write_json
+print("ready", flush=True)
+i = 0
+while True:
+    i += 1
+    atomic_write_json(sys.argv[1], {"i": i, "pad": "x" * 300_000})
+"""
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_sigkill_mid_atomic_writes_leaves_the_old_or_the_new_file(tmp_path, trial):
+    target = tmp_path / "artifact.json"
+    atomic_write_json(target, {"i": 0, "pad": "x" * 300_000})
+    proc = _start_writer(WRITER, str(target))
+    time.sleep(random.Random(SEED + trial).uniform(0.05, 0.6))
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    data = json.loads(target.read_text())  # never torn
+    assert data["i"] >= 0 and len(data["pad"]) == 300_000
+    names = [p.name for p in tmp_path.iterdir()]
+    assert set(names) - {"artifact.json"} <= {n for n in names if driver.is_temp_name(n)}, names
+    atomic_write_json(target, {"i": -1})  # a leftover temp file does not get in the next writer's way
+    assert json.loads(target.read_text()) == {"i": -1}
+
+
+LEDGER_WRITER = """
+import sys
+from pipeline.annotation.ledger import Ledger, make_entry
+ledger = Ledger(sys.argv[1])
+print("ready", flush=True)
+b = 0
+while True:
+    ledger.append([make_entry(f"s{b}-{k}", str(k % 10), annotator="a", round_index=0, source_file="f",
+                              source_digest=f"d{b}", now=1.0) for k in range(25)])
+    b += 1
+"""
+
+
+def test_sigkill_mid_ledger_appends_keeps_whole_batches_and_later_appends_readable(tmp_path):
+    path = tmp_path / "labels.jsonl"
+    proc = _start_writer(LEDGER_WRITER, str(path))
+    time.sleep(random.Random(SEED).uniform(0.2, 0.8))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    ledger = Ledger(path)
+    entries = ledger.entries()
+    batches = Counter(e["source_digest"] for e in entries)
+    assert entries and set(batches.values()) == {25}, batches  # whole batches: no label of a batch lost
+    assert len({e["sample_id"] for e in entries}) == len(entries)  # and none twice
+    ledger.append([make_entry("late", "3", annotator="a", round_index=1, source_file="g", source_digest="g")])
+    assert ledger.labels()["late"] == "3" and len(ledger.entries()) == len(entries) + 1
+
+
+# ------------------------------------------------------------------------------------------ temp leftovers
+def test_readers_never_pick_up_temp_leftovers_of_killed_writes(tmp_path):
+    from pipeline.model.train import _checkpoints
+
+    art = tmp_path / "artifacts"
+    inbox = art / "inbox"
+    inbox.mkdir(parents=True)
+    (inbox / "round-000.json").write_text("[]")
+    (inbox / ".round-001.json.k2j3.tmp").write_text('[{"data": {"sam')  # a label file being written when killed
+    assert [p.name for p in inbox_files(inbox)] == ["round-000.json"]
+
+    ck = art / "train" / "k" / "checkpoints"
+    (ck / "step-2").mkdir(parents=True)
+    (ck / "step-2" / "state.json").write_text("{}")
+    (ck / ".step-4.x1y2.tmp").mkdir()  # killed inside atomic_dir: complete or not, it never counts
+    (ck / ".step-4.x1y2.tmp" / "state.json").write_text("{}")
+    (ck / "step-6").mkdir()  # a folder without state.json is not a checkpoint either
+    assert [s for s, _ in _checkpoints(ck.parent)] == [2]
+
+    rounds = art / "rounds"
+    (rounds / "000").mkdir(parents=True)
+    (rounds / "000" / "round.json").write_text(json.dumps({"round": 0}))
+    (rounds / "001").mkdir()
+    (rounds / "001" / ".round.json.ab12.tmp").write_text('{"round": 1, "lab')
+    assert [s["round"] for s in completed_rounds(art)] == [0]
+
+    log = art / "executions.jsonl"
+    append_jsonl(log, [{"stage": "a"}])
+    with log.open("ab") as f:
+        f.write(b'{"stage": "b", "ke')  # torn by a kill mid-append
+    append_jsonl(log, [{"stage": "c"}])
+    assert [e["stage"] for e in read_jsonl(log)] == ["a", "c"]
+    assert sorted(p.name for p in driver.temp_leftovers(art)) == [".round-001.json.k2j3.tmp", ".round.json.ab12.tmp",
+                                                                  ".step-4.x1y2.tmp"]
+
+
+# ----------------------------------------------------------------------------------------------- disk full
+class Disk:
+    """A folder whose filesystem can be made (nearly) full: a real tmpfs, or patched writes where none mounts."""
+
+    def __init__(self, root: Path, kind: str, monkeypatch: pytest.MonkeyPatch):
+        self.root, self.kind, self.mp = root, kind, monkeypatch
+
+    def fill(self, leave: int = 8192) -> None:
+        if self.kind == "tmpfs":
+            free = shutil.disk_usage(self.root).free
+            (self.root / "filler").write_bytes(b"\0" * max(0, free - leave))
+            return
+        budget = {"left": leave}
+
+        def take(n: int) -> int:
+            k = min(n, budget["left"])
+            budget["left"] -= k
+            return k
+
+        def under_root(fd: int) -> bool:
+            try:
+                return Path(os.readlink(f"/proc/self/fd/{fd}")).is_relative_to(self.root)
+            except OSError:
+                return False
+
+        real_write, real_fdopen = os.write, os.fdopen
+
+        def write(fd: int, data: bytes) -> int:
+            if not under_root(fd):
+                return real_write(fd, data)
+            k = take(len(data))
+            if k == 0:
+                raise OSError(errno.ENOSPC, "No space left on device (patched)")
+            return real_write(fd, bytes(data[:k]))  # a short write, as on a nearly full disk
+
+        class Full(io.RawIOBase):
+            def __init__(self, f):
+                self.f = f
+
+            def write(self, data):
+                k = take(len(data))
+                self.f.write(bytes(data[:k]))
+                if k < len(data):
+                    raise OSError(errno.ENOSPC, "No space left on device (patched)")
+                return k
+
+            def writable(self):
+                return True
+
+            def fileno(self):
+                return self.f.fileno()
+
+            def close(self):
+                self.f.close()
+                super().close()
+
+        def fdopen(fd: int, *a, **k):
+            f = real_fdopen(fd, *a, **k)
+            return Full(f) if under_root(fd) else f
+
+        self.mp.setattr(os, "write", write)
+        self.mp.setattr(os, "fdopen", fdopen)
+
+    def write_file(self, path: Path, data: bytes) -> None:
+        """How another library (save_to_disk, save_pretrained) writes into a folder: plain open + write."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
+
+@pytest.fixture(params=["tmpfs", "patched"])
+def disk(request, tmp_path, monkeypatch):
+    root = tmp_path / "fs"
+    root.mkdir()
+    if request.param == "patched":
+        if not Path("/proc/self/fd").is_dir():
+            pytest.skip("the patched full disk tells files apart through /proc/self/fd")
+        yield Disk(root, "patched", monkeypatch)
+        return
+    mount = shutil.which("mount")
+    if os.geteuid() != 0 or not mount or subprocess.run(
+            [mount, "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); the patched variant covers a full disk")
+    try:
+        yield Disk(root, "tmpfs", monkeypatch)
+    finally:
+        monkeypatch.undo()
+        subprocess.run([shutil.which("umount") or "umount", "-l", str(root)], capture_output=True)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_disk_full_on_an_artifact_write_is_a_clear_error_and_keeps_the_previous_file(disk):
+    stage = disk.root / "stage"
+    atomic_write_json(stage / "selection.json", {"rows": list(range(10))})
+    before = (stage / "selection.json").read_bytes()
+    disk.fill()
+    with pytest.raises(ArtifactError) as exc:
+        atomic_write_json(stage / "selection.json", {"rows": list(range(40_000))})
+    msg = str(exc.value)
+    assert str(stage / "selection.json") in msg and "disk full" in msg and "bytes" in msg and "Free some space" in msg
+    assert (stage / "selection.json").read_bytes() == before
+    assert sorted(p.name for p in stage.iterdir()) == ["selection.json"]  # no temp file left behind
+
+
+def test_disk_full_inside_a_folder_write_keeps_the_previous_folder(disk):
+    target = disk.root / "dataset"
+    with atomic_dir(target) as tmp:
+        (tmp / "data-00000.arrow").write_bytes(b"old" * 100)
+        (tmp / "state.json").write_text("{}")
+    before = _snapshot(target)
+    disk.fill()
+    with pytest.raises(ArtifactError, match=r"dataset: disk full while writing a folder"), atomic_dir(target) as tmp:
+        (tmp / "state.json").write_text('{"new": true}')
+        disk.write_file(tmp / "data-00000.arrow", b"n" * 200_000)
+    assert _snapshot(target) == before
+    assert sorted(p.name for p in disk.root.iterdir()) == ["dataset"] + (["filler"] if disk.kind == "tmpfs" else [])
+
+
+def test_disk_full_on_a_ledger_append_appends_nothing(disk):
+    ledger = Ledger(disk.root / "labels.jsonl")
+    ledger.append([make_entry("s0", "1", annotator="a", round_index=0, source_file="f0", source_digest="d0")])
+    before = ledger.path.read_bytes()
+    disk.fill(leave=4096)
+    batch = [make_entry(f"s{i}", str(i % 10), annotator="a" * 200, round_index=1, source_file="f1",
+                        source_digest="d1") for i in range(1, 120)]
+    with pytest.raises(ArtifactError, match=r"labels\.jsonl: disk full while writing 119 lines"):
+        ledger.append(batch)
+    # Nothing of the batch: a part would mark the file "imported" (its digest) with most of its labels missing.
+    assert ledger.path.read_bytes() == before and "d1" not in ledger.imported_digests()
+    (disk.root / "filler").unlink(missing_ok=True)
+    disk.mp.undo()
+    ledger.append(batch)  # once there is room again, the import goes through whole
+    assert len(ledger.labels()) == 120
+
+
+# ------------------------------------------------------------------------------------ torn Prefect results
+def test_a_torn_prefect_result_file_is_a_cache_miss_not_a_crash(tmp_path, prefect_harness):
+    """Prefect writes task results in place (not atomically); a kill mid-write must not break the next run."""
+    from prefect import flow
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
+
+    from flows.stages import stage_cache_key, stage_task
+
+    art = tmp_path / "artifacts"
+
+    @stage_task("faulttest", "1")
+    def body(artifacts: str, x: int) -> dict:
+        return {"x": x}
+
+    @flow
+    def f() -> dict:
+        return body(artifacts=str(art), x=3)
+
+    assert f() == {"x": 3} and len(executions(art)) == 1
+    assert f() == {"x": 3} and len(executions(art)) == 1  # cached
+    result = Path(PREFECT_LOCAL_STORAGE_PATH.value()) / stage_cache_key("faulttest", "1", {"artifacts": str(art), "x": 3})
+    data = result.read_bytes()
+    result.write_bytes(data[: len(data) // 2])  # as a SIGKILL in Prefect's write would leave it
+    assert f() == {"x": 3} and len(executions(art)) == 2  # the body ran again instead of reading half a result
+    assert f() == {"x": 3} and len(executions(art)) == 2
+
+
+# ---------------------------------------------------------------------------------- whole rounds, SIGKILLed
+@pytest.fixture(scope="module")
+def api_url(tmp_path_factory):
+    with driver.prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
+        yield url
+
+
+def _completed_keys(artifacts: Path) -> set[str]:
+    """Stage cache keys whose result Prefect has persisted (the storage file name is the key)."""
+    store = artifacts / "prefect" / "results"
+    return {p.name for p in store.iterdir()} if store.is_dir() else set()
+
+
+def _stage_folders(artifacts: Path) -> Counter:
+    """Stage folders by kind (their names hold digests of paths, which differ between projects)."""
+    rels = [m.parent.relative_to(artifacts) for m in verify_all_manifests(artifacts)]
+    return Counter(r.as_posix() if r.parts[0] == "rounds" else r.parts[0] for r in rels)
+
+
+def _resumed_from(run) -> list[str]:
+    return [line.split("resuming training from ", 1)[1] for line in run.log.read_text(errors="replace").splitlines()
+            if "resuming training from " in line]
+
+
+@pytest.mark.slow
+def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_path, tiny_models, api_url):
+    from pipeline.annotation.ledger import ledger_path
+    from pipeline.data.demo import write_digits
+
+    rng = random.Random(SEED)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models["idefics3"], model)
+    digits = write_digits(tmp_path / "digits", limit=60)
+    # Both projects read the same model and data folders, so every digest (adapter included) can match.
+    ref_cfg = driver.write_project(tmp_path / "reference", model_dir=model, digits_dir=digits)
+    cfg = driver.write_project(tmp_path / "faulted", model_dir=model, digits_dir=digits)
+    ref, art = tmp_path / "reference" / "artifacts", tmp_path / "faulted" / "artifacts"
+
+    for r in (0, 1):
+        run = driver.run_round(ref_cfg, api_url=api_url)
+        assert run.state and run.state["round"] == r and not run.error, run.error
+
+    K = driver.Kill
+    plan = [  # (round being run, where to kill it)
+        (0, K(stage="ingest", delay=driver.random_delay(rng, 0.5))),
+        (0, K(stage="preprocess", delay=driver.random_delay(rng, 1.5))),
+        (0, K(path="scores/*/manifest.json", delay=driver.random_delay(rng, 0.3))),
+        (0, K(on_replace="rounds/000/round.json")),  # exported, the round's state not yet written
+        (0, None),
+        (1, K(on_open="inbox/simulated-round-000.json", nth=2)),  # the importer has read the file once
+        (1, K(path="train/*/checkpoints/step-2")),  # between checkpoints
+        (1, K(on_replace="train/*/checkpoints/.step-4.*/state.json")),  # during one: half a checkpoint folder
+        (1, K(on_replace="train/*/adapter")),  # the adapter written, not yet in place; no manifest
+        (1, K(path="scores/*/manifest.json", delay=driver.random_delay(rng, 0.3))),
+        (1, K(on_replace="rounds/001/export/label_studio_tasks.json")),
+        (1, None),
+    ]
+    runs = []
+    for r, kill in plan:
+        done_before = _completed_keys(art)
+        run = driver.run_round(cfg, api_url=api_url, kill=kill)
+        runs.append(run)
+        where = f"run {len(runs) - 1} (round {r}, kill {run.kill}, seed {SEED}); log {run.log}"
+        assert not run.error, f"{where} failed:\n{run.error}"
+        assert run.killed == (kill is not None), where
+        assert not run.temp_reads, f"{where} read leftovers of killed writes: {run.temp_reads}"
+        # No stage body re-runs once its result is recorded: a re-run only does the interrupted work.
+        redone = [e["stage"] for e in run.executed if e["key"] in done_before]
+        assert not redone, f"{where} re-ran finished stages {redone}"
+        verify_all_manifests(art)  # whenever a manifest exists, its outputs verify, killed or not
+        if kill is None:
+            assert run.state["round"] == r, where
+
+    # Training resumed from its last whole checkpoint each time, never from the half-written one.
+    ck = next(art.glob("train/*")) / "checkpoints"
+    assert [_resumed_from(run) for run in runs[7:10]] == [[f"{ck / 'step-2'} (step 2 of 6)"]] * 2 + [
+        [f"{ck / 'step-4'} (step 4 of 6)"]]
+    assert [s["round"] for s in completed_rounds(art)] == [0, 1]
+    assert not (art / "round.lock").exists()
+    assert _stage_folders(art) == _stage_folders(ref)  # the same stage outputs as the uninterrupted run, all whole
+
+    for rel in ("rounds/000/selection/selection.jsonl", "rounds/001/selection/selection.jsonl",
+                "rounds/000/export/label_studio_tasks.json", "rounds/001/export/label_studio_tasks.json"):
+        assert (art / rel).read_bytes() == (ref / rel).read_bytes(), f"{rel} differs from the uninterrupted run's"
+    assert [{k: v for k, v in m.items() if k != "time"} for m in read_jsonl(art / "metrics.jsonl")] == [
+        {k: v for k, v in m.items() if k != "time"} for m in read_jsonl(ref / "metrics.jsonl")]
+    adapter = {p: read_manifest(p.parent).outputs["adapter"].digest for p in (*art.glob("train/*/adapter"),
+                                                                             *ref.glob("train/*/adapter"))}
+    assert len(set(adapter.values())) == 1, adapter  # exact resume: the same adapter bytes
+
+    def ledger_rows(a):
+        return [(e["sample_id"], e["label"], e["kind"], e["source_digest"]) for e in Ledger(ledger_path(a)).entries()]
+
+    assert ledger_rows(art) == ledger_rows(ref) and len(ledger_rows(art)) == 6  # each accepted label once
+    assert {p.name for p in (art / "train").glob("*/checkpoints")} == set()  # finished training keeps no checkpoint
+    leftovers = driver.temp_leftovers(art)
+    assert all(driver.is_temp_name(p.name) for p in leftovers)
+    assert not set(inbox_files(art / "inbox")) & set(leftovers)
+
+    # A full disk when the finished round re-writes its state: a clear error, the previous state intact.
+    state_file = art / "rounds" / "001" / "round.json"
+    before = state_file.read_bytes()
+    full = driver.run_round(cfg, api_url=api_url, simulate=False, disk_full="rounds/001/.round.json.*.tmp")
+    assert full.error and "ArtifactError" in full.error and f"{state_file}: disk full" in full.error, full.error
+    assert state_file.read_bytes() == before and not full.executed  # nothing redone on the way there
+    again = driver.run_round(cfg, api_url=api_url, simulate=False)
+    assert again.state["round"] == 1 and not again.executed and state_file.read_bytes() == before

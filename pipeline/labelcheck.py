@@ -321,7 +321,7 @@ def label_issue_table(issues: Sequence[Issue], ledger: Any) -> list[dict[str, An
         if e is None:
             row |= {"annotators": [], "source_file": "", "round": None, "origin": "dataset", "entry_id": None}
         else:
-            voters = [v["annotator"] for v in e.get("votes") or []] or e["annotator"].split(",")
+            voters = [v["annotator"] for v in e.get("votes") or []] or [a for a in e["annotator"].split(",") if a]
             row |= {"annotators": sorted(set(voters)), "source_file": e["source_file"], "round": e["round"],
                     "origin": e["kind"], "entry_id": e.get("entry_id")}
             if e["label"] != iss.given_label:

@@ -271,11 +271,26 @@ class Timer:
                 for k in keys}
 
 
+def model_digest(cfg: ProjectConfig) -> str:
+    """Content digest of the base model's folder (built first when it is a missing tiny model), so cached adapters,
+    scores and evaluations never outlive the weights they were made with."""
+    from pipeline.model.tiny import make_tiny_model
+    from pipeline.store import digest_path
+
+    path = Path(cfg.model.name_or_path)
+    if not path.is_absolute():
+        return cfg.model.name_or_path  # a hub ID: its revision is the user's to pin
+    if not path.exists() and cfg.model.build_tiny_if_missing and cfg.model.family:
+        make_tiny_model(cfg.model.family, path)
+    return digest_path(path)
+
+
 class Work:
     """Content-keyed train / evaluate / score steps of the experiment, each cached under the work folder."""
 
     def __init__(self, cfg: ProjectConfig, data: Data):
         self.cfg, self.data, self.art = cfg, data, cfg.artifacts
+        self.model = model_digest(cfg)
         self.timer = Timer()
         self._loaded: tuple[str, Any] | None = None
 
@@ -293,7 +308,7 @@ class Work:
 
         rows = [{**self.data.rows[s], "answer": labels[s]} for s in sorted(labels)]
         key = digest_json({"prepared": self.data.digest, "labels": sorted(labels.items()), "seed": cfg.seed,
-                           "model": cfg.section("model"), "train": cfg.section("train")})
+                           "model": cfg.section("model"), "weights": self.model, "train": cfg.section("train")})
         out = self.art / "train" / key[:16]
         done = (out / MANIFEST_NAME).is_file()
         t0 = time.monotonic()
@@ -306,7 +321,8 @@ class Work:
 
         test = self.data.test
         key = digest_json({"adapter": adapter.digest, "test": [r["sample_id"] for r in test],
-                           "answers": self.cfg.data.answers, "model": self.cfg.section("model")})
+                           "answers": self.cfg.data.answers, "model": self.cfg.section("model"),
+                           "weights": self.model})
         path = self.art / "eval" / f"{key[:16]}.json"
         if path.is_file():
             self.timer.add("evaluate", 0.0, computed=False)
@@ -324,7 +340,8 @@ class Work:
         sel = self.cfg.select
         seed = seed if mc_passes else 0  # only MC dropout draws random numbers
         config = {"answers": self.cfg.data.answers, "length_normalize": sel.length_normalize,
-                  "mc_dropout_passes": mc_passes, "seed": seed, "model": self.cfg.section("model")}
+                  "mc_dropout_passes": mc_passes, "seed": seed, "model": self.cfg.section("model"),
+                  "weights": self.model}
         inputs = {"adapter": adapter.digest, "prepared": self.data.digest, "ids": digest_json(ids)}
         key = stage_key("score", SCORE_VERSION, inputs, config)
         folder = self.art / "scores" / key[:16]
@@ -389,8 +406,9 @@ def pick(spec: StrategySpec, scores: Any, labeled: set[str], k: int, seed: int) 
 
 
 # ------------------------------------------------------------------------------------------------ experiment
-def run_key(cfg: ProjectConfig, bench: Bench, data: Data, extra: Any) -> str:
-    return digest_json({"v": BENCH_VERSION, "prepared": data.digest, "pool": data.pool, "seed": cfg.seed,
+def run_key(cfg: ProjectConfig, bench: Bench, work: Work, extra: Any) -> str:
+    return digest_json({"v": BENCH_VERSION, "prepared": work.data.digest, "pool": work.data.pool, "seed": cfg.seed,
+                        "weights": work.model,
                         "model": cfg.section("model"), "train": cfg.section("train"), "select": cfg.section("select"),
                         "bench": bench.model_dump(exclude={"quick", "strategies", "seeds", "full_data_seeds"}),
                         "extra": extra})[:10]
@@ -413,7 +431,7 @@ def cold_start(cfg: ProjectConfig, bench: Bench, data: Data, work: Work) -> list
 def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench, data: Data, work: Work,
                  initial: list[dict[str, Any]]) -> dict[str, Any]:
     """One strategy, one seed: cold start, then `rounds` rounds of `batch` labels. Returns labels + accuracy."""
-    run_dir = work.art / "runs" / f"{name}-seed{cfg.seed}-{run_key(cfg, bench, data, spec.model_dump())}"
+    run_dir = work.art / "runs" / f"{name}-seed{cfg.seed}-{run_key(cfg, bench, work, spec.model_dump())}"
     t_start = time.monotonic()
     selection, labels_curve, acc, asked = initial, [], [], set()
     mc = cfg.select.mc_dropout_passes if spec.strategy == "bald" else 0
@@ -437,7 +455,7 @@ def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench
 def full_data(cfg: ProjectConfig, bench: Bench, data: Data, work: Work, seeds: list[int]) -> list[dict[str, Any]]:
     """Every eligible pool sample labeled (through the same export → annotator → import path), trained with the
     same step budget, once per seed."""
-    run_dir = work.art / "runs" / f"full-{run_key(cfg, bench, data, 'full')}"
+    run_dir = work.art / "runs" / f"full-{run_key(cfg, bench, work, 'full')}"
     selection = [{"sample_id": s, "rank": i + 1, "score": 0.0} for i, s in enumerate(data.pool)]
     labels = annotate(cfg, data, run_dir, selection, 0, bench.annotator_noise, work.timer, set())
     out = []

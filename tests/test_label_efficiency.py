@@ -34,7 +34,7 @@ def test_shipped_config_loads_and_quick_overrides_apply():
     qcfg, quick = le.load_bench_config(le.DEFAULT_CONFIG, quick=True)
     q = yaml.safe_load(le.DEFAULT_CONFIG.read_text(encoding="utf-8"))["benchmark"]["quick"]
     assert set(quick.strategies) == set(q["strategies"]) and quick.seeds == q["seeds"]
-    assert qcfg.train.max_steps == q["train_steps"] and quick.rounds == q["rounds"]
+    assert qcfg.train.max_steps == q.get("train_steps", cfg.train.max_steps) and quick.rounds == q["rounds"]
 
 
 @pytest.mark.parametrize(("mutate", "fragment"), [

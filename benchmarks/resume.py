@@ -1,0 +1,184 @@
+"""Resume benchmark (issue #7): what a re-run costs after a finished round, and after a SIGKILL in training or scoring.
+
+    python benchmarks/resume.py --json-out benchmarks/results/resume.json
+    python benchmarks/resume.py --quick                    # 60 digits, 8 steps: a few minutes
+
+Each round runs in its own Python process against one shared local `prefect server` (PREFECT_API_URL), as a
+deployment or `tamis round` with a server would. Four projects read the same digits and tiny 4-bit Idefics3 model:
+1. cold: a fresh project (some seed labels, so the first round trains), then the same round again with nothing
+   changed (simulated annotator off, so the labeled set stays the same);
+2. the same cold round, SIGKILLed during training (a little after a mid-way checkpoint), then re-run;
+3. the same cold round, SIGKILLed during pool scoring (after half the shards), then re-run.
+4. (full mode) the re-run of 1 once more, with Prefect's ephemeral server instead of the shared one.
+
+Per run: `total_s` (the whole process: interpreter, imports, flow), `import_s` (importing flows.round: torch,
+transformers, prefect) and `flow_s` (the labeling_round call alone), and the stage bodies it executed (from
+artifacts/executions.jsonl). `rerun_ratio` = re-run flow_s ÷ cold flow_s (target ≤ 0.05): process start-up and
+imports are the same fixed ~10-15 s for any command and say nothing about caching; `rerun_ratio_total` is the same
+ratio on total_s, and `rerun_ephemeral_server` shows what a user without a server also pays (20-40 s start-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _round_driver as driver  # noqa: E402
+
+FULL = {"digits": 300, "seed_labels": 40, "max_steps": 40, "checkpoint_every": 10, "batch_size": 4,
+        "shard_size": 32, "select_batch": 20}
+QUICK = {"digits": 60, "seed_labels": 12, "max_steps": 8, "checkpoint_every": 2, "batch_size": 4,
+         "shard_size": 8, "select_batch": 6}
+
+
+def manifests(artifacts: Path) -> dict[str, int]:
+    return {str(m.relative_to(artifacts)): m.stat().st_mtime_ns for m in artifacts.rglob("manifest.json")}
+
+
+def written(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Stage outputs (manifests) a run wrote, by kind: the work it really did. An executed body may only find its
+    outputs complete on disk (killed before Prefect recorded its result) and write nothing."""
+    kinds = [k.rsplit("/", 1)[0] if k.startswith("rounds/") else k.split("/", 1)[0]
+             for k, t in after.items() if before.get(k) != t]
+    return dict(Counter(kinds))
+
+
+def summary(run: driver.RoundRun, before: dict[str, int] | None = None, after: dict[str, int] | None = None
+            ) -> dict[str, Any]:
+    out = {"total_s": round(run.wall_s, 2), "import_s": run.import_s, "flow_s": run.flow_s,
+           "stages_executed": dict(Counter(run.stages))}
+    if after is not None:
+        out["outputs_written"] = written(before or {}, after)
+    if run.kill:
+        out["killed_at"] = run.kill
+    if run.error:
+        out["error"] = run.error[-2000:]
+    return out
+
+
+def resumed_from(run: driver.RoundRun) -> int | None:
+    for line in run.log.read_text(errors="replace").splitlines():
+        if "resuming training from " in line and "(step " in line:
+            return int(line.rsplit("(step ", 1)[1].split()[0])
+    return None
+
+
+def redone(killed: driver.RoundRun, rerun: driver.RoundRun) -> list[str]:
+    """Stage bodies (same cache key) the killed run had started and the re-run executed again."""
+    started = {e["key"] for e in killed.executed}
+    return [e["stage"] for e in rerun.executed if e["key"] in started]
+
+
+def check(run: driver.RoundRun, what: str) -> driver.RoundRun:
+    if run.error or (run.state is None and not run.killed):
+        raise SystemExit(f"{what} failed:\n{run.error}")
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="60 digits, 8 training steps (a few minutes)")
+    ap.add_argument("--digits", type=int, help="digits in the project (default 300; quick 60)")
+    ap.add_argument("--steps", type=int, help="training steps of the round (default 40; quick 8)")
+    ap.add_argument("--no-ephemeral", action="store_true", help="skip the re-run with an ephemeral Prefect server")
+    ap.add_argument("--work-dir", type=Path, help="where the projects go (default: a new temp folder)")
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args()
+
+    p = dict(QUICK if args.quick else FULL)
+    p["digits"] = args.digits or p["digits"]
+    p["max_steps"] = args.steps or p["max_steps"]
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="tamis-resume-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    from pipeline.data.demo import write_digits
+    from pipeline.model.tiny import make_tiny_model
+    from pipeline.store import atomic_write_json
+
+    model = work / "model"
+    if not (model / "config.json").is_file():
+        make_tiny_model("idefics3", model)
+    digits = write_digits(work / "digits", limit=p["digits"])
+    overrides = {
+        "train": {"max_steps": p["max_steps"], "checkpoint_every": p["checkpoint_every"],
+                  "batch_size": p["batch_size"], "effective_batch_size": p["batch_size"]},
+        "select": {"shard_size": p["shard_size"], "batch_size": p["select_batch"]},
+        "rounds": {"simulate_annotator": False},
+    }
+
+    def project(name: str) -> Path:
+        return driver.write_project(work / name, model_dir=model, digits_dir=digits, seed_labels=p["seed_labels"],
+                                    **overrides)
+
+    mid = max(p["checkpoint_every"], p["max_steps"] // 2 // p["checkpoint_every"] * p["checkpoint_every"])
+    load = os.getloadavg()[0]
+    out: dict[str, Any] = {}
+    with driver.prefect_server(work / "server") as api:
+        def pair(name: str, kill: driver.Kill | None, what: str) -> tuple[driver.RoundRun, driver.RoundRun, dict]:
+            """A first run (killed or not), then the same round again; summaries with the outputs each wrote."""
+            cfg = project(name)
+            art = cfg.parent / "artifacts"
+            first = check(driver.run_round(cfg, api_url=api, kill=kill), what)
+            m1 = manifests(art)
+            second = check(driver.run_round(cfg, api_url=api), f"re-run after: {what}")
+            return first, second, {"first": summary(first, {}, m1), "rerun": summary(second, m1, manifests(art))}
+
+        cold, rerun, s = pair("cold", None, "cold round")
+        shards = Counter(cold.stages)["score_shard"]
+        out["cold"], out["rerun"] = s["first"], s["rerun"]
+
+        killed, again, s = pair("kill-train", driver.Kill(path=f"train/*/checkpoints/step-{mid}", delay=2.0),
+                                "round killed in training")
+        out["killed_in_training"] = {
+            "killed_run": s["first"], "rerun": s["rerun"], "redone_stages": redone(killed, again),
+            "resumed_from_step": resumed_from(again), "total_steps": p["max_steps"],
+        }
+
+        killed, again, s = pair("kill-score", driver.Kill(path="scores/*/manifest.json", nth=max(1, shards // 2)),
+                                "round killed in scoring")
+        out["killed_in_scoring"] = {
+            "killed_run": s["first"], "rerun": s["rerun"], "redone_stages": redone(killed, again),
+            "shards_total": shards, "shards_scored_on_rerun": s["rerun"]["outputs_written"].get("scores", 0),
+        }
+
+    if not args.no_ephemeral and not args.quick:
+        eph = check(driver.run_round(work / "cold" / "tamis.yaml", api_url=None), "re-run, ephemeral server")
+        out["rerun_ephemeral_server"] = summary(eph)
+
+    ratio = out["rerun"]["flow_s"] / out["cold"]["flow_s"]
+    result = {
+        "benchmark": "resume",
+        "mode": "quick" if args.quick else "full",
+        "rerun_ratio": round(ratio, 4),
+        "rerun_ratio_basis": "flow_s (the labeling_round call) of the unchanged re-run / of the cold round; "
+                             "process start-up and imports excluded (see total_s / import_s)",
+        "rerun_ratio_total": round(out["rerun"]["total_s"] / out["cold"]["total_s"], 4),
+        "target_rerun_ratio": 0.05,
+        "meets_target": ratio <= 0.05,
+        "resume_after_training_kill_ratio": round(
+            out["killed_in_training"]["rerun"]["flow_s"] / out["cold"]["flow_s"], 4),
+        "resume_after_scoring_kill_ratio": round(
+            out["killed_in_scoring"]["rerun"]["flow_s"] / out["cold"]["flow_s"], 4),
+        **out,
+        "params": {**p, "pool_shards": shards, "kill_training_after_checkpoint": mid},
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": round(load, 2), "python": platform.python_version()},
+        "work_dir": str(work),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        atomic_write_json(args.json_out, result)
+
+
+if __name__ == "__main__":
+    main()

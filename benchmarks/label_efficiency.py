@@ -449,7 +449,7 @@ def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench
         sel = pick(spec, scores, set(labels), bench.batch, cfg.seed * 1000 + r + 1)
         selection = selection_rows(sel, scores, adapter, cfg.data.answers)
     return {"labels": labels_curve, "accuracy": acc, "seconds": round(time.monotonic() - t_start, 1),
-            "run_dir": str(run_dir)}
+            "run_dir": str(run_dir), "class_counts": dict(Counter(labels.values()))}
 
 
 def full_data(cfg: ProjectConfig, bench: Bench, data: Data, work: Work, seeds: list[int]) -> list[dict[str, Any]]:
@@ -479,25 +479,43 @@ def labels_to(labels: list[float], curve: list[float], target: float) -> float |
     return None
 
 
+def _area(labels: Any, curve: Any) -> float:
+    """Mean accuracy over the label range (trapezoids): a strategy that is ahead everywhere has the larger area."""
+    return float(np.trapezoid(curve, labels) / (labels[-1] - labels[0]))
+
+
 def summarize(curves: dict[str, list[dict[str, Any]]], full_acc: float, baseline: str) -> dict[str, Any]:
-    """Per strategy: mean/std curve over seeds, normalised area, labels to 90 / 95 % of full-data, ratio to random."""
+    """Per strategy: mean/std curve over seeds, normalised area, labels to 90 / 95 % of full-data, ratio to random;
+    the area difference to random paired by seed (same cold start, so its luck cancels); the final labeled set's
+    class balance (uncertainty sampling can pile up a few confusable classes)."""
     out: dict[str, Any] = {}
+    areas: dict[str, np.ndarray] = {}
     for name, runs in curves.items():
         acc = np.array([r["accuracy"] for r in runs], dtype=np.float64)
         labels = np.array([r["labels"] for r in runs], dtype=np.float64).mean(0)
         mean, std = acc.mean(0), acc.std(0, ddof=1) if len(acc) > 1 else np.zeros(acc.shape[1])
-        # Mean accuracy over the label range: a strategy that is ahead everywhere has the larger area.
-        auc = float(np.trapezoid(mean, labels) / (labels[-1] - labels[0]))
+        areas[name] = np.array([_area(r["labels"], r["accuracy"]) for r in runs])
         out[name] = {"labels": [round(x, 1) for x in labels], "mean": [round(x, 4) for x in mean],
                      "std": [round(x, 4) for x in std], "per_seed": [r["accuracy"] for r in runs],
-                     "auc": round(auc, 4), "seconds": round(sum(r["seconds"] for r in runs), 1)}
+                     "auc": round(_area(labels, mean), 4), "seconds": round(sum(r["seconds"] for r in runs), 1)}
         for pct in (90, 95):
             x = labels_to(list(labels), list(mean), pct / 100 * full_acc)
             out[name][f"labels_to_{pct}"] = None if x is None else round(x, 1)
-    for s in out.values():
+        counts = [r.get("class_counts") or {} for r in runs]
+        classes = sorted({c for cc in counts for c in cc})
+        if classes:
+            per_class = {c: float(np.mean([cc.get(c, 0) for cc in counts])) for c in classes}
+            out[name]["final_class_counts"] = {c: round(v, 1) for c, v in per_class.items()}
+            out[name]["final_min_max_class"] = [round(min(per_class.values()), 1), round(max(per_class.values()), 1)]
+    for name, s in out.items():
         for pct in (90, 95):
             mine, base = s[f"labels_to_{pct}"], out[baseline][f"labels_to_{pct}"]
             s[f"ratio_to_random_{pct}"] = None if mine is None or base is None else round(mine / base, 3)
+        if name != baseline and len(areas[name]) == len(areas[baseline]):
+            d = areas[name] - areas[baseline]
+            s["auc_minus_random"] = {"mean": round(float(d.mean()), 4),
+                                     "std": round(float(d.std(ddof=1)), 4) if len(d) > 1 else 0.0,
+                                     "per_seed": [round(float(x), 4) for x in d], "seeds_ahead": int((d > 0).sum())}
     return out
 
 

@@ -65,15 +65,21 @@ def test_summarize_ratios_against_random():
     runs = {
         "random": [{"labels": [10, 20, 30], "accuracy": [0.5, 0.7, 0.95], "seconds": 1.0},
                    {"labels": [10, 20, 30], "accuracy": [0.5, 0.9, 0.95], "seconds": 1.0}],
-        "margin": [{"labels": [10, 20, 30], "accuracy": [0.5, 0.95, 1.0], "seconds": 1.0}] * 2,
+        "margin": [{"labels": [10, 20, 30], "accuracy": [0.5, 0.95, 1.0], "seconds": 1.0,
+                    "class_counts": {"a": 20, "b": 10}}] * 2,
     }
     s = le.summarize(runs, full, "random")
     assert s["random"]["mean"] == [0.5, 0.8, 0.95] and s["random"]["std"][1] == pytest.approx(0.1414, abs=1e-4)
+    assert s["margin"]["final_min_max_class"] == [10, 20]
     assert s["random"]["labels_to_95"] == pytest.approx(30) and s["margin"]["labels_to_95"] == pytest.approx(20)
     assert s["margin"]["ratio_to_random_95"] == pytest.approx(20 / 30, abs=1e-3)
     # Mean accuracy over the label range (trapezoids): random (0.5+0.8)/2 and (0.8+0.95)/2 averaged.
     assert s["random"]["auc"] == pytest.approx(((0.5 + 0.8) / 2 + (0.8 + 0.95) / 2) / 2, abs=1e-4)
     assert le.best_ratio(s, "random", 95) == ("margin", s["margin"]["ratio_to_random_95"])
+    # Paired by seed: margin's area minus random's, seed by seed.
+    per_seed = [((0.5 + 0.95) / 2 + (0.95 + 1.0) / 2) / 2 - ((0.5 + a) / 2 + (a + 0.95) / 2) / 2 for a in (0.7, 0.9)]
+    assert s["margin"]["auc_minus_random"]["per_seed"] == pytest.approx(per_seed, abs=1e-4)
+    assert s["margin"]["auc_minus_random"]["seeds_ahead"] == 2 and "auc_minus_random" not in s["random"]
 
 
 @pytest.mark.slow

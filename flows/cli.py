@@ -51,7 +51,8 @@ def main(
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO,
         format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=debug, rich_tracebacks=debug)],
+        # A console per invocation: it reads the terminal width (COLUMNS) now, not when this module was imported.
+        handlers=[RichHandler(console=Console(stderr=True), show_path=debug, rich_tracebacks=debug)],
         force=True,
     )
     for noisy in ("httpx", "httpcore", "urllib3", "PIL", "matplotlib", "filelock", "fsspec"):

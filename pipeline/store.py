@@ -155,7 +155,10 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_symlink():  # a link planted where the folder belongs: drop the link, never what it points to
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if (err := _disk_full(exc, path, "a folder")) is not None:

@@ -87,7 +87,9 @@ def score_shard_task(
 ) -> dict[str, Any]:
     inputs = {"adapter": (adapter or {}).get("digest", "base"), "prepared": prepared["digest"],
               "shard": digest_json(shard_ids)}
-    key = stage_key("score_shard", SCORE_VERSION, inputs, {"model": model, "scoring": scoring})
+    # save_scores records stage "score": a "score_shard" key never matched, so a shard whose result Prefect had not
+    # recorded (killed just after its manifest, or a new PREFECT_HOME) was scored again despite verified outputs.
+    key = stage_key("score", SCORE_VERSION, inputs, {"model": model, "scoring": scoring})
     if (m := find_valid_manifest(out_dir, key)) is None:
         ds, index = _index(prepared["dir"])
         rows = ds.select([index[s] for s in shard_ids])

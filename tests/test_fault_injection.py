@@ -341,6 +341,16 @@ def _completed_keys(artifacts: Path) -> set[str]:
     return {p.name for p in store.iterdir()} if store.is_dir() else set()
 
 
+def _manifest_times(artifacts: Path) -> dict[Path, int]:
+    return {m: m.stat().st_mtime_ns for m in artifacts.rglob(MANIFEST_NAME)}
+
+
+def _rewritten(before: dict[Path, int], artifacts: Path) -> list[str]:
+    """Heavy stage outputs written again (selection and export are cheap, re-done whole and byte-identical)."""
+    return sorted(m.relative_to(artifacts).as_posix() for m, t in _manifest_times(artifacts).items()
+                  if m in before and before[m] != t and m.relative_to(artifacts).parts[0] != "rounds")
+
+
 def _stage_folders(artifacts: Path) -> Counter:
     """Stage folders by kind (their names hold digests of paths, which differ between projects)."""
     rels = [m.parent.relative_to(artifacts) for m in verify_all_manifests(artifacts)]
@@ -388,7 +398,7 @@ def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_pat
     ]
     runs = []
     for r, kill in plan:
-        done_before = _completed_keys(art)
+        done_before, outputs_before = _completed_keys(art), _manifest_times(art)
         run = driver.run_round(cfg, api_url=api_url, kill=kill, simulate=None if r == 0 else False)
         runs.append(run)
         where = f"run {len(runs) - 1} (round {r}, kill {run.kill}, seed {SEED}); log {run.log}"
@@ -398,6 +408,8 @@ def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_pat
         # No stage body re-runs once its result is recorded: a re-run only does the interrupted work.
         redone = [e["stage"] for e in run.executed if e["key"] in done_before]
         assert not redone, f"{where} re-ran finished stages {redone}"
+        # A body whose result Prefect never recorded (killed just after its manifest) reuses its verified outputs.
+        assert not _rewritten(outputs_before, art), f"{where} rewrote finished outputs {_rewritten(outputs_before, art)}"
         verify_all_manifests(art)  # whenever a manifest exists, its outputs verify, killed or not
         if kill is None:
             assert run.state["round"] == r, where
@@ -436,3 +448,12 @@ def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_pat
     assert state_file.read_bytes() == before and not full.executed  # nothing redone on the way there
     again = driver.run_round(cfg, api_url=api_url, simulate=False)
     assert again.state["round"] == 1 and not again.executed and not again.error
+
+    # Prefect's cache gone (a new PREFECT_HOME): the bodies run, find their verified outputs and redo nothing heavy.
+    shutil.rmtree(art / "prefect" / "results")
+    outputs_before = _manifest_times(art)
+    fresh = driver.run_round(cfg, api_url=api_url, simulate=False)
+    assert fresh.state["round"] == 1 and not fresh.error and "score_shard" in fresh.stages
+    assert not _rewritten(outputs_before, art), _rewritten(outputs_before, art)
+    assert (art / "rounds/001/selection/selection.jsonl").read_bytes() == (
+        ref / "rounds/001/selection/selection.jsonl").read_bytes()

@@ -303,16 +303,19 @@ class Work:
             self._loaded = (adapter.digest, load_model(self.cfg.model, adapter=adapter.dir))
         return self._loaded[1]
 
-    def train(self, cfg: ProjectConfig, labels: dict[str, str]) -> Adapter:
+    def train(self, cfg: ProjectConfig, labels: dict[str, str], init: Adapter | None = None) -> Adapter:
+        """An adapter for `labels`; with train.init warm, continued from `init` (the previous round's)."""
         from pipeline.model.train import train_adapter
 
+        init = init if cfg.train.init == "warm" else None
         rows = [{**self.data.rows[s], "answer": labels[s]} for s in sorted(labels)]
-        key = digest_json({"prepared": self.data.digest, "labels": sorted(labels.items()), "seed": cfg.seed,
-                           "model": cfg.section("model"), "weights": self.model, "train": cfg.section("train")})
+        key = {"prepared": self.data.digest, "labels": sorted(labels.items()), "seed": cfg.seed,
+               "model": cfg.section("model"), "weights": self.model, "train": cfg.section("train")}
+        key = digest_json({**key, "init": init.digest} if init else key)
         out = self.art / "train" / key[:16]
         done = (out / MANIFEST_NAME).is_file()
         t0 = time.monotonic()
-        res = train_adapter(cfg, rows, out, progress=False)
+        res = train_adapter(cfg, rows, out, init_adapter=init and init.dir, progress=False)
         self.timer.add("train", t0, computed=not done)
         return Adapter(res.adapter_dir, res.manifest.outputs["adapter"].digest)
 
@@ -437,9 +440,10 @@ def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench
     mc = cfg.select.mc_dropout_passes if spec.strategy == "bald" else 0
     if spec.strategy == "bald" and mc < 2:
         raise ConfigError(f"strategy {name!r} (bald) needs project.select.mc_dropout_passes ≥ 2, got {mc}")
+    adapter = None
     for r in range(bench.rounds + 1):
         labels = annotate(cfg, data, run_dir, selection, r, bench.annotator_noise, work.timer, asked)
-        adapter = work.train(cfg, labels)
+        adapter = work.train(cfg, labels, adapter)
         acc.append(work.evaluate(adapter))
         labels_curve.append(len(labels))
         log.info("seed %d %-15s round %d: %4d labels → accuracy %.4f", cfg.seed, name, r, len(labels), acc[-1])
@@ -453,16 +457,22 @@ def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench
 
 
 def full_data(cfg: ProjectConfig, bench: Bench, data: Data, work: Work, seeds: list[int]) -> list[dict[str, Any]]:
-    """Every eligible pool sample labeled (through the same export → annotator → import path), trained with the
-    same step budget, once per seed."""
+    """Every eligible pool sample labeled (through the same export → annotator → import path) and trained with the
+    same budget as a strategy's final model: one training per round (each continuing the last when train.init is
+    warm), once per seed. Its accuracy is the last round's; `curve` has every round's."""
     run_dir = work.art / "runs" / f"full-{run_key(cfg, bench, work, 'full')}"
     selection = [{"sample_id": s, "rank": i + 1, "score": 0.0} for i, s in enumerate(data.pool)]
     labels = annotate(cfg, data, run_dir, selection, 0, bench.annotator_noise, work.timer, set())
+    rounds = bench.rounds + 1 if cfg.train.init == "warm" else 1
     out = []
     for s in seeds:
-        acc = work.evaluate(work.train(seeded(cfg, s), labels))
-        log.info("seed %d full data: %d labels → accuracy %.4f", s, len(labels), acc)
-        out.append({"seed": s, "labels": len(labels), "accuracy": acc})
+        adapter, curve = None, []
+        for _ in range(rounds):
+            adapter = work.train(seeded(cfg, s), labels, adapter)
+            curve.append(work.evaluate(adapter))
+        log.info("seed %d full data: %d labels, %d × %d steps → accuracy %.4f", s, len(labels), rounds,
+                 cfg.train.max_steps, curve[-1])
+        out.append({"seed": s, "labels": len(labels), "accuracy": curve[-1], "curve": curve})
     return out
 
 

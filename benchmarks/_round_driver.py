@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import importlib
 import json
 import os
 import random
@@ -177,7 +178,7 @@ class RoundRun:
     wall_s: float  # the whole subprocess: interpreter, imports, flow
     log: Path
     kill: str | None = None
-    import_s: float | None = None  # importing flows.round (torch, transformers, prefect …)
+    import_s: float | None = None  # importing flows.round and the libraries its stages load (torch, prefect …)
     flow_s: float | None = None  # the labeling_round call alone
     state: dict[str, Any] | None = None
     executed: list[dict[str, Any]] = field(default_factory=list)  # stage bodies this run started
@@ -324,6 +325,15 @@ def _child(spec_path: str) -> None:
     logging.getLogger("pipeline").setLevel(logging.INFO)
 
     t0 = time.perf_counter()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    # What any tamis process imports once; the stages import them lazily, so without this flow_s would count
+    # seconds of imports as round work (and a cached re-run pays them as much as a cold round).
+    for name in ("flows.round", "datasets", "matplotlib.pyplot", "transformers", "peft", "pipeline.model.loading",
+                 "pipeline.scoring", "pipeline.strategies", "pipeline.strategies.outliers", "prefect.results",
+                 "prefect.client.orchestration"):
+        importlib.import_module(name)
     from flows.round import labeling_round
 
     t1 = time.perf_counter()

@@ -2,6 +2,7 @@
 
     python benchmarks/resume.py --json-out benchmarks/results/resume.json
     python benchmarks/resume.py --quick                    # 60 digits, 8 steps: a few minutes
+    python benchmarks/resume.py --steps 40                 # a smaller round than the demo's 100 steps
 
 Each round runs in its own Python process against one shared local `prefect server` (PREFECT_API_URL), as a
 deployment or `tamis round` with a server would. Four projects read the same digits and tiny 4-bit Idefics3 model:
@@ -11,11 +12,13 @@ deployment or `tamis round` with a server would. Four projects read the same dig
 3. the same cold round, SIGKILLed during pool scoring (after half the shards), then re-run.
 4. (full mode) the re-run of 1 once more, with Prefect's ephemeral server instead of the shared one.
 
-Per run: `total_s` (the whole process: interpreter, imports, flow), `import_s` (importing flows.round: torch,
-transformers, prefect) and `flow_s` (the labeling_round call alone), and the stage bodies it executed (from
-artifacts/executions.jsonl). `rerun_ratio` = re-run flow_s ÷ cold flow_s (target ≤ 0.05): process start-up and
-imports are the same fixed ~10-15 s for any command and say nothing about caching; `rerun_ratio_total` is the same
-ratio on total_s, and `rerun_ephemeral_server` shows what a user without a server also pays (20-40 s start-up).
+Per run: `total_s` (the whole process: interpreter, imports, flow), `import_s` (importing flows.round and the
+libraries its stages load lazily: torch, transformers, peft, datasets, matplotlib, prefect), `flow_s` (the
+labeling_round call alone: Prefect orchestration, cache look-ups, digest checks, the work), the stage bodies it
+executed (artifacts/executions.jsonl) and the stage outputs it wrote (manifests new or rewritten: the work it really
+did). `rerun_ratio` = re-run flow_s ÷ cold flow_s (target ≤ 0.05): start-up and imports are the same fixed cost for
+any command and say nothing about caching; `rerun_ratio_total` is the same ratio on total_s, and
+`rerun_ephemeral_server` is the re-run without a server (Prefect starts one inside the flow call: 20-60 s here).
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _round_driver as driver  # noqa: E402
 
-FULL = {"digits": 300, "seed_labels": 40, "max_steps": 40, "checkpoint_every": 10, "batch_size": 4,
-        "shard_size": 32, "select_batch": 20}
-QUICK = {"digits": 60, "seed_labels": 12, "max_steps": 8, "checkpoint_every": 2, "batch_size": 4,
-         "shard_size": 8, "select_batch": 6}
+# Full mode: one round of the demo's size (configs/demo.yaml: its LoRA, batch and step budget) on 300 digits with 40
+# seed labels so that the first round trains; the pool is scored in 32-sample shards (the unit a kill resumes at).
+FULL = {"digits": 300, "seed_labels": 40, "shard_size": 32, "select_batch": 40, "demo": True}
+QUICK = {"digits": 60, "seed_labels": 12, "shard_size": 8, "select_batch": 6, "demo": False,
+         "train": {"max_steps": 8, "checkpoint_every": 2, "batch_size": 4, "effective_batch_size": 4}}
+DEMO_MODEL = ("lora_r", "lora_alpha", "lora_dropout", "target_modules")
+DEMO_TRAIN = ("batch_size", "effective_batch_size", "max_steps", "learning_rate", "checkpoint_every")
 
 
 def manifests(artifacts: Path) -> dict[str, int]:
@@ -88,7 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="60 digits, 8 training steps (a few minutes)")
     ap.add_argument("--digits", type=int, help="digits in the project (default 300; quick 60)")
-    ap.add_argument("--steps", type=int, help="training steps of the round (default 40; quick 8)")
+    ap.add_argument("--steps", type=int, help="training steps of the round (default: the demo's; quick 8)")
     ap.add_argument("--no-ephemeral", action="store_true", help="skip the re-run with an ephemeral Prefect server")
     ap.add_argument("--work-dir", type=Path, help="where the projects go (default: a new temp folder)")
     ap.add_argument("--json-out", type=Path)
@@ -96,7 +102,16 @@ def main() -> None:
 
     p = dict(QUICK if args.quick else FULL)
     p["digits"] = args.digits or p["digits"]
-    p["max_steps"] = args.steps or p["max_steps"]
+    model_cfg: dict[str, Any] = {}
+    if p.pop("demo"):
+        import yaml
+
+        demo = yaml.safe_load((driver.ROOT / "configs" / "demo.yaml").read_text())
+        model_cfg = {k: demo["model"][k] for k in DEMO_MODEL if k in demo["model"]}
+        p["train"] = {k: demo["train"][k] for k in DEMO_TRAIN if k in demo["train"]}
+    if args.steps:
+        p["train"]["max_steps"] = args.steps
+    steps, every = p["train"]["max_steps"], p["train"]["checkpoint_every"]
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="tamis-resume-"))
     work.mkdir(parents=True, exist_ok=True)
 
@@ -109,8 +124,8 @@ def main() -> None:
         make_tiny_model("idefics3", model)
     digits = write_digits(work / "digits", limit=p["digits"])
     overrides = {
-        "train": {"max_steps": p["max_steps"], "checkpoint_every": p["checkpoint_every"],
-                  "batch_size": p["batch_size"], "effective_batch_size": p["batch_size"]},
+        "model": model_cfg,
+        "train": p["train"],
         "select": {"shard_size": p["shard_size"], "batch_size": p["select_batch"]},
         "rounds": {"simulate_annotator": False},
     }
@@ -119,7 +134,7 @@ def main() -> None:
         return driver.write_project(work / name, model_dir=model, digits_dir=digits, seed_labels=p["seed_labels"],
                                     **overrides)
 
-    mid = max(p["checkpoint_every"], p["max_steps"] // 2 // p["checkpoint_every"] * p["checkpoint_every"])
+    mid = max(every, steps // 2 // every * every)
     load = os.getloadavg()[0]
     out: dict[str, Any] = {}
     with driver.prefect_server(work / "server") as api:
@@ -140,7 +155,7 @@ def main() -> None:
                                 "round killed in training")
         out["killed_in_training"] = {
             "killed_run": s["first"], "rerun": s["rerun"], "redone_stages": redone(killed, again),
-            "resumed_from_step": resumed_from(again), "total_steps": p["max_steps"],
+            "resumed_from_step": resumed_from(again), "total_steps": steps,
         }
 
         killed, again, s = pair("kill-score", driver.Kill(path="scores/*/manifest.json", nth=max(1, shards // 2)),
@@ -169,7 +184,7 @@ def main() -> None:
         "resume_after_scoring_kill_ratio": round(
             out["killed_in_scoring"]["rerun"]["flow_s"] / out["cold"]["flow_s"], 4),
         **out,
-        "params": {**p, "pool_shards": shards, "kill_training_after_checkpoint": mid},
+        "params": {**p, "model": model_cfg, "pool_shards": shards, "kill_training_after_checkpoint": mid},
         "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": round(load, 2), "python": platform.python_version()},
         "work_dir": str(work),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

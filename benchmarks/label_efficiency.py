@@ -640,7 +640,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                    else args.config)
     png = args.png_out or (args.json_out.with_suffix(".png") if args.json_out else cfg.artifacts / "learning_curve.png")
     title = (f"{result['data']['source']}: {len(bench.seeds)} seed(s), cold start {bench.cold_start} "
-             f"{bench.initial} + {bench.rounds}×{bench.batch}, {cfg.train.max_steps} steps/round")
+             f"{bench.initial} + {bench.rounds}×{bench.batch}, {cfg.train.max_steps} steps/round "
+             f"({'continuing the last adapter' if cfg.train.init == 'warm' else 'fresh adapter'})")
     result["png"] = str(plot(result["strategies"], result["full_data_accuracy"], result["chance_accuracy"], title,
                              png))
     text = json.dumps(result, indent=2)

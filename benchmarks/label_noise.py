@@ -50,7 +50,8 @@ def _config(args: argparse.Namespace, work: Path):
                   "mode": "qlora", "lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r, "lora_dropout": 0.0},
         "train": {"max_steps": args.steps, "learning_rate": args.lr, "batch_size": args.batch,
                   "effective_batch_size": args.batch, "gradient_checkpointing": False, "warmup_ratio": 0.05,
-                  "checkpoint_every": 10_000, "kfold": args.k},
+                  "checkpoint_every": 10_000},
+        "labelcheck": {"kfold": args.k},
         "select": {"score_batch_size": 64},
         "annotate": {"formats": ["label_studio", "images"]},
     })

@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
 from flows.ingest import ingest_ref
+from flows.labelcheck import label_check_ref, report_agreement, report_table
 from flows.prepare import augment_ref, prepare_refs
 from flows.select import select_ref
 from flows.stages import run_stage, stage_task
@@ -25,6 +26,15 @@ from pipeline.annotation.simulate import simulate_annotator
 from pipeline.config import ProjectConfig, load_config
 from pipeline.errors import LabelImportError
 from pipeline.evaluate import append_metrics, evaluate_model, plot_learning_curve, read_metrics
+from pipeline.labelcheck import (
+    LABELCHECK_VERSION,
+    export_relabel,
+    issues_from_report,
+    label_report_markdown,
+    labels_spent,
+    relabel_dir,
+    relabel_queued,
+)
 from pipeline.lock import ProjectLock
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids
@@ -111,6 +121,16 @@ def export_task(artifacts: str, selection: dict, prepared: dict, annotate: dict,
     return {"dir": out_dir, "digest": m.key, "count": m.info["count"]}
 
 
+@stage_task("relabel", LABELCHECK_VERSION)
+def relabel_task(artifacts: str, check: dict, prepared: dict, annotate: dict, answers: list[str] | None,
+                 top_n: int, already_queued: list[str], round_index: int, out_dir: str) -> dict[str, Any]:
+    cfg = _cfg({"annotate": annotate, "data": {"answers": answers}}, artifacts)
+    skip = set(already_queued)
+    issues = [i for i in issues_from_report(check["dir"]) if i.sample_id not in skip][:top_n]
+    m = export_relabel(issues, load_prepared(prepared["dir"]), cfg, out_dir, round_index=round_index)
+    return {"dir": out_dir, "digest": m.key, "count": m.info["count"]} if m else {"count": 0}
+
+
 # ------------------------------------------------------------------------------------------------- steps
 def import_new_labels(cfg: ProjectConfig, known_ids: set[str], round_index: int) -> list[dict[str, Any]]:
     """Import every inbox file on its own: a corrupt file is rejected (reported with its line) and the rest go in."""
@@ -131,9 +151,10 @@ def import_new_labels(cfg: ProjectConfig, known_ids: set[str], round_index: int)
     return reports
 
 
-def _summary_markdown(state: dict[str, Any], metrics_rows: list[dict[str, Any]]) -> str:
+def _summary_markdown(state: dict[str, Any], metrics_rows: list[dict[str, Any]], label_report: str = "") -> str:
     lines = [f"# Labeling round {state['round']}", "",
-             f"- labeled samples: **{state['labeled']}**",
+             f"- labeled samples: **{state['labeled']}** (labels spent, re-labels included: "
+             f"{state.get('labels_spent', state['labeled'])})",
              f"- pool (eligible): {state['pool']}", f"- selected: {state.get('selected', 0)}",
              f"- strategy: {state['strategy']}"]
     if state.get("metrics"):
@@ -147,6 +168,15 @@ def _summary_markdown(state: dict[str, Any], metrics_rows: list[dict[str, Any]])
         lines += [f"| {r['round']} | {r['labels']} | {r['metric']} | {r['value']:.4f} |" for r in metrics_rows]
     if state.get("export_dir"):
         lines += ["", f"Export for annotators: `{state['export_dir']}`"]
+    if state.get("relabel_dir"):
+        lines += [f"Re-label tasks (likely label errors, {state['relabel']} samples): `{state['relabel_dir']}`"]
+    out = state.get("outliers")
+    if out:
+        lines += ["", f"Outliers in the pool: {out['flagged']} flagged ({out['far']} far from every neighbour, "
+                  f"{out['persistent']} persistently uncertain), policy `{out['policy']}`; list: "
+                  f"`{state['selection_dir']}/outliers.jsonl`"]
+    if label_report:
+        lines += ["", label_report]
     return "\n".join(lines)
 
 
@@ -169,12 +199,13 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
     state: dict[str, Any] = {"round": r, "labeled": len(labels), "labeled_digest": labeled_digest,
                              "imports": imports, "metrics": None}
 
-    adapter = None
+    # Rounds before this one: on a re-run of round r, round r's own state must not become its warm start.
+    previous = [s for s in completed_rounds(art) if s["round"] < r]
+    adapter = check = None
     if labels:
         labeled = save_labeled_set(load_prepared(prep["prepare"]["dir"]), labels, round_dir / "labeled",
                                    digest=digest_json([prep["prepare"]["digest"], labeled_digest]))
         aug = augment_ref(cfg, labeled) if cfg.augment.copies else None
-        previous = completed_rounds(art)
         init = previous[-1].get("adapter") if previous and cfg.train.init == "warm" else None
         sections = {"model": cfg.section("model"), "train": cfg.section("train")}
         key = digest_json({"prepared": prep["prepare"]["digest"], "labeled": labeled_digest, **sections,
@@ -192,32 +223,56 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
             if (r, name) not in recorded:
                 append_metrics(art, {"round": r, "labels": len(labels), "metric": name, "value": value,
                                      "strategy": f"{cfg.select.strategy}+{cfg.select.diversity}"})
+        check = label_check_ref(cfg, labeled=labeled, previous=previous[-1] if previous else None,
+                                round_dir=round_dir)
+        if check is not None:
+            state["labelcheck"] = {k: check.get(k) for k in ("dir", "method", "checked", "issues")}
 
     exported = exported_before(art, r)
     exclude = set(labels) | excluded_ids(prep["quality"]["dir"]) | (exported - set(labels))
     pool_ids = [s for s, sp in zip(ids, splits, strict=True) if sp == "pool" and s not in exclude]
     state.update(pool=len(pool_ids), strategy="cold start: " + cfg.select.cold_start if adapter is None
                  else f"{cfg.select.strategy}+{cfg.select.diversity}")
-    state["stopped"] = stop_reason(cfg, r, len(labels), read_metrics(art), len(pool_ids))
+    state["labels_spent"] = labels_spent(len(labels), art, before_round=r)
+    state["stopped"] = stop_reason(cfg, r, state["labels_spent"], read_metrics(art), len(pool_ids))
     if not state["stopped"]:
         adapter_ref = adapter and {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]}
         sel = select_ref(cfg, prepared=prep["prepare"], adapter=adapter_ref, pool_ids=pool_ids,
-                         exclude=sorted(exclude), round_dir=round_dir)
+                         exclude=sorted(exclude), round_dir=round_dir, labeled_ids=sorted(labels),
+                         history_dirs=[art / "rounds" / f"{p['round']:03d}" for p in previous])
         out = export_dir(art, r)
         exp = run_stage(export_task, artifacts=str(art), selection=sel, prepared=prep["prepare"],
                         annotate=cfg.section("annotate"), answers=cfg.data.answers, round_index=r, out_dir=str(out))
-        state.update(selected=sel["n"], export_dir=exp["dir"])
+        state.update(selected=sel["n"], export_dir=exp["dir"], selection_dir=sel["dir"], outliers=sel.get("outliers"))
+        if check is not None and cfg.labelcheck.relabel_top_n:
+            queued = sorted({s for ids in relabel_queued(art, r).values() for s in ids})
+            rel = run_stage(relabel_task, artifacts=str(art), check={"dir": check["dir"], "digest": check["digest"]},
+                            prepared=prep["prepare"], annotate=cfg.section("annotate"), answers=cfg.data.answers,
+                            top_n=cfg.labelcheck.relabel_top_n, already_queued=queued, round_index=r,
+                            out_dir=str(relabel_dir(art, r)))
+            state["relabel"] = rel["count"]
+            if rel["count"]:
+                state["relabel_dir"] = rel["dir"]
 
     state["adapter"] = adapter
     atomic_write_json(round_dir / ROUND_FILE, state)
     # Only a finished round is answered: with its labels in the inbox before round.json, a crash in between made
     # the re-run import them into this round (a cold-start round trained, its export replaced, rounds renumbered).
     if state.get("export_dir") and (cfg.rounds.simulate_annotator if simulate is None else simulate):
-        simulate_annotator(state["export_dir"], cfg.data.ground_truth, art / "inbox", round_index=r, seed=cfg.seed)
+        simulate_annotator(state["export_dir"], cfg.data.ground_truth, art / "inbox", round_index=r,
+                           noise=cfg.rounds.simulate_noise, seed=cfg.seed)
+        if state.get("relabel_dir"):
+            # The reviewer of likely errors is careful: answers from the ground truth, never flipped.
+            simulate_annotator(state["relabel_dir"], cfg.data.ground_truth, art / "inbox", round_index=r,
+                               seed=cfg.seed, annotator="simulated-reviewer", kind="relabel")
     metrics_rows = read_metrics(art)
     if metrics_rows:
         plot_learning_curve(metrics_rows, art / "learning_curve.png")
-    create_markdown_artifact(key="round-summary", markdown=_summary_markdown(state, metrics_rows),
+    label_report = ""
+    if check is not None:
+        label_report = label_report_markdown(report_table(check), report_agreement(check), method=check["method"],
+                                             checked=check["checked"])
+    create_markdown_artifact(key="round-summary", markdown=_summary_markdown(state, metrics_rows, label_report),
                              description=f"Labeling round {r}")
     if state.get("export_dir"):
         create_link_artifact(key="export-folder", link=Path(state["export_dir"]).resolve().as_uri(),

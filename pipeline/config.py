@@ -159,10 +159,6 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(default=50, ge=1)
     init: Literal["fresh", "warm"] = "fresh"
     max_grad_norm: float = Field(default=1.0, gt=0)
-    # Out-of-sample probabilities for label checks: k-fold adapters on the labeled set, or (cheaper for big models)
-    # the round's adapter on samples labeled after it was trained.
-    kfold: int = Field(default=3, ge=2)
-    oos_method: Literal["kfold", "heldout"] = "kfold"
 
 
 class SelectConfig(Section):
@@ -197,6 +193,18 @@ class AnnotateConfig(Section):
     formats: list[Literal["label_studio", "csv", "jsonl", "images"]] = Field(
         default_factory=lambda: ["label_studio", "csv", "jsonl", "images"]
     )
+
+
+class LabelCheckConfig(Section):
+    """Label checks after each retrain (pipeline.labelcheck). Its own section: changing it never retrains the round."""
+
+    # Out-of-sample probabilities: kfold trains `kfold` extra adapters on the labeled set (fresh, `max_steps` each);
+    # heldout (cheap, for models too big to train k times) scores the labels added since the previous round's adapter
+    # was trained with that adapter; off skips the checks.
+    method: Literal["kfold", "heldout", "off"] = "kfold"
+    kfold: int = Field(default=3, ge=2)
+    max_steps: int | None = Field(default=None, ge=1)  # None: train.max_steps
+    # The top-N likely label errors go back to annotators with the next batch (rounds/NNN/relabel/); 0 = report only.
     relabel_top_n: int = Field(default=0, ge=0)
 
 
@@ -206,6 +214,8 @@ class RoundsConfig(Section):
     target_metric: float | None = Field(default=None, gt=0, le=1)
     plateau_rounds: int | None = Field(default=None, ge=1)
     simulate_annotator: bool = False
+    # Fraction of the simulated annotator's answers flipped to a wrong answer (to see the label checks at work).
+    simulate_noise: float = Field(default=0.0, ge=0, le=1)
     cron: str = "0 6 * * 1"
 
 
@@ -222,6 +232,7 @@ class ProjectConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     select: SelectConfig = Field(default_factory=SelectConfig)
     annotate: AnnotateConfig = Field(default_factory=AnnotateConfig)
+    labelcheck: LabelCheckConfig = Field(default_factory=LabelCheckConfig)
     rounds: RoundsConfig = Field(default_factory=RoundsConfig)
     seed: int = 0
     paths: PathsConfig = Field(default_factory=PathsConfig)

@@ -28,7 +28,7 @@ from pipeline.annotation.export import (
     build_items,
 )
 from pipeline.config import ProjectConfig
-from pipeline.errors import DataError
+from pipeline.errors import ArtifactError, DataError
 from pipeline.store import (
     Manifest,
     atomic_write_bytes,
@@ -37,6 +37,8 @@ from pipeline.store import (
     digest_json,
     digest_path,
     find_valid_manifest,
+    read_jsonl,
+    read_manifest,
     stage_key,
     write_manifest,
 )
@@ -110,10 +112,17 @@ def _check_labeled(rows: Sequence[Mapping[str, Any]], answers: Sequence[str]) ->
     return sorted(out, key=lambda r: r["sample_id"])
 
 
+def fold_config(cfg: ProjectConfig) -> ProjectConfig:
+    """The config fold adapters train with: train.max_steps replaced by labelcheck.max_steps when that is set."""
+    if cfg.labelcheck.max_steps is None:
+        return cfg
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": cfg.labelcheck.max_steps})})
+
+
 def _score_config(cfg: ProjectConfig, answers: list[str]) -> dict[str, Any]:
-    return {"model": cfg.section("model"), "train": cfg.section("train"), "seed": cfg.seed, "answers": answers,
-            "length_normalize": cfg.select.length_normalize, "batch_size": cfg.select.score_batch_size,
-            "labelcheck_version": LABELCHECK_VERSION}
+    return {"model": cfg.section("model"), "train": fold_config(cfg).section("train"), "seed": cfg.seed,
+            "answers": answers, "length_normalize": cfg.select.length_normalize,
+            "batch_size": cfg.select.score_batch_size, "labelcheck_version": LABELCHECK_VERSION}
 
 
 def _score_held_out(cfg: ProjectConfig, adapter_dir: Path, rows: list[dict[str, Any]], answers: list[str],
@@ -146,7 +155,7 @@ def out_of_sample_probs(
 ) -> OOSResult:
     """Class probabilities for labeled rows ({sample_id, prepared, question, answer}) from models that never saw them.
 
-    kfold (default `cfg.train.oos_method`): seeded folds stratified by label; fold i's adapter is trained with
+    kfold (default `cfg.labelcheck.method`): seeded folds stratified by label; fold i's adapter is trained with
     `train_adapter` on the other folds into work_dir/fold-i and scores fold i. The scores are cached in
     work_dir/fold-i/oos, keyed by (labeled-set digest, fold, config): an unchanged labeled set costs nothing, and an
     interrupted run resumes (train_adapter resumes from its checkpoints).
@@ -156,7 +165,7 @@ def out_of_sample_probs(
     from pipeline.model.train import check_rows
     from pipeline.scoring import SCORE_VERSION, load_scores
 
-    method = method or cfg.train.oos_method
+    method = method or cfg.labelcheck.method
     answers = _answers(cfg)
     rows = _check_labeled(labeled_rows, answers)
     work_dir = Path(work_dir)
@@ -165,7 +174,7 @@ def out_of_sample_probs(
 
     if method == "heldout":
         if adapter is None:
-            raise LabelCheckError("train.oos_method heldout needs the round's adapter (pass adapter=...); or use kfold")
+            raise LabelCheckError("labelcheck.method heldout needs the round's adapter (pass adapter=...); or use kfold")
         skip = set(trained_ids)
         held = [r for r in rows if r["sample_id"] not in skip]
         info: dict[str, Any] = {"adapter": str(adapter), "scored": len(held), "skipped_trained_on": n - len(held)}
@@ -183,13 +192,13 @@ def out_of_sample_probs(
         return OOSResult(res.sample_ids, res.probs, np.full(len(held), -1, np.int64), method, info)
 
     if method != "kfold":
-        raise LabelCheckError(f"train.oos_method {method!r} is not one of kfold, heldout")
+        raise LabelCheckError(f"labelcheck.method {method!r} is not one of kfold, heldout")
     from pipeline.model.train import train_adapter
 
-    k = cfg.train.kfold if k is None else k
+    k = cfg.labelcheck.kfold if k is None else k
     if k < 2 or n < k:
         raise LabelCheckError(f"k-fold label check: {n} labeled samples cannot make {k} folds; label at least {k} "
-                              "samples or lower train.kfold (≥ 2)")
+                              "samples or lower labelcheck.kfold (≥ 2)")
     labeled_digest = check_rows(rows)
     folds = stratified_folds([r["answer"] for r in rows], k, cfg.seed)
     probs = np.full((n, len(answers)), np.nan, dtype=np.float32)
@@ -204,7 +213,7 @@ def out_of_sample_probs(
         if not reused:
             log.info("label check fold %d/%d: training on %d samples, scoring %d held out", i + 1, k,
                      len(train_rows), len(held_idx))
-            trained = train_adapter(cfg, train_rows, fold_dir, hw=hw, progress=progress)
+            trained = train_adapter(fold_config(cfg), train_rows, fold_dir, hw=hw, progress=progress)
             _score_held_out(cfg, trained.adapter_dir, [rows[j] for j in held_idx], answers, out, inputs, config, hw)
         res = load_scores(out)
         pos = {sid: j for j, sid in enumerate(res.sample_ids)}
@@ -317,6 +326,7 @@ def label_issue_table(issues: Sequence[Issue], ledger: Any) -> list[dict[str, An
             "rank": rank, "sample_id": iss.sample_id, "given_label": iss.given_label,
             "suggested_label": iss.suggested_label, "score": round(iss.margin, 6),
             "given_prob": round(iss.given_prob, 6), "suggested_prob": round(iss.suggested_prob, 6),
+            "threshold": round(iss.threshold, 6),
         }
         if e is None:
             row |= {"annotators": [], "source_file": "", "round": None, "origin": "dataset", "entry_id": None}
@@ -331,9 +341,25 @@ def label_issue_table(issues: Sequence[Issue], ledger: Any) -> list[dict[str, An
     return table
 
 
-def labels_spent(ledger: Any) -> int:
-    """Labels paid for so far: every label and correction entry (re-labels count against rounds.label_budget)."""
-    return sum(e.get("kind") in ("label", "correction") for e in _entries(ledger))
+def relabel_queued(artifacts: str | os.PathLike[str], before_round: int) -> dict[int, list[str]]:
+    """Round → the sample IDs its relabel queue sent back to annotators, for rounds before `before_round`."""
+    out = {}
+    for d in sorted(Path(artifacts).glob("rounds/[0-9][0-9][0-9]/relabel")):
+        r = int(d.parent.name)
+        if r >= before_round:
+            continue
+        try:
+            read_manifest(d)
+        except ArtifactError:
+            continue  # a queue whose write never finished was never handed out
+        out[r] = [row["sample_id"] for row in read_jsonl(d / RELABEL_TABLE)]
+    return out
+
+
+def labels_spent(n_labeled: int, artifacts: str | os.PathLike[str], before_round: int) -> int:
+    """Labels paid for before round `before_round`: the labeled samples plus every re-label task sent back (a
+    re-label costs an annotator's time whether it changes the label or confirms it); rounds.label_budget counts this."""
+    return n_labeled + sum(len(ids) for ids in relabel_queued(artifacts, before_round).values())
 
 
 def annotator_agreement(ledger_entries: Any, oos_suggestions: Mapping[str, str]) -> dict[str, dict[str, Any]]:
@@ -478,3 +504,37 @@ def label_report_markdown(table: Sequence[Mapping[str, Any]], agreement: Mapping
         lines += [f"| {who} | {a['n']} | {pct(a['agree_majority'])} | {a['n_model']} | {pct(a['agree_model'])} |"
                   for who, a in agreement.items()]
     return "\n".join(lines)
+
+
+def check_labels(
+    cfg: ProjectConfig,
+    labeled_rows: Sequence[Mapping[str, Any]],
+    out_dir: str | os.PathLike[str],
+    ledger: Any,
+    *,
+    adapter: str | os.PathLike[str] | None = None,
+    trained_ids: Iterable[str] = (),
+    hw: Any = None,
+) -> Manifest:
+    """One round's label check: out-of-sample probabilities (cfg.labelcheck.method; fold adapters under
+    out_dir/oos), the confident-learning issues with who gave each label, annotator agreement, written by
+    write_label_report to out_dir. `adapter` / `trained_ids` are for the heldout method (see out_of_sample_probs)."""
+    answers = _answers(cfg)
+    oos = out_of_sample_probs(cfg, labeled_rows, Path(out_dir) / "oos", adapter=adapter, trained_ids=trained_ids,
+                              hw=hw)
+    given = {r["sample_id"]: r["answer"] for r in labeled_rows}
+    issues = find_label_issues(oos.probs, [given[s] for s in oos.sample_ids], answers, sample_ids=oos.sample_ids)
+    table = label_issue_table(issues, ledger)
+    agreement = annotator_agreement(ledger, oos.suggestions(answers))
+    log.info("label check (%s): %d likely label errors among %d labeled samples checked", oos.method, len(issues),
+             len(oos.sample_ids))
+    return write_label_report(out_dir, oos=oos, table=table, agreement=agreement, answers=answers)
+
+
+def issues_from_report(report_dir: str | os.PathLike[str]) -> list[Issue]:
+    """The Issue list behind a report's issues.jsonl (the relabel export needs the probabilities, not just the table)."""
+    out = []
+    for row in read_jsonl(Path(report_dir) / "issues.jsonl"):
+        out.append(Issue(row["rank"] - 1, row["sample_id"], row["given_label"], row["suggested_label"],
+                         row["given_prob"], row["suggested_prob"], row["score"], row["threshold"]))
+    return out

@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 SIDECAR_DIR = "sidecars"  # a sub-folder: the inbox import reads only top-level files
 
 
-def simulated_file(inbox_dir: str | os.PathLike[str], round_index: int) -> Path:
-    return Path(inbox_dir) / f"simulated-round-{round_index:03d}.json"
+def simulated_file(inbox_dir: str | os.PathLike[str], round_index: int, kind: str = "round") -> Path:
+    return Path(inbox_dir) / f"simulated-{kind}-{round_index:03d}.json"
 
 
 def sidecar_path(label_file: str | os.PathLike[str]) -> Path:
@@ -82,11 +82,13 @@ def simulate_annotator(
     noise: float = 0.0,
     seed: int = 0,
     annotator: str = "simulated",
+    kind: str = "round",
 ) -> Path:
     """Answer every task of a round's export and write a Label Studio JSON export into inbox_dir.
 
     A fraction `noise` of the answers (rounded) is flipped to another answer; which ones goes to a sidecar JSON.
-    Tasks with no ground truth come back skipped (was_cancelled), as a person would skip them.
+    Tasks with no ground truth come back skipped (was_cancelled), as a person would skip them. `kind` names the
+    task set in the file name (simulated-round-NNN.json, simulated-relabel-NNN.json).
     """
     if not 0.0 <= noise <= 1.0:
         raise DataError(f"noise {noise} is not a fraction; use a value between 0 and 1")
@@ -143,7 +145,7 @@ def simulate_annotator(
             # A real JSON export lists prediction IDs here, not the predictions themselves.
             "predictions": [],
         })
-    out = simulated_file(inbox_dir, round_index)
+    out = simulated_file(inbox_dir, round_index, kind)
     atomic_write_json(sidecar_path(out), {
         "round": round_index,
         "noise": noise,

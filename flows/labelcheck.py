@@ -1,0 +1,86 @@
+"""Label checks of a round: out-of-sample probabilities → likely label errors → relabel queue.
+
+The check is a cached stage keyed by the labeled set, the model/training/labelcheck config and (heldout) the adapter
+it scores with, so a re-run costs nothing and k-fold adapters are trained once per labeled set.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flows.stages import run_stage, stage_task
+from pipeline.config import ProjectConfig
+from pipeline.labelcheck import LABELCHECK_VERSION
+from pipeline.store import digest_json
+
+
+def _cfg(sections: dict[str, Any], artifacts: str) -> ProjectConfig:
+    return ProjectConfig.model_validate({**sections, "paths": {"artifacts": artifacts}})
+
+
+@stage_task("labelcheck", LABELCHECK_VERSION)
+def labelcheck_task(artifacts: str, labeled: dict, model: dict, train: dict, labelcheck: dict, select: dict,
+                    data: dict, seed: int, heldout_adapter: dict | None, trained_ids_digest: str | None,
+                    trained_ids_path: str | None, ledger_digest: str, out_dir: str) -> dict[str, Any]:
+    import datasets
+
+    from pipeline.annotation.ledger import Ledger, ledger_path
+    from pipeline.labelcheck import check_labels
+    from pipeline.store import read_jsonl
+
+    cfg = _cfg({"model": model, "train": train, "labelcheck": labelcheck, "select": select, "data": data,
+                "seed": seed}, artifacts)
+    rows = list(datasets.load_from_disk(labeled["dataset"]).select_columns(
+        ["sample_id", "prepared", "question", "answer"]))
+    trained = [r["sample_id"] for r in read_jsonl(trained_ids_path)] if trained_ids_path else []
+    m = check_labels(cfg, rows, out_dir, Ledger(ledger_path(artifacts)),
+                     adapter=heldout_adapter and heldout_adapter["adapter_dir"], trained_ids=trained)
+    return {"dir": out_dir, "digest": m.key, **m.info}
+
+
+def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: dict[str, Any] | None,
+                    round_dir: Path) -> dict[str, Any] | None:
+    """Run (or reuse) the label check of the labeled set; None when labelcheck.method is off or the heldout method
+    has no earlier adapter to score with (the first trained round)."""
+    from pipeline.annotation.ledger import ledger_path
+    from pipeline.store import atomic_write_jsonl, digest_file
+
+    method = cfg.labelcheck.method
+    if method == "off" or not cfg.data.answers:
+        return None
+    heldout_adapter = trained_path = trained_digest = None
+    if method == "heldout":
+        if not previous or not previous.get("adapter"):
+            return None
+        import datasets
+
+        prev_set = Path(cfg.artifacts) / "rounds" / f"{previous['round']:03d}" / "labeled" / "dataset"
+        trained = sorted(datasets.load_from_disk(str(prev_set))["sample_id"])
+        trained_path = round_dir / "labelcheck_trained_ids.jsonl"
+        atomic_write_jsonl(trained_path, [{"sample_id": s} for s in trained])
+        heldout_adapter, trained_digest = previous["adapter"], digest_json(trained)
+    ledger = ledger_path(cfg.artifacts)
+    # The ledger is in the key for the table's annotator / source columns only; the probabilities are cached by the
+    # labeled set below (fold adapters are not retrained when just the ledger changed).
+    ledger_digest = digest_file(ledger) if ledger.is_file() else "none"
+    sections = {"model": cfg.section("model"), "train": cfg.section("train"), "labelcheck": cfg.section("labelcheck"),
+                "select": cfg.section("select")}
+    oos_key = digest_json({"labeled": labeled["digest"], "heldout": heldout_adapter and
+                           heldout_adapter["adapter_digest"], "method": method, **sections, "seed": cfg.seed})
+    return run_stage(labelcheck_task, artifacts=str(cfg.artifacts), labeled=labeled, data={"answers": cfg.data.answers},
+                     seed=cfg.seed, heldout_adapter=heldout_adapter, trained_ids_digest=trained_digest,
+                     trained_ids_path=trained_path and str(trained_path), ledger_digest=ledger_digest,
+                     out_dir=str(Path(cfg.artifacts) / "labelcheck" / oos_key[:16]), **sections)
+
+
+def report_table(ref: dict[str, Any]) -> list[dict[str, Any]]:
+    from pipeline.store import read_jsonl
+
+    return read_jsonl(Path(ref["dir"]) / "issues.jsonl")
+
+
+def report_agreement(ref: dict[str, Any]) -> dict[str, Any]:
+    import json
+
+    return json.loads((Path(ref["dir"]) / "agreement.json").read_text(encoding="utf-8"))

@@ -31,7 +31,7 @@ from pipeline.store import (
 from pipeline.strategies import select_batch
 
 log = logging.getLogger(__name__)
-SELECT_VERSION = "1"
+SELECT_VERSION = "2"
 
 
 def make_task_runner(cfg: ProjectConfig) -> Any:
@@ -169,6 +169,19 @@ def heuristic_input(scores: Any, strategy: str) -> np.ndarray | None:
     return scores.mc_probs.mean(-1) if scores.mc_probs is not None and scores.probs is None else scores.probs
 
 
+UNCERTAINTY_FILE = "uncertainty.json"
+OUTLIERS_FILE = "outliers.jsonl"
+
+
+def pool_uncertainty(scores: Any) -> np.ndarray | None:
+    """Entropy of the (MC-averaged) answer probabilities: the uncertainty the outlier history tracks, whatever the
+    selection strategy (random included); None for open answers."""
+    from pipeline.strategies import get_heuristic
+
+    probs = heuristic_input(scores, "entropy")
+    return None if probs is None else get_heuristic("entropy").score(probs)
+
+
 @stage_task("select", SELECT_VERSION)
 def select_task(
     artifacts: str,
@@ -177,6 +190,8 @@ def select_task(
     answers: list[str] | None,
     exclude_digest: str,
     exclude_path: str,
+    labeled_path: str,
+    history: list[dict[str, str]],
     cold_start: bool,
     adapter_digest: str | None,
     seed: int,
@@ -184,10 +199,35 @@ def select_task(
 ) -> dict[str, Any]:
     from pipeline.config import SelectConfig
     from pipeline.store import read_jsonl
+    from pipeline.strategies.outliers import find_outliers, read_uncertainty_history, write_uncertainty
 
     sel_cfg = SelectConfig.model_validate(select)
     scores = concat_scores([load_scores(r["dir"]) for r in shard_refs])
     exclude = {r["sample_id"] for r in read_jsonl(exclude_path)}
+    labeled = {r["sample_id"] for r in read_jsonl(labeled_path)}
+    out = Path(out_dir)
+    outputs = {"selection": "selection.jsonl"}
+    downweight: list[str] = []
+    info: dict[str, Any] = {}
+    uncertainty = None if cold_start else pool_uncertainty(scores)
+    if uncertainty is not None:
+        pool = [i for i, s in enumerate(scores.sample_ids) if s not in labeled]
+        write_uncertainty(out / UNCERTAINTY_FILE, [scores.sample_ids[i] for i in pool], uncertainty[pool])
+        outputs["uncertainty"] = UNCERTAINTY_FILE
+    if not cold_start and scores.embeddings is not None:
+        report = find_outliers(scores.sample_ids, scores.embeddings,
+                               read_uncertainty_history([h["path"] for h in history]), labeled_ids=labeled,
+                               k=sel_cfg.outlier_neighbors, z_threshold=sel_cfg.outlier_z,
+                               min_rounds=sel_cfg.uncertain_rounds, policy=sel_cfg.outliers)
+        flagged = report.rows()
+        atomic_write_jsonl(out / OUTLIERS_FILE, flagged)
+        outputs["outliers"] = OUTLIERS_FILE
+        info["outliers"] = {"flagged": len(flagged), "far": int(report.far.sum()),
+                            "persistent": int(report.persistent.sum()), "policy": sel_cfg.outliers}
+        if sel_cfg.outliers == "exclude":
+            exclude |= {r["sample_id"] for r in flagged}
+        elif sel_cfg.outliers == "downweight":
+            downweight = [r["sample_id"] for r in flagged]
     if cold_start:
         strategy, diversity = ("random", "top_k") if sel_cfg.cold_start == "random" else ("random", "typical")
         probs = None
@@ -207,6 +247,7 @@ def select_task(
     selection = select_batch(
         scores.sample_ids, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, probs=probs,
         embeddings=scores.embeddings, predicted=predicted, exclude=exclude, seed=seed,
+        downweight=downweight, downweight_weight=sel_cfg.outlier_weight,
     )
     per_sample = {sid: i for i, sid in enumerate(scores.sample_ids)}
     rows = []
@@ -215,31 +256,48 @@ def select_task(
         rows.append({**row, "rank": row["rank"] - 1, "adapter_digest": adapter_digest,
                      "prediction": predicted_answer[i], "confidence": confidence[i],
                      "scores": {strategy: row["score"]}})
-    out = Path(out_dir)
     atomic_write_jsonl(out / "selection.jsonl", rows)
     m = write_manifest(out, stage="select", stage_version=SELECT_VERSION,
-                       inputs={"scores": digest_json([r["digest"] for r in shard_refs]), "exclude": exclude_digest},
-                       config=select, outputs={"selection": "selection.jsonl"},
-                       info={"n": len(rows), "strategy": strategy, "diversity": diversity, "pool": len(scores.sample_ids)})
-    return {"dir": out_dir, "digest": m.key, "n": len(rows)}
+                       inputs={"scores": digest_json([r["digest"] for r in shard_refs]), "exclude": exclude_digest,
+                               "labeled": digest_json(sorted(labeled)),
+                               "history": digest_json([h["digest"] for h in history])},
+                       config=select, outputs=outputs,
+                       info={"n": len(rows), "strategy": strategy, "diversity": diversity,
+                             "pool": len(scores.sample_ids) - len(labeled), **info})
+    return {"dir": out_dir, "digest": m.key, "n": len(rows), **info}
 
 
 def selection_table(rows: list[dict[str, Any]], top: int = 20) -> list[dict[str, Any]]:
     return [{k: r.get(k) for k in ("rank", "sample_id", "score", "prediction", "confidence")} for r in rows[:top]]
 
 
+def uncertainty_history(round_dirs: list[Path]) -> list[dict[str, str]]:
+    """Earlier rounds' pool uncertainty files (oldest first), with digests for the select stage's cache key."""
+    from pipeline.store import digest_file
+
+    files = [d / "selection" / UNCERTAINTY_FILE for d in round_dirs]
+    return [{"path": str(f), "digest": digest_file(f)} for f in files if f.is_file()]
+
+
 def select_ref(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
-               pool_ids: list[str], exclude: list[str], round_dir: Path) -> dict[str, Any]:
-    """Score the eligible pool and select; writes round_dir/selection/selection.jsonl. Call from inside a flow."""
+               pool_ids: list[str], exclude: list[str], round_dir: Path, labeled_ids: list[str] = (),
+               history_dirs: list[Path] = ()) -> dict[str, Any]:
+    """Score the eligible pool (and the labeled samples, whose embeddings tell pool outliers from samples near
+    labels) and select; writes round_dir/selection/. Call from inside a flow."""
     from pipeline.store import read_jsonl
 
-    refs = score_pool(cfg, prepared=prepared, adapter=adapter, pool_ids=pool_ids, round_dir=round_dir)
-    exclude_rows = [{"sample_id": s} for s in sorted(set(exclude))]
+    labeled_ids = sorted(set(labeled_ids)) if adapter is not None else []
+    refs = score_pool(cfg, prepared=prepared, adapter=adapter, pool_ids=sorted(set(pool_ids) | set(labeled_ids)),
+                      round_dir=round_dir)
+    exclude_rows = [{"sample_id": s} for s in sorted(set(exclude) | set(labeled_ids))]
     exclude_path = round_dir / "exclude.jsonl"
     atomic_write_jsonl(exclude_path, exclude_rows)
+    labeled_path = round_dir / "labeled_ids.jsonl"
+    atomic_write_jsonl(labeled_path, [{"sample_id": s} for s in labeled_ids])
     ref = run_stage(
         select_task, artifacts=str(cfg.artifacts), shard_refs=refs, select=cfg.section("select"),
         answers=cfg.data.answers, exclude_digest=digest_json(exclude_rows), exclude_path=str(exclude_path),
+        labeled_path=str(labeled_path), history=uncertainty_history(list(history_dirs)),
         cold_start=adapter is None, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
         out_dir=str(round_dir / "selection"),
     )

@@ -115,7 +115,9 @@ def test_find_outliers_reports_both_kinds_with_reasons(tmp_path):
         paths.append(write_uncertainty(tmp_path / f"r{r}.json", ids, scores))
     history = read_uncertainty_history([*paths, tmp_path / "missing.json"])
     assert len(history) == 3 and history[0]["p10"] == 5.0
-    rep = find_outliers(ids, pool, labeled, history, k=3, z_threshold=3.5, min_rounds=3, policy="downweight")
+    rep = find_outliers(ids + ["l0", "l1"], np.concatenate([pool, labeled]), history, labeled_ids={"l0", "l1"},
+                        k=3, z_threshold=3.5, min_rounds=3, policy="downweight")
+    assert rep.ids == ids  # the report covers the pool; labeled rows are neighbours only
     rows = {r["sample_id"]: r for r in rep.rows()}
     assert rows["p03"]["far"] and not rows["p03"]["persistent"]
     assert rows["p10"]["persistent"] and "despite labeled neighbours" in rows["p10"]["reasons"][0]
@@ -131,3 +133,21 @@ def test_bad_embeddings_are_clear_errors():
         outlier_scores(pool, None, k=2)
     with pytest.raises(SelectionError, match=r"\[n, 8\]"):
         outlier_scores(_blobs(5, n=5), np.zeros((3, 4)), k=2)
+
+
+def test_select_batch_downweights_flagged_samples_and_small_pools_flag_nothing():
+    from pipeline.strategies import select_batch
+
+    ids = [f"s{i}" for i in range(6)]
+    # margin: the closer the top two probabilities, the more uncertain; s0 is the most uncertain.
+    probs = np.array([[0.5, 0.5], [0.6, 0.4], [0.7, 0.3], [0.8, 0.2], [0.9, 0.1], [0.95, 0.05]])
+    plain = select_batch(ids, k=2, strategy="margin", diversity="top_k", probs=probs, seed=0)
+    assert plain.ids == ["s0", "s1"]
+    down = select_batch(ids, k=2, strategy="margin", diversity="top_k", probs=probs, seed=0, downweight={"s0"},
+                        downweight_weight=0.0)
+    assert down.ids == ["s1", "s2"]  # flagged s0 drops to the lowest score, not out of the pool
+    last = select_batch(ids, k=6, strategy="margin", diversity="top_k", probs=probs, seed=0, downweight={"s0"},
+                        downweight_weight=0.0)
+    assert last.ids[-1] == "s0"
+    rep = find_outliers(["a", "b", "l"], _blobs(3, n=3), [], labeled_ids={"l"}, k=10, z_threshold=0.1, min_rounds=2)
+    assert rep.ids == ["a", "b"] and not rep.flags.any()

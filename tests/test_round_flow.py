@@ -16,8 +16,8 @@ from pipeline.rounds import completed_rounds
 from pipeline.store import executions, read_jsonl, read_manifest
 
 
-def write_project(root, tiny_models, **overrides):
-    digits = write_digits(root / "digits", limit=60)
+def write_project(root, tiny_models, limit=60, **overrides):
+    digits = write_digits(root / "digits", limit=limit)
     model_dir = root / "model"
     shutil.copytree(tiny_models["idefics3"], model_dir)
     cfg = {
@@ -93,3 +93,73 @@ def test_second_concurrent_round_is_refused(tmp_path, tiny_models, prefect_harne
     with ProjectLock(art / "round.lock"):
         with pytest.raises(LockError, match="Another labeling round is running"):
             labeling_round(str(config))
+
+
+def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models, prefect_harness):
+    """A noisy annotator: round 1 checks its labels (k-fold), sends the likeliest errors back with the batch, a
+    careful reviewer answers them, and round 2 imports the fixes as corrections; pool outliers are reported and,
+    with select.outliers exclude, never selected; re-labels count against the label budget."""
+    from flows.round import labeling_round
+    from pipeline.annotation.simulate import sidecar_path
+
+    config = write_project(tmp_path, tiny_models, limit=120, select={"batch_size": 20},
+                           rounds={"simulate_noise": 0.5})
+    raw = yaml.safe_load(config.read_text())
+    raw["labelcheck"] = {"method": "kfold", "kfold": 2, "relabel_top_n": 3}
+    raw["select"]["outliers"] = "exclude"
+    raw["select"]["outlier_z"] = 2.0  # low enough that the tiny pool has some to exclude
+    config.write_text(yaml.safe_dump(raw))
+    cfg = load_config(config)
+    art = cfg.artifacts
+    truth = {json.loads(line)["sample_id"]: json.loads(line)["answer"]
+             for line in open(cfg.data.ground_truth, encoding="utf-8")}
+
+    labeling_round(str(config))
+    flips = {f["sample_id"]: f for f in
+             json.loads(sidecar_path(art / "inbox/simulated-round-000.json").read_text())["flipped"]}
+    assert len(flips) == 10
+
+    first = labeling_round(str(config))
+    assert first["round"] == 1 and first["labeled"] == 20
+    check = first["labelcheck"]
+    assert check["method"] == "kfold" and check["checked"] == 20 and check["issues"] >= 1
+    read_manifest(check["dir"])  # digests verify
+    issues = read_jsonl(f"{check['dir']}/issues.jsonl")
+    assert len(issues) == check["issues"]
+    assert {"sample_id", "given_label", "suggested_label", "score", "annotators", "source_file"} <= set(issues[0])
+    assert all(r["annotators"] == ["simulated"] and r["source_file"].endswith("simulated-round-000.json")
+               for r in issues)
+    # The queue holds the top of the report, as a separate Label Studio task set with both pre-annotations.
+    queued = [r["sample_id"] for r in read_jsonl(art / "rounds/001/relabel/relabel.jsonl")]
+    assert queued == [r["sample_id"] for r in issues[:3]] and first["relabel"] == len(queued)
+    tasks = json.loads((art / "rounds/001/relabel/label_studio_tasks.json").read_text())
+    assert {p["model_version"] for t in tasks for p in t["predictions"]} == {"current-label", "suggested-label"}
+    assert not set(queued) & {r["sample_id"] for r in read_jsonl(art / "rounds/001/selection/selection.jsonl")}
+    # Outliers: reported with reasons; excluded ones are not in the batch.
+    outliers = read_jsonl(art / "rounds/001/selection/outliers.jsonl")
+    assert first["outliers"]["flagged"] == len(outliers) >= 1 and first["outliers"]["policy"] == "exclude"
+    assert all(r["reasons"] for r in outliers)
+    selected = {r["sample_id"] for r in read_jsonl(art / "rounds/001/selection/selection.jsonl")}
+    assert not selected & {r["sample_id"] for r in outliers}
+    assert (art / "inbox/simulated-relabel-001.json").is_file()
+
+    second = labeling_round(str(config), simulate=False)
+    ledger = Ledger(ledger_path(art))
+    for sid in queued:  # the reviewer's answer now wins; a changed label is a correction, the old entry kept
+        assert ledger.labels()[sid] == truth[sid]
+        kinds = [e["kind"] for e in ledger.history(sid)]
+        assert kinds == (["label", "correction"] if sid in flips else ["label"])
+    assert second["labels_spent"] == second["labeled"] + len(queued)
+    # Later rounds never queue a sample twice; its uncertainty history feeds the persistent-outlier check.
+    assert (art / "rounds/001/selection/uncertainty.json").is_file()
+
+    # Switching to the cheap heldout check re-runs only the check: round 1's adapter scores the 20 labels that came
+    # in since it was trained; the round is not retrained.
+    before = stage_runs(art)
+    raw["labelcheck"]["method"] = "heldout"
+    config.write_text(yaml.safe_dump(raw))
+    again = labeling_round(str(config), simulate=False)
+    assert again["round"] == 2 and again["labelcheck"]["method"] == "heldout"
+    assert again["labelcheck"]["checked"] == 20
+    runs = stage_runs(art) - before
+    assert runs["labelcheck"] == 1 and runs["train"] == 0 and runs["score_shard"] == 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -189,24 +189,36 @@ class OutlierReport:
 
 def find_outliers(
     ids: Sequence[str],
-    pool_emb: Any,
-    labeled_emb: Any,
+    embeddings: Any,
     history: Sequence[Mapping[str, float]],
     *,
+    labeled_ids: Collection[str] = (),
     k: int,
     z_threshold: float,
     min_rounds: int,
     policy: Policy = "keep",
 ) -> OutlierReport:
-    """Both outlier kinds for a scored pool (rows of `pool_emb` belong to `ids`)."""
-    if len(ids) != len(pool_emb):
-        raise SelectionError(f"outliers: {len(ids)} ids for {len(pool_emb)} pool embeddings")
-    z = outlier_scores(pool_emb, labeled_emb, k)
-    near = near_labeled(pool_emb, labeled_emb, k)
-    hard = persistent_uncertainty(history, min_rounds=min_rounds, near={s for s, x in zip(ids, near, strict=True)
-                                                                      if x})
-    persistent = np.asarray([s in hard for s in ids], dtype=bool)
-    return OutlierReport(list(ids), z, z > z_threshold, persistent, policy)
+    """Both outlier kinds for a scored set (rows of `embeddings` belong to `ids`) holding the pool and, marked by
+    `labeled_ids`, the labeled samples: those are the neighbours that count as labeled; the report covers the pool
+    rows. With fewer than three pool samples nothing is flagged and k is capped to what exists, rather than an
+    error: a small last pool is not a user mistake."""
+    if len(ids) != len(embeddings):
+        raise SelectionError(f"outliers: {len(ids)} ids for {len(embeddings)} embeddings")
+    emb = _emb(embeddings, "embeddings")
+    labeled_set = set(labeled_ids)
+    is_labeled = np.asarray([s in labeled_set for s in ids], dtype=bool)
+    pool_ids = [s for s, lab in zip(ids, is_labeled, strict=True) if not lab]
+    if len(pool_ids) < 3:
+        none = np.zeros(len(pool_ids))
+        return OutlierReport(pool_ids, none, none > 0, none > 0, policy)
+    pool, labeled = emb[~is_labeled], emb[is_labeled]
+    k = min(k, len(ids) - 1)
+    z = outlier_scores(pool, labeled, k)
+    near = near_labeled(pool, labeled, k)
+    hard = persistent_uncertainty(history, min_rounds=min_rounds,
+                                  near={s for s, x in zip(pool_ids, near, strict=True) if x})
+    persistent = np.asarray([s in hard for s in pool_ids], dtype=bool)
+    return OutlierReport(pool_ids, z, z > z_threshold, persistent, policy)
 
 
 def write_uncertainty(path: str | os.PathLike[str], ids: Sequence[str], scores: Any) -> Path:
@@ -226,3 +238,4 @@ def read_uncertainty_history(paths: Sequence[str | os.PathLike[str]]) -> list[di
             d = json.loads(p.read_text(encoding="utf-8"))
             out.append(dict(zip(d["sample_ids"], d["scores"], strict=True)))
     return out
+

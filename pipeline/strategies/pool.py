@@ -12,6 +12,7 @@ import numpy as np
 
 from pipeline.errors import SelectionError
 from pipeline.strategies.heuristics import HEURISTICS, get_heuristic
+from pipeline.strategies.outliers import apply_outlier_policy
 from pipeline.strategies.selectors import SELECTORS
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ def select_batch(
     labeled_embeddings: np.ndarray | None = None,
     allow_partial: bool = False,
     options: Mapping[str, Any] | None = None,
+    downweight: Collection[str] = (),
+    downweight_weight: float = 0.5,
 ) -> Selection:
     """Pick `k` of `candidate_ids` with heuristic `strategy` and selector `diversity`.
 
@@ -71,7 +74,8 @@ def select_batch(
     not yet labeled. Candidates are put in sample-ID order first, so the result does not depend on the order shards
     arrived in: the same inputs and seed give the same IDs. `options` are passed to the selector's constructor
     (e.g. {"uncertainty": "product"} for k_center); `labeled_embeddings` seed k_center's core-set. Without `probs`
-    only `random` or `typical` (cold start) work.
+    only `random` or `typical` (cold start) work. Scores of `downweight` IDs (outliers) shrink towards the lowest
+    score by `downweight_weight` (outliers.apply_outlier_policy) before the selector sees them.
     """
     if strategy not in HEURISTICS:
         raise SelectionError(f"select: unknown strategy {strategy!r}; choose one of {sorted(HEURISTICS)}")
@@ -114,6 +118,11 @@ def select_batch(
         )
     if len(scores) != len(pos):
         raise SelectionError(f"select: strategy {strategy!r} returned {len(scores)} scores for {len(pos)} candidates")
+    if downweight:
+        flagged = set(downweight)
+        pos_ids = [ids[i] for i in pos]
+        scores, _ = apply_outlier_policy(scores, [s in flagged for s in pos_ids], "downweight", ids=pos_ids,
+                                         weight=downweight_weight)
 
     try:
         selector = SELECTORS[diversity](**dict(options or {}))

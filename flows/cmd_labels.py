@@ -1,4 +1,4 @@
-"""`tamis labels import|history` and `tamis simulate-annotator`: the annotation round-trip from the command line."""
+"""`tamis labels import|history|issues` and `tamis simulate-annotator`: the annotation round-trip from the command line."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _latest_round(artifacts: Path) -> int:
 def _known_ids(artifacts: Path, dataset: Path | None) -> set[str]:
     from pipeline.annotation import exported_sample_ids
 
-    ids = exported_sample_ids(artifacts)
+    ids = exported_sample_ids(artifacts)  # relabel task sets included
     if dataset is not None:
         from datasets import load_from_disk
 
@@ -109,6 +109,53 @@ def labels_history(
     out.print(t)
 
 
+def labels_issues(
+    config: ConfigOpt = None,
+    round_index: Annotated[int | None, typer.Option("--round", help="Round to show (default: the latest).")] = None,
+    top: Annotated[int, typer.Option(help="How many likely errors to list.")] = 20,
+) -> None:
+    """The likely label errors and annotator agreement found by a round's label check."""
+    import json
+
+    from pipeline.config import load_config
+    from pipeline.errors import DataError
+    from pipeline.rounds import completed_rounds
+    from pipeline.store import read_jsonl
+
+    out = Console()
+    cfg = load_config(config)
+    done = [s for s in completed_rounds(cfg.artifacts) if round_index is None or s["round"] == round_index]
+    checked = [s for s in done if s.get("labelcheck")]
+    if not checked:
+        which = "any round" if round_index is None else f"round {round_index}"
+        raise DataError(f"{cfg.artifacts}: no label check in {which}; checks run after a round trains, unless "
+                        "labelcheck.method is off (heldout needs a previous round's adapter)")
+    state = checked[-1]
+    check = state["labelcheck"]
+    folder = Path(check["dir"])
+    rows = read_jsonl(folder / "issues.jsonl")
+    t = Table(title=f"round {state['round']}: {len(rows)} likely label errors among {check['checked']} labels "
+                    f"checked ({check['method']})")
+    for col in ("rank", "sample", "given", "suggested", "score", "annotators", "source file"):
+        t.add_column(col)
+    for r in rows[:top]:
+        t.add_row(str(r["rank"]), r["sample_id"], r["given_label"], r["suggested_label"], f"{r['score']:.3f}",
+                  ", ".join(r["annotators"]) or r["origin"], Path(r["source_file"]).name)
+    out.print(t)
+    agreement = json.loads((folder / "agreement.json").read_text(encoding="utf-8"))
+    if agreement:
+        a = Table(title="annotator agreement")
+        for col in ("annotator", "shared votes", "agree with majority", "labels checked", "agree with model"):
+            a.add_column(col)
+        for who, v in agreement.items():
+            a.add_row(who, str(v["n"]), "–" if v["agree_majority"] is None else f"{100 * v['agree_majority']:.0f}%",
+                      str(v["n_model"]), "–" if v["agree_model"] is None else f"{100 * v['agree_model']:.0f}%")
+        out.print(a)
+    out.print(f"full table: {folder / 'issues.jsonl'}", highlight=False)
+    if state.get("relabel_dir"):
+        out.print(f"sent back for re-labeling: {state['relabel_dir']}", highlight=False)
+
+
 def simulate(
     round_index: Annotated[int, typer.Option("--round", help="The exported round to answer.")],
     config: ConfigOpt = None,
@@ -140,5 +187,6 @@ def register(app: typer.Typer) -> None:
     labels_app = typer.Typer(help="Import annotators' labels; inspect the label ledger.", no_args_is_help=True)
     labels_app.command("import")(labels_import)
     labels_app.command("history")(labels_history)
+    labels_app.command("issues")(labels_issues)
     app.add_typer(labels_app, name="labels")
     app.command("simulate-annotator")(simulate)

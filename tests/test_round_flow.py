@@ -10,7 +10,7 @@ import yaml
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.config import load_config
 from pipeline.data.demo import write_digits
-from pipeline.errors import LockError
+from pipeline.errors import DataError, LockError
 from pipeline.lock import ProjectLock
 from pipeline.rounds import completed_rounds
 from pipeline.store import executions, read_jsonl, read_manifest
@@ -99,6 +99,9 @@ def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models
     """A noisy annotator: round 1 checks its labels (k-fold), sends the likeliest errors back with the batch, a
     careful reviewer answers them, and round 2 imports the fixes as corrections; pool outliers are reported and,
     with select.outliers exclude, never selected; re-labels count against the label budget."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
     from flows.round import labeling_round
     from pipeline.annotation.simulate import sidecar_path
 
@@ -115,6 +118,9 @@ def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models
              for line in open(cfg.data.ground_truth, encoding="utf-8")}
 
     labeling_round(str(config))
+    cli = CliRunner()
+    res = cli.invoke(app, ["labels", "issues", "-c", str(config)])
+    assert isinstance(res.exception, DataError) and "no label check in any round" in str(res.exception)
     flips = {f["sample_id"]: f for f in
              json.loads(sidecar_path(art / "inbox/simulated-round-000.json").read_text())["flipped"]}
     assert len(flips) == 10
@@ -142,6 +148,11 @@ def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models
     selected = {r["sample_id"] for r in read_jsonl(art / "rounds/001/selection/selection.jsonl")}
     assert not selected & {r["sample_id"] for r in outliers}
     assert (art / "inbox/simulated-relabel-001.json").is_file()
+    res = cli.invoke(app, ["labels", "issues", "-c", str(config), "--top", "3"], env={"COLUMNS": "250"})
+    text = " ".join(res.output.split())
+    assert res.exit_code == 0, res.output
+    assert f"round 1: {check['issues']} likely label errors among 20 labels checked (kfold)" in text
+    assert issues[0]["sample_id"] in res.output and "rounds/001/relabel" in text.replace(" ", "")
 
     second = labeling_round(str(config), simulate=False)
     ledger = Ledger(ledger_path(art))

@@ -74,6 +74,32 @@ def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: di
                      out_dir=str(Path(cfg.artifacts) / "labelcheck" / oos_key[:16]), **sections)
 
 
+@stage_task("relabel", LABELCHECK_VERSION)
+def relabel_task(artifacts: str, check: dict, prepared: dict, annotate: dict, answers: list[str] | None,
+                 top_n: int, already_queued: list[str], round_index: int, out_dir: str) -> dict[str, Any]:
+    from pipeline.labelcheck import export_relabel, issues_from_report
+    from pipeline.preprocess import load_prepared
+
+    cfg = _cfg({"annotate": annotate, "data": {"answers": answers}}, artifacts)
+    skip = set(already_queued)
+    issues = [i for i in issues_from_report(check["dir"]) if i.sample_id not in skip][:top_n]
+    m = export_relabel(issues, load_prepared(prepared["dir"]), cfg, out_dir, round_index=round_index)
+    return {"dir": out_dir, "digest": m.key, "count": m.info["count"]} if m else {"count": 0}
+
+
+def relabel_ref(cfg: ProjectConfig, *, check: dict[str, Any], prepared: dict[str, Any],
+                round_index: int) -> dict[str, Any]:
+    """Export the top `labelcheck.relabel_top_n` likely errors that no earlier round sent back to
+    rounds/NNN/relabel/; {"count": 0} when there are none."""
+    from pipeline.labelcheck import relabel_dir, relabel_queued
+
+    queued = sorted({s for ids in relabel_queued(cfg.artifacts, round_index).values() for s in ids})
+    return run_stage(relabel_task, artifacts=str(cfg.artifacts), check={"dir": check["dir"], "digest": check["digest"]},
+                     prepared=prepared, annotate=cfg.section("annotate"), answers=cfg.data.answers,
+                     top_n=cfg.labelcheck.relabel_top_n, already_queued=queued, round_index=round_index,
+                     out_dir=str(relabel_dir(cfg.artifacts, round_index)))
+
+
 def report_table(ref: dict[str, Any]) -> list[dict[str, Any]]:
     from pipeline.store import read_jsonl
 

@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
 from flows.ingest import ingest_ref
-from flows.labelcheck import label_check_ref, report_agreement, report_table
+from flows.labelcheck import label_check_ref, relabel_ref, report_agreement, report_table
 from flows.prepare import augment_ref, prepare_refs
 from flows.select import select_ref
 from flows.stages import run_stage, stage_task
@@ -26,15 +26,7 @@ from pipeline.annotation.simulate import simulate_annotator
 from pipeline.config import ProjectConfig, load_config
 from pipeline.errors import LabelImportError
 from pipeline.evaluate import append_metrics, evaluate_model, plot_learning_curve, read_metrics
-from pipeline.labelcheck import (
-    LABELCHECK_VERSION,
-    export_relabel,
-    issues_from_report,
-    label_report_markdown,
-    labels_spent,
-    relabel_dir,
-    relabel_queued,
-)
+from pipeline.labelcheck import label_report_markdown, labels_spent
 from pipeline.lock import ProjectLock
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids
@@ -119,16 +111,6 @@ def export_task(artifacts: str, selection: dict, prepared: dict, annotate: dict,
     rows = read_jsonl(Path(selection["dir"]) / "selection.jsonl")
     m = export_selection(rows, load_prepared(prepared["dir"]), cfg, out_dir, round_index=round_index)
     return {"dir": out_dir, "digest": m.key, "count": m.info["count"]}
-
-
-@stage_task("relabel", LABELCHECK_VERSION)
-def relabel_task(artifacts: str, check: dict, prepared: dict, annotate: dict, answers: list[str] | None,
-                 top_n: int, already_queued: list[str], round_index: int, out_dir: str) -> dict[str, Any]:
-    cfg = _cfg({"annotate": annotate, "data": {"answers": answers}}, artifacts)
-    skip = set(already_queued)
-    issues = [i for i in issues_from_report(check["dir"]) if i.sample_id not in skip][:top_n]
-    m = export_relabel(issues, load_prepared(prepared["dir"]), cfg, out_dir, round_index=round_index)
-    return {"dir": out_dir, "digest": m.key, "count": m.info["count"]} if m else {"count": 0}
 
 
 # ------------------------------------------------------------------------------------------------- steps
@@ -245,11 +227,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
                         annotate=cfg.section("annotate"), answers=cfg.data.answers, round_index=r, out_dir=str(out))
         state.update(selected=sel["n"], export_dir=exp["dir"], selection_dir=sel["dir"], outliers=sel.get("outliers"))
         if check is not None and cfg.labelcheck.relabel_top_n:
-            queued = sorted({s for ids in relabel_queued(art, r).values() for s in ids})
-            rel = run_stage(relabel_task, artifacts=str(art), check={"dir": check["dir"], "digest": check["digest"]},
-                            prepared=prep["prepare"], annotate=cfg.section("annotate"), answers=cfg.data.answers,
-                            top_n=cfg.labelcheck.relabel_top_n, already_queued=queued, round_index=r,
-                            out_dir=str(relabel_dir(art, r)))
+            rel = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=r)
             state["relabel"] = rel["count"]
             if rel["count"]:
                 state["relabel_dir"] = rel["dir"]

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -233,19 +234,32 @@ class Disk:
             os.close(fd)
 
 
-@pytest.fixture(params=["tmpfs", "patched"])
+def _tmpfs_mountable() -> bool:
+    """Whether this process may mount a tmpfs (root with CAP_SYS_ADMIN): probed once, at collection."""
+    mount, umount = shutil.which("mount"), shutil.which("umount")
+    if os.geteuid() != 0 or not mount or not umount:
+        return False
+    with tempfile.TemporaryDirectory() as probe:
+        if subprocess.run([mount, "-t", "tmpfs", "-o", "size=64k", "tmpfs", probe], capture_output=True).returncode:
+            return False
+        subprocess.run([umount, "-l", probe], capture_output=True)
+    return True
+
+
+@pytest.fixture(params=[
+    pytest.param("tmpfs", marks=pytest.mark.skipif(
+        not _tmpfs_mountable(), reason="cannot mount a tmpfs here (needs root); the patched variant covers a full disk")),
+    pytest.param("patched", marks=pytest.mark.skipif(
+        not Path("/proc/self/fd").is_dir(), reason="the patched full disk tells files apart through /proc/self/fd")),
+])
 def disk(request, tmp_path, monkeypatch):
     root = tmp_path / "fs"
     root.mkdir()
     if request.param == "patched":
-        if not Path("/proc/self/fd").is_dir():
-            pytest.skip("the patched full disk tells files apart through /proc/self/fd")
         yield Disk(root, "patched", monkeypatch)
         return
-    mount = shutil.which("mount")
-    if os.geteuid() != 0 or not mount or subprocess.run(
-            [mount, "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)], capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root); the patched variant covers a full disk")
+    subprocess.run([shutil.which("mount"), "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)], check=True,
+                   capture_output=True)
     try:
         yield Disk(root, "tmpfs", monkeypatch)
     finally:

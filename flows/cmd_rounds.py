@@ -10,8 +10,10 @@ import typer
 def _round_row(state: dict[str, Any]) -> list[str]:
     metrics = state.get("metrics") or {}
     main = metrics.get("accuracy", metrics.get("token_f1"))
+    check = state.get("labelcheck")
     return [str(state["round"]), str(state["labeled"]), "—" if main is None else f"{main:.3f}", state["strategy"],
-            str(state.get("selected", 0)), state.get("stopped") or ""]
+            str(state.get("selected", 0)), "—" if not check else f"{check['issues']} / {check['checked']}",
+            str(state.get("relabel", 0)), state.get("stopped") or ""]
 
 
 def _rounds_table(states: list[dict[str, Any]]) -> Any:
@@ -19,7 +21,8 @@ def _rounds_table(states: list[dict[str, Any]]) -> Any:
 
     table = Table(title="labeling rounds")
     for col, just in (("round", "right"), ("labels", "right"), ("accuracy", "right"), ("strategy", "left"),
-                      ("selected", "right"), ("stopped", "left")):
+                      ("selected", "right"), ("likely label errors", "right"), ("re-label", "right"),
+                      ("stopped", "left")):
         table.add_column(col, justify=just)
     for s in states:
         table.add_row(*_round_row(s))

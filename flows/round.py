@@ -41,6 +41,7 @@ from pipeline.rounds import (
 from pipeline.store import (
     atomic_write_json,
     atomic_write_jsonl,
+    atomic_write_text,
     digest_json,
     find_valid_manifest,
     read_jsonl,
@@ -51,6 +52,7 @@ from pipeline.store import (
 
 log = logging.getLogger(__name__)
 TRAIN_STAGE_VERSION = "1"
+SUMMARY_FILE = "summary.md"  # the round-summary artifact, also readable without the Prefect UI
 EVAL_VERSION = "1"
 
 
@@ -233,6 +235,13 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
                 state["relabel_dir"] = rel["dir"]
 
     state["adapter"] = adapter
+    metrics_rows = read_metrics(art)
+    label_report = ""
+    if check is not None:
+        label_report = label_report_markdown(report_table(check), report_agreement(check), method=check["method"],
+                                             checked=check["checked"])
+    summary = _summary_markdown(state, metrics_rows, label_report)
+    atomic_write_text(round_dir / SUMMARY_FILE, summary + "\n")
     atomic_write_json(round_dir / ROUND_FILE, state)
     # Only a finished round is answered: with its labels in the inbox before round.json, a crash in between made
     # the re-run import them into this round (a cold-start round trained, its export replaced, rounds renumbered).
@@ -243,15 +252,9 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
             # The reviewer of likely errors is careful: answers from the ground truth, never flipped.
             simulate_annotator(state["relabel_dir"], cfg.data.ground_truth, art / "inbox", round_index=r,
                                seed=cfg.seed, annotator="simulated-reviewer", kind="relabel")
-    metrics_rows = read_metrics(art)
     if metrics_rows:
         plot_learning_curve(metrics_rows, art / "learning_curve.png")
-    label_report = ""
-    if check is not None:
-        label_report = label_report_markdown(report_table(check), report_agreement(check), method=check["method"],
-                                             checked=check["checked"])
-    create_markdown_artifact(key="round-summary", markdown=_summary_markdown(state, metrics_rows, label_report),
-                             description=f"Labeling round {r}")
+    create_markdown_artifact(key="round-summary", markdown=summary, description=f"Labeling round {r}")
     if state.get("export_dir"):
         create_link_artifact(key="export-folder", link=Path(state["export_dir"]).resolve().as_uri(),
                              link_text=f"Round {r} export ({TASKS_FILE}, CSV, JSONL, images)")

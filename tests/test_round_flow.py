@@ -148,6 +148,10 @@ def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models
     selected = {r["sample_id"] for r in read_jsonl(art / "rounds/001/selection/selection.jsonl")}
     assert not selected & {r["sample_id"] for r in outliers}
     assert (art / "inbox/simulated-relabel-001.json").is_file()
+    summary = (art / "rounds/001/summary.md").read_text()
+    assert "## Label quality" in summary and f"{check['issues']} likely label errors among 20" in summary
+    assert "agree with model |" in summary and "| simulated | 0 | – | 20 |" in summary  # annotator agreement
+    assert f"Outliers in the pool: {len(outliers)} flagged" in summary and "rounds/001/relabel" in summary
     res = cli.invoke(app, ["labels", "issues", "-c", str(config), "--top", "3"], env={"COLUMNS": "250"})
     text = " ".join(res.output.split())
     assert res.exit_code == 0, res.output

@@ -508,6 +508,8 @@ def summarize(curves: dict[str, list[dict[str, Any]]], full_acc: float, baseline
         out[name] = {"labels": [round(x, 1) for x in labels], "mean": [round(x, 4) for x in mean],
                      "std": [round(x, 4) for x in std], "per_seed": [r["accuracy"] for r in runs],
                      "auc": round(_area(labels, mean), 4), "seconds": round(sum(r["seconds"] for r in runs), 1)}
+        out[name]["curve"] = [{"labels": x, "mean": m, "std": sd} for x, m, sd in
+                              zip(out[name]["labels"], out[name]["mean"], out[name]["std"], strict=True)]
         for pct in (90, 95):
             x = labels_to(list(labels), list(mean), pct / 100 * full_acc)
             out[name][f"labels_to_{pct}"] = None if x is None else round(x, 1)

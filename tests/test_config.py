@@ -56,3 +56,13 @@ def test_section_and_yaml_roundtrip(tmp_path):
     again.write_text(cfg.to_yaml())
     assert load_config(again, root=tmp_path) == cfg
     assert isinstance(cfg.artifacts, Path)
+
+
+def test_labelcheck_section_is_validated_and_old_train_keys_are_refused():
+    with pytest.raises(ConfigError) as e:
+        parse_config({"labelcheck": {"method": "loo", "kfold": 1}, "train": {"oos_method": "kfold"},
+                      "rounds": {"simulate_noise": 1.5}})
+    msg = str(e.value)
+    assert "labelcheck.method: 'loo' is not allowed; must be one of" in msg
+    assert "labelcheck.kfold: 1 is not allowed; must be ≥ 2" in msg
+    assert "train.oos_method: unknown key" in msg and "rounds.simulate_noise: 1.5" in msg

@@ -9,12 +9,14 @@ and the flips recorded in the annotator's sidecar are the ground truth:
   for m planted flips (chance = the noise rate);
 - accuracy on a held-out test slice of an adapter trained on the noisy labels, on the labels after re-labeling the
   flagged samples (the true answer from the ground truth, as an annotator would give), and after re-labeling as
-  many random samples (the same label budget spent blindly); plus the clean-label accuracy as the ceiling.
+  many random samples (the same label budget spent blindly); plus the clean-label accuracy for reference.
 
     python benchmarks/label_noise.py --json-out benchmarks/results/label_noise.json
-    python benchmarks/label_noise.py --quick      # noise 0.1 only: 5 trainings, ~30 min on 2 busy cores
+    python benchmarks/label_noise.py --quick      # noise 0.1, seed 0, no random baseline: 6 trainings, ~3 min
 
-About 300 optimizer steps of batch 16 per training (~1 min on 2 idle cores); the full run trains 19 times.
+Top-level lists are means over the seeds (each seed its own data split, flips and folds), one value per noise rate;
+`per_seed` holds every run. About 300 optimizer steps of batch 16 per training (~20 s on one core here); the full
+run (3 rates × 3 seeds) trains 57 times.
 """
 
 from __future__ import annotations
@@ -107,33 +109,13 @@ def train_and_test(cfg, rows: list[dict], test: list[dict], out: Path) -> float:
     return float((probs.argmax(1) == [DIGITS.index(r["answer"]) for r in test]).mean())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--noise-rates", default="0.05,0.1,0.2")
-    ap.add_argument("--n", type=int, default=150, help="labeled (training) samples")
-    ap.add_argument("--test-n", type=int, default=100)
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="noise 0.1 only, no random baseline")
-    ap.add_argument("--work-dir", type=Path, default=None, help="keep models/adapters here (default: a temp dir)")
-    ap.add_argument("--json-out", type=Path, default=None)
-    args = ap.parse_args()
-    if args.quick:
-        args.noise_rates = "0.1"
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for noisy in ("httpx", "pipeline.model", "pipeline.annotation", "pipeline.data", "pipeline.scoring"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
+def run_seed(args: argparse.Namespace, seed: int, work_root: Path) -> dict:
+    """One seed: its own data split, flips, folds and trainings; lists aligned with the noise rates."""
     from pipeline.labelcheck import find_label_issues, out_of_sample_probs
 
-    started = time.monotonic()
-    work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="tamis-label-noise-"))
+    args = argparse.Namespace(**{**vars(args), "seed": seed})
     base_cfg = _config(args, work_root)
-    ds, gt = digits_dataset(work_root / "digits", args.n, args.test_n, args.seed)
+    ds, gt = digits_dataset(work_root / "digits", args.n, args.test_n, seed)
     by_id = {r["sample_id"]: r for r in ds}
     test = [r for r in ds if r["split"] == "test"]
     truth = {s: r["answer"] for s, r in by_id.items() if r["split"] == "pool"}
@@ -143,11 +125,11 @@ def main() -> None:
                 for s, lab in sorted(labels.items())]
 
     clean_acc = train_and_test(base_cfg, rows_for(truth), test, work_root / "train-clean")
-    log.info("clean labels: test accuracy %.3f", clean_acc)
-    result: dict = {"noise_rates": [], "precision": [], "recall": [], "precision_at_flipped": [], "flagged": [],
+    log.info("seed %d clean labels: test accuracy %.3f", seed, clean_acc)
+    result: dict = {"seed": seed, "precision": [], "recall": [], "precision_at_flipped": [], "flagged": [],
                     "flipped": [], "accuracy_noisy": [], "accuracy_relabeled": [], "accuracy_random_relabel": [],
-                    "accuracy_gain": [], "seconds": []}
-    for noise in [float(x) for x in args.noise_rates.split(",")]:
+                    "accuracy_gain": [], "seconds": [], "accuracy_clean": round(clean_acc, 4), "n_test": len(test)}
+    for noise in args.rates:
         t0 = time.monotonic()
         work = work_root / f"noise-{noise:g}"
         cfg = base_cfg.model_copy(update={"paths": base_cfg.paths.model_copy(update={"artifacts": work / "artifacts"})})
@@ -157,7 +139,6 @@ def main() -> None:
         flagged = {i.sample_id for i in issues}
         top = {i.sample_id for i in issues[: len(flipped)]}
         hit = len(flagged & flipped)
-        result["noise_rates"].append(noise)
         result["flipped"].append(len(flipped))
         result["flagged"].append(len(flagged))
         result["precision"].append(round(hit / len(flagged), 4) if flagged else None)
@@ -170,21 +151,61 @@ def main() -> None:
         result["accuracy_relabeled"].append(round(acc_fixed, 4))
         result["accuracy_gain"].append(round(acc_fixed - acc_noisy, 4))
         if not args.quick:
-            blind = random.Random(f"{args.seed}:{noise}").sample(sorted(labels), len(flagged))
+            blind = random.Random(f"{seed}:{noise}").sample(sorted(labels), len(flagged))
             acc_rand = train_and_test(cfg, rows_for({**labels, **{s: truth[s] for s in blind}}), test,
                                       work / "train-random")
             result["accuracy_random_relabel"].append(round(acc_rand, 4))
         else:
             result["accuracy_random_relabel"].append(None)
         result["seconds"].append(round(time.monotonic() - t0, 1))
-        log.info("noise %.2f: %d flipped, %d flagged, precision %s, recall %s, P@flipped %s; accuracy %.3f → %.3f",
-                 noise, len(flipped), len(flagged), result["precision"][-1], result["recall"][-1],
+        log.info("seed %d noise %.2f: %d flipped, %d flagged, precision %s, recall %s, P@flipped %s; accuracy %.3f → "
+                 "%.3f", seed, noise, len(flipped), len(flagged), result["precision"][-1], result["recall"][-1],
                  result["precision_at_flipped"][-1], acc_noisy, acc_fixed)
+    return result
+
+
+def _mean(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(sum(vals) / len(vals), 4) if vals else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--noise-rates", default="0.05,0.1,0.2")
+    ap.add_argument("--n", type=int, default=150, help="labeled (training) samples")
+    ap.add_argument("--test-n", type=int, default=300)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seeds", default="0,1,2", help="each seed draws its own data split, flips and folds")
+    ap.add_argument("--quick", action="store_true", help="noise 0.1 and seed 0 only, no random baseline")
+    ap.add_argument("--work-dir", type=Path, default=None, help="keep models/adapters here (default: a temp dir)")
+    ap.add_argument("--json-out", type=Path, default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.noise_rates, args.seeds = "0.1", "0"
+    args.rates = [float(x) for x in args.noise_rates.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for noisy in ("httpx", "pipeline.model", "pipeline.annotation", "pipeline.data", "pipeline.scoring"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    started = time.monotonic()
+    work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="tamis-label-noise-"))
+    runs = [run_seed(args, seed, work_root / f"seed-{seed}") for seed in seeds]
+    keys = ("precision", "recall", "precision_at_flipped", "flagged", "flipped", "accuracy_noisy",
+            "accuracy_relabeled", "accuracy_random_relabel", "accuracy_gain")
+    # Top-level lists: the mean over seeds per noise rate; per_seed keeps every run.
+    result: dict = {"noise_rates": args.rates}
+    result |= {k: [_mean([r[k][i] for r in runs]) for i in range(len(args.rates))] for k in keys}
     result |= {
-        "accuracy_clean": round(clean_acc, 4),
-        "chance_precision": result["noise_rates"],
-        "settings": {"n_train": args.n, "n_test": len(test), "k": args.k, "steps": args.steps, "lr": args.lr,
-                     "lora_r": args.lora_r, "batch": args.batch, "seed": args.seed, "model": "tiny idefics3, qlora",
+        "accuracy_clean": _mean([r["accuracy_clean"] for r in runs]),
+        "chance_precision": args.rates,
+        "per_seed": runs,
+        "settings": {"n_train": args.n, "n_test": args.test_n, "k": args.k, "steps": args.steps, "lr": args.lr,
+                     "lora_r": args.lora_r, "batch": args.batch, "seeds": seeds, "model": "tiny idefics3, qlora",
                      "quick": args.quick, "oos_method": "kfold"},
         "total_seconds": round(time.monotonic() - started, 1),
     }

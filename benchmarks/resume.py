@@ -37,8 +37,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _round_driver as driver  # noqa: E402
 
-# Full mode: one round of the demo's size (configs/demo.yaml: its LoRA, batch and step budget) on 300 digits with 40
-# seed labels so that the first round trains; the pool is scored in 32-sample shards (the unit a kill resumes at).
+# Full mode: one round of the demo's size (configs/demo.yaml: its LoRA, batch, step budget and label check) on 300
+# digits with 40 seed labels so that the first round trains; the pool is scored in 32-sample shards (the unit a kill
+# resumes at).
 FULL = {"digits": 300, "seed_labels": 40, "shard_size": 32, "select_batch": 40, "demo": True}
 QUICK = {"digits": 60, "seed_labels": 12, "shard_size": 8, "select_batch": 6, "demo": False,
          "train": {"max_steps": 8, "checkpoint_every": 2, "batch_size": 4, "effective_batch_size": 4}}
@@ -109,6 +110,7 @@ def main() -> None:
         demo = yaml.safe_load((driver.ROOT / "configs" / "demo.yaml").read_text())
         model_cfg = {k: demo["model"][k] for k in DEMO_MODEL if k in demo["model"]}
         p["train"] = {k: demo["train"][k] for k in DEMO_TRAIN if k in demo["train"]}
+        p["labelcheck"] = demo.get("labelcheck", {})
     if args.steps:
         p["train"]["max_steps"] = args.steps
     steps, every = p["train"]["max_steps"], p["train"]["checkpoint_every"]
@@ -128,6 +130,8 @@ def main() -> None:
         "train": p["train"],
         "select": {"shard_size": p["shard_size"], "batch_size": p["select_batch"]},
         "rounds": {"simulate_annotator": False},
+        # The demo's label check (heldout) has nothing to check in a first round; k-fold would add 3 trainings.
+        "labelcheck": p.get("labelcheck", {"method": "heldout"}),
     }
 
     def project(name: str) -> Path:

@@ -64,8 +64,11 @@ def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: di
     # The ledger is in the key for the table's annotator / source columns only; the probabilities are cached by the
     # labeled set below (fold adapters are not retrained when just the ledger changed).
     ledger_digest = digest_file(ledger) if ledger.is_file() else "none"
-    sections = {"model": cfg.section("model"), "train": cfg.section("train"), "labelcheck": cfg.section("labelcheck"),
-                "select": cfg.section("select")}
+    # Only what the probabilities depend on: a new relabel_top_n or select.batch_size must not retrain fold adapters.
+    check_cfg = {k: v for k, v in cfg.section("labelcheck").items() if k != "relabel_top_n"}
+    scoring = {k: cfg.section("select")[k] for k in ("length_normalize", "score_batch_size")}
+    sections = {"model": cfg.section("model"), "train": cfg.section("train"), "labelcheck": check_cfg,
+                "select": scoring}
     oos_key = digest_json({"labeled": labeled["digest"], "heldout": heldout_adapter and
                            heldout_adapter["adapter_digest"], "method": method, **sections, "seed": cfg.seed})
     return run_stage(labelcheck_task, artifacts=str(cfg.artifacts), labeled=labeled, data={"answers": cfg.data.answers},

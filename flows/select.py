@@ -75,6 +75,22 @@ def score_config(cfg: ProjectConfig) -> dict[str, Any]:
     }
 
 
+def shard_inputs(adapter: dict[str, Any] | None, prepared: dict[str, Any], shard_ids: list[str]) -> dict[str, str]:
+    return {"adapter": (adapter or {}).get("digest", "base"), "prepared": prepared["digest"],
+            "shard": digest_json(shard_ids)}
+
+
+def shard_manifest_key(inputs: dict[str, str], model: dict[str, Any], scoring: dict[str, Any]) -> str:
+    return stage_key("score", SCORE_VERSION, inputs, {"model": model, "scoring": scoring})
+
+
+def shard_dir(artifacts: str, adapter: dict[str, Any] | None, prepared: dict[str, Any], ids: list[str],
+              model: dict[str, Any], scoring: dict[str, Any]) -> str:
+    key = digest_json({"adapter": (adapter or {}).get("digest"), "prepared": prepared["digest"], "ids": ids,
+                       "model": model, "scoring": scoring})
+    return str(Path(artifacts) / "scores" / key[:16])
+
+
 @stage_task("score_shard", SCORE_VERSION)
 def score_shard_task(
     artifacts: str,
@@ -85,12 +101,10 @@ def score_shard_task(
     scoring: dict[str, Any],
     out_dir: str,
 ) -> dict[str, Any]:
-    inputs = {"adapter": (adapter or {}).get("digest", "base"), "prepared": prepared["digest"],
-              "shard": digest_json(shard_ids)}
+    inputs = shard_inputs(adapter, prepared, shard_ids)
     # save_scores records stage "score": a "score_shard" key never matched, so a shard whose result Prefect had not
     # recorded (killed just after its manifest, or a new PREFECT_HOME) was scored again despite verified outputs.
-    key = stage_key("score", SCORE_VERSION, inputs, {"model": model, "scoring": scoring})
-    if (m := find_valid_manifest(out_dir, key)) is None:
+    if (m := find_valid_manifest(out_dir, shard_manifest_key(inputs, model, scoring))) is None:
         ds, index = _index(prepared["dir"])
         rows = ds.select([index[s] for s in shard_ids])
         rows = [{"sample_id": r["sample_id"], "prepared": r["prepared"], "question": r["question"]} for r in rows]
@@ -113,11 +127,9 @@ def score_pool_flow(artifacts: str, model: dict[str, Any], scoring: dict[str, An
     progress = create_progress_artifact(progress=0.0, description=f"pool scoring: 0 / {len(shards)} shards")
     params, futures = [], []
     for ids in shards:
-        shard_key = digest_json({"adapter": (adapter or {}).get("digest"), "prepared": prepared["digest"],
-                                 "ids": ids, "model": model, "scoring": scoring})
         params.append(dict(
             artifacts=artifacts, model=model, adapter=adapter, prepared=prepared, shard_ids=ids,
-            scoring=scoring, out_dir=str(Path(artifacts) / "scores" / shard_key[:16]),
+            scoring=scoring, out_dir=shard_dir(artifacts, adapter, prepared, ids, model, scoring),
         ))
         futures.append(score_shard_task.submit(**params[-1]))
     refs = []
@@ -127,8 +139,23 @@ def score_pool_flow(artifacts: str, model: dict[str, Any], scoring: dict[str, An
             # The cached ref names a shard folder deleted or damaged since: score that shard again.
             ref = score_shard_task.with_options(refresh_cache=True).submit(**params[i - 1]).result()
         refs.append(ref)
-        update_progress_artifact(progress, progress=100.0 * i / len(futures),
-                                 description=f"pool scoring: {i} / {len(futures)} shards")
+        if i == len(futures) or i % max(1, len(futures) // 20) == 0:  # ≤ 20 API calls for any pool size
+            update_progress_artifact(progress, progress=100.0 * i / len(futures),
+                                     description=f"pool scoring: {i} / {len(futures)} shards")
+    return refs
+
+
+def scored_on_disk(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
+                   pool_ids: list[str]) -> list[dict[str, Any]] | None:
+    """The shard refs when every shard of the pool has verified scores on disk, else None."""
+    model, scoring = cfg.section("model"), score_config(cfg)
+    refs = []
+    for ids in plan_shards(pool_ids, cfg.select.shard_size):
+        out_dir = shard_dir(str(cfg.artifacts), adapter, prepared, ids, model, scoring)
+        m = find_valid_manifest(out_dir, shard_manifest_key(shard_inputs(adapter, prepared, ids), model, scoring))
+        if m is None:
+            return None
+        refs.append({"dir": out_dir, "digest": m.key})
     return refs
 
 
@@ -137,6 +164,11 @@ def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[st
     """Score the pool in shards with the task runner `select.runner` asks for (also under a deployment's worker)."""
     pool_file = round_dir / "pool.jsonl"
     atomic_write_jsonl(pool_file, [{"sample_id": s} for s in sorted(pool_ids)])
+    if (refs := scored_on_disk(cfg, prepared=prepared, adapter=adapter, pool_ids=sorted(pool_ids))) is not None:
+        # Every shard is scored and verifies: a subflow of cached tasks would only cost API round trips (about a
+        # second per 20 shards), which is most of an unchanged re-run.
+        log.info("pool scoring: all %d shards already scored (outputs verified); nothing to run", len(refs))
+        return refs
     runner_flow = score_pool_flow.with_options(task_runner=make_task_runner(cfg))
     return runner_flow(artifacts=str(cfg.artifacts), model=cfg.section("model"), scoring=score_config(cfg),
                        adapter=adapter, prepared=prepared, pool_file=str(pool_file),

@@ -178,3 +178,10 @@ def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models
     assert again["labelcheck"]["checked"] == 20
     runs = stage_runs(art) - before
     assert runs["labelcheck"] == 1 and runs["train"] == 0 and runs["score_shard"] == 0
+    # A longer re-label queue re-exports the queue only: the check itself is keyed on what its probabilities use.
+    before = stage_runs(art)
+    raw["labelcheck"]["relabel_top_n"] = 4
+    config.write_text(yaml.safe_dump(raw))
+    labeling_round(str(config), simulate=False)
+    runs = stage_runs(art) - before
+    assert runs["labelcheck"] == 0 and runs["relabel"] == 1 and runs["train"] == 0

@@ -137,7 +137,7 @@ def labels_issues(
     t = Table(title=f"round {state['round']}: {len(rows)} likely label errors among {check['checked']} labels "
                     f"checked ({check['method']})")
     for col in ("rank", "sample", "given", "suggested", "score", "annotators", "source file"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col == "sample")  # an ID must stay copyable from the terminal
     for r in rows[:top]:
         t.add_row(str(r["rank"]), r["sample_id"], r["given_label"], r["suggested_label"], f"{r['score']:.3f}",
                   ", ".join(r["annotators"]) or r["origin"], Path(r["source_file"]).name)

@@ -152,7 +152,8 @@ def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models
     assert "## Label quality" in summary and f"{check['issues']} likely label errors among 20" in summary
     assert "agree with model |" in summary and "| simulated | 0 | – | 20 |" in summary  # annotator agreement
     assert f"Outliers in the pool: {len(outliers)} flagged" in summary and "rounds/001/relabel" in summary
-    res = cli.invoke(app, ["labels", "issues", "-c", str(config), "--top", "3"], env={"COLUMNS": "250"})
+    # 80 columns, as under CI: the sample column never wraps, whatever the terminal width.
+    res = cli.invoke(app, ["labels", "issues", "-c", str(config), "--top", "3"], env={"COLUMNS": "80"})
     text = " ".join(res.output.split())
     assert res.exit_code == 0, res.output
     assert f"round 1: {check['issues']} likely label errors among 20 labels checked (kfold)" in text

@@ -431,6 +431,10 @@ def export_relabel(
         log.info("relabel queue for round %d: no likely label errors", round_index)
         return None
     out_dir = Path(out_dir)
+    inputs = {"issues": digest_json([iss.to_dict() for iss in issues])}
+    config = {"annotate": cfg.section("annotate"), "answers": cfg.data.answers}
+    if (m := find_valid_manifest(out_dir, stage_key("relabel", LABELCHECK_VERSION, inputs, config))) is not None:
+        return m  # already exported: annotators may be working on these files
     sel = [{"sample_id": iss.sample_id, "rank": r, "score": iss.margin, "prediction": iss.suggested_label,
             "confidence": iss.suggested_prob,
             "scores": {"margin": iss.margin, "given_prob": iss.given_prob, "suggested_prob": iss.suggested_prob}}
@@ -449,9 +453,7 @@ def export_relabel(
     outputs[RELABEL_TABLE] = RELABEL_TABLE
     log.info("relabel queue: %d likely label errors of round %d exported to %s", len(items), round_index, out_dir)
     return write_manifest(
-        out_dir, stage="relabel", stage_version=LABELCHECK_VERSION,
-        inputs={"issues": digest_json([iss.to_dict() for iss in issues])},
-        config={"annotate": cfg.section("annotate"), "answers": cfg.data.answers}, outputs=outputs,
+        out_dir, stage="relabel", stage_version=LABELCHECK_VERSION, inputs=inputs, config=config, outputs=outputs,
         info={"round": round_index, "count": len(items)},
     )
 
@@ -465,19 +467,24 @@ def write_label_report(
     agreement: Mapping[str, Mapping[str, Any]],
     answers: Sequence[str],
 ) -> Manifest:
-    """issues.jsonl (the table), oos_probs.npz, agreement.json and a manifest (stage "labelcheck") in out_dir."""
+    """issues.jsonl (the table), oos_probs.npz, agreement.json and a manifest (stage "labelcheck") in out_dir; an
+    identical report already there is left as it is (a re-run never rewrites a finished stage's outputs)."""
     import io
 
     out_dir = Path(out_dir)
+    inputs = {"oos": digest_json({"ids": oos.sample_ids, "probs": np.round(oos.probs, 6).tolist()}),
+              "table": digest_json([dict(r) for r in table]),
+              "agreement": digest_json({k: dict(v) for k, v in agreement.items()})}
+    config = {"answers": list(answers), "method": oos.method}
+    if (m := find_valid_manifest(out_dir, stage_key("labelcheck", LABELCHECK_VERSION, inputs, config))) is not None:
+        return m
     atomic_write_jsonl(out_dir / "issues.jsonl", [dict(r) for r in table])
     buf = io.BytesIO()
     np.savez(buf, probs=oos.probs, folds=oos.folds, sample_ids=np.asarray(oos.sample_ids, dtype=str))
     atomic_write_bytes(out_dir / "oos_probs.npz", buf.getvalue())
     atomic_write_json(out_dir / "agreement.json", {k: dict(v) for k, v in agreement.items()})
     return write_manifest(
-        out_dir, stage="labelcheck", stage_version=LABELCHECK_VERSION,
-        inputs={"oos": digest_json({"ids": oos.sample_ids, "probs": np.round(oos.probs, 6).tolist()})},
-        config={"answers": list(answers), "method": oos.method},
+        out_dir, stage="labelcheck", stage_version=LABELCHECK_VERSION, inputs=inputs, config=config,
         outputs={"issues": "issues.jsonl", "oos_probs": "oos_probs.npz", "agreement": "agreement.json"},
         info={"method": oos.method, "checked": len(oos.sample_ids), "issues": len(table), **oos.info},
     )

@@ -31,3 +31,7 @@ def test_demo_accuracy_rises_over_rounds(tmp_path, prefect_harness):
     assert acc[-1] > acc[0]
     assert all(b >= a - 0.03 for a, b in zip(acc, acc[1:], strict=False)), acc
     assert (tmp_path / "artifacts" / "learning_curve.png").is_file()
+    # The demo's label check (heldout): from round 2 on, the previous adapter scores the 40 labels that came since.
+    checks = [s["labelcheck"] for s in states if s.get("labelcheck")]
+    assert len(checks) == len(acc) - 1 and all(c["method"] == "heldout" and c["checked"] == 40 for c in checks)
+    assert all((tmp_path / "artifacts" / "rounds" / f"{s['round']:03d}" / "summary.md").is_file() for s in states)

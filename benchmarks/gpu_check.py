@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import io
 import json
 import os
 import platform
@@ -270,20 +269,12 @@ def model_cfg(path: Path, family: str, mode: str, **kw: Any) -> Any:
 
 
 def make_rows(n: int, size: int, seed: int = 0) -> list[dict[str, Any]]:
-    """Prepared-schema rows: a digit drawn on noise, PNG-encoded at the model's native size."""
-    import numpy as np
-    from PIL import Image, ImageDraw
+    """benchmarks/scoring.py's rows (a digit drawn on noise, PNG at the model's native size) with their answer, which
+    the training sections need."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from scoring import make_rows as scoring_rows
 
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        im = Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
-        ImageDraw.Draw(im).text((size // 3, size // 4), str(i % 10), fill=(255, 255, 255))
-        buf = io.BytesIO()
-        im.save(buf, "PNG")
-        rows.append({"sample_id": f"s{i:05d}", "prepared": buf.getvalue(), "question": QUESTION,
-                     "answer": str(i % 10)})
-    return rows
+    return [{**r, "answer": str(i % 10)} for i, r in enumerate(scoring_rows(n, seed=seed, size=size))]
 
 
 # ------------------------------------------------------------------------------------------------ sections

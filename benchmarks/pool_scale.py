@@ -4,7 +4,9 @@
 
 Parts:
   selection  k-center and cluster-margin picking --k of --n seeded, clustered float32 embeddings of dimension --d
-             (keys kcenter_s, cluster_margin_s; target < 5 s each on 2 cores).
+             (keys kcenter_s, cluster_margin_s; target < 5 s each on 2 cores), then the coverage selectors on the
+             same embeddings as a cold start (keys typiclust_s, probcover_s, maxherding_s; target < 10 s each;
+             ProbCover's purity radius uses --n-classes clusters; *_info holds what each chose).
   scoring    peak RSS of scoring + selecting a 10k and a 100k pool (keys rss_mb_10k, rss_mb_100k, rss_ratio;
              target ratio <= 1.2). Each pool is a real prepared dataset on disk (generated images of varied sizes
              run through preprocess_dataset; Arrow, memory-mapped), scored with the tiny 4-bit Idefics3 in a fresh
@@ -43,6 +45,7 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.store import atomic_write_json  # noqa: E402
+from pipeline.strategies.coverage import MaxHerding, ProbCover, TypiClust  # noqa: E402
 from pipeline.strategies.selectors import ClusterMargin, KCenter, faiss_threads  # noqa: E402
 
 
@@ -77,7 +80,7 @@ def run_selection(args: argparse.Namespace) -> dict[str, Any]:
         lambda: ClusterMargin().select(args.k, scores=scores, embeddings=x, seed=args.seed), args.repeat
     )
     assert len(set(kc.tolist())) == args.k and len(set(cm.tolist())) == args.k
-    return {
+    out: dict[str, Any] = {
         "kcenter_s": round(kc_s, 3),
         "cluster_margin_s": round(cm_s, 3),
         "kcenter_cpu_s": round(kc_cpu, 3),
@@ -89,6 +92,16 @@ def run_selection(args: argparse.Namespace) -> dict[str, Any]:
         "cluster_margin_clusters": round(args.n**0.5),
         "target_s": 5.0,
     }
+    # Cold start: no labeled embeddings, scores ignored.
+    for key, sel in (("typiclust", TypiClust()), ("probcover", ProbCover(n_classes=args.n_classes)),
+                     ("maxherding", MaxHerding())):
+        sec, cpu, picks = _timed(lambda sel=sel: sel.select(args.k, scores=scores, embeddings=x, seed=args.seed),
+                                 args.repeat)
+        assert len(set(picks.tolist())) == args.k
+        out[f"{key}_s"], out[f"{key}_cpu_s"] = round(sec, 3), round(cpu, 3)
+        out[f"{key}_info"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in sel.info.items()}
+    out["coverage_target_s"] = 10.0
+    return out
 
 
 # ------------------------------------------------------------------------------------------ scoring part
@@ -322,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=2, help="BLAS and faiss threads")
     ap.add_argument("--repeat", type=int, default=1, help="runs per timing; the fastest is reported")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n-classes", type=int, default=10, help="ProbCover: k-means clusters of its purity radius")
     ap.add_argument("--json-out", type=Path, default=None)
     sc = ap.add_argument_group("scoring part")
     sc.add_argument("--pools", default="10000,100000", help="pool sizes, comma-separated; the ratio is last / first")

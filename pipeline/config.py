@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import ConfigError
 
@@ -161,14 +161,75 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(default=1.0, gt=0)
 
 
+class PoolEncoderConfig(Section):
+    """A small SimCLR-style encoder trained on the unlabeled pool's images (`select.embeddings: pool`)."""
+
+    dim: int = Field(default=128, ge=2)  # embedding width (the projection head's input)
+    image_size: int = Field(default=32, ge=8)  # images are resized (aspect kept, padded) to this side first
+    epochs: int = Field(default=30, ge=1)
+    batch_size: int = Field(default=256, ge=2)
+    learning_rate: float = Field(default=1e-3, gt=0)
+    temperature: float = Field(default=0.5, gt=0)
+    # Fitting reads at most this many pool images (a seeded sample); every sample is embedded afterwards.
+    max_fit_images: int = Field(default=20_000, ge=2)
+
+
+class EmbeddingsConfig(Section):
+    """The space diversity, coverage and outlier selection work in, independent of the adapter being trained.
+
+    model: pooled hidden states of the current model (its scoring pass); pool: a self-supervised encoder fitted on
+    the unlabeled pool only; pixels: downsampled pixels → PCA with whitening (fitted on the pool only); vision_tower:
+    the frozen vision encoder of the configured base model; file: embeddings you bring (.npy + ids, or Parquet).
+    """
+
+    source: Literal["model", "pool", "pixels", "vision_tower", "file"] = "model"
+    pixels_side: int = Field(default=16, ge=2)
+    pca_dim: int = Field(default=32, ge=1)
+    encoder: PoolEncoderConfig = Field(default_factory=PoolEncoderConfig)
+    # source: file — a .npy with a sidecar <name>.ids.json (list of keys, row order), or a .parquet with a key column
+    # and an embedding column (list of floats). Keys are sample IDs or image paths as given in the sources.
+    path: Path | None = None
+    key: Literal["sample_id", "image"] = "sample_id"
+    parquet_key_column: str = "sample_id"
+    parquet_embedding_column: str = "embedding"
+
+    @model_validator(mode="after")
+    def _file_needs_path(self) -> EmbeddingsConfig:
+        if self.source == "file" and self.path is None:
+            raise ValueError("select.embeddings.path: is required with source 'file'; point it at your .npy or "
+                             ".parquet embeddings")
+        return self
+
+
+class ScheduleConfig(Section):
+    """Budget-aware selection: coverage while labels are scarce, then select.strategy × select.diversity.
+
+    The switch rule: `labels_per_class` switches once the labeled set holds that many labels per answer (closed
+    sets) or in total × 10 (open answers); `newest_accuracy` switches once the model's accuracy on its newest
+    labels (scored before they were trained on) stops rising for `patience` rounds.
+    """
+
+    coverage: Literal["none", "typiclust", "probcover", "maxherding"] = "none"
+    switch: Literal["labels_per_class", "newest_accuracy"] = "labels_per_class"
+    labels_per_class: int = Field(default=10, ge=1)
+    patience: int = Field(default=1, ge=1)
+
+
+Diversity = Literal["top_k", "k_center", "cluster_margin", "stratified", "typiclust", "probcover", "maxherding"]
+
+
 class SelectConfig(Section):
     batch_size: int = Field(default=32, ge=1)
     # Heuristic name, one of pipeline.strategies.HEURISTICS.
     strategy: Literal[
         "random", "least_confidence", "margin", "entropy", "bald", "token_entropy", "answer_disagreement"
     ] = "entropy"
-    diversity: Literal["top_k", "k_center", "cluster_margin", "stratified"] = "top_k"
-    cold_start: Literal["typical", "random"] = "typical"
+    diversity: Diversity = "top_k"
+    # The first batch, before any model exists: typical (the legacy TypiClust-style pick), random, or a coverage
+    # selector on the selection embeddings.
+    cold_start: Literal["typical", "random", "typiclust", "probcover", "maxherding"] = "typical"
+    embeddings: EmbeddingsConfig = Field(default_factory=EmbeddingsConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     shard_size: int = Field(default=256, ge=1)
     score_batch_size: int = Field(default=16, ge=1)
     mc_dropout_passes: int = Field(default=0, ge=0)
@@ -182,6 +243,12 @@ class SelectConfig(Section):
     outlier_z: float = Field(default=3.5, gt=0)
     outlier_weight: float = Field(default=0.5, ge=0, le=1)
     uncertain_rounds: int = Field(default=3, ge=2)
+
+    @field_validator("embeddings", mode="before")
+    @classmethod
+    def _embeddings_shorthand(cls, v: Any) -> Any:
+        # `select.embeddings: pool` is short for `select.embeddings: {source: pool}`.
+        return {"source": v} if isinstance(v, str) else v
 
 
 class AnnotateConfig(Section):
@@ -278,6 +345,7 @@ def _absolutize(cfg: ProjectConfig, root: Path) -> ProjectConfig:
     cfg.data.allowed_roots = [fix(p) for p in cfg.data.allowed_roots]
     cfg.data.ground_truth = fix(cfg.data.ground_truth)
     cfg.annotate.document_root = fix(cfg.annotate.document_root)
+    cfg.select.embeddings.path = fix(cfg.select.embeddings.path)
     # A local model directory is a path; a hub ID ("org/name") is not, unless such a folder exists here.
     mp = Path(cfg.model.name_or_path)
     if mp.is_absolute() or (root / mp).exists() or cfg.model.build_tiny_if_missing:

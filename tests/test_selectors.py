@@ -10,6 +10,7 @@ import pytest
 from pipeline.config import SelectConfig
 from pipeline.errors import SelectionError
 from pipeline.strategies import SELECTORS, k_center_greedy, kmeans_labels, select_batch
+from pipeline.strategies.coverage import Blocks, MaxHerding, ProbCover, TypiClust
 from pipeline.strategies.selectors import ClusterMargin, KCenter, Stratified, Typical
 
 
@@ -42,6 +43,52 @@ def naive_k_center(x, k, *, first=None, centers=None, weights=None):
 def test_names_cover_config_choices():
     assert set(SelectConfig.model_fields["diversity"].annotation.__args__) <= set(SELECTORS)
     assert "typical" in SELECTORS and "typical" in SelectConfig.model_fields["cold_start"].annotation.__args__
+    assert set(SelectConfig.model_fields["cold_start"].annotation.__args__) - {"random"} <= set(SELECTORS)
+
+
+# -------------------------------------------------------------------------------- contract of every selector
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+class TestSelectorContract:
+    """What select_batch relies on, for every registered selector: one class, so a new selector is checked too."""
+
+    N = 120
+
+    def _args(self, labeled: bool = False, seed: int = 0) -> dict:
+        x, blob, _ = blobs([30] * 4)
+        rng = np.random.default_rng(seed)
+        return dict(scores=rng.random(self.N), embeddings=x, predicted=blob % 3, seed=3,
+                    labeled_embeddings=x[::17] + 0.01 if labeled else None)
+
+    @pytest.mark.parametrize("labeled", [False, True])
+    def test_k_unique_indices_in_range(self, name, labeled):
+        sel = SELECTORS[name]()
+        assert sel.info == {}
+        picks = sel.select(10, **self._args(labeled))
+        assert picks.dtype.kind == "i" and picks.shape == (10,)
+        assert len(set(picks.tolist())) == 10 and 0 <= picks.min() and picks.max() < self.N
+        assert isinstance(sel.info, dict)
+
+    def test_deterministic_for_a_seed(self, name):
+        a = SELECTORS[name]().select(12, **self._args(True))
+        b = SELECTORS[name]().select(12, **self._args(True))
+        np.testing.assert_array_equal(a, b)
+
+    def test_k_equals_n_returns_every_candidate(self, name):
+        picks = SELECTORS[name]().select(self.N, **self._args())
+        assert sorted(picks.tolist()) == list(range(self.N))
+
+    def test_k_beyond_n_names_the_numbers(self, name):
+        with pytest.raises(SelectionError, match=rf"cannot pick {self.N + 1} of {self.N}"):
+            SELECTORS[name]().select(self.N + 1, **self._args())
+        with pytest.raises(SelectionError, match="cannot pick 0 of"):
+            SELECTORS[name]().select(0, **self._args())
+
+    def test_scoreless_selectors_ignore_scores(self, name):
+        if SELECTORS[name].needs_scores:
+            pytest.skip("uses the scores")
+        a = SELECTORS[name]().select(8, **self._args(seed=0))
+        b = SELECTORS[name]().select(8, **self._args(seed=1))  # other scores, same embeddings and seed
+        np.testing.assert_array_equal(a, b)
 
 
 # ------------------------------------------------------------------------------------------------ k-center
@@ -223,7 +270,7 @@ def test_cold_start_and_input_errors():
     rnd = select_batch(ids, k=4, strategy="random", diversity="top_k", seed=0)
     assert rnd.ids == select_batch(ids, k=4, strategy="random", diversity="top_k", seed=0).ids
     assert rnd.ids != select_batch(ids, k=4, strategy="random", diversity="top_k", seed=1).ids
-    with pytest.raises(SelectionError, match="diversity='typical'"):
+    with pytest.raises(SelectionError, match=r"needs no scores \('maxherding', 'probcover', 'typical', 'typiclust'\)"):
         select_batch(ids, k=4, strategy="entropy", diversity="top_k", seed=0)
     with pytest.raises(SelectionError, match=r"probs has shape \(39, 3\) but there are 40"):
         select_batch(ids, k=4, strategy="entropy", diversity="top_k", probs=probs[:39], seed=0)
@@ -234,3 +281,144 @@ def test_cold_start_and_input_errors():
     with pytest.raises(SelectionError, match="bad options"):
         select_batch(ids, k=4, strategy="entropy", diversity="k_center", probs=probs, embeddings=emb, seed=0,
                      options={"uncertainy": "product"})
+
+
+# ------------------------------------------------------------------------------ coverage selectors (low budget)
+COVERAGE = {"typiclust": TypiClust, "probcover": ProbCover, "maxherding": MaxHerding}
+
+
+def noisy_blobs(n_blobs=5, per=60, noise=30, *, d=8, seed=0):
+    """Dense Gaussian blobs plus sparse uniform background points over their bounding box (blob id -1)."""
+    x, blob, centres = blobs([per] * n_blobs, d=d, seed=seed)
+    rng = np.random.default_rng(seed + 100)
+    lo, hi = centres.min(0) - 10, centres.max(0) + 10
+    nz = rng.uniform(lo, hi, (noise, d)).astype(np.float32)
+    return np.concatenate([x, nz]), np.r_[blob, np.full(noise, -1)]
+
+
+def coverage_selector(name, **kw):
+    return COVERAGE[name](**({"n_classes": 5} if name == "probcover" else {}), **kw)
+
+
+@pytest.mark.parametrize("name", sorted(COVERAGE))
+def test_coverage_picks_dense_blobs_not_noise(name):
+    x, blob = noisy_blobs()
+    zeros = np.zeros(len(x))
+    picks = coverage_selector(name).select(5, scores=zeros, embeddings=x, seed=0)
+    assert sorted(blob[picks]) == [0, 1, 2, 3, 4]  # one per blob, none in the background
+    if name == "probcover":
+        # Beyond one ball per blob ProbCover goes for the still uncovered background points, by design.
+        return
+    more = coverage_selector(name).select(15, scores=zeros, embeddings=x, seed=0)
+    assert (blob[more] >= 0).mean() >= 0.9
+    assert set(blob[more[:5]]) == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("name", sorted(COVERAGE))
+def test_labeled_blobs_count_as_covered(name):
+    x, blob = noisy_blobs()
+    labeled = x[(blob >= 0) & (blob < 3)][::20] + 0.05  # a few labels in blobs 0-2
+    sel = coverage_selector(name)
+    picks = sel.select(2, scores=np.zeros(len(x)), embeddings=x, seed=0, labeled_embeddings=labeled)
+    assert sorted(blob[picks]) == [3, 4]
+
+
+def test_typiclust_skips_tiny_clusters_and_revisits_big_ones():
+    x, blob, _ = blobs([60, 60, 60, 60, 3])
+    sel = TypiClust()
+    picks = sel.select(5, scores=np.zeros(len(x)), embeddings=x, seed=0)
+    assert 4 not in blob[picks] and set(blob[picks]) == {0, 1, 2, 3}
+    assert sel.info["n_clusters"] == 5 and sel.info["picks_in_uncovered_clusters"] == 4
+
+
+def test_probcover_radius_from_purity():
+    x, blob, centres = blobs([60] * 5, seed=2)
+    sel = ProbCover(n_classes=5)
+    picks = sel.select(5, scores=np.zeros(len(x)), embeddings=x, seed=0)
+    gap = min(np.linalg.norm(centres[i] - centres[j]) for i in range(5) for j in range(i))
+    assert sel.info["purity"] >= sel.info["purity_target"] == 0.95
+    # Pure balls reach across a blob (diameter ~ 4 sigma sqrt(2) here) but not into the nearest other blob.
+    assert 6.0 < sel.info["radius"] < gap
+    assert sorted(blob[picks]) == [0, 1, 2, 3, 4] and sel.info["coverage"] == 1.0
+    fixed = ProbCover(radius=0.5)
+    fixed.select(3, scores=np.zeros(len(x)), embeddings=x, seed=0)
+    assert fixed.info["radius"] == 0.5 and fixed.info["purity"] is None
+
+
+def test_probcover_each_pick_covers_the_most():
+    """Neighbour lists as long as the set make degrees exact: every greedy pick must hold a largest uncovered ball."""
+    x = np.random.default_rng(4).standard_normal((150, 3)).astype(np.float32)
+    sel = ProbCover(radius=0.8, n_neighbors=149)
+    picks = sel.select(25, scores=np.zeros(150), embeddings=x, seed=0)
+    ball = np.linalg.norm(x[:, None] - x[None], axis=-1) <= 0.8
+    covered = np.zeros(150, dtype=bool)
+    for p in picks[: sel.info["greedy_picks"]]:
+        degree = (ball & ~covered[None]).sum(1)
+        assert degree[p] == degree.max()
+        covered |= ball[p]
+
+
+def test_maxherding_lazy_greedy_equals_plain_greedy():
+    """With full neighbour lists the sparse kernel is the dense one; lazy greedy must pick what plain greedy does."""
+    x = np.random.default_rng(5).standard_normal((120, 4)).astype(np.float32)
+    sel = MaxHerding(bandwidth=0.9, n_neighbors=119)
+    picks = sel.select(20, scores=np.zeros(120), embeddings=x, seed=0)
+    kern = np.exp(-(np.linalg.norm(x[:, None] - x[None], axis=-1) ** 2) / (2 * 0.9**2))
+    cur, want = np.zeros(120), []
+    for _ in range(20):
+        gain = np.maximum(kern - cur[None], 0).sum(1)
+        gain[want] = -1
+        want.append(int(np.argmax(gain)))
+        cur = np.maximum(cur, kern[want[-1]])
+    assert picks.tolist() == want
+    assert sel.info["coverage"] == pytest.approx(cur.mean(), rel=1e-5)
+
+
+def test_maxherding_reports_its_bandwidth():
+    x, _, _ = blobs([40] * 3)
+    sel = MaxHerding(bandwidth_neighbors=10)
+    sel.select(3, scores=np.zeros(len(x)), embeddings=x, seed=0)
+    tenth = np.sort(np.linalg.norm(x[:, None] - x[None], axis=-1), axis=1)[:, 10]
+    assert sel.info["bandwidth"] == pytest.approx(np.median(tenth), rel=1e-4)
+    assert sel.info["bandwidth_rule"] == "median distance to neighbour 10"
+
+
+def test_blocks_find_neighbours_beyond_the_exact_size():
+    """Above the exact size, k-means blocks must still find (nearly) every true neighbour and exact distances."""
+    x, _, _ = blobs([100] * 20, d=16, spread=6.0, seed=1)
+    b = Blocks(x, seed=0, exact_max=100)
+    assert len(b.probe) > 1
+    d2, idx = b.knn(10)
+    x64 = x.astype(np.float64)
+    sq = (x64**2).sum(1)
+    full = sq[:, None] + sq[None, :] - 2 * x64 @ x64.T
+    np.fill_diagonal(full, np.inf)
+    true = np.argsort(full, axis=1)[:, :10]
+    recall = np.mean([len(set(a) & set(t)) / 10 for a, t in zip(idx, true, strict=True)])
+    assert recall > 0.95
+    np.testing.assert_allclose(d2, np.take_along_axis(full, idx, 1), rtol=1e-3, atol=1e-2)
+    rows, near = b.near(7)
+    np.testing.assert_allclose(near, np.where(rows == 7, 0, full[7, rows]), rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", sorted(COVERAGE))
+def test_coverage_selectors_through_blocks(name, monkeypatch):
+    monkeypatch.setattr("pipeline.strategies.coverage._EXACT_MAX", 100)
+    x, blob = noisy_blobs(per=80)
+    picks = coverage_selector(name).select(5, scores=np.zeros(len(x)), embeddings=x, seed=0)
+    assert sorted(blob[picks]) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("name", sorted(COVERAGE))
+def test_select_batch_cold_start_with_coverage(name):
+    x, blob = noisy_blobs()
+    ids = [f"s{i:04d}" for i in range(len(x))]
+    sel = select_batch(ids, k=5, strategy="entropy", diversity=name, embeddings=x, seed=0,
+                       options={"n_classes": 5} if name == "probcover" else None)
+    assert sorted(blob[sel.positions]) == [0, 1, 2, 3, 4]
+    # The selector's report travels with the selection.
+    assert {"typiclust": "n_clusters", "probcover": "radius", "maxherding": "bandwidth"}[name] in sel.info
+    later = select_batch(ids, k=2, strategy="entropy", diversity=name, embeddings=x, seed=0, exclude=sel.ids,
+                         labeled_embeddings=x[sel.positions[:3]],
+                         options={"n_classes": 5} if name == "probcover" else None)
+    assert set(blob[later.positions]) == set(blob[sel.positions[3:]])

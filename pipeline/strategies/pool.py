@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,8 @@ class Selection:
     diversity: str
     # Index of each pick in the caller's candidate_ids, to fetch its rows without a lookup.
     positions: list[int]
+    # What the selector chose (Selector.info: a radius, a bandwidth, a cluster count...), for reports.
+    info: dict[str, Any] = field(default_factory=dict)
 
     def rows(self) -> list[dict[str, Any]]:
         """One JSON-ready row per pick (the select flow adds the adapter digest)."""
@@ -73,9 +75,10 @@ def select_batch(
     `exclude` holds IDs that must never be picked: already labeled, quarantined, excluded by quality, exported but
     not yet labeled. Candidates are put in sample-ID order first, so the result does not depend on the order shards
     arrived in: the same inputs and seed give the same IDs. `options` are passed to the selector's constructor
-    (e.g. {"uncertainty": "product"} for k_center); `labeled_embeddings` seed k_center's core-set. Without `probs`
-    only `random` or `typical` (cold start) work. Scores of `downweight` IDs (outliers) shrink towards the lowest
-    score by `downweight_weight` (outliers.apply_outlier_policy) before the selector sees them.
+    (e.g. {"uncertainty": "product"} for k_center); `labeled_embeddings` seed k_center's core-set and count as
+    covered for the coverage selectors. Without `probs` only `random` or a selector with `needs_scores = False`
+    (typical, typiclust, probcover, maxherding: a cold start) work. Scores of `downweight` IDs (outliers) shrink
+    towards the lowest score by `downweight_weight` (outliers.apply_outlier_policy) before the selector sees them.
     """
     if strategy not in HEURISTICS:
         raise SelectionError(f"select: unknown strategy {strategy!r}; choose one of {sorted(HEURISTICS)}")
@@ -109,12 +112,13 @@ def select_batch(
         scores = get_heuristic(strategy, seed=seed).score(probs[pos])
     elif strategy == "random":
         scores = get_heuristic("random", seed=seed).score(pos)
-    elif diversity == "typical":
-        scores = np.zeros(len(pos))  # cold start: typicality alone decides
+    elif not SELECTORS[diversity].needs_scores:
+        scores = np.zeros(len(pos))  # cold start: the selector ignores scores (typicality, coverage decide)
     else:
+        cold = sorted(name for name, cls in SELECTORS.items() if not cls.needs_scores)
         raise SelectionError(
-            f"select: strategy {strategy!r} needs model scores (probs), got none; "
-            "for a cold start without a model use diversity='typical' or strategy='random'"
+            f"select: strategy {strategy!r} needs model scores (probs), got none; for a cold start without a model "
+            f"use a diversity that needs no scores ({', '.join(repr(c) for c in cold)}) or strategy='random'"
         )
     if len(scores) != len(pos):
         raise SelectionError(f"select: strategy {strategy!r} returned {len(scores)} scores for {len(pos)} candidates")
@@ -144,4 +148,5 @@ def select_batch(
         strategy=strategy,
         diversity=diversity,
         positions=[int(i) for i in chosen],
+        info=dict(selector.info),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import faiss
 import numpy as np
@@ -43,14 +43,24 @@ def faiss_threads(n: int | None = None) -> Iterator[None]:
 
 
 def kmeans_labels(
-    x: np.ndarray, n_clusters: int, *, seed: int, niter: int = 20, max_points_per_centroid: int = 64
+    x: np.ndarray,
+    n_clusters: int,
+    *,
+    seed: int,
+    niter: int = 20,
+    max_points_per_centroid: int = 64,
+    nredo: int = 1,
+    threads: int | None = None,
 ) -> np.ndarray:
     """Cluster id per row with seeded faiss k-means.
 
     Training reads at most `max_points_per_centroid * n_clusters` rows (a seeded subsample), then every row is
     assigned. Seeding is k-means++ where it is cheap; random seeding splits well-separated blobs wrongly, and exact
     k-means++ took ~2 s for 300 clusters of 20k x 384 here, so larger problems use AFK-MC2, its MCMC approximation
-    (the same final objective to 1e-5 there, at a fraction of the cost).
+    (the same final objective to 1e-5 there, at a fraction of the cost). `nredo` runs keep the lowest objective.
+    `threads`: faiss threads; by default one for cheap problems (<= 1e6 training row x cluster pairs: many tiny
+    OpenMP regions, whose spinning barriers cost 100x the work when the cores are busy elsewhere), else every CPU
+    this process may use.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     n = len(x)
@@ -59,12 +69,12 @@ def kmeans_labels(
     if n_clusters == n:
         return np.arange(n, dtype=np.int64)
     rows = min(n, max_points_per_centroid * n_clusters)
-    init = (faiss.ClusteringInitMethod_KMEANS_PLUS_PLUS if rows * n_clusters <= 1_000_000
-            else faiss.ClusteringInitMethod_AFK_MC2)
-    with faiss_threads():
+    cheap = rows * n_clusters <= 1_000_000
+    init = faiss.ClusteringInitMethod_KMEANS_PLUS_PLUS if cheap else faiss.ClusteringInitMethod_AFK_MC2
+    with faiss_threads(threads or (1 if cheap else None)):
         km = faiss.Kmeans(
             x.shape[1], n_clusters, niter=niter, seed=seed % (2**31), verbose=False, init_method=init,
-            max_points_per_centroid=max_points_per_centroid, min_points_per_centroid=1,
+            max_points_per_centroid=max_points_per_centroid, min_points_per_centroid=1, nredo=nredo,
         )
         km.train(x)
         _, labels = km.index.search(x, 1)
@@ -202,9 +212,19 @@ def _within_rank(group: np.ndarray) -> np.ndarray:
 
 
 class Selector:
-    """Picks k candidates; returns indices into the candidate arrays in pick order."""
+    """Picks k candidates; returns indices into the candidate arrays in pick order.
+
+    `needs_scores` is False for selectors that ignore the scores (they still validate them), so select_batch can
+    run them as a cold start before any model exists. `info` holds what the last `select` chose (a radius, a
+    bandwidth, a cluster count...) for callers to report; selectors with nothing to say leave it empty.
+    """
 
     name: str = ""
+    needs_scores: bool = True
+    info: dict[str, Any]
+
+    def __init__(self) -> None:
+        self.info = {}
 
     def select(
         self,
@@ -249,6 +269,7 @@ class KCenter(Selector):
     name = "k_center"
 
     def __init__(self, uncertainty: Literal["none", "product", "top_m"] = "none", top_m_factor: int = 10) -> None:
+        super().__init__()
         if uncertainty not in ("none", "product", "top_m"):
             raise SelectionError(f"k_center: uncertainty must be 'none', 'product' or 'top_m', got {uncertainty!r}")
         if top_m_factor < 1:
@@ -298,6 +319,7 @@ class ClusterMargin(Selector):
     def __init__(
         self, n_clusters: int | None = None, margin_factor: int = 10, niter: int = 20, max_points_per_centroid: int = 32
     ) -> None:
+        super().__init__()
         if n_clusters is not None and n_clusters < 1:
             raise SelectionError(f"cluster_margin: n_clusters must be >= 1, got {n_clusters}")
         if margin_factor < 1:
@@ -333,6 +355,7 @@ class Stratified(Selector):
     name = "stratified"
 
     def __init__(self, allocation: Literal["even", "proportional"] = "even") -> None:
+        super().__init__()
         if allocation not in ("even", "proportional"):
             raise SelectionError(f"stratified: allocation must be 'even' or 'proportional', got {allocation!r}")
         self.allocation = allocation
@@ -389,8 +412,10 @@ class Typical(Selector):
     """
 
     name = "typical"
+    needs_scores = False
 
     def __init__(self, n_neighbors: int = 20, max_cluster_points: int = 2000, niter: int = 20) -> None:
+        super().__init__()
         if n_neighbors < 1 or max_cluster_points < 2:
             raise SelectionError(
                 f"typical: need n_neighbors >= 1 and max_cluster_points >= 2, got {n_neighbors}, {max_cluster_points}"
@@ -435,3 +460,8 @@ SELECTORS: dict[str, type[Selector]] = {
     "stratified": Stratified,
     "typical": Typical,
 }
+
+# At the bottom: coverage.py builds on this module's helpers, and the package imports this module first.
+from pipeline.strategies.coverage import MaxHerding, ProbCover, TypiClust  # noqa: E402
+
+SELECTORS.update({"typiclust": TypiClust, "probcover": ProbCover, "maxherding": MaxHerding})

@@ -1,0 +1,74 @@
+"""select.schedule: coverage while labels are scarce, then uncertainty × diversity, switching where the rule says."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import ScheduleConfig, parse_config
+from pipeline.errors import ConfigError
+from pipeline.strategies.schedule import accuracy_stopped_rising, choose_phase, newest_label_accuracy
+
+
+def phase(labeled, schedule, *, n_classes=10, newest=()):
+    return choose_phase(schedule, strategy="margin", diversity="cluster_margin", labeled=labeled,
+                        n_classes=n_classes, newest_accuracy=newest)
+
+
+def test_no_schedule_is_the_configured_pair_every_round():
+    p = phase(5, ScheduleConfig())
+    assert (p.name, p.strategy, p.diversity) == ("uncertainty", "margin", "cluster_margin")
+
+
+@pytest.mark.parametrize(("labeled", "expected"), [(0, "coverage"), (99, "coverage"), (100, "uncertainty"),
+                                                   (250, "uncertainty")])
+def test_labels_per_class_switches_at_the_stated_count(labeled, expected):
+    sch = ScheduleConfig(coverage="probcover", labels_per_class=10)
+    p = phase(labeled, sch)
+    assert p.name == expected
+    if expected == "coverage":
+        assert (p.strategy, p.diversity) == ("random", "probcover")
+        assert f"{labeled} labels < 100 (10 per class × 10 classes)" in p.reason
+    else:
+        assert (p.strategy, p.diversity) == ("margin", "cluster_margin") and "≥ 100" in p.reason
+
+
+def test_labels_per_class_counts_the_answer_set():
+    sch = ScheduleConfig(coverage="maxherding", labels_per_class=4)
+    assert phase(12, sch, n_classes=3).name == "uncertainty"
+    assert phase(12, sch, n_classes=4).name == "coverage"
+
+
+@pytest.mark.parametrize(("history", "patience", "stop"), [
+    ([], 1, None), ([0.3], 1, None), ([0.3, 0.5, 0.7], 1, None),
+    ([0.3, 0.5, 0.5], 1, 2),          # equal is not rising
+    ([0.3, 0.6, 0.55, 0.7], 1, 2),
+    ([0.3, 0.6, 0.55, 0.7], 2, None),  # one flat round is not enough with patience 2
+    ([0.3, 0.6, 0.55, 0.58, 0.9], 2, 3),
+])
+def test_accuracy_stopped_rising(history, patience, stop):
+    assert accuracy_stopped_rising(history, patience) == stop
+
+
+def test_newest_accuracy_rule_switches_once_and_stays():
+    sch = ScheduleConfig(coverage="typiclust", switch="newest_accuracy", patience=1)
+    assert phase(40, sch, newest=[0.2, 0.4]).name == "coverage"
+    switched = phase(60, sch, newest=[0.2, 0.4, 0.35])
+    assert switched.name == "uncertainty" and "stopped rising after round 2" in switched.reason
+    # A later rise does not switch back: the history still holds the flat step.
+    assert phase(80, sch, newest=[0.2, 0.4, 0.35, 0.9]).name == "uncertainty"
+
+
+def test_newest_label_accuracy_reads_pre_annotations():
+    rows = [{"sample_id": "a", "prediction": "1"}, {"sample_id": "b", "prediction": "2"},
+            {"sample_id": "c", "prediction": None}, {"sample_id": "d", "prediction": "4"}]
+    assert newest_label_accuracy(rows, {"a": "1", "b": "3", "c": "5"}) == 0.5  # d not labeled yet, c no prediction
+    assert newest_label_accuracy(rows[2:3], {"c": "5"}) is None
+
+
+def test_schedule_and_embeddings_config_validate_with_field_names():
+    cfg = parse_config({"select": {"embeddings": "pool", "schedule": {"coverage": "probcover"}}})
+    assert cfg.select.embeddings.source == "pool" and cfg.select.schedule.coverage == "probcover"
+    with pytest.raises(ConfigError, match=r"select.schedule.coverage: 'kmeans' is not allowed"):
+        parse_config({"select": {"schedule": {"coverage": "kmeans"}}})
+    with pytest.raises(ConfigError, match=r"select.embeddings.path: is required with source 'file'"):
+        parse_config({"select": {"embeddings": "file"}})

@@ -2,7 +2,8 @@
 
 One small class per family and a plain name → class dict. Everything family-specific that training and scoring need
 lives here: the prompt (via the processor's chat template), where the answer tokens start (label masking, scoring),
-the end-of-turn token, the processor settings that keep an image's aspect ratio, and the default LoRA targets.
+the end-of-turn token, the processor settings that keep an image's aspect ratio, the default LoRA targets, and how
+to run the vision encoder alone (selection embeddings).
 """
 
 from __future__ import annotations
@@ -184,6 +185,16 @@ class Family:
         enc["answer_start"] = prompt_lens.to(torch.long)
         return enc
 
+    # ------------------------------------------------------------------------------------------ vision encoder
+    def _image_kwargs(self, processor: Any, images: Sequence[Image.Image]) -> dict[str, Any]:
+        # The same image settings `encode` uses: the batch's longest side (prepared images have the right size).
+        return self.processor_kwargs(max(max(im.size) for im in images), tile=self.tile_size(processor))
+
+    def image_features(self, model: Any, processor: Any, images: Sequence[Image.Image]) -> torch.Tensor:
+        """[n, d]: the vision encoder's last hidden state (before any projection into the language model), mean-pooled
+        over an image's patches, and over its tiles where the processor splits it. The language model never runs."""
+        raise NotImplementedError
+
 
 class Idefics3Family(Family):
     """SmolVLM (v1) and Idefics3: SigLIP tiles + pixel shuffle into a Llama/SmolLM2 language model."""
@@ -209,6 +220,25 @@ class Idefics3Family(Family):
         split = tile is not None and image_size > tile
         return {"do_image_splitting": split, "size": {"longest_edge": image_size}}
 
+    def image_features(self, model: Any, processor: Any, images: Sequence[Image.Image]) -> torch.Tensor:
+        images = [im.convert("RGB") for im in images]
+        enc = processor.image_processor([[im] for im in images], return_tensors="pt",
+                                        **self._image_kwargs(processor, images))
+        pixels = enc["pixel_values"]  # [n, tiles, 3, H, W]; tiles padded with all-zero images
+        n, tiles, _, h, w = pixels.shape
+        mask = enc.get("pixel_attention_mask")  # [n, tiles, H, W]: real pixels vs padding
+        mask = torch.ones(n, tiles, h, w, dtype=torch.bool) if mask is None else mask.bool()
+        device = next(model.parameters()).device
+        out = model.get_image_features(pixel_values=pixels.to(device), pixel_attention_mask=mask.to(device))
+        hidden = out.last_hidden_state.float().cpu()  # [real tiles, patches, d]
+        # The model drops all-zero padding tiles and masks patches of padding pixels: redo both to pool the rest.
+        real = (pixels != 0).flatten(2).any(-1)  # [n, tiles]
+        p = int(model.config.vision_config.patch_size)
+        m = mask.flatten(0, 1)[real.flatten()]
+        patches = (m.unfold(1, p, p).unfold(2, p, p).sum((-1, -2)) > 0).flatten(1).float()  # [real tiles, patches]
+        per_tile = (hidden * patches[..., None]).sum(1) / patches.sum(1, keepdim=True).clamp(min=1)
+        return torch.stack([t.mean(0) for t in per_tile.split(real.sum(1).tolist())])
+
 
 class Qwen2VLFamily(Family):
     """Qwen2-VL: native-resolution ViT (patches merged 2x2) into a Qwen2 language model with M-RoPE."""
@@ -233,6 +263,16 @@ class Qwen2VLFamily(Family):
         # image_size² keeps prepared images at their own resolution instead of the 1280-token default.
         unit = tile or 28
         return {"size": {"shortest_edge": unit * unit, "longest_edge": max(image_size * image_size, unit * unit)}}
+
+    def image_features(self, model: Any, processor: Any, images: Sequence[Image.Image]) -> torch.Tensor:
+        images = [im.convert("RGB") for im in images]
+        enc = processor.image_processor(images=images, return_tensors="pt", **self._image_kwargs(processor, images))
+        grid = enc["image_grid_thw"]  # [n, 3]: (t, h, w) patches per image; pixel_values holds them all, in order
+        device = next(model.parameters()).device
+        out = model.get_image_features(pixel_values=enc["pixel_values"].to(device), image_grid_thw=grid.to(device))
+        # Patches before the 2×2 merger, grouped by image (Qwen2.5-VL's window order permutes them within an image).
+        hidden = out.last_hidden_state.float()
+        return torch.stack([h.mean(0) for h in hidden.split(grid.prod(-1).tolist())])
 
 
 class Qwen25VLFamily(Qwen2VLFamily):

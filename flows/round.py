@@ -141,6 +141,10 @@ def _summary_markdown(state: dict[str, Any], metrics_rows: list[dict[str, Any]],
              f"{state.get('labels_spent', state['labeled'])})",
              f"- pool (eligible): {state['pool']}", f"- selected: {state.get('selected', 0)}",
              f"- strategy: {state['strategy']}"]
+    if state.get("phase"):
+        lines.append(f"- selection phase: **{state['phase']['phase']}** — {state['phase']['reason']}")
+    if state.get("embeddings") and state["embeddings"] != "model":
+        lines.append(f"- selection space: `{state['embeddings']}` embeddings (select.embeddings)")
     if state.get("metrics"):
         lines.append("- test metrics: " + ", ".join(f"{k} = {v:.4f}" for k, v in state["metrics"].items()))
     if state.get("stopped"):
@@ -222,12 +226,15 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
     if not state["stopped"]:
         adapter_ref = adapter and {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]}
         sel = select_ref(cfg, prepared=prep["prepare"], adapter=adapter_ref, pool_ids=pool_ids,
-                         exclude=sorted(exclude), round_dir=round_dir, labeled_ids=sorted(labels),
+                         exclude=sorted(exclude), round_dir=round_dir, labels=labels,
                          history_dirs=[art / "rounds" / f"{p['round']:03d}" for p in previous])
         out = export_dir(art, r)
         exp = run_stage(export_task, artifacts=str(art), selection=sel, prepared=prep["prepare"],
                         annotate=cfg.section("annotate"), answers=cfg.data.answers, round_index=r, out_dir=str(out))
-        state.update(selected=sel["n"], export_dir=exp["dir"], selection_dir=sel["dir"], outliers=sel.get("outliers"))
+        state.update(selected=sel["n"], export_dir=exp["dir"], selection_dir=sel["dir"], outliers=sel.get("outliers"),
+                     phase=sel.get("phase"), embeddings=sel.get("embeddings"))
+        if sel.get("phase"):
+            state["strategy"] = f"{sel['phase']['strategy']}+{sel['phase']['diversity']}"
         if check is not None and cfg.labelcheck.relabel_top_n:
             rel = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=r)
             state["relabel"] = rel["count"]

@@ -12,7 +12,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from prefect import flow
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
@@ -28,10 +27,9 @@ from pipeline.store import (
     stage_key,
     write_manifest,
 )
-from pipeline.strategies import select_batch
 
 log = logging.getLogger(__name__)
-SELECT_VERSION = "2"
+SELECT_VERSION = "3"
 
 
 def make_task_runner(cfg: ProjectConfig) -> Any:
@@ -175,43 +173,40 @@ def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[st
                        shard_size=cfg.select.shard_size)
 
 
-def predictions(scores: Any, answers: list[str] | None) -> tuple[list[str | None], list[float | None]]:
-    """The model's current answer and its confidence per sample (pre-annotations for the annotators)."""
-    if scores.probs is not None and answers:
-        best = scores.probs.argmax(1)
-        return [answers[i] for i in best], [float(p) for p in scores.probs.max(1)]
-    if scores.answers is not None:
-        mean_lp = np.nanmean(np.where(np.isfinite(scores.token_logprobs), scores.token_logprobs, np.nan), axis=1)
-        return list(scores.answers), [float(np.exp(x)) if np.isfinite(x) else None for x in mean_lp]
-    return [None] * len(scores.sample_ids), [None] * len(scores.sample_ids)
-
-
-def heuristic_input(scores: Any, strategy: str) -> np.ndarray | None:
-    """The array a heuristic reads: candidate probs ([n, c] or MC [n, c, k]), token entropies, or agreement codes."""
-    from pipeline.scoring import agreement_codes
-
-    if strategy == "token_entropy":
-        return scores.token_entropy
-    if strategy == "answer_disagreement":
-        return agreement_codes(scores.mc_answers) if scores.mc_answers else None
-    if strategy == "bald":
-        return scores.mc_probs
-    if strategy == "random":
-        return None
-    return scores.mc_probs.mean(-1) if scores.mc_probs is not None and scores.probs is None else scores.probs
-
-
+EMBED_VERSION = "1"
 UNCERTAINTY_FILE = "uncertainty.json"
 OUTLIERS_FILE = "outliers.jsonl"
 
 
-def pool_uncertainty(scores: Any) -> np.ndarray | None:
-    """Entropy of the (MC-averaged) answer probabilities: the uncertainty the outlier history tracks, whatever the
-    selection strategy (random included); None for open answers."""
-    from pipeline.strategies import get_heuristic
+@stage_task("embeddings", EMBED_VERSION)
+def embeddings_task(artifacts: str, prepared: dict[str, Any], select: dict[str, Any], model: dict[str, Any] | None,
+                    file_digest: str | None, seed: int, out_dir: str) -> dict[str, Any]:
+    """Selection embeddings fitted on the pool's images only; keyed by the prepared data's content, the embeddings
+    config, the seed, the base model (vision_tower) and the user's file (file), never by the adapter."""
+    from pipeline.embeddings import compute_selection_embeddings, embeddings_key
 
-    probs = heuristic_input(scores, "entropy")
-    return None if probs is None else get_heuristic("entropy").score(probs)
+    cfg = ProjectConfig.model_validate({"select": select, "seed": seed, "paths": {"artifacts": artifacts},
+                                        **({"model": model} if model else {})})
+    inputs = {"prepared": prepared["digest"]}
+    if (m := find_valid_manifest(out_dir, embeddings_key(cfg, inputs))) is None:
+        m = compute_selection_embeddings(cfg, load_prepared(prepared["dir"]), out_dir, inputs=inputs)
+    return {"dir": out_dir, "digest": m.key}
+
+
+def embeddings_ref(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, Any] | None:
+    """The cached selection-embeddings stage, or None when selection uses the model's own embeddings."""
+    from pipeline.embeddings import file_inputs
+
+    emb = cfg.select.embeddings
+    if emb.source == "model":
+        return None
+    # Prefect's cache sees only parameters: a changed embeddings file must change them.
+    file_digest = digest_json(file_inputs(cfg)) if emb.source == "file" else None
+    params = {"prepared": prepared, "select": {"embeddings": cfg.section("select")["embeddings"]},
+              "model": cfg.section("model") if emb.source == "vision_tower" else None,
+              "file_digest": file_digest, "seed": cfg.seed}
+    out = Path(cfg.artifacts) / "embeddings" / digest_json(params)[:16]
+    return run_stage(embeddings_task, artifacts=str(cfg.artifacts), out_dir=str(out), **params)
 
 
 @stage_task("select", SELECT_VERSION)
@@ -223,80 +218,51 @@ def select_task(
     exclude_digest: str,
     exclude_path: str,
     labeled_path: str,
+    pool_path: str,
     history: list[dict[str, str]],
     cold_start: bool,
+    phase: dict[str, str] | None,
+    space: dict[str, Any] | None,
     adapter_digest: str | None,
     seed: int,
     out_dir: str,
 ) -> dict[str, Any]:
     from pipeline.config import SelectConfig
-    from pipeline.store import read_jsonl
-    from pipeline.strategies.outliers import find_outliers, read_uncertainty_history, write_uncertainty
+    from pipeline.embeddings import load_selection_embeddings
+    from pipeline.selection import Space, select_round
+    from pipeline.strategies.outliers import read_uncertainty_history, write_uncertainty
 
     sel_cfg = SelectConfig.model_validate(select)
-    scores = concat_scores([load_scores(r["dir"]) for r in shard_refs])
-    exclude = {r["sample_id"] for r in read_jsonl(exclude_path)}
-    labeled = {r["sample_id"] for r in read_jsonl(labeled_path)}
+    scores = concat_scores([load_scores(r["dir"]) for r in shard_refs]) if shard_refs else None
+    sp = None
+    if space is not None:
+        sp = Space(*load_selection_embeddings(space["dir"]), source=sel_cfg.embeddings.source)
+    result = select_round(
+        sel_cfg, candidate_ids=[r["sample_id"] for r in read_jsonl(pool_path)], scores=scores, space=sp,
+        labeled={r["sample_id"] for r in read_jsonl(labeled_path)},
+        exclude={r["sample_id"] for r in read_jsonl(exclude_path)}, answers=answers,
+        history=read_uncertainty_history([h["path"] for h in history]), cold_start=cold_start, seed=seed,
+        phase=phase,
+    )
     out = Path(out_dir)
     outputs = {"selection": "selection.jsonl"}
-    downweight: list[str] = []
-    info: dict[str, Any] = {}
-    uncertainty = None if cold_start else pool_uncertainty(scores)
-    if uncertainty is not None:
-        pool = [i for i, s in enumerate(scores.sample_ids) if s not in labeled]
-        write_uncertainty(out / UNCERTAINTY_FILE, [scores.sample_ids[i] for i in pool], uncertainty[pool])
+    if result.uncertainty is not None:
+        write_uncertainty(out / UNCERTAINTY_FILE, *result.uncertainty)
         outputs["uncertainty"] = UNCERTAINTY_FILE
-    if not cold_start and scores.embeddings is not None:
-        report = find_outliers(scores.sample_ids, scores.embeddings,
-                               read_uncertainty_history([h["path"] for h in history]), labeled_ids=labeled,
-                               k=sel_cfg.outlier_neighbors, z_threshold=sel_cfg.outlier_z,
-                               min_rounds=sel_cfg.uncertain_rounds, policy=sel_cfg.outliers)
-        flagged = report.rows()
-        atomic_write_jsonl(out / OUTLIERS_FILE, flagged)
+    if result.outliers is not None:
+        atomic_write_jsonl(out / OUTLIERS_FILE, result.outliers)
         outputs["outliers"] = OUTLIERS_FILE
-        info["outliers"] = {"flagged": len(flagged), "far": int(report.far.sum()),
-                            "persistent": int(report.persistent.sum()), "policy": sel_cfg.outliers}
-        if sel_cfg.outliers == "exclude":
-            exclude |= {r["sample_id"] for r in flagged}
-        elif sel_cfg.outliers == "downweight":
-            downweight = [r["sample_id"] for r in flagged]
-    if cold_start:
-        strategy, diversity = ("random", "top_k") if sel_cfg.cold_start == "random" else ("random", "typical")
-        probs = None
-    else:
-        strategy, diversity = sel_cfg.strategy, sel_cfg.diversity
-        probs = heuristic_input(scores, strategy)
-        if probs is None and strategy != "random":
-            from pipeline.errors import SelectionError
-
-            raise SelectionError(
-                f"select.strategy {strategy!r} needs "
-                + ("select.mc_dropout_passes ≥ 2" if strategy in ("bald", "answer_disagreement") else "closed answers")
-                + f"; the pool was scored with {select.get('mc_dropout_passes', 0)} MC passes"
-            )
-    predicted_answer, confidence = predictions(scores, answers)
-    predicted = scores.probs.argmax(1) if scores.probs is not None else None
-    selection = select_batch(
-        scores.sample_ids, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, probs=probs,
-        embeddings=scores.embeddings, predicted=predicted, exclude=exclude, seed=seed,
-        downweight=downweight, downweight_weight=sel_cfg.outlier_weight,
-    )
-    per_sample = {sid: i for i, sid in enumerate(scores.sample_ids)}
-    rows = []
-    for row in selection.rows():
-        i = per_sample[row["sample_id"]]
-        rows.append({**row, "rank": row["rank"] - 1, "adapter_digest": adapter_digest,
-                     "prediction": predicted_answer[i], "confidence": confidence[i],
-                     "scores": {strategy: row["score"]}})
+    rows = [{**r, "adapter_digest": adapter_digest} for r in result.rows]
     atomic_write_jsonl(out / "selection.jsonl", rows)
+    labeled = sorted(r["sample_id"] for r in read_jsonl(labeled_path))
     m = write_manifest(out, stage="select", stage_version=SELECT_VERSION,
                        inputs={"scores": digest_json([r["digest"] for r in shard_refs]), "exclude": exclude_digest,
-                               "labeled": digest_json(sorted(labeled)),
+                               "labeled": digest_json(labeled), "space": (space or {}).get("digest", "model"),
                                "history": digest_json([h["digest"] for h in history])},
-                       config=select, outputs=outputs,
-                       info={"n": len(rows), "strategy": strategy, "diversity": diversity,
-                             "pool": len(scores.sample_ids) - len(labeled), **info})
-    return {"dir": out_dir, "digest": m.key, "n": len(rows), **info}
+                       config={**select, "phase": phase}, outputs=outputs,
+                       info={**result.info, "phase": phase})
+    return {"dir": out_dir, "digest": m.key, **{k: v for k, v in result.info.items() if k != "selector"},
+            "phase": phase}
 
 
 def selection_table(rows: list[dict[str, Any]], top: int = 20) -> list[dict[str, Any]]:
@@ -312,26 +278,38 @@ def uncertainty_history(round_dirs: list[Path]) -> list[dict[str, str]]:
 
 
 def select_ref(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
-               pool_ids: list[str], exclude: list[str], round_dir: Path, labeled_ids: list[str] = (),
+               pool_ids: list[str], exclude: list[str], round_dir: Path, labels: dict[str, str] | None = None,
                history_dirs: list[Path] = ()) -> dict[str, Any]:
     """Score the eligible pool (and the labeled samples, whose embeddings tell pool outliers from samples near
-    labels) and select; writes round_dir/selection/. Call from inside a flow."""
-    from pipeline.store import read_jsonl
+    labels) and select; writes round_dir/selection/. A cold start in a non-model selection space scores nothing.
+    Call from inside a flow."""
+    from pipeline.selection import round_phase
 
-    labeled_ids = sorted(set(labeled_ids)) if adapter is not None else []
-    refs = score_pool(cfg, prepared=prepared, adapter=adapter, pool_ids=sorted(set(pool_ids) | set(labeled_ids)),
-                      round_dir=round_dir)
+    labels = dict(labels or {})
+    labeled_ids = sorted(labels) if adapter is not None else []
+    space = embeddings_ref(cfg, prepared)
+    candidates = sorted(set(pool_ids) | set(labeled_ids))
+    refs = []
+    if adapter is not None or space is None:
+        refs = score_pool(cfg, prepared=prepared, adapter=adapter, pool_ids=candidates, round_dir=round_dir)
+    pool_path = round_dir / "candidates.jsonl"
+    atomic_write_jsonl(pool_path, [{"sample_id": s} for s in candidates])
     exclude_rows = [{"sample_id": s} for s in sorted(set(exclude) | set(labeled_ids))]
     exclude_path = round_dir / "exclude.jsonl"
     atomic_write_jsonl(exclude_path, exclude_rows)
     labeled_path = round_dir / "labeled_ids.jsonl"
     atomic_write_jsonl(labeled_path, [{"sample_id": s} for s in labeled_ids])
+    phase = None
+    if adapter is not None:
+        previous = [read_jsonl(f) for d in history_dirs if (f := Path(d) / "selection" / "selection.jsonl").is_file()]
+        phase = round_phase(cfg.select, labels=labels, n_classes=len(cfg.data.answers) if cfg.data.answers else None,
+                            previous_selections=previous).as_dict()
     ref = run_stage(
         select_task, artifacts=str(cfg.artifacts), shard_refs=refs, select=cfg.section("select"),
         answers=cfg.data.answers, exclude_digest=digest_json(exclude_rows), exclude_path=str(exclude_path),
-        labeled_path=str(labeled_path), history=uncertainty_history(list(history_dirs)),
-        cold_start=adapter is None, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
-        out_dir=str(round_dir / "selection"),
+        labeled_path=str(labeled_path), pool_path=str(pool_path), history=uncertainty_history(list(history_dirs)),
+        cold_start=adapter is None, phase=phase, space=space, adapter_digest=(adapter or {}).get("digest"),
+        seed=cfg.seed, out_dir=str(round_dir / "selection"),
     )
     rows = read_jsonl(Path(ref["dir"]) / "selection.jsonl")
     create_table_artifact(key="selection", table=selection_table(rows),

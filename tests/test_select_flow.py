@@ -176,3 +176,36 @@ def test_lost_shard_resumes_alone_and_selection_is_byte_identical(first, pool, t
     ref, ran = run_select(cfg, pool)
     assert ran == {"score_shard": 1, "select": 1}
     assert selection.read_bytes() == first["bytes"]
+
+
+def test_cold_start_in_a_pool_space_scores_nothing(prefect_harness, tmp_path, pool):
+    """select.embeddings: pixels → one cached embeddings stage (fitted on the pool), a coverage cold start, and no
+    model scoring at all; a re-run executes nothing."""
+    cfg = project(tmp_path, pool["model"], embeddings={"source": "pixels", "pca_dim": 4}, cold_start="probcover")
+    cold = {**pool, "adapter": None}
+    ref, ran = run_select(cfg, cold)
+    assert ran == {"embeddings": 1, "select": 1}
+    rows = read_jsonl(Path(ref["dir"]) / "selection.jsonl")
+    assert len(rows) == 4 and {(r["strategy"], r["diversity"]) for r in rows} == {("random", "probcover")}
+    assert not set(r["sample_id"] for r in rows) & set(pool["exclude"])
+    assert ref["embeddings"] == "pixels" and all(r["prediction"] is None for r in rows)
+    _, ran2 = run_select(cfg, cold)
+    assert ran2 == {}
+
+
+def test_schedule_phase_reaches_the_selection(prefect_harness, tmp_path, pool):
+    """After the cold start the schedule picks the phase: below labels_per_class × classes it is coverage."""
+    cfg = project(tmp_path, pool["model"], embeddings="pixels",
+                  schedule={"coverage": "maxherding", "labels_per_class": 1})
+    labels = {s: "3" for s in pool["exclude"]}  # 2 labels < 1 per class × 10 classes
+
+    @flow(name="test-select-phase")
+    def phase_flow() -> dict:
+        return select_ref(cfg, prepared=pool["prepared"], adapter=pool["adapter"], pool_ids=pool["ids"],
+                          exclude=[], round_dir=cfg.artifacts / "rounds" / "001", labels=labels)
+
+    ref = phase_flow()
+    assert ref["phase"]["phase"] == "coverage" and "2 labels < 10" in ref["phase"]["reason"]
+    rows = read_jsonl(Path(ref["dir"]) / "selection.jsonl")
+    assert {r["diversity"] for r in rows} == {"maxherding"} and not set(r["sample_id"] for r in rows) & set(labels)
+    assert all(r["prediction"] in DIGITS for r in rows)  # scored: pre-annotations for the annotators

@@ -163,11 +163,9 @@ def select_round(
     if diversity == "probcover" and answers:
         options["n_classes"] = len(answers)
     predicted = scores.probs.argmax(1) if scores is not None and scores.probs is not None else None
-    selector_needs_emb = diversity not in ("top_k", "stratified")
     selection = select_batch(
-        ids, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, probs=probs,
-        embeddings=emb if selector_needs_emb or emb is not None else None, predicted=predicted,
-        exclude=exclude | labeled, seed=seed, labeled_embeddings=labeled_emb if selector_needs_emb else None,
+        ids, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, probs=probs, embeddings=emb,
+        predicted=predicted, exclude=exclude | labeled, seed=seed, labeled_embeddings=labeled_emb,
         downweight=downweight, downweight_weight=sel_cfg.outlier_weight, options=options,
     )
     if scores is not None:

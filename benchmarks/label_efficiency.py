@@ -1,19 +1,31 @@
 """Label efficiency: how many labels each active-learning strategy needs, against random picks, through the real pipeline.
 
 Everything goes through tamis' library (no Prefect): ingest → preprocess → quality flags, a 4-bit QLoRA tiny model,
-and per round: train an adapter (fixed step budget) → evaluate on the test split → score the pool → select a batch →
-export it (Label Studio tasks + images) → the simulated annotator answers it as a Label Studio export → import into
-the run's label ledger → retrain. Every strategy starts from the same cold-start batch (per seed) and runs `rounds`
-rounds of `batch` labels; a full-data run (every eligible pool sample labeled, same step budget) is the reference.
+and per round: train an adapter (fixed step budget, continuing the previous round's) → evaluate on the test split →
+(score the pool when the round's selector reads uncertainty) → select a batch → export it (Label Studio tasks +
+images) → the simulated annotator answers it as a Label Studio export → import into the run's label ledger.
 
-Output: per strategy the mean ± std learning curve over seeds, its area (mean accuracy over the label range), the
-labels needed to reach 90 % / 95 % of the full-data accuracy (linear interpolation on the mean curve; null when never
-reached), and that number divided by random's; a learning-curve PNG. Work is cached by content under the project's
-artifacts folder (adapters, scores, evaluations), so the cold-start round is trained once per seed for all strategies
-and a killed run resumes where it stopped.
+The protocol (what makes the ratios fair):
+- the baseline `random` is random from the first label; every other strategy brings its own cold start (a coverage
+  selector on the selection embeddings, or random for pure uncertainty sampling);
+- seeds are paired: within a seed every strategy sees the same pool, test split, selection space and training seed;
+- small steps (`initial` + `rounds` × `batch` labels) and a full-data reference trained on every pool label with
+  the same step budget per round, over the same seeds;
+- per strategy: labels to reach 90 % / 95 % of the full-data accuracy (linear interpolation on the mean curve),
+  the ratio to random's with a paired bootstrap 95 % interval (seeds resampled together with their full-data run),
+  the area under the curve with its interval;
+- a long-tailed variant (`longtail`): the pool subsampled so class sizes decay geometrically (imbalance 20:1 by
+  default, a seeded class order), the test split unchanged (balanced), plus each strategy's recall of the rarest
+  class at the last round;
+- a reference learner: the same protocol with a logistic-regression probe on the selection embeddings as the model
+  (milliseconds per round), which tells selection quality apart from the tiny model's learning noise.
+
+Work is cached by content under the project's artifacts folder (embeddings, adapters, scores, evaluations), so a
+killed run resumes where it stopped, and runs restricted with --seeds / --variants (e.g. two processes on two cores)
+fill one cache that a final full run then reads.
 
     python benchmarks/label_efficiency.py --json-out benchmarks/results/label_efficiency.json
-    python benchmarks/label_efficiency.py --quick          # 2 strategies, 1 seed, 2 rounds: a few minutes
+    python benchmarks/label_efficiency.py --quick          # 3 strategies, 2 seeds, 2 rounds: a few minutes
     python benchmarks/label_efficiency.py --config my.yaml # any image-classification-style manifest
 """
 
@@ -43,7 +55,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator  # noqa: E402
 
-from pipeline.config import ProjectConfig, parse_config  # noqa: E402
+from pipeline.config import ProjectConfig, ScheduleConfig, parse_config  # noqa: E402
 from pipeline.errors import ConfigError, DataError  # noqa: E402
 from pipeline.store import (  # noqa: E402
     MANIFEST_NAME,
@@ -56,15 +68,21 @@ from pipeline.store import (  # noqa: E402
 
 log = logging.getLogger("label_efficiency")
 DEFAULT_CONFIG = ROOT / "configs" / "label_efficiency.yaml"
-BENCH_VERSION = "1"
+BENCH_VERSION = "2"
+COLD_STARTS = ("random", "typical", "typiclust", "probcover", "maxherding")
+VARIANTS = ("main", "longtail")
 
 
 # ------------------------------------------------------------------------------------------------ config
 class StrategySpec(BaseModel):
+    """One strategy: its own cold start, then per round `strategy` × `diversity`, or a budget-aware schedule."""
+
     model_config = ConfigDict(extra="forbid")
-    strategy: str
+    cold_start: Literal["random", "typical", "typiclust", "probcover", "maxherding"] = "random"
+    strategy: str = "random"
     diversity: str = "top_k"
     options: dict[str, Any] = Field(default_factory=dict)
+    schedule: ScheduleConfig | None = None
 
     @model_validator(mode="after")
     def _known(self) -> StrategySpec:
@@ -72,37 +90,48 @@ class StrategySpec(BaseModel):
 
         if self.strategy not in HEURISTICS:
             raise ValueError(f"strategy {self.strategy!r} is not one of {sorted(HEURISTICS)}")
-        if self.diversity not in SELECTORS or self.diversity == "typical":
-            raise ValueError(f"diversity {self.diversity!r} is not one of {sorted(set(SELECTORS) - {'typical'})}")
+        if self.diversity not in SELECTORS:
+            raise ValueError(f"diversity {self.diversity!r} is not one of {sorted(SELECTORS)}")
         return self
+
+    @property
+    def is_random_baseline(self) -> bool:
+        return (self.strategy, self.diversity, self.cold_start, self.schedule) == ("random", "top_k", "random", None)
+
+
+class LongTail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    imbalance: float = Field(default=20.0, ge=1)
 
 
 class Bench(BaseModel):
     model_config = ConfigDict(extra="forbid")
     build_demo_digits: bool = False
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
-    cold_start: Literal["typical", "random"] = "typical"
-    initial: int = Field(default=40, ge=1)
-    batch: int = Field(default=40, ge=1)
-    rounds: int = Field(default=4, ge=1)
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2, 3, 4], min_length=1)
+    initial: int = Field(default=20, ge=1)
+    batch: int = Field(default=20, ge=1)
+    rounds: int = Field(default=9, ge=1)
     train_steps: int | None = Field(default=None, ge=1)
-    test_size: int | None = Field(default=300, ge=1)
+    test_size: int | None = Field(default=None, ge=1)
     pool_size: int | None = Field(default=None, ge=2)
     annotator_noise: float = Field(default=0.0, ge=0, le=1)
-    full_data_seeds: list[int] | None = None
     strategies: dict[str, StrategySpec]
+    longtail: LongTail | None = Field(default_factory=LongTail)
+    reference_learner: bool = True
+    bootstrap: int = Field(default=2000, ge=100)
     quick: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("strategies")
     @classmethod
     def _has_random(cls, v: dict[str, StrategySpec]) -> dict[str, StrategySpec]:
-        if not any(s.strategy == "random" and s.diversity == "top_k" for s in v.values()):
-            raise ValueError("needs the baseline {strategy: random, diversity: top_k}: ratios are measured against it")
+        if not any(s.is_random_baseline for s in v.values()):
+            raise ValueError("needs the baseline {cold_start: random, strategy: random, diversity: top_k}: ratios are "
+                             "measured against it")
         return v
 
     @property
     def baseline(self) -> str:
-        return next(n for n, s in self.strategies.items() if s.strategy == "random" and s.diversity == "top_k")
+        return next(n for n, s in self.strategies.items() if s.is_random_baseline)
 
 
 def load_bench_config(path: str | os.PathLike[str], *, quick: bool = False) -> tuple[ProjectConfig, Bench]:
@@ -167,6 +196,7 @@ class Data:
     known: set[str]
     digest: str  # prepared dataset's content digest
     counts: dict[str, int] = field(default_factory=dict)
+    truth: dict[str, str] = field(default_factory=dict)  # pool sample_id → answer (long-tail pools, probe labels)
 
 
 def _stratified(rows: list[dict[str, Any]], n: int | None, seed: int) -> list[dict[str, Any]]:
@@ -233,6 +263,9 @@ def prepare_data(cfg: ProjectConfig, bench: Bench) -> Data:
         pool = sorted(pool[i] for i in pick)
     test = _stratified(test, bench.test_size, cfg.seed)
     need = bench.initial + bench.rounds * bench.batch
+    from pipeline.annotation.simulate import load_ground_truth
+
+    truth = {s: a for s, a in load_ground_truth(cfg.data.ground_truth)[0].items() if s in rows}
     if len(pool) < need:
         raise DataError(f"Pool too small: {len(pool)} eligible pool samples, the benchmark labels {need} "
                         f"({bench.initial} + {bench.rounds} rounds × {bench.batch}); lower benchmark.rounds/batch")
@@ -241,7 +274,23 @@ def prepare_data(cfg: ProjectConfig, bench: Bench) -> Data:
     counts = {"prepared": len(ds), "pool": len(pool), "test": len(test), "quality_excluded": len(excluded),
               "ingest_quarantined": m.info["counts"].get("quarantined", 0)}
     log.info("data: %s", counts)
-    return Data(ds, rows, pool, test, set(rows), pm.outputs["dataset"].digest, counts)
+    return Data(ds, rows, pool, test, set(rows), pm.outputs["dataset"].digest, counts, truth)
+
+
+def longtail_pool(pool: list[str], truth: dict[str, str], answers: list[str], imbalance: float,
+                  seed: int) -> list[str]:
+    """A seeded sub-pool whose class sizes decay geometrically from the smallest class's full size down to
+    1/`imbalance` of it, in a seeded class order (which class is rarest changes with the seed)."""
+    rng = np.random.default_rng(seed)
+    by = {a: sorted(s for s in pool if truth.get(s) == a) for a in answers}
+    present = [a for a in answers if by[a]]
+    order = [present[i] for i in rng.permutation(len(present))]
+    top = min(len(by[a]) for a in present)
+    out: list[str] = []
+    for rank, a in enumerate(order):
+        n = max(1, round(top * imbalance ** (-rank / max(1, len(order) - 1))))
+        out += [by[a][i] for i in rng.choice(len(by[a]), n, replace=False)]
+    return sorted(out)
 
 
 # ------------------------------------------------------------------------------------------------ work
@@ -319,23 +368,28 @@ class Work:
         self.timer.add("train", t0, computed=not done)
         return Adapter(res.adapter_dir, res.manifest.outputs["adapter"].digest)
 
-    def evaluate(self, adapter: Adapter) -> float:
+    def evaluate(self, adapter: Adapter) -> dict[str, Any]:
+        """{"accuracy", "recall": {answer: recall}} on the test split."""
         from pipeline.evaluate import evaluate_model
 
         test = self.data.test
-        key = digest_json({"adapter": adapter.digest, "test": [r["sample_id"] for r in test],
+        key = digest_json({"v": 2, "adapter": adapter.digest, "test": [r["sample_id"] for r in test],
                            "answers": self.cfg.data.answers, "model": self.cfg.section("model"),
                            "weights": self.model})
         path = self.art / "eval" / f"{key[:16]}.json"
         if path.is_file():
             self.timer.add("evaluate", 0.0, computed=False)
-            return json.loads(path.read_text(encoding="utf-8"))["accuracy"]
+            return json.loads(path.read_text(encoding="utf-8"))
         t0 = time.monotonic()
         res = evaluate_model(self._load(adapter), test, self.cfg.data.answers,
                              batch_size=self.cfg.select.score_batch_size)
-        atomic_write_json(path, {"accuracy": res["metrics"]["accuracy"], "n": res["n"], "adapter": adapter.digest})
+        preds = [p["prediction"] for p in res["predictions"]]
+        refs = [r["answer"] for r in test]
+        out = {"accuracy": res["metrics"]["accuracy"], "recall": per_class_recall(preds, refs), "n": res["n"],
+               "adapter": adapter.digest}
+        atomic_write_json(path, out)
         self.timer.add("evaluate", t0, computed=True)
-        return res["metrics"]["accuracy"]
+        return out
 
     def score(self, adapter: Adapter, ids: list[str], mc_passes: int, seed: int) -> Any:
         from pipeline.scoring import SCORE_VERSION, ClosedSetScorer, load_scores, save_scores
@@ -387,93 +441,248 @@ def annotate(cfg: ProjectConfig, data: Data, run_dir: Path, selection: list[dict
 
 
 def selection_rows(sel: Any, scores: Any, adapter: Adapter, answers: list[str]) -> list[dict[str, Any]]:
-    """Selection rows as the select stage writes them: rank, score, the model's answer and confidence."""
+    """Selection rows as the select stage writes them: rank, score, the model's answer and confidence (when the
+    round scored the pool)."""
     rows = sel.rows()
+    if scores is None or scores.probs is None:
+        return [{**row, "adapter_digest": adapter.digest} for row in rows]
     for row, i in zip(rows, sel.positions, strict=True):
         row.update(adapter_digest=adapter.digest, confidence=float(scores.probs[i].max()),
                    prediction=answers[int(scores.probs[i].argmax())])
     return rows
 
 
-def pick(spec: StrategySpec, scores: Any, labeled: set[str], k: int, seed: int) -> Any:
+def per_class_recall(preds: list[Any], refs: list[str]) -> dict[str, float]:
+    """Recall of every reference answer (how many of its test rows the model got right)."""
+    out: dict[str, float] = {}
+    for a in sorted(set(refs)):
+        rows = [p == r for p, r in zip(preds, refs, strict=True) if r == a]
+        out[a] = round(sum(rows) / len(rows), 4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ selection space
+@dataclass
+class Space:
+    """Selection embeddings of one seed's pool (and the test rows, for the reference learner)."""
+
+    source: str
+    emb: dict[str, np.ndarray]  # sample_id → row; empty for source "model" (the current adapter's embeddings)
+    seconds: float = 0.0
+
+    def rows(self, ids: list[str]) -> np.ndarray:
+        return np.stack([self.emb[s] for s in ids]).astype(np.float32)
+
+
+def selection_space(cfg: ProjectConfig, data: Data, pool: list[str], work: Work) -> Space:
+    """Fit the configured selection embeddings on `pool`'s images only (never labels, never the test split), then
+    embed the pool and the test rows; cached by the rows' content and the embeddings config."""
+    from pipeline.embeddings import compute_selection_embeddings, embeddings_key, load_selection_embeddings
+
+    source = cfg.select.embeddings.source
+    if source == "model":
+        return Space(source, {})
+    test_ids = [r["sample_id"] for r in data.test]
+    keep = set(pool) | set(test_ids)
+    idx = [i for i, s in enumerate(data.prepared["sample_id"]) if s in keep]
+    # Only the pool's rows keep split "pool", so only they are fitted on.
+    sub = data.prepared.select(idx)
+    inputs = {"prepared": data.digest, "rows": digest_json(sorted(keep)), "pool": digest_json(pool)}
+    key = embeddings_key(cfg, inputs)
+    out = work.art / "embeddings" / key[:16]
+    t0 = time.monotonic()
+    computed = find_valid_manifest(out, key) is None
+    if computed:
+        compute_selection_embeddings(cfg, sub, out, inputs=inputs)
+    work.timer.add("embeddings", t0, computed=computed)
+    ids, emb = load_selection_embeddings(out)
+    info = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8")).get("info", {})
+    return Space(source, dict(zip(ids, emb, strict=True)), float(info.get("seconds", 0.0)))
+
+
+def phase_of(spec: StrategySpec, labeled: int, n_classes: int, newest: list[float]) -> tuple[str, str, str]:
+    """(strategy, diversity, phase) for a round after the cold start."""
+    from pipeline.strategies.schedule import choose_phase
+
+    if spec.schedule is None:
+        return spec.strategy, spec.diversity, "fixed"
+    ph = choose_phase(spec.schedule, strategy=spec.strategy, diversity=spec.diversity, labeled=labeled,
+                      n_classes=n_classes, newest_accuracy=newest)
+    return ph.strategy, ph.diversity, ph.name
+
+
+def needs_scores(strategy: str, diversity: str) -> bool:
+    from pipeline.strategies import SELECTORS
+
+    return strategy != "random" or SELECTORS[diversity].needs_scores
+
+
+def pick(strategy: str, diversity: str, options: dict[str, Any], *, pool: list[str], labeled: set[str], k: int,
+         seed: int, space: Space, probs: np.ndarray | None, model_emb: np.ndarray | None,
+         n_classes: int) -> Any:
+    """One batch from `pool` minus `labeled`; embeddings from the selection space (or the model's when the space is
+    "model"); labeled samples seed k-center and the coverage selectors."""
     from pipeline.strategies import select_batch
 
-    probs = {"bald": scores.mc_probs, "random": None}.get(spec.strategy, scores.probs)
-    kwargs: dict[str, Any] = {}
-    if spec.diversity == "k_center":
-        at = {s: i for i, s in enumerate(scores.sample_ids)}
-        kwargs["labeled_embeddings"] = scores.embeddings[[at[s] for s in sorted(labeled) if s in at]]
-    return select_batch(scores.sample_ids, k=k, strategy=spec.strategy, diversity=spec.diversity, probs=probs,
-                        embeddings=scores.embeddings, predicted=scores.probs.argmax(1), exclude=labeled, seed=seed,
-                        options=spec.options, **kwargs)
+    if space.emb:
+        emb = space.rows(pool)
+        lab = space.rows(sorted(labeled)) if labeled else None
+    else:
+        emb = model_emb
+        at = {s: i for i, s in enumerate(pool)}
+        lab = emb[[at[s] for s in sorted(labeled) if s in at]] if (emb is not None and labeled) else None
+    opts = dict(options)
+    if diversity == "probcover":
+        opts.setdefault("n_classes", n_classes)
+    predicted = probs.argmax(1) if probs is not None and probs.ndim == 2 else None
+    return select_batch(pool, k=k, strategy=strategy, diversity=diversity, probs=probs, embeddings=emb,
+                        predicted=predicted, exclude=labeled, seed=seed, options=opts, labeled_embeddings=lab)
+
+
+def cold_pick(spec: StrategySpec, *, pool: list[str], k: int, seed: int, space: Space, base_emb: np.ndarray | None,
+              n_classes: int) -> Any:
+    if spec.cold_start == "random":
+        return pick("random", "top_k", {}, pool=pool, labeled=set(), k=k, seed=seed, space=space, probs=None,
+                    model_emb=None, n_classes=n_classes)
+    return pick("random", spec.cold_start, {}, pool=pool, labeled=set(), k=k, seed=seed, space=space, probs=None,
+                model_emb=base_emb, n_classes=n_classes)
 
 
 # ------------------------------------------------------------------------------------------------ experiment
-def run_key(cfg: ProjectConfig, bench: Bench, work: Work, extra: Any) -> str:
-    return digest_json({"v": BENCH_VERSION, "prepared": work.data.digest, "pool": work.data.pool, "seed": cfg.seed,
+def run_key(cfg: ProjectConfig, bench: Bench, work: Work, pool: list[str], extra: Any) -> str:
+    return digest_json({"v": BENCH_VERSION, "prepared": work.data.digest, "pool": pool, "seed": cfg.seed,
                         "weights": work.model,
                         "model": cfg.section("model"), "train": cfg.section("train"), "select": cfg.section("select"),
-                        "bench": bench.model_dump(exclude={"quick", "strategies", "seeds", "full_data_seeds"}),
+                        "bench": bench.model_dump(include={"initial", "batch", "rounds", "annotator_noise",
+                                                           "test_size"}),
                         "extra": extra})[:10]
 
 
-def cold_start(cfg: ProjectConfig, bench: Bench, data: Data, work: Work) -> list[dict[str, Any]]:
-    """The initial batch every strategy of this seed starts from: TypiClust on the base model's embeddings, or
-    random."""
-    from pipeline.strategies import select_batch
-
-    if bench.cold_start == "random":
-        sel = select_batch(data.pool, k=bench.initial, strategy="random", diversity="top_k", seed=cfg.seed)
-    else:
-        base = work.score(Adapter(None, "base"), data.pool, 0, cfg.seed)
-        sel = select_batch(base.sample_ids, k=bench.initial, strategy="random", diversity="typical",
-                           embeddings=base.embeddings, seed=cfg.seed)
-    return sel.rows()
-
-
 def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench, data: Data, work: Work,
-                 initial: list[dict[str, Any]]) -> dict[str, Any]:
-    """One strategy, one seed: cold start, then `rounds` rounds of `batch` labels. Returns labels + accuracy."""
-    run_dir = work.art / "runs" / f"{name}-seed{cfg.seed}-{run_key(cfg, bench, work, spec.model_dump())}"
+                 pool: list[str], space: Space, tag: str) -> dict[str, Any]:
+    """One strategy, one seed, through the tiny model: its cold start, then `rounds` rounds of `batch` labels."""
+    run_dir = work.art / "runs" / f"{tag}-{name}-seed{cfg.seed}-{run_key(cfg, bench, work, pool, spec.model_dump())}"
     t_start = time.monotonic()
-    selection, labels_curve, acc, asked = initial, [], [], set()
+    n_classes = len(cfg.data.answers)
     mc = cfg.select.mc_dropout_passes if spec.strategy == "bald" else 0
     if spec.strategy == "bald" and mc < 2:
         raise ConfigError(f"strategy {name!r} (bald) needs project.select.mc_dropout_passes ≥ 2, got {mc}")
+    base_emb = None
+    if not space.emb and spec.cold_start != "random":
+        base_emb = work.score(Adapter(None, "base"), pool, 0, cfg.seed).embeddings
+    sel = cold_pick(spec, pool=pool, k=bench.initial, seed=cfg.seed, space=space, base_emb=base_emb,
+                    n_classes=n_classes)
+    selection = sel.rows()
+    labels_curve, acc, recall, phases, newest, asked = [], [], [], ["cold start"], [], set()
     adapter = None
     for r in range(bench.rounds + 1):
         labels = annotate(cfg, data, run_dir, selection, r, bench.annotator_noise, work.timer, asked)
+        if r and selection and selection[0].get("prediction") is not None:
+            newest.append(sum(x["prediction"] == labels.get(x["sample_id"]) for x in selection) / len(selection))
         adapter = work.train(cfg, labels, adapter)
-        acc.append(work.evaluate(adapter))
+        ev = work.evaluate(adapter)
+        acc.append(ev["accuracy"])
+        recall.append(ev["recall"])
         labels_curve.append(len(labels))
-        log.info("seed %d %-15s round %d: %4d labels → accuracy %.4f", cfg.seed, name, r, len(labels), acc[-1])
+        log.info("%s seed %d %-18s round %d: %4d labels → accuracy %.4f", tag, cfg.seed, name, r, len(labels),
+                 acc[-1])
         if r == bench.rounds:
             break
-        scores = work.score(adapter, data.pool, mc, cfg.seed)
-        sel = pick(spec, scores, set(labels), bench.batch, cfg.seed * 1000 + r + 1)
+        strategy, diversity, phase = phase_of(spec, len(labels), n_classes, newest)
+        phases.append(phase)
+        scores = None
+        if needs_scores(strategy, diversity) or not space.emb or (spec.schedule and
+                                                                   spec.schedule.switch == "newest_accuracy"):
+            scores = work.score(adapter, pool, mc if strategy == "bald" else 0, cfg.seed)
+        probs = None
+        if scores is not None and strategy != "random":
+            probs = scores.mc_probs if strategy == "bald" else scores.probs
+        sel = pick(strategy, diversity, spec.options, pool=pool, labeled=set(labels), k=bench.batch,
+                   seed=cfg.seed * 1000 + r + 1, space=space, probs=probs,
+                   model_emb=None if scores is None else scores.embeddings, n_classes=n_classes)
         selection = selection_rows(sel, scores, adapter, cfg.data.answers)
-    return {"labels": labels_curve, "accuracy": acc, "seconds": round(time.monotonic() - t_start, 1),
-            "run_dir": str(run_dir), "class_counts": dict(Counter(labels.values()))}
+    return {"labels": labels_curve, "accuracy": acc, "recall": recall, "phases": phases,
+            "seconds": round(time.monotonic() - t_start, 1), "run_dir": str(run_dir),
+            "class_counts": dict(Counter(labels.values()))}
 
 
-def full_data(cfg: ProjectConfig, bench: Bench, data: Data, work: Work, seeds: list[int]) -> list[dict[str, Any]]:
-    """Every eligible pool sample labeled (through the same export → annotator → import path) and trained with the
-    same budget as a strategy's final model: one training per round (each continuing the last when train.init is
-    warm), once per seed. Its accuracy is the last round's; `curve` has every round's."""
-    run_dir = work.art / "runs" / f"full-{run_key(cfg, bench, work, 'full')}"
-    selection = [{"sample_id": s, "rank": i + 1, "score": 0.0} for i, s in enumerate(data.pool)]
+def full_data(cfg: ProjectConfig, bench: Bench, data: Data, work: Work, pool: list[str], tag: str) -> dict[str, Any]:
+    """Every sample of `pool` labeled (through the same export → annotator → import path) and trained with the same
+    budget as a strategy's final model: one training per round, each continuing the last. Its accuracy is the last
+    round's."""
+    run_dir = work.art / "runs" / f"{tag}-full-seed{cfg.seed}-{run_key(cfg, bench, work, pool, 'full')}"
+    selection = [{"sample_id": s, "rank": i + 1, "score": 0.0} for i, s in enumerate(pool)]
     labels = annotate(cfg, data, run_dir, selection, 0, bench.annotator_noise, work.timer, set())
     rounds = bench.rounds + 1 if cfg.train.init == "warm" else 1
-    out = []
-    for s in seeds:
-        adapter, curve = None, []
-        for _ in range(rounds):
-            adapter = work.train(seeded(cfg, s), labels, adapter)
-            curve.append(work.evaluate(adapter))
-        log.info("seed %d full data: %d labels, %d × %d steps → accuracy %.4f", s, len(labels), rounds,
-                 cfg.train.max_steps, curve[-1])
-        out.append({"seed": s, "labels": len(labels), "accuracy": curve[-1], "curve": curve})
-    return out
+    adapter, curve = None, []
+    for _ in range(rounds):
+        adapter = work.train(cfg, labels, adapter)
+        ev = work.evaluate(adapter)
+        curve.append(ev["accuracy"])
+    log.info("%s seed %d full data: %d labels, %d × %d steps → accuracy %.4f", tag, cfg.seed, len(labels), rounds,
+             cfg.train.max_steps, curve[-1])
+    return {"seed": cfg.seed, "labels": len(labels), "accuracy": curve[-1], "curve": curve, "recall": ev["recall"]}
+
+
+# ------------------------------------------------------------------------------------------------ reference learner
+class Probe:
+    """Logistic regression on the selection embeddings: the reference learner (deterministic, milliseconds)."""
+
+    def __init__(self, answers: list[str]):
+        self.answers = answers
+
+    def fit(self, x: np.ndarray, y: list[str]) -> Probe:
+        from sklearn.linear_model import LogisticRegression
+
+        self.classes = sorted(set(y))
+        self.clf = None
+        if len(self.classes) > 1:
+            self.clf = LogisticRegression(C=10.0, max_iter=2000).fit(x, y)
+        return self
+
+    def proba(self, x: np.ndarray) -> np.ndarray:
+        out = np.zeros((len(x), len(self.answers)))
+        cols = [self.answers.index(c) for c in self.classes]
+        out[:, cols] = self.clf.predict_proba(x) if self.clf is not None else 1.0
+        return out
+
+
+def run_probe(spec: StrategySpec, cfg: ProjectConfig, bench: Bench, data: Data, pool: list[str],
+              space: Space) -> dict[str, Any]:
+    """The same protocol with the probe as the model (labels straight from the ground truth)."""
+    answers, n_classes = list(cfg.data.answers), len(cfg.data.answers)
+    test_x = space.rows([r["sample_id"] for r in data.test])
+    test_y = [r["answer"] for r in data.test]
+    pool_x = space.rows(pool)
+    sel = cold_pick(spec, pool=pool, k=bench.initial, seed=cfg.seed, space=space, base_emb=None, n_classes=n_classes)
+    labeled: list[str] = list(sel.ids)
+    labels_curve, acc, recall, newest = [], [], [], []
+    for r in range(bench.rounds + 1):
+        probe = Probe(answers).fit(space.rows(labeled), [data.truth[s] for s in labeled])
+        pred = [answers[i] for i in probe.proba(test_x).argmax(1)]
+        acc.append(float(np.mean([p == y for p, y in zip(pred, test_y, strict=True)])))
+        recall.append(per_class_recall(pred, test_y))
+        labels_curve.append(len(labeled))
+        if r == bench.rounds:
+            break
+        probs = probe.proba(pool_x)
+        strategy, diversity, _ = phase_of(spec, len(labeled), n_classes, newest)
+        sel = pick(strategy, diversity, spec.options, pool=pool, labeled=set(labeled), k=bench.batch,
+                   seed=cfg.seed * 1000 + r + 1, space=space, probs=None if strategy == "random" else probs,
+                   model_emb=None, n_classes=n_classes)
+        at = {s: i for i, s in enumerate(pool)}
+        newest.append(float(np.mean([answers[int(probs[at[s]].argmax())] == data.truth[s] for s in sel.ids])))
+        labeled += sel.ids
+    return {"labels": labels_curve, "accuracy": acc, "recall": recall, "seconds": 0.0,
+            "class_counts": dict(Counter(data.truth[s] for s in labeled))}
+
+
+def probe_full(cfg: ProjectConfig, data: Data, pool: list[str], space: Space) -> dict[str, Any]:
+    answers = list(cfg.data.answers)
+    probe = Probe(answers).fit(space.rows(pool), [data.truth[s] for s in pool])
+    pred = [answers[i] for i in probe.proba(space.rows([r["sample_id"] for r in data.test])).argmax(1)]
+    acc = float(np.mean([p == r["answer"] for p, r in zip(pred, data.test, strict=True)]))
+    return {"seed": cfg.seed, "labels": len(pool), "accuracy": acc}
 
 
 # ------------------------------------------------------------------------------------------------ summary
@@ -494,40 +703,86 @@ def _area(labels: Any, curve: Any) -> float:
     return float(np.trapezoid(curve, labels) / (labels[-1] - labels[0]))
 
 
-def summarize(curves: dict[str, list[dict[str, Any]]], full_acc: float, baseline: str) -> dict[str, Any]:
-    """Per strategy: mean/std curve over seeds, normalised area, labels to 90 / 95 % of full-data, ratio to random;
-    the area difference to random paired by seed (same cold start, so its luck cancels); the final labeled set's
-    class balance (uncertainty sampling can pile up a few confusable classes)."""
+def _ci(values: np.ndarray) -> list[float | None]:
+    """Percentile 95 % interval; an upper end that is infinite (never reached) is None."""
+    # inverted_cdf picks observed values: interpolating next to an infinite ratio would give NaN.
+    lo, hi = np.quantile(values, [0.025, 0.975], method="inverted_cdf")
+    return [round(float(lo), 3) if np.isfinite(lo) else None, round(float(hi), 3) if np.isfinite(hi) else None]
+
+
+def bootstrap_ratio(acc: np.ndarray, base: np.ndarray, full: np.ndarray, labels: np.ndarray, pct: int, n: int,
+                    seed: int = 0) -> tuple[list[float | None], float]:
+    """Paired bootstrap over seeds of labels-to-pct % (strategy) / labels-to-pct % (random): each resample draws
+    seeds with replacement and takes the strategy's, random's and the full-data run's values of the same seeds.
+    A resample where the strategy never reaches the target counts as an infinite ratio; one where random never
+    reaches it has no ratio and is left out (the fraction left out is returned)."""
+    rng = np.random.default_rng(seed)
+    s = len(acc)
+    ratios, undefined = [], 0
+    for idx in rng.integers(0, s, size=(n, s)):
+        target = pct / 100 * full[idx].mean()
+        lb = labels_to(list(labels), list(base[idx].mean(0)), target)
+        if lb is None:
+            undefined += 1
+            continue
+        ls = labels_to(list(labels), list(acc[idx].mean(0)), target)
+        ratios.append(np.inf if ls is None else ls / lb)
+    if not ratios:
+        return [None, None], 1.0
+    return _ci(np.array(ratios)), round(undefined / n, 3)
+
+
+def summarize(curves: dict[str, list[dict[str, Any]]], full: list[float], baseline: str, *, bootstrap: int = 2000,
+              rarest: list[str] | None = None) -> dict[str, Any]:
+    """Per strategy: mean/std curve over seeds, area with its interval, labels to 90 / 95 % of full-data, the ratio
+    to random with its paired bootstrap interval, the area difference to random paired by seed; the final labeled
+    set's class balance; with `rarest` (the rarest class of each seed), that class's recall at the last round."""
     out: dict[str, Any] = {}
-    areas: dict[str, np.ndarray] = {}
+    full_arr = np.asarray(full, dtype=np.float64)
+    full_acc = float(full_arr.mean())
+    rng = np.random.default_rng(0)
+    base_runs = curves[baseline]
     for name, runs in curves.items():
         acc = np.array([r["accuracy"] for r in runs], dtype=np.float64)
         labels = np.array([r["labels"] for r in runs], dtype=np.float64).mean(0)
         mean, std = acc.mean(0), acc.std(0, ddof=1) if len(acc) > 1 else np.zeros(acc.shape[1])
-        areas[name] = np.array([_area(r["labels"], r["accuracy"]) for r in runs])
-        out[name] = {"labels": [round(x, 1) for x in labels], "mean": [round(x, 4) for x in mean],
-                     "std": [round(x, 4) for x in std], "per_seed": [r["accuracy"] for r in runs],
-                     "auc": round(_area(labels, mean), 4), "seconds": round(sum(r["seconds"] for r in runs), 1)}
-        out[name]["curve"] = [{"labels": x, "mean": m, "std": sd} for x, m, sd in
-                              zip(out[name]["labels"], out[name]["mean"], out[name]["std"], strict=True)]
+        areas = np.array([_area(r["labels"], r["accuracy"]) for r in runs])
+        boot_idx = rng.integers(0, len(runs), size=(bootstrap, len(runs)))
+        s: dict[str, Any] = {
+            "labels": [round(x, 1) for x in labels], "mean": [round(x, 4) for x in mean],
+            "std": [round(x, 4) for x in std], "per_seed": [r["accuracy"] for r in runs],
+            "auc": round(_area(labels, mean), 4), "auc_ci": _ci(areas[boot_idx].mean(1)),
+            "seconds": round(sum(r["seconds"] for r in runs), 1)}
+        band = np.percentile(acc[boot_idx].mean(1), [2.5, 97.5], axis=0)
+        s["mean_ci"] = [[round(float(a), 4) for a in band[0]], [round(float(b), 4) for b in band[1]]]
         for pct in (90, 95):
             x = labels_to(list(labels), list(mean), pct / 100 * full_acc)
-            out[name][f"labels_to_{pct}"] = None if x is None else round(x, 1)
+            s[f"labels_to_{pct}"] = None if x is None else round(x, 1)
+        if name != baseline and len(runs) == len(base_runs):
+            base = np.array([r["accuracy"] for r in base_runs], dtype=np.float64)
+            s["ratio_to_random_95_ci"], s["ratio_95_bootstrap_undefined"] = bootstrap_ratio(
+                acc, base, full_arr, labels, 95, bootstrap)
+            s["ratio_to_random_90_ci"], _ = bootstrap_ratio(acc, base, full_arr, labels, 90, bootstrap)
+            d = areas - np.array([_area(r["labels"], r["accuracy"]) for r in base_runs])
+            s["auc_minus_random"] = {"mean": round(float(d.mean()), 4), "ci": _ci(d[boot_idx].mean(1)),
+                                     "per_seed": [round(float(x), 4) for x in d], "seeds_ahead": int((d > 0).sum())}
         counts = [r.get("class_counts") or {} for r in runs]
         classes = sorted({c for cc in counts for c in cc})
         if classes:
             per_class = {c: float(np.mean([cc.get(c, 0) for cc in counts])) for c in classes}
-            out[name]["final_class_counts"] = {c: round(v, 1) for c, v in per_class.items()}
-            out[name]["final_min_max_class"] = [round(min(per_class.values()), 1), round(max(per_class.values()), 1)]
-    for name, s in out.items():
+            s["final_class_counts"] = {c: round(v, 1) for c, v in per_class.items()}
+            s["final_min_max_class"] = [round(min(per_class.values()), 1), round(max(per_class.values()), 1)]
+        if rarest is not None:
+            rec = [r["recall"][-1].get(c) for r, c in zip(runs, rarest, strict=True)]
+            s["rarest_class_recall"] = round(float(np.mean(rec)), 4)
+            s["rarest_class_recall_per_seed"] = rec
+        if runs and "phases" in runs[0]:
+            s["phases"] = runs[0]["phases"]
+        out[name] = s
+    for s in out.values():
         for pct in (90, 95):
             mine, base = s[f"labels_to_{pct}"], out[baseline][f"labels_to_{pct}"]
             s[f"ratio_to_random_{pct}"] = None if mine is None or base is None else round(mine / base, 3)
-        if name != baseline and len(areas[name]) == len(areas[baseline]):
-            d = areas[name] - areas[baseline]
-            s["auc_minus_random"] = {"mean": round(float(d.mean()), 4),
-                                     "std": round(float(d.std(ddof=1)), 4) if len(d) > 1 else 0.0,
-                                     "per_seed": [round(float(x), 4) for x in d], "seeds_ahead": int((d > 0).sum())}
     return out
 
 
@@ -537,26 +792,50 @@ def best_ratio(strategies: dict[str, Any], baseline: str, pct: int) -> tuple[str
     return (min(found)[1], min(found)[0]) if found else (None, None)
 
 
-def plot(summary: dict[str, Any], full_acc: float, chance: float, title: str, out_png: Path) -> Path:
+def headline(strategies: dict[str, Any], baseline: str, full: list[float]) -> dict[str, Any]:
+    best95, ratio95 = best_ratio(strategies, baseline, 95)
+    best90, ratio90 = best_ratio(strategies, baseline, 90)
+    return {"full_data_accuracy": round(float(np.mean(full)), 4),
+            "full_data_accuracy_std": round(float(np.std(full, ddof=1)), 4) if len(full) > 1 else 0.0,
+            "strategies": strategies, "best_strategy_95": best95, "best_ratio_95": ratio95,
+            "best_ratio_95_ci": strategies[best95].get("ratio_to_random_95_ci") if best95 else None,
+            "best_strategy_90": best90, "best_ratio_90": ratio90}
+
+
+def plot(panels: list[tuple[str, dict[str, Any], float]], baseline: str, chance: float, title: str,
+         out_png: Path) -> Path:
+    """One panel per (title, strategies, full-data accuracy): mean curves with bootstrap 95 % bands, random
+    dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    cols = 2 if len(panels) > 1 else 1
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.3 * rows), dpi=100, squeeze=False)
     try:
-        for name, s in sorted(summary.items()):
-            x, m, sd = np.array(s["labels"]), np.array(s["mean"]), np.array(s["std"])
-            ax.plot(x, m, marker="o", ms=3, label=f"{name} (AUC {s['auc']:.3f})")
-            ax.fill_between(x, m - sd, m + sd, alpha=0.15)
-        ax.axhline(full_acc, color="k", lw=1, label=f"full data ({full_acc:.3f})")
-        ax.axhline(0.95 * full_acc, color="k", lw=0.8, ls="--", label="95 % of full data")
-        ax.axhline(chance, color="grey", lw=0.8, ls=":", label=f"chance ({chance:.2f})")
-        ax.set_xlabel("labeled samples")
-        ax.set_ylabel("test accuracy (mean ± std over seeds)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        for ax, (name, summary, full_acc) in zip(axes.flat, panels, strict=False):
+            for sname, s in sorted(summary.items()):
+                x, m = np.array(s["labels"]), np.array(s["mean"])
+                lo, hi = (np.array(b) for b in s["mean_ci"])
+                ratio = s.get("ratio_to_random_95")
+                label = f"{sname} (×{ratio:.2f})" if ratio is not None and sname != baseline else sname
+                ls = "--" if sname == baseline else "-"
+                line, = ax.plot(x, m, ls=ls, marker="o", ms=2.5, lw=1.6 if sname == baseline else 1.2, label=label,
+                                color="k" if sname == baseline else None)
+                ax.fill_between(x, lo, hi, alpha=0.12, color=line.get_color())
+            ax.axhline(full_acc, color="grey", lw=1, label=f"full data ({full_acc:.3f})")
+            ax.axhline(0.95 * full_acc, color="grey", lw=0.8, ls=":", label="95 % of full data")
+            ax.axhline(chance, color="lightgrey", lw=0.8, ls=":")
+            ax.set_title(name, fontsize=9)
+            ax.set_xlabel("labeled samples")
+            ax.set_ylabel("test accuracy (mean, 95 % band)")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=6.5, loc="lower right")
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        fig.suptitle(title, fontsize=9)
         buf = io.BytesIO()
         fig.savefig(buf, format="png", metadata={"Software": None}, bbox_inches="tight")
     finally:
@@ -565,52 +844,82 @@ def plot(summary: dict[str, Any], full_acc: float, chance: float, title: str, ou
 
 
 # ------------------------------------------------------------------------------------------------ main
-def run(cfg: ProjectConfig, bench: Bench, *, quick: bool) -> dict[str, Any]:
+def run_variant(variant: str, cfg: ProjectConfig, bench: Bench, data: Data, work: Work,
+                seeds: list[int]) -> dict[str, Any]:
+    """Every strategy and the full-data reference over `seeds` on the variant's pools, tiny model and probe."""
+    curves: dict[str, list[dict[str, Any]]] = {n: [] for n in bench.strategies}
+    probes: dict[str, list[dict[str, Any]]] = {n: [] for n in bench.strategies}
+    full, full_probe, rarest, pools, embed_s = [], [], [], [], []
+    for seed in seeds:
+        cfg_s = seeded(cfg, seed)
+        pool = data.pool
+        if variant == "longtail":
+            pool = longtail_pool(data.pool, data.truth, list(cfg.data.answers), bench.longtail.imbalance, seed)
+            sizes = Counter(data.truth[s] for s in pool)
+            rarest.append(min(sizes, key=lambda a: (sizes[a], a)))
+            need = bench.initial + bench.rounds * bench.batch
+            if len(pool) < need:
+                raise DataError(f"Long-tailed pool too small: {len(pool)} samples at imbalance "
+                                f"{bench.longtail.imbalance:g}, the benchmark labels {need}; lower benchmark.rounds / "
+                                "batch or the imbalance, or set benchmark.longtail: null")
+        pools.append(len(pool))
+        space = selection_space(cfg_s, data, pool, work)
+        embed_s.append(space.seconds)
+        full.append(full_data(cfg_s, bench, data, work, pool, variant))
+        for name, spec in bench.strategies.items():
+            curves[name].append(run_strategy(name, spec, cfg_s, bench, data, work, pool, space, variant))
+        if bench.reference_learner and space.emb:
+            full_probe.append(probe_full(cfg_s, data, pool, space))
+            for name, spec in bench.strategies.items():
+                probes[name].append(run_probe(spec, cfg_s, bench, data, pool, space))
+    fa = [f["accuracy"] for f in full]
+    rare = rarest if variant == "longtail" else None
+    out = headline(summarize(curves, fa, bench.baseline, bootstrap=bench.bootstrap, rarest=rare), bench.baseline, fa)
+    out.update(full_data_runs=full, pool_sizes=pools, embeddings_fit_seconds=[round(x, 1) for x in embed_s])
+    if rare:
+        out["rarest_class"] = rare
+    if full_probe:
+        pa = [f["accuracy"] for f in full_probe]
+        out["reference_learner"] = {
+            "learner": "logistic regression (C=10) on the selection embeddings, labels from the ground truth",
+            **headline(summarize(probes, pa, bench.baseline, bootstrap=bench.bootstrap, rarest=rare),
+                       bench.baseline, pa)}
+    return out
+
+
+def run(cfg: ProjectConfig, bench: Bench, *, quick: bool, seeds: list[int] | None = None,
+        variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     import torch
 
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     data = prepare_data(cfg, bench)
     work = Work(cfg, data)
-    full_seeds = bench.full_data_seeds if bench.full_data_seeds is not None else bench.seeds
-    full = full_data(cfg, bench, data, work, full_seeds)
-    full_acc = float(np.mean([f["accuracy"] for f in full]))
-    curves: dict[str, list[dict[str, Any]]] = {n: [] for n in bench.strategies}
-    for seed in bench.seeds:
-        cfg_s = seeded(cfg, seed)
-        initial = cold_start(cfg_s, bench, data, work)
-        for name, spec in bench.strategies.items():
-            curves[name].append(run_strategy(name, spec, cfg_s, bench, data, work, initial))
+    seeds = seeds or bench.seeds
+    result: dict[str, Any] = {"benchmark": "label_efficiency", "quick": quick, "baseline": bench.baseline,
+                              "baseline_cold_start": "random", "seeds": seeds,
+                              "selection_embeddings": cfg.select.embeddings.source}
+    if "main" in variants:
+        result.update(run_variant("main", cfg, bench, data, work, seeds))
+    if "longtail" in variants and bench.longtail is not None:
+        result["longtail"] = {"imbalance": bench.longtail.imbalance, "test": "balanced (unchanged)",
+                              **run_variant("longtail", cfg, bench, data, work, seeds)}
     chance = 1.0 / len(cfg.data.answers)
-    strategies = summarize(curves, full_acc, bench.baseline)
-    best95, ratio95 = best_ratio(strategies, bench.baseline, 95)
-    best90, ratio90 = best_ratio(strategies, bench.baseline, 90)
-    return {
-        "benchmark": "label_efficiency",
-        "quick": quick,
-        "full_data_accuracy": round(full_acc, 4),
-        "full_data_accuracy_std": round(float(np.std([f["accuracy"] for f in full], ddof=1)) if len(full) > 1
-                                        else 0.0, 4),
-        "full_data_runs": full,
+    result.update({
         "chance_accuracy": round(chance, 4),
-        "full_data_over_chance": round(full_acc / chance, 2),
-        "baseline": bench.baseline,
-        "strategies": strategies,
-        "best_ratio_95": ratio95,
-        "best_strategy_95": best95,
-        "best_ratio_90": ratio90,
-        "best_strategy_90": best90,
         "data": {**data.counts, "source": str(cfg.data.sources[0].path.relative_to(ROOT)
                                               if cfg.data.sources[0].path.is_relative_to(ROOT)
                                               else cfg.data.sources[0].path)},
-        "config": {"benchmark": bench.model_dump(exclude={"quick"}),
+        "config": {"benchmark": bench.model_dump(exclude={"quick"}, mode="json"),
                    "model": {k: v for k, v in cfg.section("model").items() if k != "name_or_path"},
                    "train": cfg.section("train"),
-                   "select": {k: cfg.section("select")[k] for k in ("score_batch_size", "mc_dropout_passes")}},
+                   "select": {k: cfg.section("select")[k] for k in ("score_batch_size", "mc_dropout_passes",
+                                                                     "embeddings")}},
         "wall_seconds": round(time.monotonic() - t0, 1),
         "timings": work.timer.summary(),
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "load_avg_1m_start": round(load0, 2), "load_avg_1m_end": round(os.getloadavg()[0], 2)},
-    }
+    })
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -619,6 +928,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="apply the config's benchmark.quick overrides")
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--png-out", type=Path, default=None, help="default: --json-out with .png, else the work folder")
+    ap.add_argument("--seeds", type=str, default=None, help="comma-separated subset of the config's seeds")
+    ap.add_argument("--variants", type=str, default=",".join(VARIANTS), help="main, longtail or both")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: the tiny model's ops are too small to split, and extra threads "
                          "spin-wait on a busy machine, ~10x the CPU time per step here)")
@@ -637,15 +948,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     transformers.utils.logging.disable_progress_bar()
 
     cfg, bench = load_bench_config(args.config, quick=args.quick)
-    result = run(cfg, bench, quick=args.quick)
-    result["config"]["file"] = str(args.config.resolve().relative_to(ROOT) if args.config.resolve().is_relative_to(ROOT)
-                                   else args.config)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    if seeds and set(seeds) - set(bench.seeds):
+        raise ConfigError(f"--seeds {sorted(set(seeds) - set(bench.seeds))} are not among benchmark.seeds "
+                          f"{bench.seeds}")
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if set(variants) - set(VARIANTS):
+        raise ConfigError(f"--variants must name {' and/or '.join(VARIANTS)}, got {args.variants!r}")
+    result = run(cfg, bench, quick=args.quick, seeds=seeds, variants=variants)
+    src = args.config.resolve()
+    result["config"]["file"] = str(src.relative_to(ROOT) if src.is_relative_to(ROOT) else args.config)
     png = args.png_out or (args.json_out.with_suffix(".png") if args.json_out else cfg.artifacts / "learning_curve.png")
-    title = (f"{result['data']['source']}: {len(bench.seeds)} seed(s), cold start {bench.cold_start} "
-             f"{bench.initial} + {bench.rounds}×{bench.batch}, {cfg.train.max_steps} steps/round "
-             f"({'continuing the last adapter' if cfg.train.init == 'warm' else 'fresh adapter'})")
-    result["png"] = str(plot(result["strategies"], result["full_data_accuracy"], result["chance_accuracy"], title,
-                             png))
+    panels = []
+    for key, name in (("", "tiny 4-bit VLM"), ("longtail", "tiny 4-bit VLM, long-tailed pool")):
+        part = result.get(key) if key else result
+        if part and "strategies" in part:
+            panels.append((f"{name}", part["strategies"], part["full_data_accuracy"]))
+            if "reference_learner" in part:
+                ref = part["reference_learner"]
+                panels.append((f"{name.replace('tiny 4-bit VLM', 'reference: linear probe')}", ref["strategies"],
+                               ref["full_data_accuracy"]))
+    title = (f"{result['data']['source']}: {len(result['seeds'])} seeds, random baseline from the first label, "
+             f"{bench.initial} + {bench.rounds}×{bench.batch} labels, {cfg.train.max_steps} steps/round, selection "
+             f"space: {cfg.select.embeddings.source}")
+    if panels:
+        result["png"] = str(plot(panels, bench.baseline, result["chance_accuracy"], title, png))
     text = json.dumps(result, indent=2)
     print(text)
     if args.json_out:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -29,8 +31,10 @@ def _write(tmp_path: Path, mutate) -> Path:
 
 def test_shipped_config_loads_and_quick_overrides_apply():
     cfg, bench = le.load_bench_config(le.DEFAULT_CONFIG)
-    assert {"random", "entropy", "margin", "bald", "cluster_margin", "kcenter_margin"} <= set(bench.strategies)
-    assert len(bench.seeds) >= 3 and cfg.select.mc_dropout_passes >= 2 and cfg.train.max_steps
+    assert {"random", "margin", "typiclust", "probcover", "maxherding", "tcm"} <= set(bench.strategies)
+    assert bench.baseline == "random" and bench.strategies["random"].cold_start == "random"
+    assert len(bench.seeds) >= 5 and bench.batch == 20 and bench.initial + bench.rounds * bench.batch >= 200
+    assert cfg.select.embeddings.source == "pool" and bench.longtail.imbalance == 20 and cfg.train.max_steps
     qcfg, quick = le.load_bench_config(le.DEFAULT_CONFIG, quick=True)
     q = yaml.safe_load(le.DEFAULT_CONFIG.read_text(encoding="utf-8"))["benchmark"]["quick"]
     assert set(quick.strategies) == set(q["strategies"]) and quick.seeds == q["seeds"]
@@ -40,6 +44,8 @@ def test_shipped_config_loads_and_quick_overrides_apply():
 @pytest.mark.parametrize(("mutate", "fragment"), [
     (lambda d: d["benchmark"]["strategies"].update(oops={"strategy": "confusion"}), "benchmark.strategies.oops"),
     (lambda d: d["benchmark"]["strategies"].pop("random"), "needs the baseline"),
+    (lambda d: d["benchmark"]["strategies"]["random"].update(cold_start="typiclust"), "needs the baseline"),
+    (lambda d: d["benchmark"]["strategies"]["tcm"]["schedule"].update(coverage="nope"), "strategies.tcm.schedule"),
     (lambda d: d["benchmark"].update(rounds=0), "benchmark.rounds"),
     (lambda d: d.update(extra={}), "only 'project' and 'benchmark'"),
     (lambda d: d["benchmark"]["quick"].update(strategies=["nope"]), "quick.strategies names ['nope']"),
@@ -61,14 +67,13 @@ def test_labels_to_interpolates_between_rounds():
 
 
 def test_summarize_ratios_against_random():
-    full = 1.0
     runs = {
         "random": [{"labels": [10, 20, 30], "accuracy": [0.5, 0.7, 0.95], "seconds": 1.0},
                    {"labels": [10, 20, 30], "accuracy": [0.5, 0.9, 0.95], "seconds": 1.0}],
         "margin": [{"labels": [10, 20, 30], "accuracy": [0.5, 0.95, 1.0], "seconds": 1.0,
                     "class_counts": {"a": 20, "b": 10}}] * 2,
     }
-    s = le.summarize(runs, full, "random")
+    s = le.summarize(runs, [1.0, 1.0], "random", bootstrap=200)
     assert s["random"]["mean"] == [0.5, 0.8, 0.95] and s["random"]["std"][1] == pytest.approx(0.1414, abs=1e-4)
     assert s["margin"]["final_min_max_class"] == [10, 20]
     assert s["random"]["labels_to_95"] == pytest.approx(30) and s["margin"]["labels_to_95"] == pytest.approx(20)
@@ -80,6 +85,36 @@ def test_summarize_ratios_against_random():
     per_seed = [((0.5 + 0.95) / 2 + (0.95 + 1.0) / 2) / 2 - ((0.5 + a) / 2 + (a + 0.95) / 2) / 2 for a in (0.7, 0.9)]
     assert s["margin"]["auc_minus_random"]["per_seed"] == pytest.approx(per_seed, abs=1e-4)
     assert s["margin"]["auc_minus_random"]["seeds_ahead"] == 2 and "auc_minus_random" not in s["random"]
+    # Random reaches 95 % of 1.0 at 30 labels on both seeds; margin at 20 (seed 0: 0.95) on both: every resample
+    # gives 2/3. Its mean band brackets the mean curve.
+    assert s["margin"]["ratio_to_random_95_ci"] == [pytest.approx(0.667, abs=1e-3)] * 2
+    lo, hi = s["random"]["mean_ci"]
+    assert all(a <= m <= b for a, m, b in zip(lo, s["random"]["mean"], hi, strict=True))
+
+
+def test_bootstrap_ratio_is_paired_and_counts_never_reached():
+    labels = np.array([10.0, 20.0, 30.0])
+    base = np.array([[0.2, 0.5, 1.0], [0.2, 0.5, 1.0], [0.2, 0.5, 1.0]])
+    same = le.bootstrap_ratio(base, base, np.ones(3), labels, 95, 300)
+    assert same == ([1.0, 1.0], 0.0)
+    never = le.bootstrap_ratio(np.full((3, 3), 0.3), base, np.ones(3), labels, 95, 300)
+    assert never == ([None, None], 0.0)  # infinite ratio in every resample: no finite end
+    undefined = le.bootstrap_ratio(base, np.full((3, 3), 0.3), np.ones(3), labels, 95, 300)
+    assert undefined == ([None, None], 1.0)
+
+
+def test_longtail_pool_decays_geometrically_with_a_seeded_order():
+    answers = [str(i) for i in range(10)]
+    pool = [f"s{c}-{i}" for c in range(10) for i in range(100)]
+    truth = {s: s[1] for s in pool}
+    lt = le.longtail_pool(pool, truth, answers, 20.0, seed=3)
+    sizes = sorted(Counter(truth[s] for s in lt).values(), reverse=True)
+    assert sizes[0] == 100 and sizes[-1] == 5 and len(sizes) == 10
+    assert all(a >= b for a, b in zip(sizes, sizes[1:], strict=False))
+    assert lt == le.longtail_pool(pool, truth, answers, 20.0, seed=3)
+    order = [Counter(truth[s] for s in le.longtail_pool(pool, truth, answers, 20.0, seed=k)).most_common(1)[0][0]
+             for k in range(6)]
+    assert len(set(order)) > 1  # the most frequent class changes with the seed
 
 
 @pytest.mark.slow
@@ -87,32 +122,33 @@ def test_tiny_run_goes_through_export_annotator_and_ledger(tmp_path):
     def tiny(d):
         d["project"]["paths"]["artifacts"] = str(tmp_path / "work")
         d["project"]["model"]["name_or_path"] = str(tmp_path / "tiny-idefics3")
-        d["project"]["select"]["mc_dropout_passes"] = 2
-        d["benchmark"]["quick"] = {"seeds": [0], "rounds": 1, "initial": 8, "batch": 6, "test_size": 20,
-                                   "pool_size": 60, "train_steps": 2, "full_data_seeds": [0],
-                                   "strategies": ["random", "bald", "kcenter_margin"]}
+        d["project"]["select"]["embeddings"] = {"source": "pool", "encoder": {"epochs": 1, "batch_size": 32}}
+        d["benchmark"]["quick"] = {"seeds": [0, 1], "rounds": 1, "initial": 8, "batch": 6, "test_size": 20,
+                                   "pool_size": 80, "train_steps": 2, "bootstrap": 100,
+                                   "strategies": ["random", "margin", "probcover"]}
 
     out = tmp_path / "res.json"
     result = le.main(["--config", str(_write(tmp_path, tiny)), "--quick", "--json-out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert Path(result["png"]).read_bytes()[:4] == b"\x89PNG"
-    assert result["data"]["pool"] == 60 and result["data"]["test"] == 20
-    for name in ("random", "bald", "kcenter_margin"):
-        assert result["strategies"][name]["labels"] == [8, 14]
-    # The cold-start round is trained once for all three strategies (the full-data reference once per round when
-    # rounds continue the last adapter), and the ledgers hold exactly what was exported.
-    warm = result["config"]["train"]["init"] == "warm"
-    assert result["timings"]["train"]["computed"] == (2 if warm else 1) + 1 + 3
-    assert len(result["full_data_runs"][0]["curve"]) == (2 if warm else 1)
+    assert result["data"]["pool"] == 80 and result["data"]["test"] == 20
+    assert result["baseline_cold_start"] == "random" and result["seeds"] == [0, 1]
+    for part in (result, result["longtail"], result["reference_learner"], result["longtail"]["reference_learner"]):
+        for name in ("random", "margin", "probcover"):
+            assert part["strategies"][name]["labels"] == [8, 14]
+        assert {"best_ratio_95", "best_strategy_95", "best_ratio_95_ci"} <= set(part)
+    assert "ratio_to_random_95_ci" in result["strategies"]["probcover"]
+    assert "rarest_class_recall" in result["longtail"]["strategies"]["margin"]
+    assert len(result["full_data_runs"][0]["curve"]) == 2  # warm: one training per round
     runs = sorted((tmp_path / "work" / "runs").iterdir())
-    assert len(runs) == 4
+    assert len(runs) == 2 * 2 * 4  # (main, longtail) × seeds × (full data + 3 strategies)
     for run in runs:
         ledger = [json.loads(line) for line in (run / "labels.jsonl").read_text().splitlines()]
         tasks = [t for f in sorted(run.glob("rounds/*/export/label_studio_tasks.json"))
                  for t in json.loads(f.read_text())]
         assert sorted(e["sample_id"] for e in ledger) == sorted(t["data"]["sample_id"] for t in tasks)
-    # A second run reuses every adapter, evaluation and score.
+    # A second run reuses every embedding, adapter, evaluation and score.
     again = le.main(["--config", str(_write(tmp_path, tiny)), "--quick"])
-    assert again["timings"]["train"]["computed"] == 0
+    assert again["timings"]["train"]["computed"] == 0 and again["timings"]["embeddings"]["computed"] == 0
     for name, s in result["strategies"].items():
         assert again["strategies"][name]["per_seed"] == s["per_seed"]

@@ -1,19 +1,21 @@
 """The `tamis` command. It launches flows, so it lives in flows/; everything else it calls is library code.
 
-Each area registers its commands from a small module (flows/cmd_*.py) so the entry point stays short.
+Each area's commands live in a small module (flows/cmd_*.py) with a `register(app)`; they share the --config option
+and the loader through flows/cli_common.py, so this module imports them and none of them imports it.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from flows import cmd_data, cmd_labels, cmd_model, cmd_prepare, cmd_rounds
+from flows.cli_common import ConfigOpt
+from flows.cli_logging import configure_logging
 from pipeline import __version__
 from pipeline.errors import TamisError
 
@@ -26,11 +28,6 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 state = {"debug": False}
-
-ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help="Project config YAML (default: the embedded configs/demo.yaml).")
-]
-
 
 def _version(value: bool) -> None:
     if value:
@@ -46,27 +43,7 @@ def main(
     ] = False,
 ) -> None:
     state["debug"] = debug
-    from rich.logging import RichHandler
-
-    logging.basicConfig(
-        level=logging.DEBUG if debug else logging.INFO,
-        format="%(message)s",
-        # A console per invocation: it reads the terminal width (COLUMNS) now, not when this module was imported.
-        handlers=[RichHandler(console=Console(stderr=True), show_path=debug, rich_tracebacks=debug)],
-        force=True,
-    )
-    for noisy in ("httpx", "httpcore", "urllib3", "PIL", "matplotlib", "filelock", "fsspec"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def load(config: Path | None):
-    """Load the config once and point Prefect at the project's artifacts before Prefect is imported."""
-    from flows.settings import configure_prefect
-    from pipeline.config import load_config
-
-    cfg = load_config(config)
-    configure_prefect(cfg.artifacts)
-    return cfg
+    configure_logging(debug)
 
 
 config_app = typer.Typer(help="Inspect the project config.", no_args_is_help=True)
@@ -81,14 +58,8 @@ def config_show(config: ConfigOpt = None) -> None:
     typer.echo(load_config(config).to_yaml(), nl=False)
 
 
-def _register_commands() -> None:
-    from flows import cmd_data, cmd_labels, cmd_model, cmd_prepare, cmd_rounds
-
-    for module in (cmd_data, cmd_prepare, cmd_model, cmd_labels, cmd_rounds):
-        module.register(app)
-
-
-_register_commands()
+for _module in (cmd_data, cmd_prepare, cmd_model, cmd_labels, cmd_rounds):
+    _module.register(app)
 
 
 def run() -> None:

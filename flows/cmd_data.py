@@ -1,56 +1,59 @@
 """`tamis ingest` and `tamis demo-data`."""
-# No `from __future__ import annotations`: typer reads the annotations at run time, and ConfigOpt is local.
+
+from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from flows.cli_common import ConfigOpt, load
+
+
+def ingest_cmd(config: ConfigOpt = None) -> None:
+    """Read every data source into a validated dataset; bad rows go to quarantine.jsonl with a reason."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeline.data.ingest import source_digest
+
+    # Reading the sources first reports an unreadable source as a plain user error, before Prefect starts.
+    digest = source_digest(load(config).data)
+    from flows.ingest import ingest_flow
+
+    ref = ingest_flow(str(config) if config else None, digest)
+    counts, folder = ref["counts"], Path(ref["dir"])
+    table = Table(title="ingest")
+    table.add_column("rows")
+    table.add_column("count", justify="right")
+    for name in ("read", "ingested", "quarantined", "duplicates"):
+        table.add_row(name, str(counts[name]))
+    out = Console()
+    out.print(table)
+    out.print(f"dataset:    {folder / 'dataset'}", highlight=False, soft_wrap=True)
+    out.print(f"quarantine: {folder / 'quarantine.jsonl'} ({counts['quarantined']} rows)", highlight=False, soft_wrap=True)
+    out.print(f"duplicates: {folder / 'duplicates.jsonl'} ({counts['duplicates']} rows)", highlight=False, soft_wrap=True)
+
+
+def demo_data_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Folder to write images/, manifest.jsonl and "
+                                      "ground_truth.jsonl into.")] = Path("artifacts/demo/digits"),
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only N images, balanced over the "
+                                                 "digits (a tiny slice for tests).")] = None,
+) -> None:
+    """Write the demo dataset: scikit-learn's 1,797 handwritten digits as a visual question-answering task."""
+    import json
+
+    from pipeline.data.demo import write_digits
+
+    folder = write_digits(out, limit=limit)
+    rows = [json.loads(line) for line in (folder / "manifest.jsonl").read_text(encoding="utf-8").splitlines()]
+    n_test = sum(r["split"] == "test" for r in rows)
+    typer.echo(f"wrote {len(rows)} digit images ({n_test} test with answers, {len(rows) - n_test} pool without) "
+               f"to {folder}")
+    typer.echo(f"manifest: {folder / 'manifest.jsonl'}\nground truth: {folder / 'ground_truth.jsonl'}")
+
 
 def register(app: typer.Typer) -> None:
-    # flows.cli imports this module while it is still being defined: import from it here, not at module level.
-    from flows.cli import ConfigOpt, load
-
-    @app.command("ingest")
-    def ingest_cmd(config: ConfigOpt = None) -> None:
-        """Read every data source into a validated dataset; bad rows go to quarantine.jsonl with a reason."""
-        from rich.console import Console
-        from rich.table import Table
-
-        from pipeline.data.ingest import source_digest
-
-        # Reading the sources first reports an unreadable source as a plain user error, before Prefect starts.
-        digest = source_digest(load(config).data)
-        from flows.ingest import ingest_flow
-
-        ref = ingest_flow(str(config) if config else None, digest)
-        counts, folder = ref["counts"], Path(ref["dir"])
-        table = Table(title="ingest")
-        table.add_column("rows")
-        table.add_column("count", justify="right")
-        for name in ("read", "ingested", "quarantined", "duplicates"):
-            table.add_row(name, str(counts[name]))
-        out = Console()
-        out.print(table)
-        out.print(f"dataset:    {folder / 'dataset'}", highlight=False, soft_wrap=True)
-        out.print(f"quarantine: {folder / 'quarantine.jsonl'} ({counts['quarantined']} rows)", highlight=False, soft_wrap=True)
-        out.print(f"duplicates: {folder / 'duplicates.jsonl'} ({counts['duplicates']} rows)", highlight=False, soft_wrap=True)
-
-    @app.command("demo-data")
-    def demo_data_cmd(
-        out: Annotated[Path, typer.Option("--out", help="Folder to write images/, manifest.jsonl and "
-                                          "ground_truth.jsonl into.")] = Path("artifacts/demo/digits"),
-        limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only N images, balanced over the "
-                                                     "digits (a tiny slice for tests).")] = None,
-    ) -> None:
-        """Write the demo dataset: scikit-learn's 1,797 handwritten digits as a visual question-answering task."""
-        import json
-
-        from pipeline.data.demo import write_digits
-
-        folder = write_digits(out, limit=limit)
-        rows = [json.loads(line) for line in (folder / "manifest.jsonl").read_text(encoding="utf-8").splitlines()]
-        n_test = sum(r["split"] == "test" for r in rows)
-        typer.echo(f"wrote {len(rows)} digit images ({n_test} test with answers, {len(rows) - n_test} pool without) "
-                   f"to {folder}")
-        typer.echo(f"manifest: {folder / 'manifest.jsonl'}\nground truth: {folder / 'ground_truth.jsonl'}")
+    app.command("ingest")(ingest_cmd)
+    app.command("demo-data")(demo_data_cmd)

@@ -3,7 +3,8 @@
 Both register the deployment `labeling-round/scheduled`; `serve` also runs the scheduled flow runs itself, so no work
 pool or worker is needed (but the schedule only fires while it runs).
 """
-# No `from __future__ import annotations`: typer reads the annotations at run time.
+
+from __future__ import annotations
 
 import logging
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from flows.cli_common import ConfigOpt, load
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -60,14 +62,14 @@ def serve_round(config: Path | None, cron: str | None, cfg: Any) -> None:
     labeling_round.serve(name=DEPLOYMENT_NAME, cron=schedule, parameters=params)
 
 
-def register_serve(app: typer.Typer) -> None:
-    from flows.cli import ConfigOpt, load
+def serve_cmd(
+    config: ConfigOpt = None,
+    cron: Annotated[str | None, typer.Option("--cron", help="Cron schedule in UTC, e.g. '0 6 * * 1' "
+                                              "(default: rounds.cron of the config).")] = None,
+) -> None:
+    """Run labeling rounds on a schedule from this process (deployment labeling-round/scheduled); Ctrl-C stops."""
+    serve_round(config, cron, load(config))
 
-    @app.command("serve")
-    def serve_cmd(
-        config: ConfigOpt = None,
-        cron: Annotated[str | None, typer.Option("--cron", help="Cron schedule in UTC, e.g. '0 6 * * 1' "
-                                                  "(default: rounds.cron of the config).")] = None,
-    ) -> None:
-        """Run labeling rounds on a schedule from this process (deployment labeling-round/scheduled); Ctrl-C stops."""
-        serve_round(config, cron, load(config))
+
+def register_serve(app: typer.Typer) -> None:
+    app.command("serve")(serve_cmd)

@@ -81,6 +81,17 @@ def _last_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask * positions).argmax(dim=1)
 
 
+def _kv_cache(out: Any) -> tuple[str, Any]:
+    """(the keyword a model's forward takes its KV cache by, the cache in `out`, that model's output).
+
+    transformers 5 renamed `past_key_values` to `cache` (the old names still work but warn on every call); 4.57 only
+    knows `past_key_values`. A model whose output declares a `cache` field takes `cache` as well.
+    """
+    if "cache" in getattr(out, "__dataclass_fields__", {}):
+        return "cache", out.cache
+    return "past_key_values", out.past_key_values
+
+
 class ClosedSetScorer:
     """Candidate probabilities for a closed answer set, computed from one prefix pass per sample batch."""
 
@@ -135,7 +146,7 @@ class ClosedSetScorer:
         result = torch.empty(n, c, device=first.device)
         if n != 1:
             raise ValueError("multi-token candidates are scored one sample per prefix pass (score_batch_size 1)")
-        cache = out.past_key_values
+        cache_kw, cache = _kv_cache(out)
         cache.batch_repeat_interleave(c)
         prefix_mask = enc["attention_mask"].repeat_interleave(c, dim=0)
         attn = torch.cat([prefix_mask, valid.long()], dim=1)
@@ -143,7 +154,7 @@ class ClosedSetScorer:
         cont = self.model(
             input_ids=toks,
             attention_mask=attn,
-            past_key_values=cache,
+            **{cache_kw: cache},
             cache_position=torch.arange(start, start + width, device=first.device),
             use_cache=True,
         )

@@ -20,7 +20,12 @@ from safetensors.torch import load_file
 from pipeline.config import parse_config
 from pipeline.errors import DataError, ModelError
 from pipeline.model.loading import load_model
-from pipeline.model.train import _optimizer_step, step_indices, train_adapter
+from pipeline.model.train import (
+    _enable_activation_checkpointing,
+    _optimizer_step,
+    step_indices,
+    train_adapter,
+)
 from pipeline.store import read_manifest
 
 QUESTION = "Which digit is shown in the image?"
@@ -144,6 +149,16 @@ def test_full_mode_saves_a_loadable_model(tiny_models, rows, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ resume
+def test_activation_checkpointing_is_enabled_without_a_deprecation_warning(tiny_models):
+    import warnings
+
+    model = load_model(make_cfg(tiny_models["idefics3"], "lora").model, trainable=True).model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # transformers 5's gradient_checkpointing_enable warns
+        _enable_activation_checkpointing(model)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
 def test_resume_after_interruption_matches_uninterrupted(tiny_models, rows, tmp_path):
     # Dropout on: the restored RNG state must reproduce the same dropout masks after resuming.
     # Gradient checkpointing on as well: recomputed forwards must replay the same dropout masks.

@@ -78,6 +78,25 @@ def test_multi_token_candidates_reuse_the_prefix_cache(loaded):
             np.testing.assert_allclose(res.probs[i], np.exp(ll) / np.exp(ll).sum(), atol=1e-4)
 
 
+def test_multi_token_scoring_passes_the_cache_under_its_current_name(loaded):
+    # transformers 5 renamed past_key_values to cache; the old name warns on every call (a FutureWarning per
+    # forward, and a logged warning on reading it from the output).
+    import logging
+    import warnings
+
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: logged.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            ClosedSetScorer(loaded, ["cat", "dog house"]).score(_rows(1), batch_size=1)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [m for m in logged if "past_key_values" in m]
+
+
 def test_batching_and_repeat_runs_do_not_change_scores(loaded):
     rows = _rows(6)
     a = ClosedSetScorer(loaded, DIGITS).score(rows, batch_size=1)

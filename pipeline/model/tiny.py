@@ -26,7 +26,11 @@ MERGE = 2
 VOCAB_SIZE = 1024
 HEAD_GAIN = 3.0
 TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 1024}
+        "num_key_value_heads": 2}
+# Context length: room for one image's tokens plus the prompt, the answer and the chat template's markers, and never
+# below 1,024. A 512-px image alone is 1,024 image tokens, so a fixed 1,024 made the tokenizer warn (1046 > 1024).
+MIN_CONTEXT = 1024
+TEXT_TOKENS = 512
 # bitsandbytes' CPU inference kernel packs 4-bit weights in blocks: every quantized layer needs in_features % 64 == 0
 # and out_features % 32 == 0, so no width below 64.
 VISION = {"hidden_size": 64, "intermediate_size": 128}
@@ -55,8 +59,20 @@ def _corpus(words: Sequence[str]) -> list[str]:
     return lines
 
 
-def build_tokenizer(family: Family, words: Sequence[str] = VOCAB_WORDS) -> Any:
-    """A byte-level BPE trained on `words`, wrapped with the family's special tokens and chat template."""
+def image_tokens(image_size: int) -> int:
+    """Tokens one `image_size`-px square image becomes: (side / PATCH)² patches, MERGE² of them per token (Idefics3's
+    pixel shuffle and Qwen2-VL's patch merger alike)."""
+    return (image_size // PATCH) ** 2 // MERGE**2
+
+
+def context_length(image_size: int) -> int:
+    """The text model's positions and the tokenizer's model_max_length for a tiny model built for `image_size`."""
+    return max(MIN_CONTEXT, image_tokens(image_size) + TEXT_TOKENS)
+
+
+def build_tokenizer(family: Family, words: Sequence[str] = VOCAB_WORDS, *, max_length: int = MIN_CONTEXT) -> Any:
+    """A byte-level BPE trained on `words`, wrapped with the family's special tokens and chat template; prompts of up
+    to `max_length` tokens (image tokens included) pass without the tokenizer's too-long warning."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -72,7 +88,7 @@ def build_tokenizer(family: Family, words: Sequence[str] = VOCAB_WORDS) -> Any:
                 "pad_token": "<|endoftext|>", "unk_token": None}
     tok = PreTrainedTokenizerFast(
         tokenizer_object=tk, additional_special_tokens=[t for t in family.special_tokens if t not in specials.values()],
-        model_max_length=TEXT["max_position_embeddings"], **specials,
+        model_max_length=max_length, **specials,
     )
     tok.chat_template = family.chat_template
     for prefix in ("", " "):
@@ -87,8 +103,9 @@ def _ids(tok: Any, *tokens: str) -> list[int]:
 
 
 def _text_config(tok: Any) -> dict[str, Any]:
-    return {**TEXT, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id, "tie_word_embeddings": False}
+    return {**TEXT, "max_position_embeddings": tok.model_max_length, "vocab_size": len(tok),
+            "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+            "tie_word_embeddings": False}
 
 
 def _idefics3(tok: Any, image_size: int) -> tuple[Any, Any]:
@@ -104,8 +121,7 @@ def _idefics3(tok: Any, image_size: int) -> tuple[Any, Any]:
     )
     ip = Idefics3ImageProcessor(size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size},
                                 do_image_splitting=False)
-    seq_len = (image_size // PATCH) ** 2 // scale**2
-    return config, Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=seq_len,
+    return config, Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=image_tokens(image_size),
                                      chat_template=tok.chat_template)
 
 
@@ -195,7 +211,7 @@ def make_tiny_model(
     if image_size < unit or image_size % unit:
         raise ModelError(f"tiny model image_size {image_size} must be a positive multiple of {unit} "
                          f"(patch {PATCH} × merge {MERGE}), e.g. 32")
-    tok = build_tokenizer(fam, vocab_words)
+    tok = build_tokenizer(fam, vocab_words, max_length=context_length(image_size))
     config, processor = BUILDERS[family](tok, image_size)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

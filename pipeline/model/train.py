@@ -300,6 +300,18 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(p for p in model.parameters()).device
 
 
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in the backward pass instead of keeping them (non-reentrant checkpoints)."""
+    kwargs = {"use_reentrant": False}
+    # transformers 5 renamed gradient_checkpointing_enable to activation_checkpointing_enable; the old name is now an
+    # alias that warns on every call. Older releases (down to the 4.57 we support) only have the old name.
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+
+
 def _fingerprint(cfg: ProjectConfig, rows_digest: str, init_digest: str) -> str:
     """What a checkpoint must match to be resumed: same rows, same model/train config, seed and initial adapter."""
     train = cfg.section("train")
@@ -359,7 +371,7 @@ def train_adapter(
     model, processor, family = loaded.model, loaded.processor, loaded.family
     device = _model_device(model)
     if settings.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_activation_checkpointing(model)
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
     if hasattr(model, "config"):

@@ -10,73 +10,64 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-# Defined here, not imported from flows.cli: cli imports this module while it is still initialising.
-ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help="Project config YAML (default: the embedded configs/demo.yaml).")
-]
+from flows.cli_common import ConfigOpt
+
 LOCK_NAME = "round.lock"
 
 
-def _latest_round(artifacts: Path) -> int:
-    rounds = artifacts / "rounds"
-    found = [int(p.name) for p in rounds.glob("[0-9][0-9][0-9]")] if rounds.is_dir() else []
-    return max(found, default=0)
-
-
-def _known_ids(artifacts: Path, dataset: Path | None) -> set[str]:
-    from pipeline.annotation import exported_sample_ids
-
-    ids = exported_sample_ids(artifacts)  # relabel task sets included
-    if dataset is not None:
-        from datasets import load_from_disk
-
-        from pipeline.errors import DataError
-
-        try:
-            ids |= set(load_from_disk(str(dataset))["sample_id"])
-        except (FileNotFoundError, KeyError, ValueError) as exc:
-            raise DataError(f"{dataset}: not a saved tamis dataset with a sample_id column ({exc})") from None
-    return ids
-
-
 def labels_import(
-    file: Annotated[Path, typer.Argument(help="Label Studio JSON / JSON_MIN export, CSV or JSONL (sample_id,label).")],
+    file: Annotated[Path, typer.Argument(help="Label Studio JSON / JSON_MIN export, CSV or JSONL: a label column and "
+                                              "a key column (sample_id, your own id, or the image path).")],
     config: ConfigOpt = None,
     round_index: Annotated[
-        int | None, typer.Option("--round", help="Round the labels belong to (default: the latest exported).")
+        int | None, typer.Option("--round", help="Round the labels belong to (default: the next round, the first "
+                                                 "that trains on them; the same as an inbox import).")
     ] = None,
     dataset: Annotated[
-        Path | None, typer.Option(help="A saved dataset whose samples may be labeled besides the exported ones.")
+        Path | None, typer.Option(help="A saved dataset whose samples may be labeled (default: the project's last "
+                                       "prepared dataset).")
     ] = None,
     strict: Annotated[bool, typer.Option(help="Reject the whole file if any row is rejected.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would land in the ledger; write nothing.")]
+    = False,
 ) -> None:
     """Validate a label file and append its labels to the ledger (artifacts/labels.jsonl)."""
     from pipeline.annotation import Ledger, import_labels, ledger_path
+    from pipeline.annotation.labels import LabelKeys, import_round, project_index
     from pipeline.config import load_config
     from pipeline.lock import ProjectLock
 
-    out = Console()
+    out = Console(markup=False, highlight=False)  # reasons hold [lists] rich would read as markup
     cfg = load_config(config)
     artifacts = cfg.artifacts
-    known = _known_ids(artifacts, dataset)
+    index = project_index(artifacts, dataset)
     # The round flow imports the inbox under the same lock: two writers must not judge corrections concurrently.
     with ProjectLock(artifacts / LOCK_NAME, purpose="label import"):
         rep = import_labels(
             file,
-            known_ids=known,
+            known_ids=index,
             answers=cfg.data.answers,
             ledger=Ledger(ledger_path(artifacts)),
-            round_index=_latest_round(artifacts) if round_index is None else round_index,
+            round_index=import_round(artifacts) if round_index is None else round_index,
             rejections_dir=artifacts / "rejections",
             strict=strict,
+            keys=LabelKeys.from_config(cfg),
+            dry_run=dry_run,
         )
-    out.print(rep.summary(), highlight=False)
+    out.print(rep.summary())
+    if dry_run:
+        for e in rep.accepted[:50]:
+            key = f" (by {e['matched_by']} {e['matched_key']!r})" if e.get("matched_key") else ""
+            out.print(f"  would {'correct' if e['kind'] == 'correction' else 'label'} {e['sample_id']} = "
+                      f"{e['label']!r}{key}")
+        if len(rep.accepted) > 50:
+            out.print(f"  … {len(rep.accepted) - 50} more")
     for r in rep.rejected[:20]:
-        out.print(f"  rejected {r.where}: {r.reason}", highlight=False)
+        out.print(f"  rejected {r.where}: {r.reason}")
     if len(rep.rejected) > 20:
-        out.print(f"  … {len(rep.rejected) - 20} more in {rep.rejections_file}", highlight=False)
+        out.print(f"  … {len(rep.rejected) - 20} more" + (f" in {rep.rejections_file}" if rep.rejections_file else ""))
     for c in rep.conflicts:
-        out.print(f"  conflict {c.sample_id}: votes {c.votes} → {c.outcome} {c.label or ''}", highlight=False)
+        out.print(f"  conflict {c.sample_id}: votes {c.votes} → {c.outcome} {c.label or ''}")
 
 
 def labels_history(
@@ -119,6 +110,7 @@ def labels_issues(
 
     from pipeline.config import load_config
     from pipeline.errors import DataError
+    from pipeline.labelcheck import VERDICT_FILE, false_alarm_text, verdict_headline, verdict_signals
     from pipeline.rounds import completed_rounds
     from pipeline.store import read_jsonl
 
@@ -134,14 +126,25 @@ def labels_issues(
     check = state["labelcheck"]
     folder = Path(check["dir"])
     rows = read_jsonl(folder / "issues.jsonl")
-    t = Table(title=f"round {state['round']}: {len(rows)} likely label errors among {check['checked']} labels "
-                    f"checked ({check['method']})")
-    for col in ("rank", "sample", "given", "suggested", "score", "annotators", "source file"):
-        t.add_column(col, no_wrap=col == "sample")  # an ID must stay copyable from the terminal
-    for r in rows[:top]:
-        t.add_row(str(r["rank"]), r["sample_id"], r["given_label"], r["suggested_label"], f"{r['score']:.3f}",
-                  ", ".join(r["annotators"]) or r["origin"], Path(r["source_file"]).name)
-    out.print(t)
+    verdict_path = folder / VERDICT_FILE
+    verdict = json.loads(verdict_path.read_text(encoding="utf-8")) if verdict_path.is_file() else {}
+    if verdict.get("abstained"):
+        out.print(f"round {state['round']}: {verdict_headline(verdict, 0, check['checked'])}", highlight=False)
+    else:
+        t = Table(title=f"round {state['round']}: {len(rows)} likely label errors among {check['checked']} labels "
+                        f"checked ({check['method']})")
+        for col in ("rank", "sample", "given", "suggested", "P(wrong)", "signals", "score", "annotators",
+                    "source file"):
+            t.add_column(col, no_wrap=col == "sample")  # an ID must stay copyable from the terminal
+        for r in rows[:top]:
+            t.add_row(str(r["rank"]), r["sample_id"], r["given_label"], r["suggested_label"],
+                      f"{r.get('confidence', 1.0):.2f}", "+".join(r.get("signals", [])), f"{r['score']:.3f}",
+                      ", ".join(r["annotators"]) or r["origin"], Path(r["source_file"]).name)
+        out.print(t)
+        if rows and "expected_false_alarms" in verdict:
+            out.print(false_alarm_text(verdict["expected_false_alarms"]), highlight=False)
+    for line in verdict_signals(verdict):
+        out.print(line, highlight=False)
     agreement = json.loads((folder / "agreement.json").read_text(encoding="utf-8"))
     if agreement:
         a = Table(title="annotator agreement")

@@ -15,12 +15,13 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
 from flows.ingest import ingest_ref
-from flows.labelcheck import label_check_ref, relabel_ref, report_agreement, report_table
+from flows.labelcheck import label_check_ref, relabel_ref, report_agreement, report_table, report_verdict
 from flows.prepare import augment_ref, prepare_refs
 from flows.select import select_ref
 from flows.stages import run_stage, stage_task
 from pipeline.annotation.export import EXPORT_VERSION, TASKS_FILE, export_dir, export_selection
-from pipeline.annotation.labels import import_labels, inbox_files
+from pipeline.annotation.label_studio import pull_labels, push_batch
+from pipeline.annotation.labels import LabelKeys, SampleIndex, import_labels, import_round, inbox_files
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.annotation.simulate import simulate_annotator
 from pipeline.config import ProjectConfig, load_config
@@ -116,14 +117,15 @@ def export_task(artifacts: str, selection: dict, prepared: dict, annotate: dict,
 
 
 # ------------------------------------------------------------------------------------------------- steps
-def import_new_labels(cfg: ProjectConfig, known_ids: set[str], round_index: int) -> list[dict[str, Any]]:
+def import_new_labels(cfg: ProjectConfig, known_ids: SampleIndex | set[str], round_index: int) -> list[dict[str, Any]]:
     """Import every inbox file on its own: a corrupt file is rejected (reported with its line) and the rest go in."""
     ledger = Ledger(ledger_path(cfg.artifacts))
+    index, keys = SampleIndex.of(known_ids), LabelKeys.from_config(cfg)
     reports = []
     for path in inbox_files(cfg.artifacts / "inbox"):
         try:
-            rep = import_labels(path, known_ids=known_ids, answers=cfg.data.answers, ledger=ledger,
-                                round_index=round_index, rejections_dir=cfg.artifacts / "rejections")
+            rep = import_labels(path, known_ids=index, answers=cfg.data.answers, ledger=ledger,
+                                round_index=round_index, rejections_dir=cfg.artifacts / "rejections", keys=keys)
         except LabelImportError as exc:
             log.error("label file rejected, nothing imported from it: %s", exc)
             reports.append({"file": str(path), "error": str(exc)})
@@ -133,6 +135,14 @@ def import_new_labels(cfg: ProjectConfig, known_ids: set[str], round_index: int)
         reports.append({"file": rep.file, "summary": rep.summary(), "accepted": len(rep.accepted),
                         "rejected": len(rep.rejected), "already_imported": rep.already_imported})
     return reports
+
+
+def _import_record(artifacts: Path, round_index: int, imports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The imports that brought a round's labels: a re-run of the round (whose files are all already imported) keeps
+    the record of the run that imported them, and adds only what it imported or refused itself."""
+    prev = next((s for s in completed_rounds(artifacts) if s["round"] == round_index), None)
+    kept = [i for i in (prev or {}).get("imports", []) if not i.get("already_imported")]
+    return kept + [i for i in imports if not i.get("already_imported") and i not in kept]
 
 
 def _summary_markdown(state: dict[str, Any], metrics_rows: list[dict[str, Any]], label_report: str = "") -> str:
@@ -156,6 +166,10 @@ def _summary_markdown(state: dict[str, Any], metrics_rows: list[dict[str, Any]],
         lines += [f"| {r['round']} | {r['labels']} | {r['metric']} | {r['value']:.4f} |" for r in metrics_rows]
     if state.get("export_dir"):
         lines += ["", f"Export for annotators: `{state['export_dir']}`"]
+    if state.get("label_studio"):
+        ls = state["label_studio"]
+        lines += [f"Label Studio: NOT pushed: {ls['error']}" if "error" in ls else
+                  f"Label Studio: project {ls['project']} ← {ls['pushed']} new tasks ({ls['already']} already there)"]
     if state.get("relabel_dir"):
         lines += [f"Re-label tasks (likely label errors, {state['relabel']} samples): `{state['relabel_dir']}`"]
     out = state.get("outliers")
@@ -173,11 +187,15 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
     art = cfg.artifacts
     ing = ingest_ref(cfg)
     prep = prepare_refs(cfg, ing)
-    ds = load_prepared(prep["prepare"]["dir"]).select_columns(["sample_id", "split", "answer"])
+    ds_keys = load_prepared(prep["prepare"]["dir"])
+    ds = ds_keys.select_columns(["sample_id", "split", "answer"])
     ids, splits, answers = ds["sample_id"], ds["split"], ds["answer"]
 
-    start = next_round_index(art, None)
-    imports = import_new_labels(cfg, set(ids), start)
+    start = import_round(art)  # the round `tamis labels import` records too
+    cols = [c for c in ("sample_id", "external_id", "image_path") if c in ds_keys.column_names]
+    index = SampleIndex.from_dataset(ds_keys.select_columns(cols))
+    # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
+    imports = pull_labels(cfg, known_ids=index, round_index=start) + import_new_labels(cfg, index, start)
     seed_labels = {s: a for s, sp, a in zip(ids, splits, answers, strict=True) if sp == "train" and a is not None}
     ledger_labels = {s: lab for s, lab in Ledger(ledger_path(art)).labels().items() if s in set(ids)}
     labels = {**seed_labels, **ledger_labels}
@@ -185,7 +203,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
     r = next_round_index(art, labeled_digest)
     round_dir = art / "rounds" / f"{r:03d}"
     state: dict[str, Any] = {"round": r, "labeled": len(labels), "labeled_digest": labeled_digest,
-                             "imports": imports, "metrics": None}
+                             "imports": _import_record(art, r, imports), "metrics": None}
 
     # Rounds before this one: on a re-run of round r, round r's own state must not become its warm start.
     previous = [s for s in completed_rounds(art) if s["round"] < r]
@@ -212,9 +230,10 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
                 append_metrics(art, {"round": r, "labels": len(labels), "metric": name, "value": value,
                                      "strategy": f"{cfg.select.strategy}+{cfg.select.diversity}"})
         check = label_check_ref(cfg, labeled=labeled, previous=previous[-1] if previous else None,
-                                round_dir=round_dir)
+                                round_dir=round_dir, prepared=prep["prepare"])
         if check is not None:
-            state["labelcheck"] = {k: check.get(k) for k in ("dir", "method", "checked", "issues")}
+            state["labelcheck"] = {k: check.get(k) for k in ("dir", "method", "checked", "issues", "abstained",
+                                                             "oos_accuracy", "expected_false_alarms", "message")}
 
     exported = exported_before(art, r)
     exclude = set(labels) | excluded_ids(prep["quality"]["dir"]) | (exported - set(labels))
@@ -231,6 +250,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
         out = export_dir(art, r)
         exp = run_stage(export_task, artifacts=str(art), selection=sel, prepared=prep["prepare"],
                         annotate=cfg.section("annotate"), answers=cfg.data.answers, round_index=r, out_dir=str(out))
+        if cfg.annotate.label_studio is not None:
+            state["label_studio"] = push_batch(cfg, exp["dir"])
         state.update(selected=sel["n"], export_dir=exp["dir"], selection_dir=sel["dir"], outliers=sel.get("outliers"),
                      phase=sel.get("phase"), embeddings=sel.get("embeddings"))
         if sel.get("phase"):
@@ -240,13 +261,15 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, 
             state["relabel"] = rel["count"]
             if rel["count"]:
                 state["relabel_dir"] = rel["dir"]
+                if cfg.annotate.label_studio is not None:
+                    state["label_studio_relabel"] = push_batch(cfg, rel["dir"])
 
     state["adapter"] = adapter
     metrics_rows = read_metrics(art)
     label_report = ""
     if check is not None:
         label_report = label_report_markdown(report_table(check), report_agreement(check), method=check["method"],
-                                             checked=check["checked"])
+                                             checked=check["checked"], verdict=report_verdict(check))
     summary = _summary_markdown(state, metrics_rows, label_report)
     atomic_write_text(round_dir / SUMMARY_FILE, summary + "\n")
     atomic_write_json(round_dir / ROUND_FILE, state)

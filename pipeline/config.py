@@ -36,6 +36,8 @@ class SourceConfig(Section):
     question_column: str = "question"
     answer_column: str = "answer"
     split_column: str = "split"
+    # The source's own sample ID (kept in the dataset as `external_id`): label files may name samples by it.
+    id_column: str = "id"
     # Split given to rows that do not name one. Labeled rows default to train, unlabeled ones to pool.
     default_split: Split | None = None
     # Image folders: the question asked of every image, and the sidecar text file extension (if any).
@@ -251,6 +253,37 @@ class SelectConfig(Section):
         return {"source": v} if isinstance(v, str) else v
 
 
+class LabelStudioConfig(Section):
+    """A live Label Studio project a round pushes its batch to and pulls finished annotations from (label-studio-sdk).
+
+    The API token is read only from the environment variable named by `token_env`; it is never written anywhere.
+    """
+
+    url: str = "http://127.0.0.1:8080"
+    # A project ID, or a title: the project with that title is used, or created with tamis's labeling interface.
+    project: int | str = "tamis"
+    token_env: str = "LABEL_STUDIO_API_KEY"
+    # How annotators see the images: local_files = /data/local-files/ URLs (Label Studio started with local-file
+    # serving and annotate.document_root as its document root; tamis attaches the Local Files storage), inline =
+    # the image bytes inside the task (no file access needed; for small images).
+    images: Literal["local_files", "inline"] = "local_files"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_secret(cls, v: Any) -> Any:
+        if isinstance(v, dict) and {"token", "api_key"} & set(v):
+            raise ValueError("a token does not belong in the config file: export it in an environment variable and "
+                             "name that variable in token_env")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"{v!r} is not an http(s) URL of a Label Studio server")
+        return v.rstrip("/")
+
+
 class AnnotateConfig(Section):
     # Label Studio serves local files as /data/local-files/?d=<path relative to its document root>.
     image_url_prefix: str = "/data/local-files/?d="
@@ -260,6 +293,8 @@ class AnnotateConfig(Section):
     formats: list[Literal["label_studio", "csv", "jsonl", "images"]] = Field(
         default_factory=lambda: ["label_studio", "csv", "jsonl", "images"]
     )
+    # Optional live connection (pip install 'tamis[labelstudio]'); None = files only.
+    label_studio: LabelStudioConfig | None = None
 
 
 class LabelCheckConfig(Section):
@@ -272,7 +307,19 @@ class LabelCheckConfig(Section):
     kfold: int = Field(default=3, ge=2)
     max_steps: int | None = Field(default=None, ge=1)  # None: train.max_steps
     # The top-N likely label errors go back to annotators with the next batch (rounds/NNN/relabel/); 0 = report only.
+    # A cap: only issues at least `min_confidence` likely wrong are sent, however many that leaves.
     relabel_top_n: int = Field(default=0, ge=0)
+    # Calibrated probability that a label is wrong an issue needs to go into the re-label queue (reported issues are
+    # all more likely wrong than right; this bar keeps the annotators' time for the clear cases).
+    min_confidence: float = Field(default=0.9, ge=0, le=1)
+    # Abstain rule: labels are judged only when the model's out-of-sample accuracy reaches this floor (estimated
+    # against the true labels when the kNN signal is good enough to act as a second rater, else its agreement with
+    # the labels it checks). Below it the round reports "model not yet accurate enough" and queues nothing; the kNN
+    # signal takes part only when its own accuracy reaches the floor too.
+    min_oos_accuracy: float = Field(default=0.75, ge=0, le=1)
+    # kNN label consistency: the labels of each checked sample's knn_k nearest labeled neighbours in the
+    # select.embeddings space (with `model`, the label check's own scoring embeddings); 0 = model signal only.
+    knn_k: int = Field(default=5, ge=0)
 
 
 class RoundsConfig(Section):

@@ -13,6 +13,7 @@ Ingested dataset (Hugging Face `datasets`, Arrow, saved with `save_to_disk`):
     width       int          after EXIF transpose
     height      int
     mode        str          the decoded PIL mode before conversion (e.g. "CMYK", "I;16", "P", "RGBA")
+    external_id str | None   the source's own ID of the row (its `id_column`, default "id"); label files may use it
 
 Prepared dataset adds:
 
@@ -31,6 +32,7 @@ from pipeline.store import digest_bytes
 SPLITS = ("train", "pool", "test")
 INGEST_COLUMNS = (
     "sample_id", "image", "image_path", "question", "answer", "split", "source", "sources", "width", "height", "mode",
+    "external_id",
 )
 
 

@@ -79,6 +79,17 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux: /proc/self/status)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)  # elsewhere: the only portable read is a set-and-restore
+    os.umask(mask)
+    return mask
+
+
 def _disk_full(exc: BaseException, path: Path, what: str) -> ArtifactError | None:
     """A full disk (or quota) as a clear error naming the artifact; None for any other failure."""
     if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -100,6 +111,9 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        # mkstemp creates 0600; outputs get the usual umask-derived mode (a Label Studio running as another user
+        # must be able to read exported tasks and images).
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -138,6 +152,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp creates 0700
     except OSError as exc:
         if (err := _disk_full(exc, path, "a folder")) is not None:
             raise err from exc
@@ -176,7 +191,7 @@ def append_jsonl(path: str | os.PathLike[str], rows: list[Mapping[str, Any]]) ->
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows).encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # the umask applies
     try:
         start = os.fstat(fd).st_size
         # A previous crash may have left a torn last line; start ours on a fresh line so it stays parseable.

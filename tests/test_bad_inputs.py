@@ -197,7 +197,7 @@ def case_csv_missing_columns(d: Path) -> IngestCase:
 def case_jsonl_missing_field(d: Path) -> IngestCase:
     (d / "a.png").write_bytes(png(1))
     src = jsonl(d, [{"image": "a.png"}, {"picture": "a.png", "question": "Other?"}])
-    return IngestCase([src], 2, {"m.jsonl:2": "no image: field 'image' is missing or empty (fields present: "
+    return IngestCase([src], 2, {"m.jsonl:2": "no image: field 'image' is missing (fields present: "
                                               "['picture', 'question'])"})
 
 

@@ -72,6 +72,11 @@ def test_two_rounds_cached_rerun_label_import_and_corrupt_inbox(tmp_path, tiny_m
     again = labeling_round(str(config), simulate=False)
     assert again["round"] == 1 and again["metrics"] == second["metrics"]
     assert stage_runs(art) == before  # a finished round re-runs without executing any stage body
+    # The re-run keeps the record of the import that brought round 1's labels (round.json and summary.md).
+    assert [i["accepted"] for i in again["imports"]] == [6]
+    assert json.loads((art / "rounds/001/round.json").read_text())["imports"] == again["imports"]
+    assert "6 labels appended" in (art / "rounds/001/summary.md").read_text()
+    assert {e["round"] for e in ledger.entries()} == {1}  # the round `tamis labels import` would record too
 
     # A corrupt inbox file is rejected with its line number; the ledger does not change.
     entries = len(ledger.entries())
@@ -79,6 +84,7 @@ def test_two_rounds_cached_rerun_label_import_and_corrupt_inbox(tmp_path, tiny_m
     third = labeling_round(str(config), simulate=False)
     rejected = [i for i in third["imports"] if "error" in i]
     assert len(rejected) == 1 and "broken.json" in rejected[0]["file"] and "line" in rejected[0]["error"]
+    assert [i["accepted"] for i in third["imports"] if "error" not in i] == [6]
     assert len(ledger.entries()) == entries
     assert third["round"] == 1  # nothing new was labeled: still the same round
     assert [s["round"] for s in completed_rounds(art)] == [0, 1]
@@ -95,12 +101,17 @@ def test_second_concurrent_round_is_refused(tmp_path, tiny_models, prefect_harne
             labeling_round(str(config))
 
 
-def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models, prefect_harness):
-    """A noisy annotator: round 1 checks its labels (k-fold), sends the likeliest errors back with the batch, a
-    careful reviewer answers them, and round 2 imports the fixes as corrections; pool outliers are reported and,
-    with select.outliers exclude, never selected; re-labels count against the label budget."""
+def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models, prefect_harness, monkeypatch):
+    """A noisy annotator: round 1 checks its labels (k-fold) — a weak model abstains and queues nothing; an accurate
+    one sends the likeliest errors back with the batch, a careful reviewer answers them, and round 2 imports the
+    fixes as corrections; pool outliers are reported and, with select.outliers exclude, never selected; re-labels
+    count against the label budget."""
+    import dataclasses
+
+    import numpy as np
     from typer.testing import CliRunner
 
+    import pipeline.labelcheck
     from flows.cli import app
     from flows.round import labeling_round
     from pipeline.annotation.simulate import sidecar_path
@@ -125,14 +136,46 @@ def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models
              json.loads(sidecar_path(art / "inbox/simulated-round-000.json").read_text())["flipped"]}
     assert len(flips) == 10
 
+    # A 2-step model on 20 labels cannot tell its own mistakes from wrong labels: the check says so, queues nothing.
+    weak = labeling_round(str(config), simulate=False)
+    check = weak["labelcheck"]
+    assert weak["round"] == 1 and check["checked"] == 20 and check["abstained"] and check["issues"] == 0
+    assert "model not yet accurate enough to judge labels (OOS accuracy" in check["message"]
+    assert weak["relabel"] == 0 and "relabel_dir" not in weak and not (art / "rounds/001/relabel/relabel.jsonl").exists()
+    summary = (art / "rounds/001/summary.md").read_text()
+    assert "label check: model not yet accurate enough to judge labels (OOS accuracy" in summary
+    assert "No label is judged or queued for re-labeling" in summary
+    res = cli.invoke(app, ["labels", "issues", "-c", str(config)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "round 1: label check: model not yet accurate enough" in " ".join(res.output.split())
+
+    # An accurate model (an oracle stands in for one: the tiny model would need minutes of training) judges the
+    # same labels: a perfect model agrees with half of them at 50 % noise, so the floor goes to 0.4; re-running
+    # the round re-runs only the check (the fold scores are reused) and the queue.
+    real_oos = pipeline.labelcheck.out_of_sample_probs
+
+    def oracle(cfg, rows, *args, **kwargs):
+        oos = real_oos(cfg, rows, *args, **kwargs)
+        probs = np.full(oos.probs.shape, 0.1 / 9, dtype=np.float32)
+        probs[np.arange(len(oos.sample_ids)), [int(truth[s]) for s in oos.sample_ids]] = 0.9
+        return dataclasses.replace(oos, probs=probs)
+
+    monkeypatch.setattr(pipeline.labelcheck, "out_of_sample_probs", oracle)
+    raw["labelcheck"].update(min_oos_accuracy=0.4, knn_k=0)
+    config.write_text(yaml.safe_dump(raw))
+    before = stage_runs(art)
     first = labeling_round(str(config))
+    runs = stage_runs(art) - before
+    assert runs["labelcheck"] == 1 and runs["train"] == 0 and runs["relabel"] == 1
     assert first["round"] == 1 and first["labeled"] == 20
     check = first["labelcheck"]
-    assert check["method"] == "kfold" and check["checked"] == 20 and check["issues"] >= 1
+    assert check["method"] == "kfold" and check["checked"] == 20 and check["issues"] >= 1 and not check["abstained"]
     read_manifest(check["dir"])  # digests verify
     issues = read_jsonl(f"{check['dir']}/issues.jsonl")
     assert len(issues) == check["issues"]
-    assert {"sample_id", "given_label", "suggested_label", "score", "annotators", "source_file"} <= set(issues[0])
+    assert {"sample_id", "given_label", "suggested_label", "score", "annotators", "source_file", "confidence",
+            "signals"} <= set(issues[0])
+    assert all(r["signals"] == ["model"] and r["confidence"] >= 0.3 for r in issues)
+    assert {r["sample_id"] for r in issues} <= set(flips)  # the oracle only ever flags planted flips
     assert all(r["annotators"] == ["simulated"] and r["source_file"].endswith("simulated-round-000.json")
                for r in issues)
     # The queue holds the top of the report, as a separate Label Studio task set with both pre-annotations.

@@ -1,10 +1,15 @@
 """Import labels from annotators: Label Studio JSON / JSON_MIN exports, CSV and JSONL files.
 
 A file is read whole and validated before anything is written. A malformed file (bad JSON/CSV, wrong structure, an
-export from another project) raises LabelImportError naming the line and appends nothing. Bad rows (unknown sample,
-label outside the answer set, empty label, duplicate, a tie between annotators) are rejected with file:line and a
-reason, written to a rejection report, and the rest is appended to the ledger in one write (or, with strict=True,
-any rejection aborts the whole file). A file whose digest the ledger already knows is a no-op.
+export from another project) raises LabelImportError naming the line and appends nothing. Bad rows (no matching
+sample, label outside the answer set, empty label, duplicate, a tie between annotators) are rejected with file:line
+and a reason, written to a rejection report, and the rest is appended to the ledger in one write (or, with
+strict=True, any rejection aborts the whole file). A file whose digest the ledger already knows is a no-op.
+
+Rows name their sample by, in this order (see `SampleIndex.resolve`): the tamis sample_id; the source's own ID kept
+at ingestion (`external_id`, read from the `id` column or a source's `id_column`); the image path (relative to its
+source, or any unique tail of it) or a Label Studio image URL (`/data/local-files/?d=…`, `/data/upload/…`, http URLs
+by file name when unique). The ledger entry records which key matched.
 """
 
 from __future__ import annotations
@@ -43,6 +48,18 @@ class LabelRow:
     where: str
     cancelled: bool = False
     problem: str | None = None  # a defect the reader already saw (e.g. two choices selected)
+    external_id: str | None = None  # the user's own ID of the sample (an `id` / id_column cell)
+    image: str | None = None  # an image path or Label Studio image URL
+    # Filled in by SampleIndex.resolve: the tamis sample, which key matched it and the key's value.
+    resolved: str | None = None
+    matched_by: str | None = None
+    matched_key: str | None = None
+
+    def keys(self) -> list[tuple[str, str]]:
+        """The keys this row offers, as (kind, value)."""
+        out = [("sample_id", self.sample_id)] if self.sample_id else []
+        out += [("id", self.external_id)] if self.external_id else []
+        return out + ([("image", self.image)] if self.image else [])
 
 
 @dataclass
@@ -79,6 +96,8 @@ class ImportReport:
     unlabeled_tasks: int = 0
     already_imported: bool = False
     rejections_file: str | None = None
+    dry_run: bool = False
+    matched_by: dict[str, int] = field(default_factory=dict)  # key kind → label rows it matched
 
     @property
     def accounted(self) -> bool:
@@ -91,10 +110,15 @@ class ImportReport:
     def summary(self) -> str:
         if self.already_imported:
             return f"{self.file}: already imported (digest {self.digest[:12]}), nothing to do"
+        if not self.rows_read:
+            return f"{self.file}: no label rows ({self.unlabeled_tasks} tasks without annotations), nothing to do"
+        keys = ", ".join(f"{n} by {k}" for k, n in sorted(self.matched_by.items()))
         return (
-            f"{self.file}: {self.rows_read} label rows → {len(self.accepted)} labels appended "
+            f"{self.file}: {self.rows_read} label rows → {len(self.accepted)} labels "
+            f"{'would be appended (dry run)' if self.dry_run else 'appended'} "
             f"({self.corrections} corrections), {len(self.unchanged)} unchanged, {len(self.rejected)} rejected, "
             f"{self.skipped_cancelled} skipped/cancelled, {len(self.conflicts)} annotator conflicts"
+            + (f"; rows matched: {keys}" if keys and set(self.matched_by) != {"sample_id"} else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -106,9 +130,13 @@ def _line_of(text: str, pos: int) -> int:
     return text.count("\n", 0, pos) + 1
 
 
+def _json_msg(exc: json.JSONDecodeError) -> str:
+    return re.sub(r"\s+(starting )?at$", "", exc.msg)  # "Invalid control character at": the position follows
+
+
 def _json_error(name: str, exc: json.JSONDecodeError) -> LabelImportError:
     return LabelImportError(
-        f"{name}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); fix that line or export the file again"
+        f"{name}:{exc.lineno}:{exc.colno}: not valid JSON ({_json_msg(exc)}); fix that line or export the file again"
     )
 
 
@@ -169,19 +197,9 @@ def _annotator(value: Any, fallback: str) -> str:
     return fallback if value in (None, "") else str(value)
 
 
-def _sid(value: Any) -> str | None:
-    """A sample_id cell as text: a number or list an annotator typed in becomes an unknown ID, not a crash."""
-    return None if value in (None, "") else value.strip() if isinstance(value, str) else str(value)
-
-
-def _sid_from_image(url: Any) -> str | None:
-    """Exported images are named <sample_id>.<ext>; recover the ID from a task's image URL or path."""
-    if not isinstance(url, str) or not url:
-        return None
-    parsed = urlparse(url)
-    path = parse_qs(parsed.query).get("d", [parsed.path])[0]
-    stem = PurePosixPath(unquote(path)).stem
-    return stem or None
+def _cell(value: Any) -> str | None:
+    """A key cell as text (a number an annotator typed stays a key, not a crash); empty → None."""
+    return None if value in (None, "") else value.strip() or None if isinstance(value, str) else str(value)
 
 
 def _result_label(result: list[Any]) -> tuple[str | None, str | None]:
@@ -201,10 +219,33 @@ def _result_label(result: list[Any]) -> tuple[str | None, str | None]:
     return None, "the result holds no choices or text; label with the project's label_config.xml"
 
 
+@dataclass(frozen=True)
+class LabelKeys:
+    """Where label files carry their keys besides sample_id: the user's ID columns and the image columns."""
+
+    id_columns: tuple[str, ...] = ("id",)
+    image_columns: tuple[str, ...] = ("image", "image_path")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> LabelKeys:
+        """From a ProjectConfig: every source's id_column and image column / Label Studio image key."""
+        ids, images = list(cls.id_columns), list(cls.image_columns)
+        for src in cfg.data.sources:
+            ids.append(src.id_column)
+            images += [src.image_column, src.data_image_key]
+        return cls(tuple(dict.fromkeys(ids)), tuple(dict.fromkeys(images)))
+
+    def first(self, d: dict[str, Any], names: Sequence[str], *, skip: Sequence[str] = ()) -> str | None:
+        return next((v for k in names if k not in skip and (v := _cell(d.get(k))) is not None), None)
+
+
 class LabelReader:
     """One file format → label rows. `read` raises LabelImportError for a malformed file."""
 
     name: ClassVar[str]
+
+    def __init__(self, keys: LabelKeys | None = None):
+        self.keys = keys or LabelKeys()
 
     def read(self, text: str, name: str) -> tuple[list[LabelRow], int]:
         """(label rows, count of tasks that carried no annotation)."""
@@ -217,29 +258,36 @@ class LabelStudioReader(LabelReader):
     def read(self, text: str, name: str) -> tuple[list[LabelRow], int]:
         rows, unlabeled = [], 0
         for t, (line, task) in enumerate(json_array_items(text, name)):
+            # Label Studio's own task / annotation IDs name a row the way its UI does; the position is the fallback.
+            task_name = f"task {task['id']}" if isinstance(task, dict) and "id" in task else f"task #{t + 1} of the file"
             if not isinstance(task, dict):
-                raise LabelImportError(f"{name}:{line}: task {t} is a {type(task).__name__}, not an object")
+                raise LabelImportError(f"{name}:{line}: {task_name} is a {type(task).__name__}, not an object")
             data = task.get("data") if isinstance(task.get("data"), dict) else {}
             meta = task.get("meta") if isinstance(task.get("meta"), dict) else {}
-            sid = _sid(data.get("sample_id") or meta.get("sample_id")) or _sid_from_image(data.get("image"))
+            sid = _cell(data.get("sample_id")) or _cell(meta.get("sample_id"))
+            ext = self.keys.first(data, self.keys.id_columns)
+            image = self.keys.first(data, self.keys.image_columns)
             anns = task.get("annotations") or []
             if not isinstance(anns, list):
-                raise LabelImportError(f"{name}:{line}: task {t}: 'annotations' must be a list")
+                raise LabelImportError(f"{name}:{line}: {task_name}: 'annotations' must be a list")
             if not anns:
                 unlabeled += 1
             for j, ann in enumerate(anns):
                 if not isinstance(ann, dict):
-                    raise LabelImportError(f"{name}:{line}: task {t} annotation {j} is not an object")
+                    raise LabelImportError(f"{name}:{line}: {task_name} annotation #{j + 1} is not an object")
+                ann_name = f"annotation {ann['id']}" if "id" in ann else f"annotation #{j + 1}"
                 who = _annotator(ann.get("completed_by"), f"annotation-{ann.get('id', f'{t}.{j}')}")
-                where = f"{name}:{line} (task {t}, annotation {j})"
+                where = f"{name}:{line} ({task_name}, {ann_name})"
                 result = ann.get("result") or []
+                row = LabelRow(sid, None, who, line, where, external_id=ext, image=image)
                 if ann.get("was_cancelled") or not result:
-                    rows.append(LabelRow(sid, None, who, line, where, cancelled=True))
+                    row.cancelled = True
+                    rows.append(row)
                     continue
                 if not isinstance(result, list):
                     raise LabelImportError(f"{where}: 'result' must be a list")
-                label, problem = _result_label(result)
-                rows.append(LabelRow(sid, label, who, line, where, problem=problem))
+                row.label, row.problem = _result_label(result)
+                rows.append(row)
         return rows, unlabeled
 
 
@@ -253,7 +301,7 @@ class LabelStudioMinReader(LabelReader):
         rows, unlabeled = [], 0
         for t, (line, task) in enumerate(json_array_items(text, name)):
             if not isinstance(task, dict):
-                raise LabelImportError(f"{name}:{line}: task {t} is a {type(task).__name__}, not an object")
+                raise LabelImportError(f"{name}:{line}: task #{t + 1} is a {type(task).__name__}, not an object")
             key = next((k for k in self.label_keys if k in task), None)
             if key is None:
                 unlabeled += 1
@@ -265,21 +313,28 @@ class LabelStudioMinReader(LabelReader):
                 if len(value) != 1:
                     problem = f"{len(value)} values ({', '.join(map(str, value))}); give exactly one"
                 value = value[0] if len(value) == 1 else None
-            sid = _sid(task.get("sample_id")) or _sid_from_image(task.get("image"))
             who = _annotator(task.get("annotator"), f"annotation-{task.get('annotation_id', t)}")
-            rows.append(LabelRow(sid, None if value is None else str(value), who, line, f"{name}:{line}",
-                                 problem=problem))
+            where = f"{name}:{line}" + (f" (task {task['id']})" if "id" in task else "")
+            rows.append(LabelRow(
+                _cell(task.get("sample_id")), None if value is None else str(value), who, line, where,
+                problem=problem,
+                # JSON_MIN's own "id" is Label Studio's task ID, never the user's: only other ID columns count.
+                external_id=self.keys.first(task, self.keys.id_columns, skip=("id",)),
+                image=self.keys.first(task, self.keys.image_columns),
+            ))
         return rows, unlabeled
 
 
-def _table_row(d: dict[str, Any], line: int, name: str) -> LabelRow:
-    sid, label = d.get("sample_id"), d.get("label")
+def _table_row(d: dict[str, Any], line: int, name: str, keys: LabelKeys) -> LabelRow:
+    label = d.get("label")
     return LabelRow(
-        None if sid in (None, "") else str(sid).strip(),
+        _cell(d.get("sample_id")),
         None if label is None else str(label),
         _annotator(d.get("annotator"), "unknown"),
         line,
         f"{name}:{line}",
+        external_id=keys.first(d, keys.id_columns),
+        image=keys.first(d, keys.image_columns),
     )
 
 
@@ -291,6 +346,7 @@ class CsvReader(LabelReader):
         rows: list[LabelRow] = []
         header: list[str] | None = None
         start = 1
+        key_columns = ("sample_id", *self.keys.id_columns, *self.keys.image_columns)
         try:
             for record in reader:
                 line, start = start, reader.line_num + 1
@@ -298,11 +354,14 @@ class CsvReader(LabelReader):
                     continue
                 if header is None:
                     header = [c.strip().lower() for c in record]
-                    missing = [c for c in ("sample_id", "label") if c not in header]
+                    missing = [] if "label" in header else ["label"]
+                    if not any(k.lower() in header for k in key_columns):
+                        missing.append("sample_id (or " + " / ".join(key_columns[1:]) + ")")
                     if missing:
                         raise LabelImportError(
                             f"{name}:{line}: the header lacks column(s) {', '.join(missing)} (found: "
-                            f"{', '.join(header)}); the first line must name sample_id and label"
+                            f"{', '.join(header)}); the first line must name the label column and a key column: "
+                            "sample_id, your own id, or the image path"
                         )
                     continue
                 if len(record) != len(header):
@@ -310,7 +369,7 @@ class CsvReader(LabelReader):
                         f"{name}:{line}: {len(record)} fields, but the header has {len(header)}; quote values that "
                         "contain commas"
                     )
-                rows.append(_table_row(dict(zip(header, record, strict=True)), line, name))
+                rows.append(_table_row(dict(zip(header, record, strict=True)), line, name, self.keys))
         except csv.Error as exc:
             raise LabelImportError(f"{name}:{reader.line_num}: not valid CSV ({exc}); fix that line") from None
         if header is None:
@@ -330,11 +389,11 @@ class JsonlReader(LabelReader):
                 d = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise LabelImportError(
-                    f"{name}:{n}:{exc.colno}: not valid JSON ({exc.msg}); each line must be one JSON object"
+                    f"{name}:{n}:{exc.colno}: not valid JSON ({_json_msg(exc)}); each line must be one JSON object"
                 ) from None
             if not isinstance(d, dict):
                 raise LabelImportError(f"{name}:{n}: a {type(d).__name__}, not a JSON object with sample_id and label")
-            rows.append(_table_row(d, n, name))
+            rows.append(_table_row(d, n, name, self.keys))
         return rows, 0
 
 
@@ -367,7 +426,7 @@ class LabelFile:
     unlabeled_tasks: int
 
 
-def read_label_file(path: str | os.PathLike[str]) -> LabelFile:
+def read_label_file(path: str | os.PathLike[str], keys: LabelKeys | None = None) -> LabelFile:
     path = Path(path)
     if not path.is_file():
         raise LabelImportError(f"{path}: no such file")
@@ -378,68 +437,204 @@ def read_label_file(path: str | os.PathLike[str]) -> LabelFile:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise LabelImportError(f"{path}:{line}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
     fmt = detect_format(path, text)
-    rows, unlabeled = READERS[fmt]().read(text, str(path))
-    if not rows:
+    rows, unlabeled = READERS[fmt](keys).read(text, str(path))
+    # No tasks at all (Label Studio exports `[]` for an empty project, a CSV may hold only its header) is zero labels,
+    # nothing to do; tasks without a single label row is more likely the wrong export.
+    if not rows and unlabeled:
         hint = f" (answers are read from keys {', '.join(LabelStudioMinReader.label_keys)})" if fmt.endswith("min") else ""
         raise LabelImportError(f"{path}: no label rows in {unlabeled} task(s){hint}; is this the annotated export?")
     return LabelFile(path, digest_bytes(raw), fmt, rows, unlabeled)
 
 
+# ------------------------------------------------------------------------------------------------ matching
+MAX_TAIL = 6  # path components compared at most: deeper prefixes differ between machines, not between samples
+_LS_UPLOAD = re.compile(r"^[0-9a-f]{8}-")  # Label Studio prefixes uploaded file names with 8 hex digits
+
+
+def _parts(path: str) -> tuple[str, ...]:
+    """A path's components, posix or Windows separators, without '.', '..' and the root."""
+    return tuple(p for p in path.replace("\\", "/").split("/") if p not in ("", ".", ".."))
+
+
+def image_key(value: str) -> tuple[tuple[str, ...], str]:
+    """(path parts to match, how) for an image path or a Label Studio image URL.
+
+    how: "path" (any unique tail of the path may match), "name" (the file name alone: uploads and remote URLs).
+    """
+    url = urlparse(value)
+    if url.path.startswith("/data/local-files"):
+        d = parse_qs(url.query).get("d")
+        return _parts(unquote(d[0])) if d else (), "path"
+    if url.path.startswith("/data/upload"):
+        name = PurePosixPath(unquote(url.path)).name
+        return ((_LS_UPLOAD.sub("", name),) if name else ()), "name"
+    if url.scheme in ("http", "https", "s3", "gs", "azure-blob"):
+        name = PurePosixPath(unquote(url.path)).name
+        return ((name,) if name else ()), "name"
+    if url.scheme == "file":
+        return _parts(unquote(url.path)), "path"
+    return _parts(value), "path"
+
+
+class SampleIndex:
+    """The samples a label file may name, with every key that may name them."""
+
+    def __init__(self, sample_ids: Sequence[str], external_ids: Sequence[str | None] | None = None,
+                 image_paths: Sequence[str | None] | None = None, *, scope: str | None = None):
+        self.ids = set(sample_ids)
+        self.scope = scope or f"this project's {len(self.ids)} samples"
+        self.by_external: dict[str, set[str]] = {}
+        self.paths: dict[str, str] = {}
+        self._tails: dict[tuple[str, ...], set[str]] | None = None  # built on the first image lookup
+        for i, sid in enumerate(sample_ids):
+            ext = external_ids[i] if external_ids is not None else None
+            if ext not in (None, ""):
+                self.by_external.setdefault(str(ext), set()).add(sid)
+            path = image_paths[i] if image_paths is not None else None
+            if path:
+                self.paths[sid] = path
+
+    @property
+    def by_tail(self) -> dict[tuple[str, ...], set[str]]:
+        """The last 1..MAX_TAIL components of every image path → the samples whose path ends so."""
+        if self._tails is None:
+            self._tails = {}
+            for sid, path in self.paths.items():
+                parts = _parts(path)
+                for k in range(1, min(len(parts), MAX_TAIL) + 1):
+                    self._tails.setdefault(parts[-k:], set()).add(sid)
+        return self._tails
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def from_dataset(cls, ds: Any, *, scope: str | None = None) -> SampleIndex:
+        cols = set(ds.column_names)
+        return cls(list(ds["sample_id"]), list(ds["external_id"]) if "external_id" in cols else None,
+                   list(ds["image_path"]) if "image_path" in cols else None, scope=scope)
+
+    @classmethod
+    def of(cls, known: SampleIndex | set[str] | Sequence[str]) -> SampleIndex:
+        return known if isinstance(known, SampleIndex) else cls(sorted(known))
+
+    def _ambiguous(self, what: str, sids: set[str]) -> str:
+        named = [f"{s} ({self.paths[s]})" if s in self.paths else s for s in sorted(sids)]
+        return (f"{what} matches {len(sids)} samples: {', '.join(named[:5])}{' …' if len(named) > 5 else ''}; "
+                "name the sample by its sample_id or a longer path")
+
+    def resolve(self, row: LabelRow) -> str | None:
+        """Set row.resolved / matched_by / matched_key; None when the row matched, else the rejection reason."""
+        if row.sample_id and row.sample_id in self.ids:
+            row.resolved, row.matched_by, row.matched_key = row.sample_id, "sample_id", row.sample_id
+            return None
+        tried = []
+        # The user's own ID: its column, or a sample_id column that holds the user's IDs.
+        for value in dict.fromkeys(v for v in (row.external_id, row.sample_id) if v):
+            hits = self.by_external.get(value, set())
+            if len(hits) == 1:
+                row.resolved, row.matched_by, row.matched_key = next(iter(hits)), "id", value
+                return None
+            if hits:
+                return self._ambiguous(f"id {value!r}", hits)
+        if row.external_id:
+            tried.append(f"id {row.external_id!r}")
+        if row.image:
+            parts, how = image_key(row.image)
+            # The longest tail of the path that names any sample must name exactly one.
+            longest = min(len(parts), MAX_TAIL)
+            for k in range(longest, 0, -1) if how == "path" else ([1] if parts else []):
+                hits = self.by_tail.get(parts[-k:], set())
+                if len(hits) == 1:
+                    row.resolved = next(iter(hits))
+                    row.matched_by = "image_path" if k == longest and how == "path" else "image_name"
+                    row.matched_key = row.image
+                    return None
+                if hits:
+                    return self._ambiguous(f"image {'/'.join(parts[-k:])!r}", hits)
+            stem = PurePosixPath(parts[-1]).stem if parts else ""
+            if stem in self.ids:  # tamis's own exports name their images <sample_id>.<ext>
+                row.resolved, row.matched_by, row.matched_key = stem, "image_name", row.image
+                return None
+            tried.append(f"image {row.image!r}" + (f" (as {'/'.join(parts)!r} and its tails)" if how == "path" and
+                                                   len(parts) > 1 else ""))
+        if row.sample_id and not tried:
+            return f"unknown sample_id {row.sample_id!r}: not among {self.scope}"
+        if row.sample_id:
+            tried.insert(0, f"sample_id {row.sample_id!r}")
+        if not tried:
+            return "no sample_id, id or image; every row must name the sample it labels"
+        return f"no sample matches: tried {', '.join(tried)}; not among {self.scope}"
+
+
 # -------------------------------------------------------------------------------------------------- import
-def _check_project(lf: LabelFile, known_ids: set[str]) -> None:
-    ids = {r.sample_id for r in lf.rows if r.sample_id}
-    if not ids:
+def _check_project(lf: LabelFile, index: SampleIndex) -> None:
+    """A file none of whose rows names a sample here is another project's (or keyed by something unknown)."""
+    keyed = [r for r in lf.rows if r.keys()]
+    if lf.rows and not keyed:
         raise LabelImportError(
-            f"{lf.path}: no row carries a sample_id (data.sample_id, meta.sample_id, an image named <sample_id>.png or "
-            "a sample_id column); import files exported by tamis"
+            f"{lf.path}: no row carries a sample_id, an id or an image (data.sample_id, meta.sample_id, data.image, "
+            "or a sample_id / id / image column); name the sample each label is for"
         )
-    if not ids & known_ids:
+    if not keyed or any(r.resolved for r in keyed):
+        return
+    hint = "" if len(index) else "; this project has no ingested samples yet: run a round (or `tamis prepare`) first"
+    ids = {r.sample_id for r in keyed if r.sample_id}
+    if ids:
         raise LabelImportError(
-            f"{lf.path}: none of its {len(ids)} sample IDs (e.g. {sorted(ids)[0]!r}) is among this project's "
-            f"{len(known_ids)} samples; is it an export from another project?"
+            f"{lf.path}: none of its {len(ids)} sample IDs (e.g. {sorted(ids)[0]!r}) is among {index.scope}; is it an "
+            f"export from another project? (no row matched by id or image path either){hint}"
         )
+    first = keyed[0]
+    raise LabelImportError(
+        f"{lf.path}: none of its {len(keyed)} label rows matches one of {index.scope} (e.g. {first.where}: "
+        f"{', '.join(f'{k} {v!r}' for k, v in first.keys())}); is it an export from another project?{hint}"
+    )
 
 
 def _apply(
     lf: LabelFile,
     *,
-    known_ids: set[str],
+    index: SampleIndex,
     answers: Sequence[str] | None,
     ledger: Ledger,
     round_index: int,
     rejections_dir: Path,
     strict: bool,
+    dry_run: bool = False,
 ) -> ImportReport:
     name = str(lf.path)
     rep = ImportReport(file=name, digest=lf.digest, format=lf.format, rows_read=len(lf.rows),
-                       unlabeled_tasks=lf.unlabeled_tasks)
+                       unlabeled_tasks=lf.unlabeled_tasks, dry_run=dry_run)
 
     def reject(r: LabelRow, reason: str) -> None:
-        rep.rejected.append(Rejection(name, r.line, r.where, r.sample_id, r.label, r.annotator, reason))
+        key = r.resolved or r.sample_id or r.external_id or r.image
+        rep.rejected.append(Rejection(name, r.line, r.where, key, r.label, r.annotator, reason))
 
     allowed = set(answers) if answers else None
     votes: dict[str, list[LabelRow]] = {}
-    seen: dict[tuple[str, str], str] = {}
+    seen: dict[tuple[str, str, str], str] = {}
     for r in lf.rows:
         label = (r.label or "").strip()
         if r.cancelled:
             rep.skipped_cancelled += 1
         elif r.problem:
             reject(r, r.problem)
-        elif not r.sample_id:
-            reject(r, "no sample_id; every row must name the sample it labels")
-        elif r.sample_id not in known_ids:
-            reject(r, f"unknown sample_id {r.sample_id!r}: not among this project's {len(known_ids)} samples")
+        elif (why := index.resolve(r)) is not None:
+            reject(r, why)
         elif not label:
             reject(r, "empty label; fill it in or delete the row")
         elif allowed is not None and label not in allowed:
             reject(r, f"label {label!r} is not in the answer set [{', '.join(answers or [])}]; use one of these")
-        elif (r.sample_id, r.annotator) in seen:
-            reject(r, f"duplicate row: {r.sample_id} by {r.annotator} already given at {seen[r.sample_id, r.annotator]}")
+        elif (r.resolved, r.annotator, label) in seen:
+            reject(r, f"duplicate row: {r.resolved} by {r.annotator} already given at "
+                      f"{seen[r.resolved, r.annotator, label]}")
         else:
-            seen[r.sample_id, r.annotator] = r.where
+            # The same annotator (or an unnamed one: a CSV without an annotator column) giving two different
+            # answers is a conflict, decided like two annotators: a tie is rejected, never first-row-wins.
+            seen[r.resolved, r.annotator, label] = r.where
             r.label = label
-            votes.setdefault(r.sample_id, []).append(r)
+            votes.setdefault(r.resolved, []).append(r)
 
     current = ledger.current()
     now = None
@@ -450,16 +645,21 @@ def _apply(
             tie = ranked[0][1] == ranked[1][1]
             rep.conflicts.append(Conflict(sid, dict(ranked), "tie" if tie else "majority", None if tie else ranked[0][0]))
             if tie:
+                same = len({r.annotator for r in rows}) == 1
                 for r in rows:
-                    reject(r, f"annotators tie on {sid}: {dict(ranked)}; add a deciding annotation")
+                    reject(r, f"conflicting answers for {sid} from {rows[0].annotator}: {dict(ranked)}; keep one row"
+                           if same else f"annotators tie on {sid}: {dict(ranked)}; add a deciding annotation")
                 continue
         winner = ranked[0][0]
         rep.accepted_rows += len(rows)
+        for r in rows:
+            rep.matched_by[r.matched_by or "sample_id"] = rep.matched_by.get(r.matched_by or "sample_id", 0) + 1
         prev = current.get(sid)
         if prev is not None and prev["label"] == winner:
             rep.unchanged.append(sid)
             continue
         who = sorted({r.annotator for r in rows if r.label == winner})
+        first = next(r for r in rows if r.label == winner)
         entry = make_entry(
             sid, winner,
             annotator=",".join(who),
@@ -468,6 +668,8 @@ def _apply(
             source_digest=lf.digest,
             supersedes=prev,
             votes=[{"annotator": r.annotator, "label": r.label} for r in rows] if len(rows) > 1 else None,
+            matched_by=first.matched_by,
+            matched_key=first.matched_key,
             now=now,
         )
         now = entry["time"]  # one timestamp per import
@@ -475,16 +677,18 @@ def _apply(
     if not rep.accounted:  # a bug, not bad input: never write a ledger batch that lost rows
         raise AssertionError(f"{name}: row accounting broken: {rep.summary()}")
 
+    if dry_run:
+        return rep
     if rep.rejected:
         out = Path(rejections_dir) / f"{lf.digest[:16]}.jsonl"
         atomic_write_jsonl(out, [asdict(x) for x in rep.rejected])
         rep.rejections_file = str(out)
         if strict:
-            first = "\n".join(f"  {x.where}: {x.reason}" for x in rep.rejected[:5])
+            first_rows = "\n".join(f"  {x.where}: {x.reason}" for x in rep.rejected[:5])
             more = f"\n  … and {len(rep.rejected) - 5} more" if len(rep.rejected) > 5 else ""
             raise LabelImportError(
                 f"{name}: {len(rep.rejected)} of {rep.rows_read} label rows rejected, nothing imported (strict):\n"
-                f"{first}{more}\nfull list: {out}"
+                f"{first_rows}{more}\nfull list: {out}"
             )
     ledger.append(rep.accepted)
     log.info("%s", rep.summary())
@@ -494,23 +698,37 @@ def _apply(
 def import_labels(
     path: str | os.PathLike[str],
     *,
-    known_ids: set[str],
+    known_ids: SampleIndex | set[str],
     answers: Sequence[str] | None,
     ledger: Ledger,
     round_index: int,
     rejections_dir: str | os.PathLike[str],
     strict: bool = False,
+    keys: LabelKeys | None = None,
+    dry_run: bool = False,
 ) -> ImportReport:
-    """Validate one label file and append its accepted labels to the ledger in one write."""
+    """Validate one label file and append its accepted labels to the ledger in one write.
+
+    `known_ids`: the samples labels may name (a SampleIndex matches the user's IDs and image paths too).
+    `dry_run`: everything but the writes; the report says what would land.
+    """
     path = Path(path)
     if path.is_file():
         digest = digest_bytes(path.read_bytes())
         if digest in ledger.imported_digests():
-            return ImportReport(file=str(path), digest=digest, already_imported=True)
-    lf = read_label_file(path)
-    _check_project(lf, known_ids)
-    return _apply(lf, known_ids=known_ids, answers=answers, ledger=ledger, round_index=round_index,
-                  rejections_dir=Path(rejections_dir), strict=strict)
+            return ImportReport(file=str(path), digest=digest, already_imported=True, dry_run=dry_run)
+    index = SampleIndex.of(known_ids)
+    lf = _prepared_file(path, index, keys)
+    return _apply(lf, index=index, answers=answers, ledger=ledger, round_index=round_index,
+                  rejections_dir=Path(rejections_dir), strict=strict, dry_run=dry_run)
+
+
+def _prepared_file(path: Path, index: SampleIndex, keys: LabelKeys | None) -> LabelFile:
+    lf = read_label_file(path, keys)
+    for r in lf.rows:
+        index.resolve(r)
+    _check_project(lf, index)
+    return lf
 
 
 def inbox_files(inbox_dir: str | os.PathLike[str]) -> list[Path]:
@@ -525,17 +743,19 @@ def inbox_files(inbox_dir: str | os.PathLike[str]) -> list[Path]:
 def import_inbox(
     inbox_dir: str | os.PathLike[str],
     *,
-    known_ids: set[str],
+    known_ids: SampleIndex | set[str],
     answers: Sequence[str] | None,
     ledger: Ledger,
     round_index: int,
     rejections_dir: str | os.PathLike[str],
     strict: bool = False,
+    keys: LabelKeys | None = None,
 ) -> list[ImportReport]:
     """Import every new label file in the inbox (sorted by name). Files stay where they are: digests make it idempotent.
 
     All new files are read and checked first, so one malformed file stops the import before anything is appended.
     """
+    index = SampleIndex.of(known_ids)
     done = ledger.imported_digests()
     reports: list[ImportReport] = []
     pending: list[LabelFile] = []
@@ -544,13 +764,59 @@ def import_inbox(
         if digest in done:
             reports.append(ImportReport(file=str(p), digest=digest, already_imported=True))
             continue
-        lf = read_label_file(p)
-        _check_project(lf, known_ids)
-        pending.append(lf)
+        pending.append(_prepared_file(p, index, keys))
         done.add(digest)  # a second copy under another name is the same file
     for lf in pending:
-        reports.append(_apply(lf, known_ids=known_ids, answers=answers, ledger=ledger, round_index=round_index,
+        reports.append(_apply(lf, index=index, answers=answers, ledger=ledger, round_index=round_index,
                               rejections_dir=Path(rejections_dir), strict=strict))
     order = {str(p): i for i, p in enumerate(inbox_files(inbox_dir))}
     return sorted(reports, key=lambda r: order.get(r.file, len(order)))
 
+
+def import_round(artifacts: str | os.PathLike[str]) -> int:
+    """The round labels imported now belong to, the same for the inbox and `tamis labels import`: the next round,
+    the first whose labeled set holds them (0 before any round finished)."""
+    from pipeline.rounds import next_round_index
+
+    return next_round_index(artifacts, None)
+
+
+PREPARE_LATEST = Path("prepare") / "latest.json"  # written by flows.prepare (LATEST): the last prepared dataset
+
+
+def project_index(artifacts: str | os.PathLike[str], dataset: str | os.PathLike[str] | None = None) -> SampleIndex:
+    """Every sample a label file may name: `dataset` (a saved dataset) or else the project's last prepared dataset,
+    plus every sample exported for labeling. Without either, only the exported samples, and the scope says so."""
+    import datasets
+
+    from pipeline.annotation.export import exported_sample_ids
+    from pipeline.errors import DataError
+
+    artifacts = Path(artifacts)
+    exported = exported_sample_ids(artifacts)
+    folder: Path | None = Path(dataset) if dataset is not None else None
+    if folder is None and (artifacts / PREPARE_LATEST).is_file():
+        try:
+            refs = json.loads((artifacts / PREPARE_LATEST).read_text(encoding="utf-8"))
+            folder = Path(refs["prepare"]["dir"]) / "dataset"
+        except (OSError, ValueError, KeyError, TypeError):
+            folder = None
+        if folder is not None and not folder.is_dir():
+            folder = None
+    if folder is None:
+        return SampleIndex(sorted(exported), scope=(
+            f"the {len(exported)} samples exported for labeling (no prepared dataset in {artifacts}: run a round, "
+            "or pass --dataset, to label any sample of the project)"))
+    try:
+        ds = datasets.load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError) as exc:
+        raise DataError(f"{folder}: not a saved tamis dataset ({exc})") from None
+    if "sample_id" not in ds.column_names:
+        raise DataError(f"{folder}: not a saved tamis dataset (no sample_id column)")
+    ds = ds.select_columns([c for c in ("sample_id", "external_id", "image_path") if c in ds.column_names])
+    index = SampleIndex.from_dataset(ds)
+    extra = sorted(exported - index.ids)
+    if extra:  # exported from an older dataset version: still labelable by sample_id
+        index.ids.update(extra)
+        index.scope = f"this project's {len(index.ids)} samples"
+    return index

@@ -35,9 +35,15 @@ def make_entry(
     source_digest: str,
     supersedes: Mapping[str, Any] | None = None,
     votes: list[dict[str, str]] | None = None,
+    matched_by: str | None = None,
+    matched_key: str | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
-    """A ledger entry; a label replacing an existing one is a correction pointing at the entry it supersedes."""
+    """A ledger entry; a label replacing an existing one is a correction pointing at the entry it supersedes.
+
+    `matched_by` records which key of the label row named the sample (sample_id, id, image_path, image_name) and
+    `matched_key` its value, when it was not the sample_id itself.
+    """
     e: dict[str, Any] = {
         "sample_id": sample_id,
         "label": label,
@@ -53,6 +59,10 @@ def make_entry(
         e["previous_label"] = supersedes["label"]
     if votes:
         e["votes"] = votes
+    if matched_by:
+        e["matched_by"] = matched_by
+        if matched_key is not None and matched_by != "sample_id":
+            e["matched_key"] = matched_key
     e["entry_id"] = digest_json(e)[:16]
     return e
 

@@ -26,25 +26,31 @@ def open_image(data: bytes, *, max_pixels: int) -> Image.Image:
     if not data:
         raise ImageRejected("empty file (0 bytes)")
     ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file must fail, not come back half grey
+    limit = (f"exceeds data.max_image_pixels = {max_pixels:,} (possible decompression bomb); raise the limit if the "
+             "image is genuine")
+    previous = Image.MAX_IMAGE_PIXELS
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
+            # Pillow's own cap (~89 Mpx) would refuse an image the setting allows: the header check below is the
+            # guard while opening, and frames decoded later (GIF, ICO) are held to the setting, not Pillow's default.
+            Image.MAX_IMAGE_PIXELS = None
             img = Image.open(io.BytesIO(data))
+            Image.MAX_IMAGE_PIXELS = max_pixels
             w, h = img.size
             if w * h > max_pixels:
-                raise ImageRejected(
-                    f"{w}×{h} = {w * h:,} pixels exceeds data.max_image_pixels = {max_pixels:,} "
-                    "(possible decompression bomb); raise the limit if the image is genuine"
-                )
+                raise ImageRejected(f"{w}×{h} = {w * h:,} pixels {limit}")
             img.load()
     except ImageRejected:
         raise
     except UnidentifiedImageError:
         raise ImageRejected("not a decodable image (unknown or corrupt format)") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageRejected(f"decompression bomb guard: {exc}") from None
+        raise ImageRejected(f"a frame {limit} (Pillow: {exc})") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise ImageRejected(f"corrupt or truncated image: {exc}") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = previous
     if w == 0 or h == 0:
         raise ImageRejected(f"image has no pixels ({w}×{h})")
     try:

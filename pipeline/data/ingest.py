@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 STAGE = "ingest"
 # Bump when the library's ingestion output changes for the same inputs (Prefect cannot see edits in pipeline/).
-INGEST_VERSION = "1"
+INGEST_VERSION = "2"  # 2: the external_id column, warnings.jsonl
 _BATCH = 256
 
 
@@ -48,6 +48,7 @@ def ingest_features() -> datasets.Features:
     return Features({
         "sample_id": s, "image": Value("binary"), "image_path": s, "question": s, "answer": s, "split": s,
         "source": s, "sources": List(s), "width": Value("int32"), "height": Value("int32"), "mode": s,
+        "external_id": s,
     })
 
 
@@ -64,7 +65,7 @@ def source_digest(cfg: DataConfig) -> str:
         for item in READERS[src.kind]().rows(src, cfg):
             if isinstance(item, RawRow):
                 rows.append([item.source, item.image_path, digest_bytes(item.image), item.question, item.answer,
-                             item.split])
+                             item.split, item.external_id])
             else:
                 rows.append([item.source, item.path, item.reason])
         # Manifests are small; a folder or saved dataset is fully covered by its rows' content.
@@ -80,6 +81,7 @@ class _Accounting:
         self.read = 0
         self.quarantine: list[dict[str, Any]] = []
         self.duplicates: list[dict[str, Any]] = []
+        self.warnings: list[dict[str, Any]] = []  # rows kept, with something a person should know
         self.kept: dict[str, dict[str, Any]] = {}  # sample_id → {source, answer, split, sources}
 
     def reject(self, source: str, reason: str, path: str = "", **extra: Any) -> None:
@@ -117,7 +119,7 @@ def _validate(row: RawRow, cfg: DataConfig, acc: _Accounting) -> dict[str, Any] 
     return {
         "sample_id": sample_id_for(row.image, row.question), "image": row.image, "image_path": row.image_path,
         "question": row.question, "answer": row.answer, "split": split, "source": row.source,
-        "width": width, "height": height, "mode": mode,
+        "width": width, "height": height, "mode": mode, "external_id": row.external_id,
     }
 
 
@@ -157,6 +159,8 @@ def _read_all(cfg: DataConfig, acc: _Accounting, arrow_path: Path) -> None:
                     acc.reject(item.source, item.reason, item.path)
                 else:
                     rec = _validate(item, cfg, acc)
+                    if rec is not None and item.note:
+                        acc.warnings.append({"source": item.source, "path": item.image_path, "warning": item.note})
                     if rec is not None and _dedupe(rec, acc):
                         batch.append({**rec, "sources": []})  # filled in at the end, once all duplicates are known
                         if len(batch) >= _BATCH:
@@ -193,12 +197,16 @@ def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> M
         arrow_path.unlink(missing_ok=True)
     atomic_write_jsonl(out_dir / "quarantine.jsonl", acc.quarantine)
     atomic_write_jsonl(out_dir / "duplicates.jsonl", acc.duplicates)
+    atomic_write_jsonl(out_dir / "warnings.jsonl", acc.warnings)
     counts = acc.counts()
     splits = Counter(k["split"] for k in acc.kept.values())
     conflicts = sum("conflict" in d for d in acc.duplicates)
     if conflicts:
         log.warning("ingest: %d duplicate(s) disagree on answer or split with the row kept; see %s", conflicts,
                     out_dir / "duplicates.jsonl")
+    if acc.warnings:
+        log.warning("ingest: %d row(s) kept with a warning (e.g. %s: %s); see %s", len(acc.warnings),
+                    acc.warnings[0]["source"], acc.warnings[0]["warning"], out_dir / "warnings.jsonl")
     if counts["quarantined"]:
         log.warning("ingest: %d of %d rows quarantined; reasons in %s", counts["quarantined"], counts["read"],
                     out_dir / "quarantine.jsonl")
@@ -211,8 +219,10 @@ def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> M
         stage_version=INGEST_VERSION,
         inputs={"sources": digest},
         config=cfg.section("data"),
-        outputs={"dataset": "dataset", "quarantine": "quarantine.jsonl", "duplicates": "duplicates.jsonl"},
-        info={"counts": counts, "splits": {s: splits.get(s, 0) for s in SPLITS}, "duplicate_conflicts": conflicts},
+        outputs={"dataset": "dataset", "quarantine": "quarantine.jsonl", "duplicates": "duplicates.jsonl",
+                 "warnings": "warnings.jsonl"},
+        info={"counts": counts, "splits": {s: splits.get(s, 0) for s in SPLITS}, "duplicate_conflicts": conflicts,
+              "warnings": len(acc.warnings)},
     )
 
 

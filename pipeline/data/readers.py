@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import os
+import re
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ class RawRow:
     answer: str | None
     split: str | None  # as written in the source; validated by ingest
     source: str  # "<file>:<line>" (manifests), "<file>:<row>" (datasets, exports) or the image file (folders)
+    external_id: str | None = None  # the source's own ID of the row (its `id_column`), kept for importing labels
+    note: str | None = None  # something a person should know about the row that did not stop it (a warning)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,17 @@ def _text(value: Any) -> str | None:
 
 def _question(value: Any, source: SourceConfig, cfg: DataConfig) -> str:
     return _text(value) or source.question or cfg.question
+
+
+def _question_note(rec: dict[str, Any], source: SourceConfig, cfg: DataConfig, *, has_column: bool) -> str | None:
+    """A warning when a row that should carry its own question does not and the default is used instead."""
+    if _text(rec.get(source.question_column)) is not None:
+        return None
+    explicit = source.question_column != SourceConfig.model_fields["question_column"].default
+    if not (has_column or source.question_column in rec or explicit):
+        return None  # a manifest without questions at all: the default question is the intended one
+    used = "the source's question" if source.question else "data.question"
+    return f"no question (field {source.question_column!r} missing or empty); {used} {_question(None, source, cfg)!r} used"
 
 
 def _roots(base: Path, cfg: DataConfig) -> list[Path]:
@@ -102,10 +116,11 @@ def read_image_file(ref: str, base: Path, cfg: DataConfig, source: str) -> RawRo
     return RawRow(data, str(resolved), "", None, None, source)
 
 
-def _with_text(row: RawRow | Rejected, question: str, answer: str | None, split: str | None) -> Item:
+def _with_text(row: RawRow | Rejected, question: str, answer: str | None, split: str | None,
+               external_id: str | None = None, note: str | None = None) -> Item:
     if isinstance(row, Rejected):
         return row
-    return RawRow(row.image, row.image_path, question, answer, split, row.source)
+    return RawRow(row.image, row.image_path, question, answer, split, row.source, external_id, note)
 
 
 def _require_source(source: SourceConfig, *, folder: bool) -> Path:
@@ -123,7 +138,7 @@ def _require_source(source: SourceConfig, *, folder: bool) -> Path:
 def _check_columns(source: SourceConfig, found: list[str], where: str) -> None:
     """The image column must exist; the text columns may be absent only when the user left their default names."""
     missing = [source.image_column] if source.image_column not in found else []
-    for field in ("question_column", "answer_column", "split_column"):
+    for field in ("question_column", "answer_column", "split_column", "id_column"):
         name = getattr(source, field)
         # Compared with the default, not `model_fields_set`: flows rebuild the config from its JSON dump, which
         # marks every field as set.
@@ -132,7 +147,8 @@ def _check_columns(source: SourceConfig, found: list[str], where: str) -> None:
     if missing:
         raise DataError(
             f"{where}: column(s) {missing} not found; columns found: {found}; "
-            "rename the columns or set image_column / question_column / answer_column / split_column in the source"
+            "rename the columns or set image_column / question_column / answer_column / split_column / id_column in "
+            "the source"
         )
 
 
@@ -195,7 +211,7 @@ class JsonlReader(Reader):
                     yield Rejected(where, f"line is not UTF-8 ({exc.reason} at byte {exc.start}); save the file as UTF-8")
                     continue
                 except json.JSONDecodeError as exc:
-                    yield Rejected(where, f"line is not valid JSON ({exc.msg} at column {exc.colno})")
+                    yield Rejected(where, f"line is not valid JSON at column {exc.colno}: {json_problem(exc)}")
                     continue
                 if not isinstance(rec, dict):
                     yield Rejected(where, f"line is a JSON {type(rec).__name__}, expected an object with "
@@ -204,17 +220,33 @@ class JsonlReader(Reader):
                 yield _manifest_row(rec, where, base, source, cfg)
 
 
-def _manifest_row(rec: dict[str, Any], where: str, base: Path, source: SourceConfig, cfg: DataConfig) -> Item:
-    ref = _text(rec.get(source.image_column))
-    if ref is None:
-        return Rejected(where, f"no image: field {source.image_column!r} is missing or empty "
-                        f"(fields present: {sorted(rec)}); set image_column in the source if it has another name")
-    row = read_image_file(ref, base, cfg, where)
+def json_problem(exc: json.JSONDecodeError) -> str:
+    """json's message without its dangling "at" ("Invalid control character at"): the caller gives the position."""
+    return re.sub(r"\s+(starting )?at$", "", exc.msg)
+
+
+def _manifest_row(rec: dict[str, Any], where: str, base: Path, source: SourceConfig, cfg: DataConfig, *,
+                  has_question_column: bool = False) -> Item:
+    key = source.image_column
+    value = rec.get(key)
+    if key not in rec:
+        return Rejected(where, f"no image: field {key!r} is missing (fields present: {sorted(rec)}); set "
+                        "image_column in the source if it has another name")
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return Rejected(where, f"no image: field {key!r} is {'null' if value is None else 'empty'}; give the "
+                        "image's path (relative to the manifest's folder)")
+    if not isinstance(value, str):
+        # A number or list is no path a person wrote: reading it as a file name only hides the mistake.
+        return Rejected(where, f"field {key!r} holds a {type(value).__name__} ({value!r}), not an image path; give "
+                        "the image's path as a string")
+    row = read_image_file(value.strip(), base, cfg, where)
     return _with_text(
         row,
         _question(rec.get(source.question_column), source, cfg),
         _text(rec.get(source.answer_column)),
         _text(rec.get(source.split_column)) or source.default_split,
+        _text(rec.get(source.id_column)),
+        _question_note(rec, source, cfg, has_column=has_question_column),
     )
 
 
@@ -247,7 +279,15 @@ class CsvReader(Reader):
                     yield Rejected(where, f"row has {len(found) + len(rec[None])} cells but the header has "
                                    f"{len(found)}; quote cells that contain commas")
                     continue
-                yield _manifest_row(rec, where, base, source, cfg)
+                short = [k for k, v in rec.items() if v is None]
+                if short:
+                    # DictReader fills missing cells with None: the row would pass as an unlabeled pool row.
+                    yield Rejected(where, f"row has {len(found) - len(short)} cells but the header has {len(found)} "
+                                   f"(no {', '.join(map(repr, short))}); complete the row or leave the cells empty "
+                                   "with commas")
+                    continue
+                yield _manifest_row(rec, where, base, source, cfg,
+                                    has_question_column=source.question_column in found)
         except csv.Error as exc:
             # The reader cannot resync after a malformed record, so the rest of the file is unreadable.
             raise DataError(f"{path}:{start}: not valid CSV ({exc}); fix the record that starts on that line (an "
@@ -286,6 +326,8 @@ class HFReader(Reader):
                 _question(rec.get(source.question_column), source, cfg),
                 _text(rec.get(source.answer_column)),
                 _text(rec.get(source.split_column)) or source.default_split,
+                _text(rec.get(source.id_column)),
+                _question_note(rec, source, cfg, has_column=source.question_column in ds.column_names),
             )
             if isinstance(value, dict):
                 data, ref = value.get("bytes"), value.get("path")
@@ -298,7 +340,7 @@ class HFReader(Reader):
                                "expected image bytes, an Image feature or a file path")
                 continue
             if data:
-                yield RawRow(bytes(data), "", *text, where)
+                yield RawRow(bytes(data), "", *text[:3], where, *text[3:])
             elif ref:
                 yield _with_text(read_image_file(ref, base, cfg, where), *text)
             else:
@@ -339,6 +381,7 @@ class LabelStudioReader(Reader):
                 _question(data.get(source.data_text_key), source, cfg),
                 _annotation_answer(task.get("annotations") or []),
                 _text(data.get(source.split_column)) or source.default_split,
+                _text(data.get(source.id_column)),
             )
 
 

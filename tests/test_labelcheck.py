@@ -14,16 +14,29 @@ from pipeline.annotation.simulate import sidecar_path, simulate_annotator
 from pipeline.config import ProjectConfig, load_config
 from pipeline.labelcheck import (
     Issue,
+    KnnSpace,
     LabelCheckError,
+    apply_temperature,
+    calibrate_confident_joint,
+    check_labels,
     class_thresholds,
+    confident_joint,
+    detect_label_issues,
     export_relabel,
     find_label_issues,
+    fit_temperature,
+    knn_label_probs,
+    label_error_posterior,
     label_issue_table,
     label_report_markdown,
     labels_spent,
+    noise_rate,
     out_of_sample_probs,
+    prune_by_noise_rate,
+    relabel_candidates,
     relabel_dir,
     stratified_folds,
+    three_rater_accuracy,
     write_label_report,
 )
 from pipeline.labelcheck import annotator_agreement as agreement
@@ -332,3 +345,238 @@ def test_planted_label_noise_is_found_far_above_chance(tmp_path):
     assert precision >= 0.3, precision
     table = label_issue_table(issues, ledger)
     assert all(r["annotators"] == ["simulated"] and r["source_file"] == str(f) for r in table)
+
+
+# ------------------------------------------------------------ calibrated, abstaining detection (issue 13)
+def _softmax(z):
+    e = np.exp(z - z.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def _synthetic(n=400, c=10, strength=3.0, flip=0.1, seed=0):
+    """(calibrated probs, true labels, given labels, flipped mask): labels drawn from the probabilities themselves,
+    so the probabilities are calibrated against the truth by construction; then a share of labels flipped."""
+    rng = np.random.default_rng(seed)
+    probs = _softmax(rng.normal(size=(n, c)) * strength)
+    truth = np.array([rng.choice(c, p=p) for p in probs])
+    given = truth.copy()
+    flipped = np.zeros(n, bool)
+    flipped[rng.choice(n, int(round(flip * n)), replace=False)] = True
+    given[flipped] = (truth[flipped] + rng.integers(1, c, flipped.sum())) % c
+    return probs, truth, given, flipped
+
+
+@pytest.mark.parametrize("true_t", [0.4, 1.0, 3.0])
+def test_temperature_scaling_recovers_a_known_miscalibration(true_t):
+    """Probabilities calibrated by construction, then distorted by softmax(log p / T0): the fitted T undoes T0 (an
+    over-confident model, T0 < 1, gets T > 1 back), and the NLL of the labels drops to the calibrated one's."""
+    probs, truth, _, _ = _synthetic(n=3000, flip=0.0, seed=1)
+    distorted = apply_temperature(probs, true_t)
+    t = fit_temperature(distorted, truth)
+    assert t == pytest.approx(1 / true_t, rel=0.12)
+    fixed = apply_temperature(distorted, t)
+    nll = lambda p: -np.log(p[np.arange(len(truth)), truth]).mean()  # noqa: E731
+    assert nll(fixed) <= nll(distorted) + 1e-9 and nll(fixed) == pytest.approx(nll(probs), abs=0.02)
+
+
+def test_prune_by_noise_rate_reports_as_many_as_the_calibrated_joint_says():
+    """Not every sample below its class threshold: the off-diagonal of the calibrated confident joint bounds the
+    count, per (given, suggested) cell, largest margin first; at least one sample of every class is kept."""
+    probs, _, given, flipped = _synthetic(n=300, strength=3.0, flip=0.1, seed=2)
+    joint = confident_joint(probs, given, 10)
+    cal = calibrate_confident_joint(joint, given)
+    np.testing.assert_allclose(cal.sum(1), np.bincount(given, minlength=10))
+    flagged = prune_by_noise_rate(probs, given, cal)
+    bound = sum(int(round(cal[i, j])) for i in range(10) for j in range(10) if i != j)
+    assert 0 < flagged.sum() <= bound
+    assert flagged[flipped].mean() > 0.6 and flipped[flagged].mean() > 0.3  # chance is 0.1
+    # More noise, a larger estimate, more reported.
+    probs2, _, given2, _ = _synthetic(n=300, strength=3.0, flip=0.25, seed=2)
+    cal2 = calibrate_confident_joint(confident_joint(probs2, given2, 10), given2)
+    assert noise_rate(cal2) > noise_rate(cal) and prune_by_noise_rate(probs2, given2, cal2).sum() > flagged.sum()
+    assert noise_rate(cal) == pytest.approx((cal.sum() - np.trace(cal)) / 300)
+    # Hand-made: a joint that says 1 cat was really a dog picks exactly the most dog-like cat.
+    p = np.array([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8], [0.1, 0.9]])
+    g = np.array([0, 0, 0, 1, 1])
+    assert prune_by_noise_rate(p, g, np.array([[2.0, 1.0], [0.0, 2.0]])).tolist() == [False, False, True, False, False]
+    # Never the whole class: the cell asks for 3 of 3 cats, one is kept.
+    assert prune_by_noise_rate(p, g, np.array([[0.0, 3.0], [0.0, 2.0]])).sum() == 2
+
+
+def test_weak_model_abstains_says_why_and_queues_nothing(tmp_path):
+    """A model at 60 % out-of-sample accuracy cannot tell its own mistakes from wrong labels: no issues, the reason
+    with the accuracy and the floor, nothing for the re-label queue, and the report says so."""
+    rng = np.random.default_rng(3)
+    n = 60
+    truth = np.arange(n) % 10
+    pred = np.where(rng.random(n) < 0.6, truth, (truth + rng.integers(1, 10, n)) % 10)
+    probs = np.full((n, 10), 0.02)
+    probs[np.arange(n), pred] = 0.82
+    ids = [f"s{i:03d}" for i in range(n)]
+    det = detect_label_issues(probs, [str(t) for t in truth], DIGITS, sample_ids=ids, min_oos_accuracy=0.75)
+    acc = (pred == truth).mean()
+    assert det.issues == [] and det.abstained is not None
+    assert f"model not yet accurate enough to judge labels (OOS accuracy {acc:.2f}" in det.abstained
+    assert "labelcheck.min_oos_accuracy 0.75" in det.abstained
+    assert det.summary().startswith("label check: model not yet accurate enough")
+    assert relabel_candidates(det.issues, min_confidence=0.0, top_n=10) == []
+    # Lower the floor and the same model judges, with the model as the only signal.
+    judged = detect_label_issues(probs, [str(t) for t in truth], DIGITS, sample_ids=ids, min_oos_accuracy=0.5)
+    assert judged.abstained is None and judged.signals["model"]["used"] and not judged.signals["knn"]["used"]
+    # The round's report: the abstain message, no table; the verdict file carries it for `tamis labels issues`.
+    rep = write_label_report(tmp_path / "r", oos=_oos(ids, probs), table=[], agreement={}, answers=DIGITS,
+                             verdict=det.info())
+    assert rep.info["abstained"] is True and rep.info["issues"] == 0
+    verdict = json.loads((tmp_path / "r" / "verdict.json").read_text())
+    md = label_report_markdown([], {}, method="heldout", checked=n, verdict=verdict)
+    assert f"label check: model not yet accurate enough to judge labels (OOS accuracy {acc:.2f}" in md
+    assert "No label is judged or queued for re-labeling" in md and "| rank |" not in md
+
+
+def _clustered(n_per=30, c=5, flip=0.1, seed=4):
+    """Embeddings in c well-separated clusters (one per true class) and labels with a share flipped."""
+    rng = np.random.default_rng(seed)
+    truth = np.repeat(np.arange(c), n_per)
+    centers = rng.normal(size=(c, 16)) * 4
+    emb = centers[truth] + rng.normal(size=(len(truth), 16))
+    given = truth.copy()
+    flipped = np.zeros(len(truth), bool)
+    flipped[rng.choice(len(truth), int(round(flip * len(truth))), replace=False)] = True
+    given[flipped] = (truth[flipped] + rng.integers(1, c, flipped.sum())) % c
+    return emb, truth, given, flipped
+
+
+def test_knn_signal_finds_planted_flips_on_its_own_terms():
+    """kNN label consistency: a flipped label's neighbours carry the true one, leave-one-out (the sample's own label
+    never votes); groups keep neighbours within a group."""
+    emb, truth, given, flipped = _clustered()
+    p = knn_label_probs(emb, given, 5, k=5)
+    assert p.shape == (150, 5) and np.allclose(p.sum(1), 1)
+    assert (p.argmax(1)[flipped] == truth[flipped]).mean() > 0.9
+    assert (p.argmax(1)[~flipped] == given[~flipped]).mean() > 0.95
+    # Leave-one-out: a lone sample of its class in its own corner gets nothing from itself.
+    lone = np.vstack([emb, emb[:1] + 1e-3])
+    q = knn_label_probs(lone, np.append(given, 4), 5, k=1)
+    assert q[-1].argmax() == given[0]
+    # Groups: with each sample alone in its group nobody has neighbours, and the distribution stays flat.
+    flat = knn_label_probs(emb[:4], given[:4], 5, k=3, groups=np.arange(4))
+    np.testing.assert_allclose(flat, 0.2)
+
+
+def test_knn_and_model_combine_and_say_which_signal_flagged():
+    """A middling model (75 % accurate, its errors confident) and the kNN signal: together they find the planted
+    flips with few false alarms, where the model alone reports more of its own mistakes; every issue names its
+    signal(s), and the expected false alarms are in the right range."""
+    emb, truth, given, flipped = _clustered(n_per=40, c=5, flip=0.1, seed=5)
+    rng = np.random.default_rng(6)
+    n, c = len(truth), 5
+    pred = np.where(rng.random(n) < 0.8, truth, (truth + rng.integers(1, c, n)) % c)
+    probs = np.full((n, c), 0.03)
+    probs[np.arange(n), pred] = 0.88
+    ids = [f"s{i:03d}" for i in range(n)]
+    labels = [str(g) for g in given]
+    answers = [str(j) for j in range(c)]
+    space = KnnSpace(ids, emb, labels, source="test embeddings")
+    both = detect_label_issues(probs, labels, answers, sample_ids=ids, knn=space, min_oos_accuracy=0.6)
+    alone = detect_label_issues(probs, labels, answers, sample_ids=ids, min_oos_accuracy=0.6)
+    flips = {ids[i] for i in np.flatnonzero(flipped)}
+
+    def precision_recall(det):
+        found = {i.sample_id for i in det.issues}
+        return len(found & flips) / max(len(found), 1), len(found & flips) / len(flips)
+
+    p_both, r_both = precision_recall(both)
+    p_alone, _ = precision_recall(alone)
+    # The misses are flips the model itself gets wrong (it names a third class): the signals then disagree.
+    assert both.signals["knn"]["used"] and p_both >= 0.9 and r_both >= 0.6, (p_both, r_both)
+    assert p_both > p_alone
+    assert all(set(i.signals) <= {"model", "knn"} and i.signals for i in both.issues)
+    assert any("knn" in i.signals for i in both.issues)
+    assert all(i.confidence >= 0.3 for i in both.issues)  # the report bar (REPORT_CONFIDENCE)
+    false_alarms = len({i.sample_id for i in both.issues} - flips)
+    assert abs(both.expected_false_alarms - false_alarms) <= 2
+    # The three-rater estimate sees through the noise: the model's accuracy against the truth, not the labels.
+    assert both.signals["model"]["estimated_accuracy"] > both.signals["model"]["accuracy"]
+    # A kNN space that lacks a checked sample is named.
+    with pytest.raises(LabelCheckError, match="sample s000 has no kNN embedding"):
+        detect_label_issues(probs, labels, answers, sample_ids=ids,
+                            knn=KnnSpace(ids[1:], emb[1:], labels[1:]), min_oos_accuracy=0.6)
+
+
+def test_label_error_posterior_needs_more_evidence_when_labels_are_rarely_wrong():
+    p = np.array([0.001, 0.01, 0.1])
+    rare, common = label_error_posterior(p, 0.02, 10), label_error_posterior(p, 0.2, 10)
+    assert (np.diff(rare) < 0).all() and (common >= rare).all()
+    assert rare[0] > 0.5 and rare[2] < 0.05
+    assert label_error_posterior(p, 0.0, 10).max() == 0.0
+    assert three_rater_accuracy(0.7, 0.75, 0.85) == pytest.approx(np.sqrt(0.7 * 0.85 / 0.75))
+    assert three_rater_accuracy(0.9, 0.3, 0.2) == 0.9  # never below the measured agreement
+
+
+def test_relabel_queue_takes_only_confident_issues_capped_by_top_n():
+    issues = [Issue(i, f"s{i}", "1", "2", 0.01, 0.9, -0.89, 0.5, conf, ("model",))
+              for i, conf in enumerate([0.99, 0.95, 0.91, 0.6, 0.3])]
+    assert [i.sample_id for i in relabel_candidates(issues, min_confidence=0.9, top_n=10)] == ["s0", "s1", "s2"]
+    assert [i.sample_id for i in relabel_candidates(issues, min_confidence=0.9, top_n=2)] == ["s0", "s1"]
+    assert [i.sample_id for i in relabel_candidates(issues, min_confidence=0.9, top_n=10, skip={"s1"})] == ["s0", "s2"]
+    assert relabel_candidates(issues, min_confidence=0.999, top_n=10) == []
+    assert len(relabel_candidates(issues, min_confidence=0.0, top_n=10)) == 5
+
+
+def test_knn_space_comes_from_the_selection_embeddings_or_the_check_s_own_scoring():
+    """select.embeddings not `model`: every labeled sample is a neighbour, in the selection space; `model`: the
+    check's own scoring embeddings, neighbours within each fold; knn_k 0 or no embeddings: skipped, and why."""
+    from pipeline.labelcheck import OOSResult, knn_space
+
+    rows = [{"sample_id": f"s{i}", "answer": str(i % 3)} for i in range(6)]
+    ids = [r["sample_id"] for r in rows]
+    emb = np.eye(6, dtype=np.float32)
+    oos = OOSResult(ids[:4], np.full((4, 10), 0.1, np.float32), np.array([0, 0, 1, 1]), "kfold",
+                    embeddings=np.ones((4, 3), np.float32))
+    pool = ProjectConfig.model_validate({"select": {"embeddings": "pixels"}, "data": {"answers": DIGITS}})
+    space, note = knn_space(pool, rows, oos, (ids[::-1] + ["other"], np.vstack([emb[::-1], np.zeros((1, 6))])))
+    assert note is None and space.sample_ids == ids and space.labels == [r["answer"] for r in rows]
+    np.testing.assert_array_equal(space.embeddings, emb)
+    assert "pixels" in space.source and space.groups is None
+    space, note = knn_space(pool, rows, oos, None)
+    assert space is None and "'pixels' but its embeddings were not passed" in note
+    model = ProjectConfig.model_validate({"data": {"answers": DIGITS}})
+    space, note = knn_space(model, rows, oos, None)
+    assert note is None and space.sample_ids == ids[:4] and space.groups.tolist() == [0, 0, 1, 1]
+    off = model.model_copy(update={"labelcheck": model.labelcheck.model_copy(update={"knn_k": 0})})
+    assert knn_space(off, rows, oos, None) == (None, "labelcheck.knn_k is 0")
+    bare = OOSResult(ids[:4], oos.probs, oos.folds, "kfold")
+    assert knn_space(model, rows, bare, None)[0] is None
+
+
+def test_check_labels_writes_the_verdict_with_both_signals(tmp_path, tiny_models):
+    """The round's entry point: k-fold probabilities in their own folder, the kNN signal in the selection space
+    passed in, verdict.json and the manifest saying whether it judged and why; a 2-step model abstains."""
+    rows = _rows(8)
+    cfg = _tiny_cfg(tmp_path, tiny_models["idefics3"]).model_copy(update={
+        "select": ProjectConfig.model_validate({"select": {"embeddings": "pixels", "score_batch_size": 8}}).select})
+    ids = [r["sample_id"] for r in rows]
+    emb = np.random.default_rng(0).normal(size=(len(ids), 4)).astype(np.float32)
+    m = check_labels(cfg, rows, tmp_path / "report", [], oos_dir=tmp_path / "probs", selection_embeddings=(ids, emb),
+                     hw=None)
+    assert (tmp_path / "probs" / "fold-0" / "oos").is_dir() and not (tmp_path / "report" / "oos").exists()
+    verdict = json.loads((tmp_path / "report" / "verdict.json").read_text())
+    assert verdict["abstained"] and "model not yet accurate enough" in verdict["abstain_reason"]
+    assert verdict["signals"]["knn"]["source"] == "the select.embeddings space (pixels)"
+    assert verdict["signals"]["knn"]["neighbours_from"] == 8
+    assert m.info["abstained"] is True and m.info["issues"] == 0 and m.info["message"].startswith("label check:")
+    assert read_jsonl(tmp_path / "report" / "issues.jsonl") == []
+
+
+def test_a_chance_level_model_abstains_even_beside_a_good_knn_signal():
+    """The model always takes part: at chance it cannot vouch for the kNN signal (the three-rater estimates need
+    three informative raters), so the check abstains rather than let a garbage estimate wave the kNN through."""
+    emb, _, given, _ = _clustered(n_per=20, c=5, flip=0.0, seed=7)
+    rng = np.random.default_rng(8)
+    probs = _softmax(rng.normal(size=(len(given), 5)) * 3)
+    ids = [f"s{i:03d}" for i in range(len(given))]
+    labels = [str(g) for g in given]
+    det = detect_label_issues(probs, labels, [str(j) for j in range(5)], sample_ids=ids,
+                              knn=KnnSpace(ids, emb, labels), min_oos_accuracy=0.75)
+    assert det.issues == [] and "right more often than wrong" in det.abstained
+    assert not det.signals["knn"]["used"] and not det.signals["model"]["used"]

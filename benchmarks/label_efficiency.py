@@ -57,6 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline.config import ProjectConfig, ScheduleConfig, parse_config  # noqa: E402
 from pipeline.errors import ConfigError, DataError  # noqa: E402
+from pipeline.selection import Space  # noqa: E402
 from pipeline.store import (  # noqa: E402
     MANIFEST_NAME,
     atomic_write_bytes,
@@ -462,26 +463,15 @@ def per_class_recall(preds: list[Any], refs: list[str]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------ selection space
-@dataclass
-class Space:
-    """Selection embeddings of one seed's pool (and the test rows, for the reference learner)."""
-
-    source: str
-    emb: dict[str, np.ndarray]  # sample_id → row; empty for source "model" (the current adapter's embeddings)
-    seconds: float = 0.0
-
-    def rows(self, ids: list[str]) -> np.ndarray:
-        return np.stack([self.emb[s] for s in ids]).astype(np.float32)
-
-
-def selection_space(cfg: ProjectConfig, data: Data, pool: list[str], work: Work) -> Space:
+def selection_space(cfg: ProjectConfig, data: Data, pool: list[str], work: Work) -> tuple[Space | None, float]:
     """Fit the configured selection embeddings on `pool`'s images only (never labels, never the test split), then
-    embed the pool and the test rows; cached by the rows' content and the embeddings config."""
+    embed the pool and the test rows; cached by the rows' content and the embeddings config. Returns the space
+    (None for source "model": the current adapter's embeddings) and the fit's seconds."""
     from pipeline.embeddings import compute_selection_embeddings, embeddings_key, load_selection_embeddings
 
     source = cfg.select.embeddings.source
     if source == "model":
-        return Space(source, {})
+        return None, 0.0
     test_ids = [r["sample_id"] for r in data.test]
     keep = set(pool) | set(test_ids)
     idx = [i for i, s in enumerate(data.prepared["sample_id"]) if s in keep]
@@ -497,7 +487,7 @@ def selection_space(cfg: ProjectConfig, data: Data, pool: list[str], work: Work)
     work.timer.add("embeddings", t0, computed=computed)
     ids, emb = load_selection_embeddings(out)
     info = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8")).get("info", {})
-    return Space(source, dict(zip(ids, emb, strict=True)), float(info.get("seconds", 0.0)))
+    return Space(ids, emb, source), float(info.get("seconds", 0.0))
 
 
 def phase_of(spec: StrategySpec, labeled: int, n_classes: int, newest: list[float]) -> tuple[str, str, str]:
@@ -518,13 +508,13 @@ def needs_scores(strategy: str, diversity: str) -> bool:
 
 
 def pick(strategy: str, diversity: str, options: dict[str, Any], *, pool: list[str], labeled: set[str], k: int,
-         seed: int, space: Space, probs: np.ndarray | None, model_emb: np.ndarray | None,
+         seed: int, space: Space | None, probs: np.ndarray | None, model_emb: np.ndarray | None,
          n_classes: int) -> Any:
     """One batch from `pool` minus `labeled`; embeddings from the selection space (or the model's when the space is
     "model"); labeled samples seed k-center and the coverage selectors."""
     from pipeline.strategies import select_batch
 
-    if space.emb:
+    if space is not None:
         emb = space.rows(pool)
         lab = space.rows(sorted(labeled)) if labeled else None
     else:
@@ -539,7 +529,7 @@ def pick(strategy: str, diversity: str, options: dict[str, Any], *, pool: list[s
                         predicted=predicted, exclude=labeled, seed=seed, options=opts, labeled_embeddings=lab)
 
 
-def cold_pick(spec: StrategySpec, *, pool: list[str], k: int, seed: int, space: Space, base_emb: np.ndarray | None,
+def cold_pick(spec: StrategySpec, *, pool: list[str], k: int, seed: int, space: Space | None, base_emb: np.ndarray | None,
               n_classes: int) -> Any:
     if spec.cold_start == "random":
         return pick("random", "top_k", {}, pool=pool, labeled=set(), k=k, seed=seed, space=space, probs=None,
@@ -559,7 +549,7 @@ def run_key(cfg: ProjectConfig, bench: Bench, work: Work, pool: list[str], extra
 
 
 def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench, data: Data, work: Work,
-                 pool: list[str], space: Space, tag: str) -> dict[str, Any]:
+                 pool: list[str], space: Space | None, tag: str) -> dict[str, Any]:
     """One strategy, one seed, through the tiny model: its cold start, then `rounds` rounds of `batch` labels."""
     run_dir = work.art / "runs" / f"{tag}-{name}-seed{cfg.seed}-{run_key(cfg, bench, work, pool, spec.model_dump())}"
     t_start = time.monotonic()
@@ -568,7 +558,7 @@ def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench
     if spec.strategy == "bald" and mc < 2:
         raise ConfigError(f"strategy {name!r} (bald) needs project.select.mc_dropout_passes ≥ 2, got {mc}")
     base_emb = None
-    if not space.emb and spec.cold_start != "random":
+    if space is None and spec.cold_start != "random":
         base_emb = work.score(Adapter(None, "base"), pool, 0, cfg.seed).embeddings
     sel = cold_pick(spec, pool=pool, k=bench.initial, seed=cfg.seed, space=space, base_emb=base_emb,
                     n_classes=n_classes)
@@ -591,7 +581,7 @@ def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench
         strategy, diversity, phase = phase_of(spec, len(labels), n_classes, newest)
         phases.append(phase)
         scores = None
-        if needs_scores(strategy, diversity) or not space.emb or (spec.schedule and
+        if needs_scores(strategy, diversity) or space is None or (spec.schedule and
                                                                    spec.schedule.switch == "newest_accuracy"):
             scores = work.score(adapter, pool, mc if strategy == "bald" else 0, cfg.seed)
         probs = None
@@ -863,12 +853,12 @@ def run_variant(variant: str, cfg: ProjectConfig, bench: Bench, data: Data, work
                                 f"{bench.longtail.imbalance:g}, the benchmark labels {need}; lower benchmark.rounds / "
                                 "batch or the imbalance, or set benchmark.longtail: null")
         pools.append(len(pool))
-        space = selection_space(cfg_s, data, pool, work)
-        embed_s.append(space.seconds)
+        space, fit_seconds = selection_space(cfg_s, data, pool, work)
+        embed_s.append(fit_seconds)
         full.append(full_data(cfg_s, bench, data, work, pool, variant))
         for name, spec in bench.strategies.items():
             curves[name].append(run_strategy(name, spec, cfg_s, bench, data, work, pool, space, variant))
-        if bench.reference_learner and space.emb:
+        if bench.reference_learner and space is not None:
             full_probe.append(probe_full(cfg_s, data, pool, space))
             for name, spec in bench.strategies.items():
                 probes[name].append(run_probe(spec, cfg_s, bench, data, pool, space))

@@ -18,24 +18,18 @@ from pipeline.strategies import get_heuristic, select_batch
 from pipeline.strategies.schedule import Phase, choose_phase, newest_label_accuracy
 
 
-@dataclass
+@dataclass(frozen=True)
 class Space:
-    """Selection embeddings keyed by sample ID (pipeline.embeddings), or the scorer's when `source` is model."""
+    """Selection embeddings keyed by sample ID (pipeline.embeddings); None stands for the scorer's (source model)."""
 
     ids: list[str]
     emb: np.ndarray
     source: str
-    _at: dict[str, int] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._at = {s: i for i, s in enumerate(self.ids)}
 
     def rows(self, wanted: Sequence[str]) -> np.ndarray:
-        missing = [s for s in wanted if s not in self._at]
-        if missing:
-            raise SelectionError(f"selection embeddings ({self.source}) have no row for {len(missing)} samples, e.g. "
-                                 f"{missing[0]!r}; recompute them (delete their folder) or fix select.embeddings")
-        return self.emb[[self._at[s] for s in wanted]]
+        from pipeline.embeddings import lookup  # its module imports the image stack; selection alone need not
+
+        return lookup(self.ids, self.emb, wanted)
 
 
 @dataclass

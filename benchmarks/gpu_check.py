@@ -9,7 +9,10 @@ image geometry), it prints one JSON with:
   candidate), their largest probability difference, and the batched throughput as a fraction of the FLOP limit
   (2 × params × tokens per sample at the measured bf16 matmul rate; also a text/vision split of the same estimate);
 - training: peak memory (torch.cuda.max_memory_allocated) and steps/s per mode (full / lora / qlora) × gradient
-  checkpointing off / on, next to pipeline.model.planner's estimate of the same step.
+  checkpointing off / on, next to pipeline.model.planner's estimate of the same step;
+- data_parallel: qlora training through pipeline.model.train with train.num_processes 2 vs 1 at the same effective
+  batch (per-process peak memory, seconds, loss agreement) when the machine has ≥ 2 CUDA devices; otherwise recorded
+  as not measured. In --dry-run it runs 2 gloo processes on the CPU.
 Every section fails soft (its error is recorded and the rest runs); sections are skipped once --budget-s is spent.
 The JSON goes to stdout, to --json-out, and to $OUT/gpu_check.json when $OUT is set.
 
@@ -450,6 +453,37 @@ def training(env: Env, path: Path, family: str, shape: Any, image_size: int, bat
     return {"cases": cases}
 
 
+def data_parallel(env: Env, path: Path, family: str, image_size: int, batch: int, steps: int,
+                  work: Path) -> dict[str, Any]:
+    """train_adapter with 2 processes (one per GPU; gloo on the CPU in --dry-run) vs 1, same effective batch."""
+    devices = torch.cuda.device_count() if env.cuda else 2
+    if devices < 2:
+        return {"not_measured": f"needs at least 2 CUDA devices; this machine has {devices}"}
+    from pipeline.config import ProjectConfig
+    from pipeline.model.train import train_adapter
+
+    rows = make_rows(2 * batch * steps, image_size, seed=2)
+    runs: dict[str, Any] = {}
+    for nproc in (1, 2):
+        cfg = ProjectConfig.model_validate({
+            "model": model_cfg(path, family, "qlora", lora_dropout=0.0).model_dump(mode="json"),
+            "train": {"batch_size": batch, "effective_batch_size": 2 * batch, "max_steps": steps, "warmup_ratio": 0.0,
+                      "scheduler": "constant", "gradient_checkpointing": False, "num_processes": nproc,
+                      "precision": "bf16" if env.cuda else "fp32", "learning_rate": 1e-4},
+        })
+        res = train_adapter(cfg, rows, work / f"dp-{nproc}", progress=False)
+        util = res.info["utilisation"]
+        runs[f"processes_{nproc}"] = {
+            "seconds": res.info["seconds"], "samples_per_s": round(steps * 2 * batch / res.info["seconds"], 2),
+            "losses": [round(x, 5) for x in res.losses], "settings": res.settings,
+            "peak_per_process": util.get("per_process") or {k: [util[k]] for k in ("peak_allocated_mb", "peak_rss_mb")
+                                                             if k in util}}
+    a, b = runs["processes_1"]["losses"], runs["processes_2"]["losses"]
+    runs["max_loss_rel_diff"] = round(max(abs(x - y) / max(abs(x), 1e-9) for x, y in zip(a, b, strict=True)), 6)
+    runs["speedup"] = round(runs["processes_1"]["seconds"] / runs["processes_2"]["seconds"], 3)
+    return runs
+
+
 def check_model(env: Env, name: str, args: argparse.Namespace, deadline: Deadline, tflops: float | None,
                 work: Path) -> dict[str, Any]:
     from pipeline.model.planner import analyze
@@ -474,6 +508,10 @@ def check_model(env: Env, name: str, args: argparse.Namespace, deadline: Deadlin
         holder.clear()
     section(out, "training", deadline, lambda: training(env, path, family, shape, image_size, args.train_batch,
                                                          args.train_steps), need_s=30)
+    if name in args.data_parallel_models:
+        section(out, "data_parallel", deadline, lambda: data_parallel(env, path, family, image_size,
+                                                                       args.train_batch, args.train_steps + 1,
+                                                                       path.parent), need_s=60)
     return out
 
 
@@ -494,6 +532,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if getattr(args, k) is None:
             setattr(args, k, dry if args.dry_run else real)
     names = [m for m in args.models.split(",") if m]
+    # The CPU dry run checks the 2-process path once (gloo, ~30 s); a multi-GPU machine measures every model.
+    args.data_parallel_models = set(names[:1]) if args.dry_run else set(names)
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         ap.error(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")

@@ -13,6 +13,8 @@ step) isolates what the step itself adds and is the better figure to compare acr
 
     python benchmarks/memory.py --json-out benchmarks/results/memory.json
     python benchmarks/memory.py --quick    # fewer layers, shorter text: a quick look
+
+The per-process peak of data-parallel training (train.num_processes 2 vs 1) is benchmarks/data_parallel.py's.
 """
 
 from __future__ import annotations

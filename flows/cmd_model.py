@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from flows.cli_common import ConfigOpt, out_console
+
 
 def make_tiny_model_cmd(
     family: Annotated[str, typer.Option("--family", "-f", help="idefics3, qwen2_vl or qwen2_5_vl.")],
@@ -56,20 +58,20 @@ def hardware_cmd(
     """Show the detected GPU/CPU and the training settings (micro-batch, accumulation, checkpointing) chosen for it."""
     from dataclasses import asdict
 
-    from rich.console import Console
     from rich.table import Table
 
     from pipeline.config import load_config
-    from pipeline.model.hardware import choose_train_settings, detect_hardware
+    from pipeline.model.hardware import choose_train_settings, detect_hardware, resolve_num_processes
 
     cfg = load_config(config)
     hw = detect_hardware()
-    s = choose_train_settings(cfg.train, cfg.model, hw, image_size=cfg.preprocess.size)
+    nproc = resolve_num_processes(cfg.train.num_processes, hw)
+    s = choose_train_settings(cfg.train, cfg.model, hw, image_size=cfg.preprocess.size, num_processes=nproc)
     if as_json:
         typer.echo(json.dumps({"hardware": hw.describe(), "model": cfg.model.name_or_path, "mode": cfg.model.mode,
                                "settings": asdict(s)}, indent=2))
         return
-    console = Console()
+    console = out_console()
     d = hw.describe()
     t = Table(title="Detected hardware")
     t.add_column("device")
@@ -85,7 +87,7 @@ def hardware_cmd(
     c = Table(title=f"Training settings for {cfg.model.name_or_path} ({cfg.model.mode})")
     c.add_column("setting")
     c.add_column("value")
-    for k in ("micro_batch", "grad_accum", "gradient_checkpointing", "precision", "quantize", "reason"):
+    for k in ("micro_batch", "grad_accum", "num_processes", "gradient_checkpointing", "precision", "quantize", "reason"):
         c.add_row(k, str(getattr(s, k)))
     console.print(c)
 
@@ -99,10 +101,13 @@ def plan_cmd(
     image_size: Annotated[int | None, typer.Option("--image-size", min=1, help="Longest image side in px (default: the model's).")] = None,
     lora_r: Annotated[int, typer.Option("--lora-r", min=1)] = 8,
     precision: Annotated[str, typer.Option("--precision", help="bf16, fp16 or fp32 compute.")] = "bf16",
+    processes: Annotated[int, typer.Option("--processes", "-n", min=1, help="Data-parallel processes, one per GPU "
+                                           "(train.num_processes): figures are per device.")] = 1,
 ) -> None:
-    """Estimate peak training memory from the model's config alone (no weights loaded) and show what fits."""
-    from rich.console import Console
+    """Estimate peak training memory from the model's config alone (no weights loaded) and show what fits.
 
+    With --processes N each GPU holds the whole model and its own micro-batch (plus the gradient all-reduce buffer);
+    the effective batch is micro-batch × accumulation × N. Without --gpu-memory the least free of N GPUs is used."""
     from pipeline.model.hardware import SAFETY, detect_hardware, parse_memory
     from pipeline.model.planner import analyze, plan, plan_table, terms_table
 
@@ -110,17 +115,56 @@ def plan_cmd(
         memory = parse_memory(gpu_memory)
     else:
         hw = detect_hardware()
-        memory = hw.gpus[0].available_bytes if hw.gpus else None
+        memory = hw.process_budget_bytes(processes) if hw.gpus else None
     shape = analyze(Path(model) if Path(model).exists() else model)
     kw = {"seq_len": seq_len, "image_size": image_size, "gpu_memory_bytes": memory, "lora_r": lora_r,
-          "precision": precision, "device": "cuda", "margin": SAFETY}
-    console = Console()
+          "precision": precision, "device": "cuda", "margin": SAFETY, "processes": processes}
+    console = out_console()
     console.print(terms_table(*(plan(shape, mode=mode, batch=batch or 1, checkpointing=c, **kw)  # type: ignore[arg-type]
                                 for c in (False, True))))
     batches = sorted({1, 2, 4, 8, 16, *([batch] if batch else [])})
     console.print(plan_table(shape, batches=batches, **kw))
+    if processes > 1:
+        console.print(f"Per device, each of {processes} GPUs: a micro-batch b there trains b × accumulation × "
+                      f"{processes} samples per optimizer step.")
     if memory is None:
         console.print("No GPU detected and no --gpu-memory given: nothing to compare with.")
+
+
+def train_cmd(
+    dataset: Annotated[Path, typer.Option("--dataset", "-d", help="A labeled dataset folder with prepared, question "
+                                          "and answer columns, e.g. artifacts/rounds/NNN/labeled/dataset.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Training folder (adapter/, checkpoints/, manifest.json); "
+                                      "re-running with the same folder resumes.")],
+    config: ConfigOpt = None,
+    init_adapter: Annotated[Path | None, typer.Option("--init-adapter", help="Adapter to continue from "
+                                                      "(with train.init: warm).")] = None,
+) -> None:
+    """Train an adapter outside a round: on train.num_processes devices, or as each rank of a launcher
+    (`accelerate launch --multi_gpu --num_processes 4 $(which tamis) train …`, torchrun)."""
+    import datasets
+
+    from pipeline.config import load_config
+    from pipeline.errors import DataError
+    from pipeline.model.distributed import launched_rank
+    from pipeline.model.train import train_adapter
+
+    cfg = load_config(config)
+    if not (dataset / "dataset_info.json").is_file():
+        raise DataError(f"--dataset {dataset}: not a saved dataset folder (no dataset_info.json); point it at e.g. "
+                        "artifacts/rounds/NNN/labeled/dataset")
+    ds = datasets.load_from_disk(str(dataset))
+    cols = ["sample_id", "prepared", "question", "answer"]
+    missing = [c for c in cols if c not in ds.column_names]
+    if missing:
+        raise DataError(f"--dataset {dataset}: columns {missing} are missing (it has {ds.column_names}); use a "
+                        "prepared, labeled dataset")
+    result = train_adapter(cfg, list(ds.select_columns(cols)), out, init_adapter=init_adapter)
+    rank = launched_rank()
+    if rank is None or rank.is_main:
+        typer.echo(json.dumps({"adapter": str(result.adapter_dir), "steps": result.steps,
+                               "num_processes": result.info.get("num_processes", 1),
+                               "loss": result.losses[-1] if result.losses else None}))
 
 
 def register(app: typer.Typer) -> None:
@@ -128,3 +172,4 @@ def register(app: typer.Typer) -> None:
     app.command("check-quant")(check_quant_cmd)
     app.command("hardware")(hardware_cmd)
     app.command("plan")(plan_cmd)
+    app.command("train")(train_cmd)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -161,6 +161,9 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(default=50, ge=1)
     init: Literal["fresh", "warm"] = "fresh"
     max_grad_norm: float = Field(default=1.0, gt=0)
+    # Data-parallel training processes, one per device (auto: every visible GPU, 1 on a CPU-only machine). The
+    # effective batch is kept: per-device micro-batch × accumulation × processes = effective_batch_size.
+    num_processes: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
 
 
 class PoolEncoderConfig(Section):
@@ -238,6 +241,9 @@ class SelectConfig(Section):
     length_normalize: bool = True
     runner: Literal["local", "dask"] = "local"
     dask_address: str | None = None
+    # The local Dask cluster (no dask_address): on a GPU machine one worker process per visible GPU, each pinned to
+    # its device (auto), or this many over the GPUs in turn; on a CPU-only machine this many CPU workers (auto: 2).
+    dask_workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     outliers: Literal["keep", "downweight", "exclude"] = "keep"
     # Outlier flags: robust z of the mean distance to this many nearest neighbours (labeled ∪ pool) above outlier_z,
     # or in the top 10 % of uncertainty for uncertain_rounds rounds despite labeled neighbours.
@@ -331,6 +337,11 @@ class RoundsConfig(Section):
     # Fraction of the simulated annotator's answers flipped to a wrong answer (to see the label checks at work).
     simulate_noise: float = Field(default=0.0, ge=0, le=1)
     cron: str = "0 6 * * 1"
+    # A deployed round suspends after its export until the annotators' labels are in (resumed from the Prefect UI or
+    # `tamis resume`), then imports them and runs the next round in the same flow run.
+    wait_for_labels: bool = False
+    # How long a suspended round waits; past it Prefect ends the run and the next scheduled run picks up.
+    wait_timeout_s: int = Field(default=7 * 24 * 3600, ge=60)
 
 
 class PathsConfig(Section):

@@ -52,3 +52,6 @@ def test_dry_run_exercises_every_section_on_cpu(tmp_path):
             (mo, ck) for mo in ("full", "lora", "qlora") for ck in (False, True)}
         assert all("error" not in c and c["steps_per_s"] > 0 and c["planned_mb"] > 0 for c in cases), cases
         assert m["load_4bit"]["quantized"] is True
+    # The 2-process training path, once, on 2 gloo processes: the same losses as 1 process, a peak per process.
+    dp = res["models"]["smolvlm_256m"]["data_parallel"]
+    assert dp["max_loss_rel_diff"] < 1e-4 and len(dp["processes_2"]["peak_per_process"]["peak_rss_mb"]) == 2

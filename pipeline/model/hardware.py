@@ -1,8 +1,8 @@
 """What this machine has, and the training settings (micro-batch, accumulation, checkpointing, precision) that fit it.
 
-`choose_train_settings` keeps the configured effective batch (micro × accumulation) and lets the memory planner pick
-the largest micro-batch that fits the device's memory with a safety margin. Without a model config to plan from it
-falls back to fixed tiers by GPU memory.
+`choose_train_settings` keeps the configured effective batch (micro × accumulation × data-parallel processes) and lets
+the memory planner pick the largest micro-batch that fits one device's memory with a safety margin. Without a model
+config to plan from it falls back to fixed tiers by GPU memory.
 """
 
 from __future__ import annotations
@@ -50,9 +50,15 @@ class Hardware:
     @property
     def memory_budget_bytes(self) -> int:
         """Memory one training process may plan for: the first GPU's free memory, else available RAM."""
+        return self.process_budget_bytes(1)
+
+    def process_budget_bytes(self, num_processes: int) -> int:
+        """Memory each of `num_processes` data-parallel processes may plan for: the least free of the GPUs they use
+        (one each), or an equal share of the available RAM on a CPU."""
         if self.device == "cuda" and self.gpus:
-            return self.gpus[0].available_bytes
-        return self.ram_bytes if self.ram_available_bytes is None else self.ram_available_bytes
+            return min(g.available_bytes for g in self.gpus[:num_processes])
+        ram = self.ram_bytes if self.ram_available_bytes is None else self.ram_available_bytes
+        return ram // max(1, num_processes)
 
     @property
     def bf16_supported(self) -> bool:
@@ -81,10 +87,11 @@ class TrainSettings:
     precision: Precision
     quantize: bool
     reason: str
+    num_processes: int = 1  # data-parallel processes, each with micro_batch × grad_accum samples per step
 
     @property
     def effective_batch(self) -> int:
-        return self.micro_batch * self.grad_accum
+        return self.micro_batch * self.grad_accum * self.num_processes
 
 
 def detect_hardware() -> Hardware:
@@ -107,6 +114,20 @@ def detect_hardware() -> Hardware:
         log.warning("CUDA is present but unusable (%s); using the CPU", exc)
         gpus = []
     return Hardware("cuda" if gpus else "cpu", gpus, cpus, int(vm.total), int(vm.available))
+
+
+def resolve_num_processes(value: int | str, hw: Hardware) -> int:
+    """`train.num_processes`: auto → one process per visible GPU (1 on a CPU-only machine); an integer is checked
+    against the GPUs there are (on a CPU any count runs, as gloo processes sharing the cores)."""
+    from pipeline.errors import ConfigError
+
+    if value == "auto":
+        return max(1, len(hw.gpus)) if hw.device == "cuda" else 1
+    n = int(value)
+    if hw.device == "cuda" and n > len(hw.gpus):
+        raise ConfigError(f"train.num_processes is {n} but {len(hw.gpus)} GPU(s) are visible (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); lower it or set it to auto")
+    return n
 
 
 def choose_precision(train_cfg: TrainConfig, model_cfg: ModelConfig, hw: Hardware) -> Precision:
@@ -187,6 +208,7 @@ def choose_train_settings(
     *,
     seq_len: int = 128,
     image_size: int | None = None,
+    num_processes: int = 1,
 ) -> TrainSettings:
     """Micro-batch, accumulation, checkpointing, precision and quantization for this model on this hardware.
 
@@ -196,14 +218,21 @@ def choose_train_settings(
     checkpointing unless checkpointing allows at least twice the micro-batch (or nothing fits without it). When no
     config can be read, fixed tiers by GPU memory decide. `seq_len` counts text tokens per sample; the image tokens
     of one `image_size` px image (default: the model's native size) are added. CPU training uses micro-batch 1.
+
+    With `num_processes` > 1 every process trains on its own device with a share of the effective batch: the plan is
+    per device (the least free of the GPUs used), and micro × accumulation covers effective / num_processes.
     """
     precision = choose_precision(train_cfg, model_cfg, hw)
     quantize = model_cfg.mode == "qlora"
-    effective = train_cfg.effective_batch_size
+    nproc = max(1, num_processes)
+    effective = -(-train_cfg.effective_batch_size // nproc)
+    if effective * nproc != train_cfg.effective_batch_size:
+        log.warning("train.effective_batch_size %d is not a multiple of %d processes; training with %d",
+                    train_cfg.effective_batch_size, nproc, effective * nproc)
     ckpt_cfg = train_cfg.gradient_checkpointing
     ckpt_options = [ckpt_cfg] if isinstance(ckpt_cfg, bool) else [False, True]
     shape = _shape(model_cfg, model_config)
-    budget = hw.memory_budget_bytes
+    budget = hw.process_budget_bytes(nproc)
 
     def fits(micro: int, ckpt: bool) -> Any:
         from pipeline.model.planner import plan
@@ -212,29 +241,43 @@ def choose_train_settings(
         return plan(shape, mode=model_cfg.mode, batch=micro, seq_len=seq_len, image_size=image_size,
                     gpu_memory_bytes=budget, lora_r=model_cfg.lora_r, target_modules=model_cfg.target_modules,
                     checkpointing=ckpt, precision=precision, device=hw.device, lora_dropout=model_cfg.lora_dropout,
-                    attention=attention, margin=SAFETY)
+                    attention=attention, margin=SAFETY, processes=nproc)
 
-    where = f"{hw.device} with {budget / GiB:.1f} GiB free"
+    where = f"{hw.device} with {budget / GiB:.1f} GiB free" + (f" per process ({nproc} processes)" if nproc > 1 else "")
+
+    def settings(micro: int, accum: int, ckpt: bool, reason: str) -> TrainSettings:
+        if nproc > 1:
+            reason += f"; × {nproc} processes = effective batch {micro * accum * nproc}"
+        return TrainSettings(micro, accum, ckpt, precision, quantize, reason, nproc)
     if isinstance(train_cfg.batch_size, int):
         micro = train_cfg.batch_size
+        if nproc > 1 and micro > effective:
+            # The micro-batch is per device; a device's share of the step is smaller here. Keeping it would silently
+            # multiply the effective batch (and the epochs) by the number of processes.
+            micro = _largest_divisor_at_most(effective, micro)
+            log.info("train.batch_size %d is more than each of %d processes' share of the effective batch (%d): "
+                     "micro-batch %d per process", train_cfg.batch_size, nproc, effective, micro)
         accum = _accum_for(effective, micro)
         if shape is None:
             ckpt = ckpt_options[0] if len(ckpt_options) == 1 else tier_micro_batch(hw)[1]
         else:
             ckpt = next((c for c in ckpt_options if fits(micro, c).fits), ckpt_options[-1])
-        reason = f"train.batch_size={micro} is set; accumulation {accum} for effective batch {effective}"
+        reason = f"train.batch_size={train_cfg.batch_size} is set"
+        if micro != train_cfg.batch_size:
+            reason += f", lowered to {micro} (each process's share of the effective batch)"
+        reason += f"; accumulation {accum} for effective batch {effective}"
         if micro * accum != effective:
             reason += f" (becomes {micro * accum}: {effective} is not a multiple of {micro})"
             log.warning("effective batch %d is not a multiple of train.batch_size %d; training with %d",
                         effective, micro, micro * accum)
-        return TrainSettings(micro, accum, ckpt, precision, quantize, reason)
+        return settings(micro, accum, ckpt, reason)
 
     if shape is None:
         micro, ckpt = tier_micro_batch(hw)
         micro = _largest_divisor_at_most(effective, micro)
         ckpt = ckpt_options[0] if len(ckpt_options) == 1 else ckpt
         reason = f"memory tier for {where} (no model config to plan from)"
-        return TrainSettings(micro, effective // micro, ckpt, precision, quantize, reason)
+        return settings(micro, effective // micro, ckpt, reason)
 
     candidates = [1] if hw.device != "cuda" else _divisors_desc(effective)
     best: dict[bool, tuple[int, Any]] = {}
@@ -252,7 +295,7 @@ def choose_train_settings(
                   + ("use model.mode: qlora, " if model_cfg.mode != "qlora" else "")
                   + "lower preprocess.size or the text length")
         log.warning("training settings: %s", reason)
-        return TrainSettings(1, effective, ckpt, precision, quantize, reason)
+        return settings(1, effective, ckpt, reason)
     no_ckpt, with_ckpt = best.get(False), best.get(True)
     # Checkpointing costs about a third more compute: worth it only for a much larger micro-batch on a GPU that is
     # not yet saturated (micro-batch ≥ 8 already is, for these models).
@@ -264,7 +307,7 @@ def choose_train_settings(
     reason = (f"planner: micro-batch {micro} × accumulation {effective // micro}, checkpointing "
               f"{'on' if ckpt else 'off'} needs {p.total / GiB:.2f} GiB of {where} "
               f"(limit {SAFETY:.0%})")
-    return TrainSettings(micro, effective // micro, ckpt, precision, quantize, reason)
+    return settings(micro, effective // micro, ckpt, reason)
 
 
 _UNITS = {"": GiB, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,

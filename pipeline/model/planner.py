@@ -107,6 +107,7 @@ class Plan:
     margin: float
     trainable_params: int
     total_params: int
+    processes: int = 1           # data-parallel processes, one per device: every figure here is per device
 
     @property
     def total(self) -> int:
@@ -132,6 +133,7 @@ class Plan:
             "terms_mb": {k: round(v / MiB, 1) for k, v in self.terms.items()}, "total_mb": round(self.total / MiB, 1),
             "gpu_memory_mb": None if self.gpu_memory_bytes is None else round(self.gpu_memory_bytes / MiB),
             "fits": self.fits, "trainable_params": self.trainable_params, "total_params": self.total_params,
+            "processes": self.processes,
         }
 
 
@@ -358,12 +360,16 @@ def plan(
     skip_modules: Sequence[str] | None = None,
     double_quant: bool = True,
     margin: float = 0.85,
+    processes: int = 1,
 ) -> Plan:
     """Estimated peak memory of one training step (forward, backward, optimizer step), term by term.
 
     `model_config` is anything `load_model_config` reads, or a `ModelShape` from `analyze` (faster when planning
     many configurations). `seq_len` counts text tokens per sample; the image tokens of one `image_size` px image are
     added. `fits` compares the total with `margin` × `gpu_memory_bytes`.
+
+    With `processes` > 1 (data-parallel, pipeline.model.distributed) the plan is one device's: each holds the whole
+    model and its own micro-batch, plus the flat buffer its gradients are summed across devices in.
     """
     if mode not in MODES:
         raise ModelError(f"mode {mode!r} is not one of {', '.join(MODES)}")
@@ -440,10 +446,12 @@ def plan(
     terms["logits"] = int(tokens * shape.vocab * 16)
     if mode == "qlora":  # backward dequantizes one weight at a time
         terms["dequant_buffer"] = max((lin.numel for lin in shape.linears if _quantized(lin.name, skip)), default=0) * p
+    if processes > 1:  # the gradients are copied into one buffer for the all-reduce, next to their originals
+        terms["gradient_allreduce"] = terms["gradients"]
     dynamic = terms["activations"] + terms["logits"]
     terms["runtime"] = RUNTIME_BYTES[device] + int(FRAGMENTATION * dynamic)
     return Plan(mode, batch, seq_len, image_size, img_tokens, vis_tokens, checkpointing, precision, device,
-                terms, gpu_memory_bytes, margin, trainable, shape.params)
+                terms, gpu_memory_bytes, margin, trainable, shape.params, processes)
 
 
 def plan_grid(
@@ -470,8 +478,9 @@ def terms_table(*plans: Plan) -> Any:
     from rich.table import Table
 
     first = plans[0]
+    per = f", per device of {first.processes}" if first.processes > 1 else ""
     t = Table(title=f"{first.mode}, micro-batch {first.batch}, {first.seq_len} text + {first.image_tokens} image "
-                    f"tokens ({first.image_size} px), {first.precision}, peak GiB")
+                    f"tokens ({first.image_size} px), {first.precision}, peak GiB{per}")
     t.add_column("term")
     for p in plans:
         t.add_column(f"{p.mode} b{p.batch} ckpt {'on' if p.checkpointing else 'off'}", justify="right")
@@ -489,7 +498,8 @@ def plan_table(model_config: Any, **kwargs: Any) -> Any:
     from rich.table import Table
 
     plans = plan_grid(model_config, **kwargs)
-    t = Table(title="Peak training memory (GiB)")
+    n = kwargs.get("processes", 1)
+    t = Table(title="Peak training memory (GiB)" + (f" per device, {n} data-parallel processes" if n > 1 else ""))
     for col in ("mode", "ckpt", "batch", "weights", "trainable+opt", "activations", "logits", "total", "fits"):
         t.add_column(col, justify="right" if col not in ("mode", "ckpt", "fits") else "left")
     for p in plans:

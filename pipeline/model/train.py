@@ -6,6 +6,9 @@ A plain torch loop rather than HF Trainer, to own resume and out-of-memory recov
 - The loss is the mean over the answer tokens of the whole optimizer step, whatever the micro-batch split.
 - Checkpoints (trainable weights, optimizer, scheduler, scaler and RNG states; safetensors + JSON) are written every
   `train.checkpoint_every` steps with atomic_dir; re-running with the same out_dir continues from the last one.
+- With `train.num_processes` > 1 (pipeline.model.distributed) each rank trains on its contiguous share of every
+  step's samples, with the step's global token count and its gradients summed across ranks: the same arithmetic as
+  one process. Only rank 0 writes checkpoints (with every rank's RNG state), the adapter and the manifest.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from PIL import Image
 
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError, ModelError
+from pipeline.model.distributed import Comm, Rank, init_rank, launch, launched_rank, shard
 from pipeline.model.loading import Loaded, load_model
 from pipeline.store import (
     Manifest,
@@ -166,18 +170,33 @@ def _checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _rng_states(comm: Comm | None) -> dict[str, torch.Tensor]:
+    """This process's RNG states; with several ranks every rank's, gathered (a collective: all ranks call it)."""
+    if comm is None:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+        return rng
+    rng = {f"cpu.rank{r}": t for r, t in enumerate(comm.gather(torch.get_rng_state()))}
+    if comm.device.type == "cuda":
+        rng.update({f"cuda.rank{r}": t for r, t in enumerate(comm.gather(torch.cuda.get_rng_state()))})
+    return rng
+
+
 def _save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
-                     scaler: Any, state: dict[str, Any]) -> Path:
+                     scaler: Any, state: dict[str, Any], comm: Comm | None = None) -> Path | None:
+    """Write checkpoint step-N (rank 0 only; every rank must call it, for the RNG states)."""
     from safetensors.torch import save_file
 
+    rng = _rng_states(comm)
+    if comm is not None and not comm.rank.is_main:
+        comm.barrier()  # continue once rank 0's checkpoint is in place: a rank killed later cannot cut it short
+        return None
     path = out_dir / "checkpoints" / f"step-{step}"
     with atomic_dir(path) as tmp:
         save_file({n: p.detach().cpu().contiguous() for n, p in _trainable(model).items()}, tmp / "trainable.safetensors")
         tensors, meta = _optimizer_tensors(opt)
         save_file(tensors, tmp / "optimizer.safetensors")
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
         save_file(rng, tmp / "rng.safetensors")
         atomic_write_json(tmp / "optimizer.json", meta)
         atomic_write_json(tmp / "state.json", {**state, "step": step, "scheduler": sched.state_dict(),
@@ -185,11 +204,13 @@ def _save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, opt: torc
     for old_step, old in _checkpoints(out_dir)[:-KEEP_CHECKPOINTS]:
         shutil.rmtree(old, ignore_errors=True)
         log.debug("removed old checkpoint %s (step %d)", old, old_step)
+    if comm is not None:
+        comm.barrier()
     return path
 
 
 def _load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
-                     scaler: Any) -> dict[str, Any]:
+                     scaler: Any, rank: Rank | None = None) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     state = json.loads((path / "state.json").read_text(encoding="utf-8"))
@@ -207,6 +228,19 @@ def _load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimi
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     rng = load_file(path / "rng.safetensors")
+    if rank is not None:
+        # Each rank continues its own random stream; a checkpoint from another process count has none for it.
+        if f"cpu.rank{rank.rank}" in rng:
+            torch.set_rng_state(rng[f"cpu.rank{rank.rank}"])
+            if f"cuda.rank{rank.rank}" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng[f"cuda.rank{rank.rank}"])
+        else:
+            log.info("%s holds no RNG state for rank %d of %d: continuing with a fresh stream", path, rank.rank,
+                     rank.world)
+        return state
+    if "cpu" not in rng:
+        log.info("%s was written by several processes: continuing with a fresh random stream", path)
+        return state
     torch.set_rng_state(rng["cpu"])
     if torch.cuda.is_available():
         cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
@@ -216,6 +250,23 @@ def _load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimi
 
 
 # ------------------------------------------------------------------------------------------------ utilisation
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (model load included), in MiB.
+
+    VmHWM belongs to the process's own address space; ru_maxrss would not do for a spawned training rank, as Linux
+    carries the high-water mark of the parent it was forked from across the exec."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB on Linux
+
+
 class UtilisationWatch:
     """Samples GPU utilisation and memory in a background thread (NVML when importable, else torch's counters)."""
 
@@ -266,10 +317,7 @@ class UtilisationWatch:
 
     def summary(self) -> dict[str, Any]:
         if self.device != "cuda":
-            import resource
-
-            # ru_maxrss is in KiB on Linux: the process's peak resident memory so far (model load included).
-            return {"device": self.device, "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            return {"device": self.device, "peak_rss_mb": peak_rss_mb()}
         mean = sum(self.util) / len(self.util) if self.util else None
         out = {
             "device": "cuda",
@@ -315,8 +363,9 @@ def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
 def _fingerprint(cfg: ProjectConfig, rows_digest: str, init_digest: str) -> str:
     """What a checkpoint must match to be resumed: same rows, same model/train config, seed and initial adapter."""
     train = cfg.section("train")
-    # The micro-batch may be lowered after an OOM, and checkpointing changes nothing numerically.
-    for k in ("checkpoint_every", "batch_size", "gradient_checkpointing"):
+    # The micro-batch may be lowered after an OOM, and checkpointing changes nothing numerically; nor does the number
+    # of processes the same effective batch is spread over (a run killed on 2 GPUs may resume on 1).
+    for k in ("checkpoint_every", "batch_size", "gradient_checkpointing", "num_processes"):
         train.pop(k, None)
     return digest_json({"rows": rows_digest, "model": cfg.section("model"), "train": train, "seed": cfg.seed,
                         "init": init_digest})
@@ -340,8 +389,13 @@ def train_adapter(
     "train"). Re-running with the same out_dir resumes from out_dir/checkpoints, or returns at once when the
     manifest already matches. `stop_after_steps` stops after that many optimizer steps without saving the adapter
     (tests of resume); `oom_hook` is called before each micro-batch and may raise an OOM error (tests of recovery).
+
+    `train.num_processes` > 1 (or auto on a machine with several GPUs) trains data-parallel: this call spawns one
+    process per device and waits for them. In a process that `accelerate launch` / torchrun started, every rank calls
+    this function and joins as its rank. With several processes, `oom_hook` runs on every rank and `on_step` on
+    rank 0, so both must be picklable when this call spawns them.
     """
-    from pipeline.model.hardware import choose_train_settings, detect_hardware
+    from pipeline.model.hardware import detect_hardware, resolve_num_processes
 
     out_dir = Path(out_dir)
     hw = hw if hw is not None else detect_hardware()
@@ -356,18 +410,96 @@ def train_adapter(
     done = find_valid_manifest(out_dir, key)
     if done is not None:
         log.info("training in %s is already complete (manifest matches); reusing it", out_dir)
-        return TrainResult(out_dir, out_dir / done.outputs["adapter"].path, done.info["steps"],
-                           done.info["total_steps"], done.info["losses"], done.info["settings"], done.info, done)
+        return _result_from_manifest(out_dir, done)
 
-    settings = choose_train_settings(cfg.train, cfg.model, hw)
+    job = _Job(cfg, rows, out_dir, init, init_digest, rows_digest, inputs, config, hw, progress, stop_after_steps,
+               oom_hook, on_step)
+    rank = launched_rank()
+    if rank is not None:
+        if cfg.train.num_processes not in ("auto", rank.world):
+            log.warning("train.num_processes is %s but the launcher started %d processes: using %d",
+                        cfg.train.num_processes, rank.world, rank.world)
+        return _train(job, rank)
+    nproc = resolve_num_processes(cfg.train.num_processes, hw)
+    if nproc == 1:
+        return _train(job, None)
+    _check_picklable(oom_hook=oom_hook, on_step=on_step)
+    messages = launch(_spawned_rank, (job,), nproc)
+    done = find_valid_manifest(out_dir, key)
+    if done is not None:
+        return _result_from_manifest(out_dir, done)
+    stopped = next((m for m in messages if m.get("stopped")), None)
+    if stopped is None:
+        raise ModelError(f"training in {out_dir} ended without an adapter or a stop report; re-run to resume")
+    return TrainResult(out_dir, None, stopped["steps"], stopped["total_steps"], stopped["losses"],
+                       stopped["settings"], stopped["info"])
+
+
+@dataclass
+class _Job:
+    """Everything a training rank needs (picklable: spawned ranks receive it)."""
+
+    cfg: ProjectConfig
+    rows: Sequence[dict[str, Any]]
+    out_dir: Path
+    init: Path | None
+    init_digest: str
+    rows_digest: str
+    inputs: dict[str, Any]
+    config: dict[str, Any]
+    hw: Any
+    progress: bool
+    stop_after_steps: int | None
+    oom_hook: OomHook | None
+    on_step: StepHook | None
+
+
+def _check_picklable(**hooks: Any) -> None:
+    import pickle
+
+    for name, hook in hooks.items():
+        if hook is None:
+            continue
+        try:
+            pickle.dumps(hook)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise ModelError(f"{name} must be picklable (a module-level function or object) to reach the spawned "
+                             f"training processes of train.num_processes > 1; {hook!r} is not ({exc})") from None
+
+
+def _result_from_manifest(out_dir: Path, m: Manifest) -> TrainResult:
+    return TrainResult(out_dir, out_dir / m.outputs["adapter"].path, m.info["steps"], m.info["total_steps"],
+                       m.info["losses"], m.info["settings"], m.info, m)
+
+
+def _spawned_rank(job: _Job, queue: Any) -> None:
+    rank = launched_rank()
+    assert rank is not None, "launch sets WORLD_SIZE > 1"
+    result = _train(job, rank)
+    if rank.is_main and not result.finished:
+        queue.put({"stopped": True, "steps": result.steps, "total_steps": result.total_steps,
+                   "losses": result.losses, "settings": result.settings, "info": result.info})
+
+
+def _train(job: _Job, rank: Rank | None) -> TrainResult:
+    """The training loop of one process: the only one, or rank `rank` of several."""
+    from pipeline.model.hardware import choose_train_settings
+
+    cfg, rows, out_dir, hw = job.cfg, job.rows, job.out_dir, job.hw
+    comm: Comm | None = None
+    if rank is not None:
+        comm, _ = init_rank(rank, hw.device)
+    world = rank.world if rank is not None else 1
+    main = rank is None or rank.is_main
+    settings = choose_train_settings(cfg.train, cfg.model, hw, num_processes=world)
     micro, accum = settings.micro_batch, settings.grad_accum
-    effective = micro * accum
+    effective = micro * accum * world
     n = len(rows)
     total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * n / effective))
-    fingerprint = _fingerprint(cfg, rows_digest, init_digest)
+    fingerprint = _fingerprint(cfg, job.rows_digest, job.init_digest)
 
     torch.manual_seed(cfg.seed)  # the LoRA initialisation
-    loaded: Loaded = load_model(cfg.model, adapter=init, trainable=True, hw=hw)
+    loaded: Loaded = load_model(cfg.model, adapter=job.init, trainable=True, hw=hw)
     model, processor, family = loaded.model, loaded.processor, loaded.family
     device = _model_device(model)
     if settings.gradient_checkpointing:
@@ -380,41 +512,53 @@ def train_adapter(
     params = list(_trainable(model).values())
     if not params:
         raise ModelError(f"model.mode={cfg.model.mode}: nothing to train (no parameter requires a gradient)")
+    if comm is not None:
+        comm.broadcast_(params)
     opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
     warmup = math.ceil(cfg.train.warmup_ratio * total_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.scheduler, warmup, total_steps))
     scaler = torch.amp.GradScaler(hw.device) if settings.precision == "fp16" and hw.device == "cuda" else None
 
-    step, losses, ooms = 0, [], []
+    step, losses, ooms, resumed_from = 0, [], [], None
     ckpts = _checkpoints(out_dir)
     if ckpts:
         last_step, last = ckpts[-1]
         meta = json.loads((last / "state.json").read_text(encoding="utf-8"))
-        if meta.get("fingerprint") != fingerprint:
-            log.warning("checkpoints in %s were made for other rows or settings: starting over", last.parent)
-            shutil.rmtree(last.parent, ignore_errors=True)
+        same = meta.get("fingerprint") == fingerprint and meta.get("effective_batch", effective) == effective
+        if not same:
+            if comm is not None:
+                comm.barrier()  # every rank has read the state before rank 0 removes it
+            if main:
+                log.warning("checkpoints in %s were made for other rows or settings: starting over", last.parent)
+                shutil.rmtree(last.parent, ignore_errors=True)
         else:
-            state = _load_checkpoint(last, model, opt, sched, scaler)
+            state = _load_checkpoint(last, model, opt, sched, scaler, rank)
             step, losses, ooms = state["step"], state["losses"], state.get("ooms", [])
-            micro, accum = state["micro_batch"], state["grad_accum"]
+            resumed_from = step
+            if state.get("num_processes", 1) == world:
+                micro, accum = state["micro_batch"], state["grad_accum"]
             log.info("resuming training from %s (step %d of %d)", last, step, total_steps)
 
-    log.info("training %s (%s) on %d rows: %d steps × %d samples (micro-batch %d × accumulation %d), %s, "
+    log.info("training %s (%s) on %d rows: %d steps × %d samples (micro-batch %d × accumulation %d%s), %s, "
              "gradient checkpointing %s", family.name, cfg.model.mode, n, total_steps, effective, micro, accum,
-             settings.precision, "on" if settings.gradient_checkpointing else "off")
+             f" × {world} processes" if world > 1 else "", settings.precision,
+             "on" if settings.gradient_checkpointing else "off")
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total_steps, initial=step, disable=not progress, desc="train", unit="step")
+    bar = tqdm(total=total_steps, initial=step, disable=not (job.progress and main), desc="train", unit="step")
     started = time.monotonic()
     model.train()
     with UtilisationWatch(hw.device) as watch:
         while step < total_steps:
-            if stop_after_steps is not None and step >= stop_after_steps:
+            if job.stop_after_steps is not None and step >= job.stop_after_steps:
                 break
             idx = step_indices(step, n, effective, cfg.seed)
+            if rank is not None:
+                idx = shard(idx, rank.rank, world)
             try:
                 loss = _optimizer_step(model, processor, family, rows, idx, micro, device, hw.device,
-                                       settings.precision, opt, scaler, cfg.train.max_grad_norm, step, oom_hook)
+                                       settings.precision, opt, scaler, cfg.train.max_grad_norm, step, job.oom_hook,
+                                       comm=comm)
             except torch.cuda.OutOfMemoryError as exc:
                 opt.zero_grad(set_to_none=True)
                 if hw.device == "cuda":
@@ -433,20 +577,24 @@ def train_adapter(
             losses.append(loss)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
-            if on_step is not None:
-                on_step(step, loss)
+            if job.on_step is not None and main:
+                job.on_step(step, loss)
             if step % cfg.train.checkpoint_every == 0 and step < total_steps:
                 _save_checkpoint(out_dir, step, model, opt, sched, scaler,
                                  {"fingerprint": fingerprint, "losses": losses, "ooms": ooms, "micro_batch": micro,
-                                  "grad_accum": accum, "total_steps": total_steps})
+                                  "grad_accum": accum, "total_steps": total_steps, "num_processes": world,
+                                  "effective_batch": effective}, comm)
     bar.close()
     model.eval()
     util = watch.summary()
+    if comm is not None:
+        util = _per_process(util, comm)
     settings_info = {**asdict(settings), "micro_batch": micro, "grad_accum": accum}
     info = {
         "steps": step, "total_steps": total_steps, "losses": losses, "settings": settings_info, "ooms": ooms,
         "utilisation": util, "rows": n, "effective_batch": effective, "warmup_steps": warmup,
-        "seconds": round(time.monotonic() - started, 2), "model": loaded.info,
+        "seconds": round(time.monotonic() - started, 2), "model": loaded.info, "num_processes": world,
+        "resumed_from_step": resumed_from,
     }
     if step < total_steps:
         log.info("stopped after %d of %d steps (stop_after_steps); the last checkpoint can be resumed", step,
@@ -454,25 +602,39 @@ def train_adapter(
         return TrainResult(out_dir, None, step, total_steps, losses, settings_info, info)
 
     adapter_dir = out_dir / "adapter"
-    with atomic_dir(adapter_dir) as tmp:
-        model.save_pretrained(tmp)
-        if cfg.model.mode == "full":
-            processor.save_pretrained(tmp)
-    manifest = write_manifest(out_dir, stage="train", stage_version=TRAIN_VERSION, inputs=inputs, config=config,
-                              outputs={"adapter": adapter_dir}, info=info)
-    # The adapter is recorded; the checkpoints only served to get here.
-    shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
-    log.info("trained %d steps in %.1fs: loss %.4f → %.4f; adapter %s (digest %s…)", step, info["seconds"],
-             losses[0] if losses else float("nan"), losses[-1] if losses else float("nan"), adapter_dir,
-             manifest.outputs["adapter"].digest[:12])
+    manifest = None
+    if main:
+        with atomic_dir(adapter_dir) as tmp:
+            model.save_pretrained(tmp)
+            if cfg.model.mode == "full":
+                processor.save_pretrained(tmp)
+        manifest = write_manifest(out_dir, stage="train", stage_version=TRAIN_VERSION, inputs=job.inputs,
+                                  config=job.config, outputs={"adapter": adapter_dir}, info=info)
+        # The adapter is recorded; the checkpoints only served to get here.
+        shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+        log.info("trained %d steps in %.1fs: loss %.4f → %.4f; adapter %s (digest %s…)", step, info["seconds"],
+                 losses[0] if losses else float("nan"), losses[-1] if losses else float("nan"), adapter_dir,
+                 manifest.outputs["adapter"].digest[:12])
+    if comm is not None:
+        comm.barrier()  # the other ranks return once the adapter and manifest are in place
     return TrainResult(out_dir, adapter_dir, step, total_steps, losses, settings_info, info, manifest)
+
+
+def _per_process(util: dict[str, Any], comm: Comm) -> dict[str, Any]:
+    """Rank 0's utilisation summary plus every rank's peak memory (a collective)."""
+    key = "peak_rss_mb" if "peak_rss_mb" in util else "peak_allocated_mb"
+    peaks = comm.gather(torch.tensor([float(util.get(key) or 0.0)], dtype=torch.float64))
+    return {**util, "per_process": {key: [round(float(p.item()), 1) for p in peaks]}}
 
 
 def _optimizer_step(model: torch.nn.Module, processor: Any, family: Any, rows: Sequence[dict[str, Any]],
                     idx: list[int], micro: int, device: torch.device, device_type: str, precision: str,
                     opt: torch.optim.Optimizer, scaler: Any, max_grad_norm: float, step: int,
-                    oom_hook: OomHook | None) -> float:
-    """One optimizer step over rows `idx` in micro-batches; returns the step's mean answer-token loss."""
+                    oom_hook: OomHook | None, comm: Comm | None = None) -> float:
+    """One optimizer step over rows `idx` in micro-batches; returns the step's mean answer-token loss.
+
+    With `comm` (several ranks) `idx` is this rank's share: the token count that weighs each micro-batch and the
+    gradients are summed over all ranks, so the step equals one process's over the whole effective batch."""
     batches = []
     for i in range(0, len(idx), micro):
         chunk = [rows[j] for j in idx[i: i + micro]]
@@ -485,18 +647,30 @@ def _optimizer_step(model: torch.nn.Module, processor: Any, family: Any, rows: S
     # Each micro-batch's mean is weighted by its share of the step's answer tokens: the step's loss is the mean over
     # all its tokens, whatever the split (and so unchanged when an OOM halves the micro-batch).
     counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
-    total = sum(counts)
+    total = sum(counts) if comm is None else int(comm.sum([sum(counts)])[0])
     opt.zero_grad(set_to_none=True)
     step_loss = 0.0
-    for enc, count in zip(batches, counts, strict=True):
-        if oom_hook is not None:
-            oom_hook(step, micro)
-        with _autocast(device_type, precision):
-            out = model(**_to(enc, device))
-        loss = out.loss.float() * (count / total)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        step_loss += float(loss.detach())
+    oom: torch.cuda.OutOfMemoryError | None = None
+    try:
+        for enc, count in zip(batches, counts, strict=True):
+            if oom_hook is not None:
+                oom_hook(step, micro)
+            with _autocast(device_type, precision):
+                out = model(**_to(enc, device))
+            loss = out.loss.float() * (count / total)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            step_loss += float(loss.detach())
+    except torch.cuda.OutOfMemoryError as exc:
+        if comm is None:
+            raise
+        oom = exc
     params = [p for p in model.parameters() if p.requires_grad]
+    if comm is not None:
+        # Every rank retries the step with half the micro-batch when any one ran out of memory.
+        if comm.any(oom is not None):
+            raise oom or torch.cuda.OutOfMemoryError("another rank ran out of memory")
+        comm.sum_grads(params)
+        step_loss = comm.sum([step_loss])[0]
     if scaler is not None:
         scaler.unscale_(opt)
     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)

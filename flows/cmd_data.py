@@ -7,12 +7,11 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_common import ConfigOpt, load
+from flows.cli_common import ConfigOpt, load, out_console
 
 
 def ingest_cmd(config: ConfigOpt = None) -> None:
     """Read every data source into a validated dataset; bad rows go to quarantine.jsonl with a reason."""
-    from rich.console import Console
     from rich.table import Table
 
     from pipeline.data.ingest import source_digest
@@ -28,7 +27,7 @@ def ingest_cmd(config: ConfigOpt = None) -> None:
     table.add_column("count", justify="right")
     for name in ("read", "ingested", "quarantined", "duplicates"):
         table.add_row(name, str(counts[name]))
-    out = Console()
+    out = out_console()
     out.print(table)
     out.print(f"dataset:    {folder / 'dataset'}", highlight=False, soft_wrap=True)
     out.print(f"quarantine: {folder / 'quarantine.jsonl'} ({counts['quarantined']} rows)", highlight=False, soft_wrap=True)
@@ -36,20 +35,26 @@ def ingest_cmd(config: ConfigOpt = None) -> None:
 
 
 def demo_data_cmd(
-    out: Annotated[Path, typer.Option("--out", help="Folder to write images/, manifest.jsonl and "
-                                      "ground_truth.jsonl into.")] = Path("artifacts/demo/digits"),
+    out: Annotated[Path | None, typer.Option("--out", help="Folder to write images/, manifest.jsonl and "
+                                             "ground_truth.jsonl into [default: artifacts/demo/digits, with --open "
+                                             "artifacts/demo/digits-open].", show_default=False)] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only N images, balanced over the "
                                                  "digits (a tiny slice for tests).")] = None,
+    open_answers: Annotated[bool, typer.Option("--open", help="Open answers: each image asked one of three "
+                                               "questions answered in free text ('seven', 'odd', 'eight'), for "
+                                               "configs/demo-open.yaml (data.answers: null).")] = False,
 ) -> None:
     """Write the demo dataset: scikit-learn's 1,797 handwritten digits as a visual question-answering task."""
     import json
 
     from pipeline.data.demo import write_digits
 
-    folder = write_digits(out, limit=limit)
+    out = out or Path("artifacts/demo/digits-open" if open_answers else "artifacts/demo/digits")
+    folder = write_digits(out, limit=limit, open_answers=open_answers)
     rows = [json.loads(line) for line in (folder / "manifest.jsonl").read_text(encoding="utf-8").splitlines()]
     n_test = sum(r["split"] == "test" for r in rows)
-    typer.echo(f"wrote {len(rows)} digit images ({n_test} test with answers, {len(rows) - n_test} pool without) "
+    kind = "open-answer " if open_answers else ""
+    typer.echo(f"wrote {len(rows)} {kind}digit images ({n_test} test with answers, {len(rows) - n_test} pool without) "
                f"to {folder}")
     typer.echo(f"manifest: {folder / 'manifest.jsonl'}\nground truth: {folder / 'ground_truth.jsonl'}")
 

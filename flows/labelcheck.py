@@ -59,7 +59,7 @@ def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: di
     from pipeline.store import atomic_write_jsonl, digest_file
 
     method = cfg.labelcheck.method
-    if method == "off" or not cfg.data.answers:
+    if method == "off":
         return None
     heldout_adapter = trained_path = trained_digest = None
     if method == "heldout":
@@ -81,12 +81,15 @@ def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: di
     lc = cfg.section("labelcheck")
     check_cfg = {k: v for k, v in lc.items() if k not in QUEUE_KEYS}
     scoring = {k: cfg.section("select")[k] for k in ("length_normalize", "score_batch_size")}
+    if not cfg.data.answers:  # open answers: the check compares the label with the model's MC-dropout answers too
+        scoring["mc_dropout_passes"] = cfg.select.mc_dropout_passes
     probs_sections = {"model": cfg.section("model"), "train": cfg.section("train"), "select": scoring,
                       "labelcheck": {k: v for k, v in lc.items() if k not in DETECTION_KEYS}}
     oos_key = digest_json({"labeled": labeled["digest"], "heldout": heldout_adapter and
                            heldout_adapter["adapter_digest"], "method": method, **probs_sections, "seed": cfg.seed})
     space = None
-    if cfg.select.embeddings.source != "model" and cfg.labelcheck.knn_k and prepared is not None:
+    # Open answers have no kNN label-consistency signal (answers are not classes): no space to pass.
+    if cfg.select.embeddings.source != "model" and cfg.labelcheck.knn_k and prepared is not None and cfg.data.answers:
         from flows.select import embeddings_ref
 
         ref = embeddings_ref(cfg, prepared)

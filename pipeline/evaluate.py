@@ -1,5 +1,5 @@
-"""Per-round metrics: accuracy / exact match (closed answer sets), SQuAD-style token F1 (open answers), the metrics
-log, the learning curve and the status summary."""
+"""Per-round metrics: accuracy / exact match (closed answer sets), SQuAD-style exact match, token F1 and normalized
+edit similarity (open answers), the metrics log, the learning curve and the status summary."""
 
 from __future__ import annotations
 
@@ -65,11 +65,37 @@ def token_f1(preds: Sequence[str | None], refs: Sequence[str]) -> float:
     return sum(_f1(p, r) for p, r in zip(preds, refs, strict=True)) / len(refs)
 
 
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insert / delete / substitute, each 1); two rows of the table at a time."""
+    if len(a) < len(b):
+        a, b = b, a
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def edit_similarity(preds: Sequence[str | None], refs: Sequence[str]) -> float:
+    """Mean 1 − Levenshtein(pred, ref) / max(len) over characters of the normalised strings (ANLS without its
+    threshold): partial credit for a near-miss spelling ("sevn" for "seven") that token F1 scores 0."""
+    _pairs(preds, refs)
+    total = 0.0
+    for p, r in zip(preds, refs, strict=True):
+        a, b = normalize_answer(p), normalize_answer(r)
+        total += 1.0 if a == b else 1.0 - _edit_distance(a, b) / max(len(a), len(b))
+    return total / len(refs)
+
+
 def score_answers(preds: Sequence[str | None], refs: Sequence[str], *, closed: bool) -> dict[str, float]:
-    """The metrics a round reports: accuracy + exact match for closed sets, exact match + token F1 for open ones."""
+    """The metrics a round reports: accuracy + exact match for closed sets; exact match, token F1 and edit
+    similarity for open ones (exact match first: it is the learning curve's default metric)."""
     if closed:
         return {"accuracy": accuracy(preds, refs), "exact_match": exact_match(preds, refs)}
-    return {"exact_match": exact_match(preds, refs), "token_f1": token_f1(preds, refs)}
+    return {"exact_match": exact_match(preds, refs), "token_f1": token_f1(preds, refs),
+            "edit_similarity": edit_similarity(preds, refs)}
 
 
 # ------------------------------------------------------------------------------------------- metrics log
@@ -87,6 +113,15 @@ def append_metrics(artifacts: str | os.PathLike[str], row: Mapping[str, Any]) ->
 
 def read_metrics(artifacts: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return read_jsonl(Path(artifacts) / METRICS_NAME)
+
+
+def merge_equal_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Metrics with the same value under one joined name, in first-seen order: on a closed answer set accuracy and
+    exact match are usually the same number, shown once as `accuracy = exact_match`."""
+    groups: dict[float, list[str]] = {}
+    for name, value in metrics.items():
+        groups.setdefault(float(value), []).append(name)
+    return {" = ".join(names): value for value, names in groups.items()}
 
 
 def plot_learning_curve(
@@ -129,6 +164,8 @@ def plot_learning_curve(
 
 def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
     """What `tamis status` shows from the annotation side: rounds exported, labels, pending inbox, last metrics."""
+    from pipeline.rounds import completed_rounds
+
     artifacts = Path(artifacts)
     rounds_dir = artifacts / "rounds"
     exported = sorted(
@@ -141,7 +178,8 @@ def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
     last_round = max((int(m["round"]) for m in metrics), default=None)
     return {
         "rounds_exported": exported,
-        "rounds_done": len(exported),
+        # Finished rounds (round.json written), as `tamis status` lists them; a round that stopped exports nothing.
+        "rounds_done": len(completed_rounds(artifacts)),
         "labeled": len({e["sample_id"] for e in entries if "sample_id" in e}),
         "ledger_entries": len(entries),
         "corrections": sum(e.get("kind") == "correction" for e in entries),

@@ -3,7 +3,8 @@
 Closed answer sets: the image + question prefix runs once per sample and every candidate answer is scored from it.
 When every candidate is a single token (digits, letters, yes/no) one next-token distribution gives all candidates;
 otherwise the prefix's KV cache is repeated once per candidate and only the candidate tokens run on top of it.
-Open answers: greedy generation with per-token log-probs and entropies.
+Open answers: greedy generation (prompts left-padded, so batched answers equal one-at-a-time ones) with the log-prob
+and the entropy of every generated token up to the first stop token (NaN after it).
 MC dropout: k extra passes with only the LoRA dropout layers switched to training mode.
 Embeddings come from the same prefix forward (mean of the last hidden state over the prefix tokens).
 """
@@ -214,12 +215,21 @@ class OpenAnswerScorer:
 
     @torch.no_grad()
     def _generate(self, images: list[Image.Image], questions: list[str]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+        """(answers, token log-probs [n, t], token entropies [n, t], prefix embeddings [n, d]) of one batch.
+
+        The family's encode left-pads generation prompts whatever the tokenizer's own padding side, so every row's
+        prompt ends at the same position and batched greedy answers equal one-at-a-time ones.
+        """
+        tok = self.processor.tokenizer
+        stop = self.family.stop_token_ids(self.processor)
         enc = self.family.encode(self.processor, images, questions).to(_device_of(self.model))
         out = self.model.generate(
             **enc,
             max_new_tokens=self.max_new_tokens,
             min_new_tokens=self.min_new_tokens,
             do_sample=False,
+            eos_token_id=stop,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else stop[0],
             output_logits=True,  # raw logits: scores are post-processed (min_new_tokens puts -inf in them)
             output_hidden_states=True,
             return_dict_in_generate=True,
@@ -228,17 +238,19 @@ class OpenAnswerScorer:
         logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.logits], dim=1)  # [n, t, vocab]
         chosen = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
         entropy = -torch.special.xlogy(logp.exp(), logp.exp()).sum(-1)
-        eos = self.processor.tokenizer.eos_token_id
-        pad = self.processor.tokenizer.pad_token_id
-        # Tokens after the first EOS are padding from batched generation.
-        done = torch.cumsum((new == eos) | (new == pad), dim=1) - ((new == eos) | (new == pad)).long()
-        keep = done == 0
+        # The answer is every token before the first stop token; what follows is batch padding.
+        is_stop = torch.isin(new, torch.tensor(stop, device=new.device))
+        keep = (torch.cumsum(is_stop, dim=1) - is_stop.long()) == 0
+        keep &= ~is_stop
+        # A stop token as the very first token (min_new_tokens 0) leaves no tokens: keep that one so every row has a
+        # score (the entropy of deciding to say nothing).
+        keep[:, 0] |= ~keep.any(dim=1)
         chosen = torch.where(keep, chosen, torch.nan)
         entropy = torch.where(keep, entropy, torch.nan)
         hidden = out.hidden_states[0][-1]  # prefix pass, last layer
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         emb = ((hidden * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu().numpy()
-        texts = self.processor.tokenizer.batch_decode(new, skip_special_tokens=True)
+        texts = [tok.decode(row[k], skip_special_tokens=True) for row, k in zip(new, keep & ~is_stop, strict=True)]
         return [t.strip() for t in texts], chosen.cpu().numpy(), entropy.cpu().numpy(), emb
 
     def score(self, rows: Sequence[dict], *, batch_size: int, mc_passes: int = 0, seed: int = 0) -> ScoreResult:

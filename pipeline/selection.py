@@ -69,10 +69,14 @@ def predictions(scores: Any, answers: list[str] | None) -> tuple[list[str | None
 
 
 def pool_uncertainty(scores: Any) -> np.ndarray | None:
-    """Entropy of the (MC-averaged) answer probabilities: the uncertainty the outlier history tracks, whatever the
-    selection strategy (random included); None for open answers."""
+    """The uncertainty the outlier history tracks, whatever the selection strategy (random included): entropy of the
+    (MC-averaged) answer probabilities for closed sets, mean per-token entropy of the greedy answer for open ones."""
     probs = heuristic_input(scores, "entropy")
-    return None if probs is None else get_heuristic("entropy").score(probs)
+    if probs is not None:
+        return get_heuristic("entropy").score(probs)
+    if scores.token_entropy is not None:
+        return get_heuristic("token_entropy").score(scores.token_entropy)
+    return None
 
 
 def cold_start_choice(cold_start: str) -> tuple[str, str]:

@@ -26,7 +26,7 @@ def test_metric_functions():
     assert token_f1(["red bus stop"], ["the red bus"]) == pytest.approx(0.8)
     assert token_f1(["", "x"], ["", "y"]) == 0.5
     assert score_answers(["1", "2"], ["1", "3"], closed=True) == {"accuracy": 0.5, "exact_match": 0.5}
-    assert set(score_answers(["a b"], ["a"], closed=False)) == {"exact_match", "token_f1"}
+    assert set(score_answers(["a b"], ["a"], closed=False)) == {"exact_match", "token_f1", "edit_similarity"}
     with pytest.raises(DataError, match="2 predictions for 3 references"):
         accuracy(["1", "2"], ["1", "2", "3"])
     with pytest.raises(DataError, match="test split is empty"):
@@ -64,10 +64,14 @@ def test_metrics_log_curve_and_status(tmp_path):
     (art / "rounds" / "000" / "export").mkdir(parents=True)
     (art / "rounds" / "000" / "export" / "manifest.json").write_text("{}")
     (art / "rounds" / "001" / "export").mkdir(parents=True)  # not finished: no manifest
+    (art / "rounds" / "000" / "round.json").write_text('{"round": 0}')
+    (art / "rounds" / "002").mkdir()
+    (art / "rounds" / "002" / "round.json").write_text('{"round": 2, "stopped": "max rounds"}')  # finished, no export
     (art / "inbox").mkdir()
     (art / "inbox" / "new.csv").write_text("sample_id,label\n")
     s = status_summary(art)
-    assert s["rounds_exported"] == [0] and s["rounds_done"] == 1
+    # rounds_done counts finished rounds as `tamis status` lists them, a stopped round that exported nothing too.
+    assert s["rounds_exported"] == [0] and s["rounds_done"] == 2
     assert s["labeled"] == 2 and s["ledger_entries"] == 3 and s["corrections"] == 1
     assert s["inbox_pending"] == [str(art / "inbox" / "new.csv")]
     assert s["last_round_evaluated"] == 2

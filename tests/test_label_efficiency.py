@@ -92,6 +92,24 @@ def test_summarize_ratios_against_random():
     assert all(a <= m <= b for a, m, b in zip(lo, s["random"]["mean"], hi, strict=True))
 
 
+def test_ratio_to_random_final_needs_no_full_data_reference():
+    # Random ends at 0.95 (mean of 0.9 and 1.0) with 30 labels; margin gets there between 10 and 20 labels.
+    runs = {"random": [{"labels": [10, 20, 30], "accuracy": [0.5, 0.7, 0.9], "seconds": 1.0},
+                       {"labels": [10, 20, 30], "accuracy": [0.5, 0.8, 1.0], "seconds": 1.0}],
+            "margin": [{"labels": [10, 20, 30], "accuracy": [0.55, 1.0, 1.0], "seconds": 1.0}] * 2}
+    weak_reference = [0.3, 0.3]  # below every curve: the % of full-data targets are all reached at once
+    s = le.summarize(runs, weak_reference, "random", bootstrap=200)
+    assert s["random"]["ratio_to_random_final"] == 1.0
+    expected = (10 + 10 * (0.95 - 0.55) / (1.0 - 0.55)) / 30
+    assert s["margin"]["ratio_to_random_final"] == pytest.approx(expected, abs=1e-3)
+    lo, hi = s["margin"]["ratio_to_random_final_ci"]
+    assert lo <= s["margin"]["ratio_to_random_final"] <= hi < 1.0
+    head = le.headline(s, "random", weak_reference)
+    assert head["full_data_below_random_final"] is True
+    assert (head["best_strategy_random_final"], head["best_ratio_random_final"]) == ("margin", s["margin"]["ratio_to_random_final"])
+    assert s["margin"]["ratio_to_random_95"] == 1.0  # the weak reference hides the difference
+
+
 def test_bootstrap_ratio_is_paired_and_counts_never_reached():
     labels = np.array([10.0, 20.0, 30.0])
     base = np.array([[0.2, 0.5, 1.0], [0.2, 0.5, 1.0], [0.2, 0.5, 1.0]])

@@ -189,3 +189,70 @@ def test_round_pushes_to_label_studio_and_the_next_round_pulls(label_studio, lab
     for p in cfg.artifacts.rglob("*"):
         if p.is_file() and p.stat().st_size < 50_000_000:
             assert TOKEN.encode() not in p.read_bytes(), p
+
+
+def test_open_answer_round_exports_a_text_area_that_label_studio_accepts(label_studio, label_studio_sdk,
+                                                                         tiny_models, prefect_harness, monkeypatch):
+    """data.answers: null: the project gets a TextArea interface, round 1's tasks carry the model's generated answer
+    as a textarea pre-annotation, and answers typed in Label Studio come back into the ledger verbatim."""
+    from test_open_round import write_open_project
+
+    from flows.round import labeling_round
+    from pipeline.annotation.ledger import Ledger, ledger_path
+    from pipeline.config import load_config
+
+    server, root = label_studio
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    # Inside the server's document root (root/artifacts), beside the closed-set test's project.
+    config = write_open_project(root / "artifacts" / "open", tiny_models,
+                                rounds={"simulate_annotator": False},
+                                annotate={"document_root": str(root / "artifacts"),
+                                          "label_studio": {"url": server.url, "project": "tamis open live test",
+                                                           "token_env": TOKEN_ENV}})
+    cfg = load_config(config)
+
+    first = labeling_round(str(config))
+    pid = first["label_studio"]["project"]
+    assert first["label_studio"] == {"project": pid, "pushed": 6, "already": 0}, first["label_studio"]
+    project = server.api("GET", f"/api/projects/{pid}")
+    assert "<TextArea" in project["label_config"] and "<Choices" not in project["label_config"]
+
+    tasks = server.api("GET", f"/api/tasks?project={pid}&page_size=100")
+    tasks = tasks["tasks"] if isinstance(tasks, dict) else tasks
+    assert len(tasks) == 6
+    image = server.api("GET", tasks[0]["data"]["image"])
+    assert isinstance(image, bytes) and image[:8] == b"\x89PNG\r\n\x1a\n"
+    truth = {json.loads(x)["sample_id"]: json.loads(x)["answer"] for x in open(cfg.data.ground_truth)}
+    typed = {}
+    for i, t in enumerate(tasks):
+        answer = truth[t["data"]["sample_id"]]
+        typed[t["data"]["sample_id"]] = text = answer.capitalize() + "." if i % 2 else answer  # as people type
+        server.api("POST", f"/api/tasks/{t['id']}/annotations/", {"result": [
+            {"from_name": "answer", "to_name": "image", "type": "textarea", "value": {"text": [text]}}],
+            "was_cancelled": False})
+
+    second = labeling_round(str(config))
+    assert second["round"] == 1 and second["labeled"] == 6
+    [pulled] = [i for i in second["imports"] if "label_studio" in i.get("file", "")]
+    assert pulled["accepted"] == 6 and pulled["rejected"] == 0
+    assert Ledger(ledger_path(cfg.artifacts)).labels() == typed  # verbatim, as typed
+    assert set(second["metrics"]) == {"exact_match", "token_f1", "edit_similarity"}
+    assert second["label_studio"]["pushed"] == 6
+    # Round 1's tasks went in with the model's generated answer as a TextArea pre-annotation.
+    tasks = server.api("GET", f"/api/tasks?project={pid}&page_size=100&fields=all")
+    tasks = tasks["tasks"] if isinstance(tasks, dict) else tasks
+    new = [t for t in tasks if t["data"].get("tamis_set") == "001/export"]
+    assert len(new) == 6
+    exported = {t["data"]["sample_id"]: t for t in
+                json.loads((cfg.artifacts / "rounds/001/export/label_studio_tasks.json").read_text())}
+    checked = 0
+    for t in new:
+        preds = server.api("GET", f"/api/predictions/?task={t['id']}")
+        preds = preds.get("results", preds) if isinstance(preds, dict) else preds
+        want = exported[t["data"]["sample_id"]]["predictions"]
+        assert len(preds) == len(want)
+        for p, w in zip(preds, want, strict=True):
+            assert p["result"][0]["type"] == "textarea"
+            assert p["result"][0]["value"]["text"] == w["result"][0]["value"]["text"]
+            checked += 1
+    assert checked >= 1  # the tiny model generated a non-empty answer for some of them

@@ -133,6 +133,8 @@ class LabelStudioExporter(Exporter):
                 return []
             result = {"type": "choices", "value": {"choices": [item.prediction]}}
         else:
+            if not item.prediction.strip():
+                return []  # an empty generated answer is no pre-annotation: the annotator starts from a blank box
             result = {"type": "textarea", "value": {"text": [item.prediction]}}
         result |= {"from_name": FROM_NAME, "to_name": TO_NAME}
         pred: dict[str, Any] = {"model_version": self.ctx.model_version, "result": [result]}

@@ -592,6 +592,12 @@ def _check_project(lf: LabelFile, index: SampleIndex) -> None:
     )
 
 
+def _open_key(label: str) -> str:
+    from pipeline.evaluate import normalize_answer
+
+    return normalize_answer(label)
+
+
 def _apply(
     lf: LabelFile,
     *,
@@ -638,7 +644,14 @@ def _apply(
 
     current = ledger.current()
     now = None
+    # Open answers are compared normalised ("Seven." and "seven" agree) and stored verbatim: the winning answer as
+    # its most common spelling.
+    same = (lambda x: x) if allowed is not None else _open_key
     for sid, rows in votes.items():
+        if allowed is None:
+            spelled = Counter(r.label for r in rows)
+            for r in rows:
+                r.label = max((a for a in spelled if same(a) == same(r.label)), key=lambda a: (spelled[a], a))
         counts = Counter(r.label for r in rows)
         ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
         if len(ranked) > 1:
@@ -655,7 +668,7 @@ def _apply(
         for r in rows:
             rep.matched_by[r.matched_by or "sample_id"] = rep.matched_by.get(r.matched_by or "sample_id", 0) + 1
         prev = current.get(sid)
-        if prev is not None and prev["label"] == winner:
+        if prev is not None and same(prev["label"]) == same(winner):
             rep.unchanged.append(sid)
             continue
         who = sorted({r.annotator for r in rows if r.label == winner})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +18,13 @@ from pipeline.store import atomic_write_bytes, atomic_write_jsonl
 log = logging.getLogger(__name__)
 
 DIGITS_QUESTION = "Which digit is shown in the image?"
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+# Open-answer variant: one question per image, each answered with a short free-text string (no closed answer set).
+OPEN_QUESTIONS: dict[str, Any] = {
+    "Write the digit shown in words.": lambda d: NUMBER_WORDS[d],
+    "Is the digit even or odd?": lambda d: "odd" if d % 2 else "even",
+    "What is the digit plus one, in words?": lambda d: NUMBER_WORDS[d + 1],
+}
 
 
 def _png(pixels: np.ndarray) -> bytes:
@@ -59,11 +67,14 @@ def _stratified_test(target: np.ndarray, test_fraction: float, seed: int) -> np.
     return test
 
 
-def write_digits(out_dir: str | Path, *, limit: int | None = None, test_fraction: float = 0.25, seed: int = 0) -> Path:
+def write_digits(out_dir: str | Path, *, limit: int | None = None, test_fraction: float = 0.25, seed: int = 0,
+                 open_answers: bool = False) -> Path:
     """Write images/<index>.png, manifest.jsonl and ground_truth.jsonl under `out_dir`; returns `out_dir`.
 
     Split is fixed by `seed`: a stratified `test_fraction` of each digit is "test" (answer given), the rest "pool"
-    (no answer). `limit` keeps a small slice balanced over the digits, for tests.
+    (no answer). `limit` keeps a small slice balanced over the digits, for tests. `open_answers` asks each image one
+    of OPEN_QUESTIONS (a seeded draw) whose answer is free text ("seven", "odd", "eight"): the data for a project
+    with `data.answers: null`.
     """
     from sklearn.datasets import load_digits
 
@@ -76,15 +87,20 @@ def write_digits(out_dir: str | Path, *, limit: int | None = None, test_fraction
     keep = _balanced(digits.target, limit)
     test = _stratified_test(digits.target[keep], test_fraction, seed)
     manifest, truth = [], []
-    for i, is_test in zip(keep, test, strict=True):
+    asked = np.random.default_rng(seed + 1).integers(0, len(OPEN_QUESTIONS), len(keep))
+    questions = list(OPEN_QUESTIONS)
+    for i, is_test, q in zip(keep, test, asked, strict=True):
         rel = f"images/{int(i)}.png"
         data = _png(images[i])
         _write_if_changed(out_dir / rel, data)
-        answer = str(int(digits.target[i]))
-        row = {"image": rel, "question": DIGITS_QUESTION, "split": "test" if is_test else "pool"}
+        digit = int(digits.target[i])
+        question = questions[q] if open_answers else DIGITS_QUESTION
+        answer = OPEN_QUESTIONS[question](digit) if open_answers else str(digit)
+        row = {"image": rel, "question": question, "split": "test" if is_test else "pool"}
         manifest.append({**row, "answer": answer} if is_test else row)
-        truth.append({"sample_id": sample_id_for(data, DIGITS_QUESTION), "image": rel, "answer": answer})
+        truth.append({"sample_id": sample_id_for(data, question), "image": rel, "answer": answer})
     atomic_write_jsonl(out_dir / "manifest.jsonl", manifest)
     atomic_write_jsonl(out_dir / "ground_truth.jsonl", truth)
-    log.info("demo digits: %d images (%d test, %d pool) in %s", len(keep), int(test.sum()), int((~test).sum()), out_dir)
+    log.info("demo digits%s: %d images (%d test, %d pool) in %s", " (open answers)" if open_answers else "",
+             len(keep), int(test.sum()), int((~test).sum()), out_dir)
     return out_dir

@@ -6,8 +6,9 @@ depends on one that is still being initialised.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -27,3 +28,19 @@ def load(config: Path | None) -> ProjectConfig:
     cfg = load_config(config)
     configure_prefect(cfg.artifacts)
     return cfg
+
+
+# Piped output has no terminal width; rich would fall back to 80 columns and cut table cells ("accura…").
+PIPED_WIDTH = 200
+
+
+def out_console(**options: Any) -> Any:
+    """The console for a command's result: the terminal's width, COLUMNS when set, else PIPED_WIDTH. Tables keep
+    their natural width (up to that), so piped or captured output reads like the terminal's. `options` go to rich's
+    Console (e.g. markup=False)."""
+    from rich.console import Console
+
+    console = Console(**options)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(width=PIPED_WIDTH, **options)
+    return console

@@ -22,6 +22,9 @@ from pathlib import Path
 import pipeline
 
 TAMIS_LOGGERS = ("pipeline", "flows", "tamis")
+# A record with this attribute set (logging `extra`) is for the Prefect UI only: the terminal shows the same thing
+# another way (a progress bar), so printing it there too would double every update.
+UI_ONLY = "tamis_ui_only"
 # A flow's `get_run_logger()` logs tamis's own lines under Prefect's logger name ("prefect.flow_runs", so that they
 # reach the Prefect UI); the file a record was logged from tells them apart from Prefect's own.
 TAMIS_SOURCES = tuple(str(Path(p).resolve().parent) + os.sep for p in (pipeline.__file__, __file__))
@@ -75,6 +78,8 @@ class ConsoleFilter(logging.Filter):
         self._logs = [(h.logger, re.compile(h.pattern)) for h in harmless if h.logger is not None]
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, UI_ONLY, False):
+            return False
         if is_tamis(record.name) or os.path.abspath(record.pathname).startswith(TAMIS_SOURCES):
             return True
         if record.levelno < logging.WARNING:

@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from flows.cli_common import ConfigOpt
+from flows.cli_common import ConfigOpt, out_console
 
 LOCK_NAME = "round.lock"
 
@@ -37,7 +36,7 @@ def labels_import(
     from pipeline.config import load_config
     from pipeline.lock import ProjectLock
 
-    out = Console(markup=False, highlight=False)  # reasons hold [lists] rich would read as markup
+    out = out_console(markup=False, highlight=False)  # reasons hold [lists] rich would read as markup
     cfg = load_config(config)
     artifacts = cfg.artifacts
     index = project_index(artifacts, dataset)
@@ -78,7 +77,7 @@ def labels_history(
     from pipeline.annotation import Ledger, ledger_path
     from pipeline.config import load_config
 
-    out = Console()
+    out = out_console()
     hist = Ledger(ledger_path(load_config(config).artifacts)).history(sample_id)
     if not hist:
         out.print(f"{sample_id}: no labels in the ledger")
@@ -114,7 +113,7 @@ def labels_issues(
     from pipeline.rounds import completed_rounds
     from pipeline.store import read_jsonl
 
-    out = Console()
+    out = out_console()
     cfg = load_config(config)
     done = [s for s in completed_rounds(cfg.artifacts) if round_index is None or s["round"] == round_index]
     checked = [s for s in done if s.get("labelcheck")]
@@ -171,7 +170,7 @@ def simulate(
     from pipeline.config import load_config
     from pipeline.errors import ConfigError
 
-    out = Console()
+    out = out_console()
     cfg = load_config(config)
     if cfg.data.ground_truth is None:
         raise ConfigError("data.ground_truth is not set; the simulated annotator needs the held-back answers JSONL")

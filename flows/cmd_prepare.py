@@ -7,12 +7,11 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_common import ConfigOpt, load
+from flows.cli_common import ConfigOpt, load, out_console
 
 
 def prepare_cmd(config: ConfigOpt = None) -> None:
     """Ingest, preprocess (resize, pad) and quality-flag the data; every stage is cached on its inputs."""
-    from rich.console import Console
     from rich.table import Table
 
     from pipeline.data.ingest import source_digest
@@ -34,7 +33,7 @@ def prepare_cmd(config: ConfigOpt = None) -> None:
                   f"{prep['info']['quarantined']} quarantined", prep["dir"])
     flags = ", ".join(f"{k} {v}" for k, v in qual["info"]["counts"].items())
     table.add_row("quality", f"{qual['info']['excluded']} excluded from the pool ({flags})", qual["dir"])
-    Console().print(table)
+    out_console().print(table)
 
 
 def quality_report_cmd(
@@ -42,7 +41,6 @@ def quality_report_cmd(
     top: Annotated[int, typer.Option("--top", min=1, help="Worst examples shown per flag.")] = 10,
 ) -> None:
     """Counts per quality flag and the worst examples' IDs and image paths (from the last `tamis prepare`)."""
-    from rich.console import Console
     from rich.table import Table
 
     from flows.prepare import latest_refs
@@ -52,7 +50,7 @@ def quality_report_cmd(
 
     cfg = load(config)
     refs = latest_refs(cfg)
-    out = Console()
+    out = out_console()
     qdir = Path(refs["quality"]["dir"])
     if read_manifest(qdir, verify=False).config != cfg.section("quality"):
         out.print("[yellow]note:[/] the quality section changed since the last `tamis prepare`; this report "

@@ -7,8 +7,9 @@ from typing import Annotated, Any
 
 import typer
 
-from flows.cli_common import ConfigOpt, load
-from flows.deploy import register_serve
+from flows.cli_common import ConfigOpt, load, out_console
+from flows.deploy import register_serve, server_url
+from pipeline.errors import ConfigError, DataError
 
 
 def _check_cell(check: dict[str, Any] | None) -> str:
@@ -20,9 +21,14 @@ def _check_cell(check: dict[str, Any] | None) -> str:
     return f"{check['issues']} / {check['checked']}"
 
 
-def _round_row(state: dict[str, Any]) -> list[str]:
-    metrics = state.get("metrics") or {}
-    main = metrics.get("accuracy", metrics.get("token_f1"))
+def _main_metric(states: list[dict[str, Any]]) -> str:
+    """The column's metric: accuracy for a closed answer set, token F1 for open answers (rounds.stop_reason's)."""
+    evaluated = [s["metrics"] for s in states if s.get("metrics")]
+    return "token_f1" if evaluated and all("accuracy" not in m for m in evaluated) else "accuracy"
+
+
+def _round_row(state: dict[str, Any], metric: str = "accuracy") -> list[str]:
+    main = (state.get("metrics") or {}).get(metric)
     check = state.get("labelcheck")
     return [str(state["round"]), str(state["labeled"]), "—" if main is None else f"{main:.3f}", state["strategy"],
             str(state.get("selected", 0)), _check_cell(check),
@@ -33,12 +39,13 @@ def _rounds_table(states: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     table = Table(title="labeling rounds")
-    for col, just in (("round", "right"), ("labels", "right"), ("accuracy", "right"), ("strategy", "left"),
+    metric = _main_metric(states)
+    for col, just in (("round", "right"), ("labels", "right"), (metric.replace("_", " "), "right"), ("strategy", "left"),
                       ("selected", "right"), ("likely label errors", "right"), ("re-label", "right"),
                       ("stopped", "left")):
         table.add_column(col, justify=just)
     for s in states:
-        table.add_row(*_round_row(s))
+        table.add_row(*_round_row(s, metric))
     return table
 
 
@@ -48,13 +55,11 @@ def round_cmd(
                                                     "label the export (default: rounds.simulate_annotator).")] = None,
 ) -> None:
     """Run the next labeling round (or finish / re-run the current one: finished work comes from the cache)."""
-    from rich.console import Console
-
     load(config)
     from flows.round import labeling_round
 
     state = labeling_round(str(config) if config else None, simulate=simulate)
-    Console().print(_rounds_table([state]))
+    out_console().print(_rounds_table([state]))
 
 
 def demo_cmd(
@@ -65,10 +70,8 @@ def demo_cmd(
     """The demo: digits data + a tiny 4-bit model, several rounds with the simulated annotator, on the CPU."""
     import time
 
-    from rich.console import Console
-
     cfg = load(config)
-    out = Console()
+    out = out_console()
     digits = cfg.data.sources[0].path.parent if cfg.data.sources else None
     if digits is not None and not cfg.data.sources[0].path.exists():
         from pipeline.data.demo import write_digits
@@ -92,28 +95,102 @@ def demo_cmd(
         out.print(f"last export for annotators: {last_export}", highlight=False)
 
 
-def status_cmd(config: ConfigOpt = None) -> None:
-    """Rounds so far, labeled / pool / quarantined counts, last metrics."""
-    import json
-
-    from rich.console import Console
-
+def status_summary_of(cfg: Any) -> dict[str, Any]:
+    """Everything `tamis status` reports, as plain data (`--json` prints it as is)."""
     from pipeline.evaluate import status_summary
     from pipeline.rounds import completed_rounds
 
+    states = completed_rounds(cfg.artifacts)
+    quarantined = 0
+    for p in Path(cfg.artifacts).glob("*/*/quarantine.jsonl"):
+        with open(p, encoding="utf-8") as f:
+            quarantined += sum(1 for _ in f)
+    return {**status_summary(cfg.artifacts), "quarantined_rows": quarantined,
+            "pool_eligible": states[-1]["pool"] if states else None,
+            "rounds": [{k: s.get(k) for k in ("round", "labeled", "metrics", "strategy", "selected", "stopped",
+                                              "export_dir")} for s in states]}
+
+
+def status_cmd(
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print everything as one JSON object (for scripts).")] = False,
+) -> None:
+    """Rounds so far, labeled / pool / quarantined counts, last metrics."""
+    import json
+
+    from pipeline.evaluate import merge_equal_metrics
+    from pipeline.rounds import completed_rounds
+
     cfg = load(config)
-    out = Console()
+    summary = status_summary_of(cfg)
+    if as_json:
+        typer.echo(json.dumps(summary, default=str, indent=2))
+        return
+    out = out_console()
     states = completed_rounds(cfg.artifacts)
     if not states:
         out.print(f"no finished round yet in {cfg.artifacts}; start one with `tamis round`", highlight=False)
     else:
         out.print(_rounds_table(states))
-    quarantined = sum(
-        sum(1 for _ in open(p, encoding="utf-8")) for p in Path(cfg.artifacts).glob("*/*/quarantine.jsonl")
-    )
-    summary = {**status_summary(cfg.artifacts), "quarantined_rows": quarantined,
-               "pool_eligible": states[-1]["pool"] if states else None}
-    out.print_json(json.dumps(summary, default=str))
+    metrics = ", ".join(f"{k} {v:.3f}" for k, v in merge_equal_metrics(summary["last_metrics"]).items())
+    lines = [
+        f"rounds finished: {summary['rounds_done']} (exported for annotation: {len(summary['rounds_exported'])})",
+        f"labeled samples: {summary['labeled']} in the ledger ({summary['ledger_entries']} entries, "
+        f"{summary['corrections']} corrections)",
+        f"pool eligible: {'—' if summary['pool_eligible'] is None else summary['pool_eligible']}, "
+        f"quarantined rows: {summary['quarantined_rows']}",
+        f"inbox files not imported yet: {len(summary['inbox_pending'])}"
+        + "".join(f"\n  {p}" for p in summary["inbox_pending"]),
+    ]
+    if summary["last_round_evaluated"] is not None:
+        lines.append(f"last evaluated round {summary['last_round_evaluated']}: {metrics}")
+    out.print("\n".join(lines), highlight=False)
+
+
+def resume_cmd(
+    config: ConfigOpt = None,
+    labels: Annotated[Path | None, typer.Option("--labels", help="The annotators' export file (copied into the "
+                                                 "inbox by the resumed run); default: the labels are in the inbox.")] = None,
+    note: Annotated[str, typer.Option("--note", help="A note for the run's log.")] = "",
+    run_id: Annotated[str | None, typer.Option("--run-id", help="The suspended run (default: the only one).")] = None,
+) -> None:
+    """Resume a round waiting for its annotators (rounds.wait_for_labels), as the Resume button in the Prefect UI."""
+    load(config)
+    if labels is not None and not labels.is_file():
+        raise DataError(f"--labels {labels}: no such file; give the annotators' export (Label Studio JSON, or CSV / "
+                        "JSONL with sample_id,label)")
+    server_url_for("tamis resume")
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter
+    from prefect.client.schemas.filters import FlowRunFilterState as State
+    from prefect.client.schemas.filters import FlowRunFilterStateType as StateTypes
+    from prefect.client.schemas.objects import StateType
+    from prefect.flow_runs import resume_flow_run
+
+    with get_client(sync_client=True) as client:
+        waiting = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["labeling-round"])),
+            flow_run_filter=FlowRunFilter(state=State(type=StateTypes(any_=[StateType.PAUSED]))))
+    if run_id is not None:
+        waiting = [r for r in waiting if str(r.id) == run_id]
+    if len(waiting) != 1:
+        listed = ", ".join(f"{r.name} ({r.id})" for r in waiting) or "none"
+        raise ConfigError(f"{len(waiting)} labeling rounds are waiting for labels"
+                          + (f" with --run-id {run_id}" if run_id else "") + f": {listed}; "
+                          + ("give --run-id" if len(waiting) > 1 else "nothing to resume"))
+    run = waiting[0]
+    answer = {"labels_in_inbox": labels is None, "labels_file": str(labels.resolve()) if labels else "", "note": note}
+    resume_flow_run(run.id, run_input=answer)
+    out_console().print(f"resumed {run.name} ({run.id}); its worker imports the labels and runs the next round",
+                        highlight=False)
+
+
+def server_url_for(command: str) -> str:
+    try:
+        return server_url()
+    except ConfigError:
+        raise ConfigError(f"PREFECT_API_URL is not set: `{command}` talks to the Prefect server the deployment runs "
+                          "on; `export PREFECT_API_URL=http://127.0.0.1:4200/api` and retry") from None
 
 
 def register(app: typer.Typer) -> None:
@@ -121,3 +198,4 @@ def register(app: typer.Typer) -> None:
     app.command("round")(round_cmd)
     app.command("demo")(demo_cmd)
     app.command("status")(status_cmd)
+    app.command("resume")(resume_cmd)

@@ -16,6 +16,7 @@ from prefect import flow
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from flows.stages import ref_is_valid, run_stage, stage_task
+from flows.ui import detach
 from pipeline.config import ModelConfig, ProjectConfig
 from pipeline.preprocess import load_prepared
 from pipeline.scoring import SCORE_VERSION, concat_scores, load_scores, make_scorer, plan_shards, save_scores
@@ -39,9 +40,17 @@ def make_task_runner(cfg: ProjectConfig) -> Any:
 
         if cfg.select.dask_address:
             return DaskTaskRunner(address=cfg.select.dask_address)
+        from pipeline.model.distributed import device_cluster, scoring_devices
+        from pipeline.model.hardware import detect_hardware
+
         # Dask binds the dashboard of ":8787" to every interface; keep the whole local cluster on loopback.
-        return DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1, "processes": True,
-                                              "host": "127.0.0.1", "dashboard_address": "127.0.0.1:8787"})
+        local = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:8787"}
+        devices = scoring_devices(cfg.select.dask_workers, detect_hardware())
+        if devices is not None:  # one worker process per GPU, each pinned to its device
+            return DaskTaskRunner(cluster_class=device_cluster, cluster_kwargs={"devices": devices, **local})
+        workers = 2 if cfg.select.dask_workers == "auto" else cfg.select.dask_workers
+        return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True,
+                                              **local})
     from prefect.task_runners import ThreadPoolTaskRunner
 
     # Torch already uses every core inside one shard; more threads would only fight over them.
@@ -122,7 +131,9 @@ def score_pool_flow(artifacts: str, model: dict[str, Any], scoring: dict[str, An
     shards done / total. The pool's IDs travel as a file: a 100k-sample pool would bloat the run's parameters."""
     pool_ids = [r["sample_id"] for r in read_jsonl(pool_file)]
     shards = plan_shards(pool_ids, shard_size)
-    progress = create_progress_artifact(progress=0.0, description=f"pool scoring: 0 / {len(shards)} shards")
+    # Keyed, so the Artifacts page lists it (unkeyed ones show only on this subflow's page).
+    progress = create_progress_artifact(progress=0.0, key="scoring-progress",
+                                        description=f"pool scoring: 0 / {len(shards)} shards")
     params, futures = [], []
     for ids in shards:
         params.append(dict(
@@ -167,10 +178,12 @@ def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[st
         # second per 20 shards), which is most of an unchanged re-run.
         log.info("pool scoring: all %d shards already scored (outputs verified); nothing to run", len(refs))
         return refs
-    runner_flow = score_pool_flow.with_options(task_runner=make_task_runner(cfg))
-    return runner_flow(artifacts=str(cfg.artifacts), model=cfg.section("model"), scoring=score_config(cfg),
+    runner_flow = score_pool_flow.with_options(task_runner=make_task_runner(cfg),
+                                               flow_run_name=f"round-{round_dir.name}-score-pool")
+    # A plain copy: the subflow's own result, passed on to the select task, would make the Task Runs tab list nothing.
+    return detach(runner_flow(artifacts=str(cfg.artifacts), model=cfg.section("model"), scoring=score_config(cfg),
                        adapter=adapter, prepared=prepared, pool_file=str(pool_file),
-                       shard_size=cfg.select.shard_size)
+                       shard_size=cfg.select.shard_size))
 
 
 EMBED_VERSION = "1"

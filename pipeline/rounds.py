@@ -93,3 +93,37 @@ def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Se
     if pool_left == 0:
         return "pool exhausted: no unlabeled samples left to select"
     return None
+
+
+def receive_labels(artifacts: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+    """Put the annotators' export file into the inbox (a copy; the original stays where it is) → the inbox path.
+
+    A file whose content is already in the inbox is not copied twice; a different file with the same name gets a
+    numbered name, so nothing in the inbox is overwritten.
+    """
+    from pipeline.store import atomic_write_bytes, digest_file
+
+    src = Path(path).expanduser()
+    if not src.is_file():
+        raise DataError(f"labels file {src} does not exist or is not a file; give the path of the annotators' export "
+                        "(Label Studio JSON, or CSV / JSONL with sample_id,label) as the worker's machine sees it")
+    from pipeline.annotation.labels import INBOX_SUFFIXES
+
+    if src.suffix.lower() not in INBOX_SUFFIXES:
+        raise DataError(f"labels file {src}: the inbox reads only {', '.join(sorted(INBOX_SUFFIXES))} files; export "
+                        "the labels in one of those formats")
+    inbox = Path(artifacts) / "inbox"
+    digest = digest_file(src)
+    for existing in sorted(inbox.iterdir()) if inbox.is_dir() else []:
+        if existing.is_file() and digest_file(existing) == digest:
+            return existing
+    dest, n = inbox / src.name, 1
+    while dest.exists():
+        dest, n = inbox / f"{src.stem}-{n}{src.suffix}", n + 1
+    return atomic_write_bytes(dest, src.read_bytes())
+
+
+def should_wait(cfg: ProjectConfig, state: Mapping[str, Any], *, deployed: bool) -> bool:
+    """Whether a finished round waits for its annotators: rounds.wait_for_labels, a batch was exported, and the run
+    can be suspended and resumed later (only a deployment's run can: its worker starts it again)."""
+    return bool(cfg.rounds.wait_for_labels and deployed and state.get("export_dir") and not state.get("stopped"))

@@ -51,6 +51,15 @@ def test_console_filter_keeps_tamis_lines_sent_through_prefects_run_logger():
                                          path=round_py))
 
 
+def test_console_filter_leaves_ui_only_progress_lines_to_the_prefect_ui():
+    # A progress update goes to the run's logs in the UI; the terminal already shows the same step in its bar.
+    ui_py = str(Path(cli_logging.__file__).parent / "ui.py")
+    update = record("prefect.task_runs", logging.INFO, "training-progress: 20% — step 20 / 100", path=ui_py)
+    assert ConsoleFilter().filter(update)
+    setattr(update, cli_logging.UI_ONLY, True)
+    assert not ConsoleFilter().filter(update)
+
+
 def test_console_filter_drops_library_tracebacks_of_tamis_user_errors():
     # `run` prints a TamisError as one paragraph; Prefect's copy of it, with a traceback, adds nothing.
     user_error = record("prefect.flow_runs", logging.ERROR, "Encountered exception during execution",

@@ -1,5 +1,6 @@
 """Scheduled rounds: prefect.yaml, `tamis serve`, and a real `prefect server` → deploy → process worker → run."""
 
+import json
 import os
 import re
 import shutil
@@ -10,7 +11,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import pytest
 import yaml
@@ -199,11 +199,12 @@ def test_deploy_from_prefect_yaml_to_a_process_worker_and_run_a_round(prefect_se
     assert by_key["round-summary"].type == "markdown"
     assert "Labeling round 0" in by_key["round-summary"].data and "labeled samples" in by_key["round-summary"].data
     assert by_key["selection"].type == "table"
-    # Prefect stores a link artifact as markdown: [text](url).
-    link = re.search(r"\]\((file://[^)]+)\)", by_key["export-folder"].data)
-    assert link, by_key["export-folder"].data
-    export = Path(unquote(urlparse(link.group(1)).path))
+    # The export folder as text to copy (a browser opens no file:// link from a web page) and a command to serve it.
+    hand_off = by_key["export-folder"].data
+    assert "file://" not in hand_off and "python -m http.server" in hand_off, hand_off
+    export = Path(re.search(r"```\n(/[^\n]+)\n```", hand_off).group(1))
     assert export.is_dir() and export.is_relative_to(project / "artifacts") and any(export.iterdir())
+    assert run.name == "round-000" and "round-000" in run.tags
     # The job variables reached the flow-run process: task results sit next to the project's artifacts.
     assert any((project / "artifacts" / "prefect" / "results").iterdir())
 
@@ -236,3 +237,115 @@ def test_serve_registers_the_scheduled_deployment_from_the_config(prefect_server
         _stop(serve)
     assert dep.parameters == {"config_path": str(config.resolve())}
     assert dep.work_pool_name is None  # served from the process itself, no work pool
+
+
+def _wait_for(client, run_id: str, done, what: str, worker: subprocess.Popen, worker_log: Path, limit: float = 900):
+    deadline = time.monotonic() + limit
+    while not done(run := client.read_flow_run(run_id)):
+        assert worker.poll() is None, f"worker exited with {worker.returncode}:\n{_tail(worker_log)}"
+        assert not run.state.is_final(), f"run ended {run.state.name} ({run.state.message}) before {what}:\n" \
+                                         f"{_tail(worker_log)}"
+        assert time.monotonic() < deadline, f"run still {run.state.name} after {limit} s, not {what}:\n" \
+                                            f"{_tail(worker_log)}"
+        time.sleep(3)
+    return run
+
+
+def _task_inputs_the_ui_accepts(client, run_ids) -> None:
+    """The Task Runs tab's query (task runs of a flow run) answers, and no input is a subflow's result: the V1 UI
+    rejects `flow_run` inputs ("Invalid TaskInputResponse") and then lists no task at all."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    for run_id in run_ids:
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+        assert task_runs, run_id
+        kinds = {i.input_type for tr in task_runs for values in tr.task_inputs.values() for i in values}
+        assert kinds <= {"task_run", "parameter", "constant"}, (run_id, kinds)
+
+
+@pytest.mark.slow
+def test_a_deployed_round_waits_for_its_annotators_and_resumes_into_the_next_round(prefect_server, tmp_path):
+    """rounds.wait_for_labels: the run suspends after its export (no lock held, `tamis status` answers), the
+    annotators' file is given through the resume form's input, and the same run imports it and runs round 1."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterParentFlowRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+    from prefect.flow_runs import resume_flow_run
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from pipeline.annotation.ledger import Ledger, ledger_path
+    from pipeline.annotation.simulate import simulate_annotator
+    from pipeline.lock import ProjectLock
+
+    api, env = prefect_server
+    project = tmp_path / "project"
+    config = _tiny_project(project)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["rounds"].update(simulate_annotator=False, wait_for_labels=True, wait_timeout_s=3600)
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    art = project / "artifacts"
+    env = {**env, "PWD": str(project), "PYTHONPATH": str(project)}
+
+    _cli(["work-pool", "create", "tamis", "--type", "process", "--overwrite"], env, project)
+    _cli(["deploy", "--all", "--no-prompt"], env, project, timeout=300)
+    out = _cli(["deployment", "run", "labeling-round/scheduled", "--param", f"config_path={config}"], env, project)
+    run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+
+    worker_log = tmp_path / "worker.log"
+    worker = _start([PREFECT, "worker", "start", "--pool", "tamis"], env, worker_log, tmp_path)
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+            run = _wait_for(client, run_id, lambda r: r.state.is_paused(), "suspended", worker, worker_log)
+            assert run.state.name == "Suspended" and run.name == "round-000"
+            assert {"round-000", "waiting-for-labels"} <= set(run.tags)
+            assert run.state.state_details.run_input_keyset  # the form the UI shows
+            # Suspended holds nothing: the project lock is free and `tamis status` answers.
+            with ProjectLock(art / "round.lock"):
+                pass
+            status = subprocess.run([str(BIN / "tamis"), "status", "--json", "-c", str(config)], env=env,
+                                    capture_output=True, text=True, timeout=120, cwd=project)
+            assert status.returncode == 0, status.stderr
+            assert json.loads(status.stdout)["rounds_done"] == 1
+
+            # The annotators answer the export; the form's input names their file.
+            answers = simulate_annotator(art / "rounds/000/export", cfg["data"]["ground_truth"],
+                                         tmp_path / "annotators", round_index=0)
+            resume_flow_run(run.id, run_input={"labels_in_inbox": False, "labels_file": str(answers),
+                                               "note": "batch 0 done"})
+            run = _wait_for(client, run_id, lambda r: r.state.is_final(), "finished", worker, worker_log)
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+            messages = [lg.message for lg in logs]
+            assert run.state.is_completed(), (
+                f"run ended {run.state.name}: {run.state.message}\n" + "\n".join(messages[-40:])
+                + f"\n--- worker ---\n{_tail(worker_log)}")
+            subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+            _task_inputs_the_ui_accepts(client, [run.id, *(s.id for s in subflows)])
+            arts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    finally:
+        _stop(worker)
+
+    assert run.name == "round-001" and {"round-000", "round-001"} <= set(run.tags)
+    assert "waiting-for-labels" not in run.tags  # the flag of the round before the resume
+    assert run.state.message.startswith("round 1: ")
+    assert "round-001-score-pool" in {s.name for s in subflows}
+    ledger = Ledger(ledger_path(art))
+    assert len(ledger.labels()) == 8 and {e["round"] for e in ledger.entries()} == {1}  # imported by round 1
+    assert (art / "inbox" / answers.name).is_file()
+    assert (art / "rounds/001/export/label_studio_tasks.json").is_file()
+    assert len(json.loads((art / "rounds/001/export/label_studio_tasks.json").read_text())) == 8
+    # The library's lines and the note reached the run's logs in the UI.
+    assert any("batch 0 done" in m for m in messages)
+    assert any("labels appended" in m for m in messages)  # pipeline.annotation: the import's report
+    assert any(m.startswith("trained 2 steps") for m in messages)  # pipeline.model.train
+    by_key = {}
+    for a in arts:
+        by_key.setdefault(a.key, a)
+    assert by_key["learning-curve"].type == "image" and by_key["learning-curve"].data.startswith("data:image/png")
+    assert "![learning curve](data:image/png;base64," in by_key["round-summary"].data
+    assert {"round-progress", "training-progress", "export-folder"} <= set(by_key)

@@ -89,6 +89,44 @@ def test_two_rounds_cached_rerun_label_import_and_corrupt_inbox(tmp_path, tiny_m
     assert third["round"] == 1  # nothing new was labeled: still the same round
     assert [s["round"] for s in completed_rounds(art)] == [0, 1]
     assert (art / "learning_curve.png").stat().st_size > 0
+    check_round_runs_in_the_api(art, ["round-000", "round-001", "round-001-rerun", "round-001-rerun"])
+
+
+def check_round_runs_in_the_api(art, names):
+    """What the Prefect UI shows of these rounds: run names and tags, task inputs the Task Runs tab accepts, the
+    curve as a picture, the export's folder as text."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterParentTaskRunId,
+    )
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = [r for r in client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["labeling-round"])), sort=FlowRunSort.START_TIME_ASC,
+            flow_run_filter=FlowRunFilter(parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=True)))
+            if r.parameters.get("config_path", "").startswith(str(art.parent))]
+        assert [r.name for r in runs] == names
+        assert {"tamis", "round-001", "rerun"} <= set(runs[-1].tags) and runs[-1].state.message.startswith("round 1:")
+        sub = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=False))) if r.name.endswith("-score-pool")]
+        assert "round-001-score-pool" in {r.name for r in sub}
+        for run in runs[:2]:
+            task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
+            inputs = {i.input_type for tr in task_runs for values in tr.task_inputs.values() for i in values}
+            # The V1 UI's Task Runs tab lists nothing when any task input is a "flow_run" (a subflow's result).
+            assert inputs <= {"task_run", "parameter", "constant"}, (run.name, inputs)
+        arts = {a.key: a for a in client.read_artifacts(
+            flow_run_filter=FlowRunFilter(id={"any_": [runs[1].id]}))}
+    assert "![learning curve](data:image/png;base64," in arts["round-summary"].data
+    assert "| round | labels | accuracy = exact_match |" in arts["round-summary"].data
+    assert arts["learning-curve"].type == "image" and arts["learning-curve"].data.startswith("data:image/png")
+    assert "file://" not in arts["export-folder"].data
+    assert str(art / "rounds" / "001" / "export") in arts["export-folder"].data
+    assert {"round-progress", "training-progress"} <= set(arts)
 
 
 def test_second_concurrent_round_is_refused(tmp_path, tiny_models, prefect_harness):

@@ -1,0 +1,108 @@
+"""What a run shows in the Prefect UI besides its tasks: its name and tags, keyed progress bars, the library's log
+lines. Each helper is a no-op outside a flow run, so library tests and plain calls work without a server."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from flows.cli_logging import HARMLESS, UI_ONLY
+
+# The library's loggers (all under `pipeline`) and Python warnings (`py.warnings` once captured) reach a run's logs.
+UI_LOGGERS = ("pipeline", "py.warnings")
+
+
+def _run_context() -> Any:
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    return ctx if ctx is not None and ctx.flow_run is not None else None
+
+
+def name_run(name: str, tags: list[str]) -> None:
+    """Rename the current flow run and set its round's tags; kept: the deployment's tags and earlier rounds' numbers
+    (a resumed run did two rounds), dropped: the flags of the round before (`waiting-for-labels`, …)."""
+    from prefect import get_client
+
+    from pipeline.report import ROUND_FLAGS
+
+    ctx = _run_context()
+    if ctx is None:
+        return
+    merged = list(dict.fromkeys([*(t for t in ctx.flow_run.tags or [] if t not in ROUND_FLAGS), *tags]))
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(ctx.flow_run.id, name=name, tags=merged)
+    ctx.flow_run.name, ctx.flow_run.tags = name, merged
+
+
+def progress_sink(key: str, description: str) -> Callable[[float, str], None]:
+    """A keyed progress artifact (its own entry on the Artifacts page, newest version on top) → `sink(percent,
+    text)`; the text goes to the run's log, since a progress artifact shows only its first description."""
+    from prefect import get_run_logger
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    if _run_context() is None:
+        return lambda percent, text: None
+    artifact_id = create_progress_artifact(progress=0.0, key=key, description=description)
+    logger = get_run_logger()
+
+    def sink(percent: float, text: str) -> None:
+        update_progress_artifact(artifact_id, progress=percent, description=f"{description}: {text}")
+        logger.info("%s: %.0f%% — %s", key, percent, text, extra={UI_ONLY: True})
+
+    return sink
+
+
+class HarmlessFilter(logging.Filter):
+    """The known-harmless third-party warnings (flows/cli_logging.HARMLESS) stay out of the UI as out of the CLI."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._patterns = [re.compile(h.pattern) for h in HARMLESS]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.search(message) for p in self._patterns)
+
+
+@contextlib.contextmanager
+def library_logs_to_ui(level: int = logging.INFO) -> Iterator[None]:
+    """Send the library's records at `level` and above and Python warnings to the current run's logs (Prefect sends
+    only its own loggers and those named in PREFECT_LOGGING_EXTRA_LOGGERS); undone on exit."""
+    if _run_context() is None:
+        yield
+        return
+    from prefect.logging.handlers import APILogHandler
+
+    handler = APILogHandler()
+    handler.setLevel(level)
+    handler.addFilter(HarmlessFilter())
+    loggers = [logging.getLogger(n) for n in UI_LOGGERS]
+    # Already sent by Prefect's own handler (PREFECT_LOGGING_EXTRA_LOGGERS names it): do not send twice.
+    mine = [lg for lg in loggers if not any(isinstance(h, APILogHandler) for h in lg.handlers)]
+    lib = logging.getLogger("pipeline")
+    old_level = lib.level
+    if lib.getEffectiveLevel() > level:
+        lib.setLevel(level)
+    captured = logging.captureWarnings  # records warnings.warn as py.warnings log records
+    captured(True)
+    for lg in mine:
+        lg.addHandler(handler)
+    try:
+        yield
+    finally:
+        for lg in mine:
+            lg.removeHandler(handler)
+        captured(False)
+        lib.setLevel(old_level)
+
+
+def detach(value: Any) -> Any:
+    """A plain copy of a run's result. Prefect links a result object to the run that returned it (by `id`), and a
+    linked object passed to a task becomes a `flow_run` task input when that run is a subflow; the Prefect UI's
+    Task Runs tab (V1) refuses such an input ("Invalid TaskInputResponse") and lists no task at all."""
+    return json.loads(json.dumps(value))

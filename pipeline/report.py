@@ -1,0 +1,212 @@
+"""What a round tells the people watching it: run names, the summary markdown (with the learning curve inline), the
+annotator hand-off, and progress figures. Plain text building, so the Prefect flow only decides where it goes."""
+
+from __future__ import annotations
+
+import base64
+import os
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.evaluate import merge_equal_metrics
+
+# The stages of a round in the order the flow runs them, with their rough share of a round's time on a CPU (training
+# dominates), so the round's progress bar moves like the clock, not like a stage counter.
+ROUND_STAGES: tuple[tuple[str, float], ...] = (
+    ("ingest", 2), ("prepare", 3), ("import labels", 1), ("train", 70), ("evaluate", 8), ("label check", 2),
+    ("score pool", 10), ("select", 2), ("export", 2),
+)
+
+
+def run_name(round_index: int | None, *, rerun: bool = False, suffix: str = "") -> str:
+    """`round-003`, `round-003-rerun` (same labeled set as the finished round 3), `round-003-score-pool`;
+    `round-next` before the round is known."""
+    base = "round-next" if round_index is None else f"round-{round_index:03d}"
+    return base + ("-rerun" if rerun else "") + (f"-{suffix}" if suffix else "")
+
+
+# Tags that describe the run's current round only: renaming the run for its next round drops them.
+ROUND_FLAGS = ("rerun", "stopped", "waiting-for-labels")
+
+
+def run_tags(round_index: int, *, rerun: bool = False, stopped: str | None = None,
+             waiting: bool = False) -> list[str]:
+    """Tags the runs list shows beside the name (filterable): the round, re-run, stopped, waiting for labels."""
+    tags = ["tamis", f"round-{round_index:03d}"]
+    tags += ["rerun"] * rerun + ["stopped"] * bool(stopped) + ["waiting-for-labels"] * waiting
+    return tags
+
+
+def state_message(state: Mapping[str, Any]) -> str:
+    """One line for the run's final state: what the round did, or why no batch was selected."""
+    done = f"round {state['round']}: {state['labeled']} labels"
+    if state.get("metrics"):
+        done += ", " + ", ".join(f"{k} {v:.3f}" for k, v in merge_equal_metrics(state["metrics"]).items())
+    if state.get("stopped"):
+        return f"{done}; stopped: {state['stopped']}"
+    return f"{done}; {state.get('selected', 0)} samples exported for annotation"
+
+
+def png_data_uri(path: str | os.PathLike[str]) -> str:
+    """The PNG inline: the Prefect UI (both versions) renders `![](data:image/png;base64,…)` in markdown artifacts and
+    an image artifact's URL, and a local server has no other way to show a file from the project."""
+    return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
+
+
+def import_record(previous: Mapping[str, Any] | None, imports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The imports that brought a round's labels: a re-run of the round (whose files are all already imported) keeps
+    the record of the run that imported them (`previous`, that round's finished state), and adds only what it
+    imported or refused itself."""
+    kept = [i for i in (previous or {}).get("imports", []) if not i.get("already_imported")]
+    return kept + [i for i in imports if not i.get("already_imported") and i not in kept]
+
+
+def curve_table(metrics_rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The learning-curve history as markdown rows, one per round; metrics with the same value share a column
+    (accuracy = exact_match on a closed answer set), and a re-evaluated round shows its newest values."""
+    by_round: dict[int, dict[str, Any]] = {}
+    for r in metrics_rows:
+        row = by_round.setdefault(int(r["round"]), {"labels": r["labels"], "metrics": {}})
+        row["labels"] = r["labels"]
+        row["metrics"][r["metric"]] = float(r["value"])
+    if not by_round:
+        return []
+    merged = {k: merge_equal_metrics(v["metrics"]) for k, v in by_round.items()}
+    names = list(dict.fromkeys(name for m in merged.values() for name in m))
+    lines = ["| round | labels | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for k in sorted(by_round):
+        cells = [f"{merged[k][n]:.4f}" if n in merged[k] else "—" for n in names]
+        lines.append(f"| {k} | {by_round[k]['labels']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[str, Any]], label_report: str = "",
+                     *, curve_uri: str | None = None, curve_path: str | os.PathLike[str] | None = None) -> str:
+    """The round-summary artifact (also artifacts/rounds/NNN/summary.md): counts, metrics, the learning curve as a
+    picture (`curve_uri`, a data URI, for the UI) and as a table, the hand-off and the label check."""
+    lines = [f"# Labeling round {state['round']}", "",
+             f"- labeled samples: **{state['labeled']}** (labels spent, re-labels included: "
+             f"{state.get('labels_spent', state['labeled'])})",
+             f"- pool (eligible): {state['pool']}", f"- selected: {state.get('selected', 0)}",
+             f"- strategy: {state['strategy']}"]
+    if state.get("phase"):
+        lines.append(f"- selection phase: **{state['phase']['phase']}** — {state['phase']['reason']}")
+    if state.get("embeddings") and state["embeddings"] != "model":
+        lines.append(f"- selection space: `{state['embeddings']}` embeddings (select.embeddings)")
+    if state.get("metrics"):
+        lines.append("- test metrics: " + ", ".join(f"{k} = {v:.4f}"
+                                                   for k, v in merge_equal_metrics(state["metrics"]).items()))
+    if state.get("stopped"):
+        lines.append(f"- **stopped**: {state['stopped']}")
+    for imp in state.get("imports", []):
+        lines.append(f"- inbox: {imp.get('summary') or 'REJECTED ' + imp['file'] + ': ' + imp['error']}")
+    if metrics_rows:
+        lines += ["", "## Learning curve", ""]
+        if curve_uri:
+            lines += [f"![learning curve]({curve_uri})", ""]
+        if curve_path:
+            lines += [f"PNG: `{Path(curve_path)}`", ""]
+        lines += curve_table(metrics_rows)
+    if state.get("export_dir"):
+        lines += ["", f"Export for annotators: `{state['export_dir']}` (artifact `export-folder`: what to do with it)"]
+    if state.get("label_studio"):
+        ls = state["label_studio"]
+        lines += [f"Label Studio: NOT pushed: {ls['error']}" if "error" in ls else
+                  f"Label Studio: project {ls['project']} ← {ls['pushed']} new tasks ({ls['already']} already there)"]
+    if state.get("relabel_dir"):
+        lines += [f"Re-label tasks (likely label errors, {state['relabel']} samples): `{state['relabel_dir']}`"]
+    out = state.get("outliers")
+    if out:
+        lines += ["", f"Outliers in the pool: {out['flagged']} flagged ({out['far']} far from every neighbour, "
+                  f"{out['persistent']} persistently uncertain), policy `{out['policy']}`; list: "
+                  f"`{state['selection_dir']}/outliers.jsonl`"]
+    if label_report:
+        lines += ["", label_report]
+    return "\n".join(lines)
+
+
+def handoff_markdown(export_dir: str | os.PathLike[str], *, artifacts: str | os.PathLike[str], round_index: int,
+                     count: int, tasks_file: str, label_config_file: str, csv_file: str,
+                     waiting: bool = False) -> str:
+    """The export-folder artifact: where the batch is, as text to copy (a browser will not open a `file://` link
+    from a web page), and one command per way of handing it to annotators and getting the labels back."""
+    export_dir, artifacts = Path(export_dir).resolve(), Path(artifacts).resolve()
+    q = shlex.quote
+    lines = [f"# Round {round_index}: {count} samples for annotation", "", "Folder:", "", "```", str(export_dir), "```",
+             "", f"- `{tasks_file}`: Label Studio tasks (with the model's answer as a pre-annotation), "
+             f"`{label_config_file}`: its labeling interface", f"- `{csv_file}` / `.jsonl`: for spreadsheet annotators "
+             "(fill the `label` column)", "",
+             "Download the files from a browser (serves this folder on this machine only):", "",
+             "```bash", "python -m http.server 8765 --bind 127.0.0.1 \\", f"  --directory {q(str(export_dir))}", "```", "",
+             f"then http://127.0.0.1:8765/{tasks_file} and http://127.0.0.1:8765/{csv_file}.", "",
+             "Label Studio (serves the images as local files; create a project with the labeling interface above, "
+             f"add a Local files storage on `{artifacts / 'rounds'}`, import `{tasks_file}`):", "",
+             "```bash",
+             "LABEL_STUDIO_LOCAL_FILES_SERVING_ENABLED=true \\",
+             f"  LABEL_STUDIO_LOCAL_FILES_DOCUMENT_ROOT={q(str(artifacts))} \\",
+             "  label-studio start --internal-host 127.0.0.1", "```", "",
+             f"Labels back: drop the annotators' export (Label Studio JSON, or CSV / JSONL with `sample_id,label`) into "
+             f"`{artifacts / 'inbox'}`"]
+    if waiting:
+        lines[-1] += (", then resume this run (the **Resume** button: the form asks for the file's path, or leave it "
+                      "empty when the file is in the inbox), or run `tamis resume --labels FILE`.")
+    else:
+        lines[-1] += "; the next round imports it (or now: `tamis labels import FILE`)."
+    return "\n".join(lines)
+
+
+@dataclass
+class RoundProgress:
+    """Percent of a round done, stage by stage, weighted by ROUND_STAGES; `sink(percent, text)` publishes it."""
+
+    sink: Callable[[float, str], None]
+    done: list[str] = field(default_factory=list)
+
+    def start(self, stage: str) -> None:
+        self.sink(self.percent(), f"{stage}…" + (f" (done: {', '.join(self.done)})" if self.done else ""))
+
+    def finish(self, stage: str) -> None:
+        if stage not in self.done:
+            self.done.append(stage)
+
+    def skip(self, *stages: str) -> None:
+        """Stages this round does not run (no labels yet: no training; stopped: no selection) count as done."""
+        for s in stages:
+            self.finish(s)
+
+    def percent(self) -> float:
+        total = sum(w for _, w in ROUND_STAGES)
+        return round(100.0 * sum(w for s, w in ROUND_STAGES if s in self.done) / total, 1)
+
+    def complete(self, text: str) -> None:
+        self.done = [s for s, _ in ROUND_STAGES]
+        self.sink(100.0, text)
+
+
+@dataclass
+class StepReporter:
+    """Training progress every `every` optimizer steps (and at the last one), not every step: each report is an API
+    call when it goes to the Prefect UI. Use as `train_adapter(..., on_step=reporter)`."""
+
+    total: int
+    sink: Callable[[float, str], None]
+    every: int = 10
+    losses: list[float] = field(default_factory=list)
+
+    def __call__(self, step: int, loss: float) -> None:
+        self.losses.append(float(loss))
+        if step % self.every == 0 or step >= self.total or step == 1:
+            window = self.losses[-self.every:]
+            self.sink(min(100.0, 100.0 * step / max(1, self.total)),
+                      f"step {step} / {self.total}, loss {loss:.4f} (mean of last {len(window)}: "
+                      f"{sum(window) / len(window):.4f})")
+
+
+def planned_train_steps(max_steps: int | None, epochs: float, n_rows: int, effective_batch: int) -> int:
+    """The number of optimizer steps train_adapter runs (train.max_steps, else epochs over the rows)."""
+    import math
+
+    return max_steps or max(1, math.ceil(epochs * n_rows / max(1, effective_batch)))

@@ -1,0 +1,233 @@
+"""What a round shows in the Prefect UI and on the terminal, without a server: run names and tags, the summary with
+its curve, the annotator hand-off, progress, the labels a resumed round receives, `tamis status`."""
+
+import base64
+import json
+import re
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from pipeline.config import ProjectConfig
+from pipeline.errors import DataError
+from pipeline.evaluate import merge_equal_metrics, plot_learning_curve
+from pipeline.report import (
+    ROUND_STAGES,
+    RoundProgress,
+    StepReporter,
+    curve_table,
+    handoff_markdown,
+    import_record,
+    planned_train_steps,
+    png_data_uri,
+    run_name,
+    run_tags,
+    state_message,
+    summary_markdown,
+)
+from pipeline.rounds import receive_labels, should_wait
+
+ROWS = [
+    {"round": 1, "labels": 6, "metric": "accuracy", "value": 0.25, "strategy": "margin+none"},
+    {"round": 1, "labels": 6, "metric": "exact_match", "value": 0.25, "strategy": "margin+none"},
+    {"round": 2, "labels": 12, "metric": "accuracy", "value": 0.5, "strategy": "margin+none"},
+    {"round": 2, "labels": 12, "metric": "exact_match", "value": 0.5, "strategy": "margin+none"},
+]
+STATE = {"round": 2, "labeled": 12, "pool": 40, "selected": 6, "strategy": "margin+none",
+         "metrics": {"accuracy": 0.5, "exact_match": 0.5}, "stopped": None, "export_dir": "/p/art/rounds/002/export"}
+
+
+def test_run_names_and_tags_say_which_round():
+    assert run_name(3) == "round-003" and run_name(3, rerun=True) == "round-003-rerun"
+    assert run_name(12, suffix="score-pool") == "round-012-score-pool" and run_name(None) == "round-next"
+    assert run_tags(3) == ["tamis", "round-003"]
+    assert run_tags(3, rerun=True, stopped="max rounds", waiting=True) == [
+        "tamis", "round-003", "rerun", "stopped", "waiting-for-labels"]
+    assert state_message(STATE) == "round 2: 12 labels, accuracy = exact_match 0.500; 6 samples exported for annotation"
+    assert state_message({**STATE, "stopped": "label budget spent"}).endswith("; stopped: label budget spent")
+
+
+def test_equal_metrics_are_shown_once():
+    assert merge_equal_metrics({"accuracy": 0.5, "exact_match": 0.5}) == {"accuracy = exact_match": 0.5}
+    assert merge_equal_metrics({"exact_match": 0.2, "token_f1": 0.45}) == {"exact_match": 0.2, "token_f1": 0.45}
+    assert curve_table(ROWS) == ["| round | labels | accuracy = exact_match |", "|---|---|---|",
+                                 "| 1 | 6 | 0.2500 |", "| 2 | 12 | 0.5000 |"]
+    # Values that differ in one round keep their own columns; a round without a metric shows a dash.
+    rows = [*ROWS[:2], {**ROWS[2], "value": 0.75}, ROWS[3]]
+    assert curve_table(rows)[0] == "| round | labels | accuracy = exact_match | accuracy | exact_match |"
+    assert curve_table(rows)[3] == "| 2 | 12 | — | 0.7500 | 0.5000 |"
+
+
+def test_summary_carries_the_curve_as_a_picture_and_its_file(tmp_path):
+    png = plot_learning_curve(ROWS, tmp_path / "learning_curve.png")
+    uri = png_data_uri(png)
+    assert base64.b64decode(uri.split(",", 1)[1]) == png.read_bytes()
+    md = summary_markdown(STATE, ROWS, curve_uri=uri, curve_path=png)
+    assert f"![learning curve]({uri})" in md and f"PNG: `{png}`" in md
+    assert "- test metrics: accuracy = exact_match = 0.5000" in md
+    assert "| 2 | 12 | 0.5000 |" in md and md.count("0.5000") == 2
+    text = summary_markdown(STATE, ROWS, curve_path=png)  # the summary.md file: no inline image
+    assert "data:image" not in text and "## Learning curve" in text
+
+
+def test_handoff_gives_copyable_paths_and_commands_not_file_links(tmp_path):
+    art = tmp_path / "my art"
+    md = handoff_markdown(art / "rounds/002/export", artifacts=art, round_index=2, count=6,
+                          tasks_file="label_studio_tasks.json", label_config_file="label_config.xml",
+                          csv_file="annotate.csv", waiting=True)
+    assert "file://" not in md
+    assert f"```\n{(art / 'rounds/002/export').resolve()}\n```" in md
+    assert f"--directory '{(art / 'rounds/002/export').resolve()}'" in md  # quoted: the path has a space
+    assert "http://127.0.0.1:8765/label_studio_tasks.json" in md
+    assert f"LABEL_STUDIO_LOCAL_FILES_DOCUMENT_ROOT='{art.resolve()}' \\\n  label-studio start" in md
+    assert "tamis resume --labels FILE" in md
+    later = handoff_markdown(art / "x", artifacts=art, round_index=0, count=1, tasks_file="t.json",
+                             label_config_file="c.xml", csv_file="a.csv")
+    assert "tamis labels import FILE" in later and "resume" not in later
+
+
+def test_round_progress_moves_with_the_stages_and_training_reports_every_n_steps():
+    seen = []
+    progress = RoundProgress(lambda p, text: seen.append((p, text)))
+    for stage, _ in ROUND_STAGES[:3]:
+        progress.start(stage)
+        progress.finish(stage)
+    progress.start("train")
+    assert seen[0] == (0.0, "ingest…") and seen[-1][1].startswith("train… (done: ingest, prepare, import labels)")
+    progress.skip("train", "evaluate", "label check")
+    progress.start("score pool")
+    percents = [p for p, _ in seen]
+    assert percents == sorted(percents) and 0 < percents[-1] < 100
+    progress.complete("round 2: done")
+    assert seen[-1] == (100.0, "round 2: done")
+
+    reports = []
+    reporter = StepReporter(total=45, sink=lambda p, text: reports.append((p, text)), every=10)
+    for step in range(1, 46):
+        reporter(step, 2.0 / step)
+    assert [round(p) for p, _ in reports] == [2, 22, 44, 67, 89, 100]  # step 1, every 10th, the last
+    assert reports[-1][1].startswith("step 45 / 45, loss 0.0444")
+    assert planned_train_steps(None, 2.0, 30, 4) == 15 and planned_train_steps(7, 2.0, 30, 4) == 7
+
+
+def test_import_record_keeps_the_imports_that_brought_a_rerun_rounds_labels():
+    first = {"file": "a.json", "accepted": 6, "already_imported": False}
+    previous = {"imports": [first]}
+    again = [{"file": "a.json", "accepted": 0, "already_imported": True}]
+    assert import_record(previous, again) == [first]
+    assert import_record(None, [first]) == [first]
+
+
+def test_labels_received_by_a_resumed_round_land_in_the_inbox_once(tmp_path):
+    art = tmp_path / "art"
+    export = tmp_path / "annotators" / "export.json"
+    export.parent.mkdir()
+    export.write_text('[{"data": {"sample_id": "a"}}]')
+    dest = receive_labels(art, export)
+    assert dest == art / "inbox" / "export.json" and dest.read_bytes() == export.read_bytes()
+    assert receive_labels(art, export) == dest  # the same content is not copied twice
+    export.write_text('[{"data": {"sample_id": "b"}}]')
+    assert receive_labels(art, export) == art / "inbox" / "export-1.json"  # nothing in the inbox is overwritten
+    with pytest.raises(DataError, match=r"missing\.json does not exist"):
+        receive_labels(art, tmp_path / "missing.json")
+    (tmp_path / "labels.xlsx").write_text("x")
+    with pytest.raises(DataError, match=r"labels\.xlsx: the inbox reads only \.csv, \.json, \.jsonl"):
+        receive_labels(art, tmp_path / "labels.xlsx")
+
+
+def test_only_a_deployed_round_that_exported_waits_for_labels():
+    cfg = ProjectConfig.model_validate({"rounds": {"wait_for_labels": True}})
+    assert should_wait(cfg, STATE, deployed=True)
+    assert not should_wait(cfg, STATE, deployed=False)  # no worker to start it again after a suspend
+    assert not should_wait(cfg, {**STATE, "stopped": "max rounds", "export_dir": None}, deployed=True)
+    assert not should_wait(ProjectConfig(), STATE, deployed=True)
+
+
+def _project_with_rounds(tmp_path):
+    art = tmp_path / "art"
+    for r, stopped in ((0, None), (1, None), (2, "rounds.max_rounds = 3 reached (this is round 2)")):
+        d = art / "rounds" / f"{r:03d}"
+        d.mkdir(parents=True)
+        state = {"round": r, "labeled": 6 * r, "pool": 40 - 6 * r, "strategy": "margin+cluster_margin",
+                 "selected": 0 if stopped else 6, "stopped": stopped,
+                 "metrics": {"accuracy": 0.5, "exact_match": 0.5} if r else None}
+        if not stopped:
+            (d / "export").mkdir()
+            (d / "export" / "manifest.json").write_text("{}")
+        (d / "round.json").write_text(json.dumps(state))
+    (art / "metrics.jsonl").write_text("".join(json.dumps({**row, "round": row["round"]}) + "\n" for row in ROWS))
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"artifacts": str(art)}}))
+    return config
+
+
+def test_status_counts_agree_with_its_table_and_json_only_when_asked(tmp_path, monkeypatch):
+    from flows.cli import app
+
+    config = _project_with_rounds(tmp_path)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    res = CliRunner().invoke(app, ["status", "-c", str(config)])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "{" not in out and '"rounds_done"' not in out  # no raw dump
+    table_rounds = [line for line in out.splitlines() if re.match(r"│\s+\d+ │", line)]
+    assert len(table_rounds) == 3
+    assert "rounds finished: 3 (exported for annotation: 2)" in out
+    assert "last evaluated round 2: accuracy = exact_match 0.500" in out
+    # Piped (no terminal, no COLUMNS): the table keeps its natural width instead of rich's 80 columns.
+    assert "accuracy" in out and "strategy" in out and "…" not in out
+    assert "margin+cluster_margin" in out and "rounds.max_rounds = 3 reached (this is round 2)" in out
+
+    res = CliRunner().invoke(app, ["status", "-c", str(config), "--json"])
+    data = json.loads(res.output)
+    assert data["rounds_done"] == 3 == len(data["rounds"]) and data["rounds_exported"] == [0, 1]
+    assert data["rounds"][2]["stopped"].startswith("rounds.max_rounds")
+
+
+def test_rounds_table_names_the_metric_it_shows():
+    from rich.console import Console
+
+    from flows.cmd_rounds import _rounds_table
+
+    open_rounds = [{"round": 0, "labeled": 0, "strategy": "cold start: random", "metrics": None},
+                   {"round": 1, "labeled": 40, "strategy": "token_entropy+cluster_margin",
+                    "metrics": {"exact_match": 0.5, "token_f1": 0.625, "edit_similarity": 0.7}}]
+    console = Console(width=200, record=True)
+    console.print(_rounds_table(open_rounds))
+    text = console.export_text()
+    assert "token f1" in text and "accuracy" not in text and "0.625" in text
+    console.print(_rounds_table([STATE]))
+    text = console.export_text()
+    assert "accuracy" in text and "0.500" in text
+
+
+def test_resume_names_what_is_missing(tmp_path):
+    from flows.cli import app
+    from pipeline.errors import ConfigError
+
+    config = _project_with_rounds(tmp_path)
+    res = CliRunner().invoke(app, ["resume", "-c", str(config), "--labels", str(tmp_path / "nope.json")])
+    assert isinstance(res.exception, DataError) and "--labels" in str(res.exception) and "nope.json" in str(res.exception)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        res = CliRunner().invoke(app, ["resume", "-c", str(config)])
+    assert isinstance(res.exception, ConfigError) and "`tamis resume`" in str(res.exception)
+
+
+def test_library_logs_to_the_ui_skip_known_harmless_warnings_and_need_a_run():
+    import logging
+
+    from flows.ui import HarmlessFilter, detach, library_logs_to_ui
+
+    def rec(msg):
+        return logging.LogRecord("py.warnings", logging.WARNING, "x.py", 1, msg, None, None)
+
+    noisy = rec("/site-packages/peft/peft_model.py:1: FutureWarning: `is_gradient_checkpointing` is deprecated")
+    assert not HarmlessFilter().filter(noisy) and HarmlessFilter().filter(rec("UserWarning: something new"))
+    before = logging.getLogger("pipeline").handlers[:]
+    with library_logs_to_ui():  # outside a flow run: nothing attached, nothing sent
+        assert logging.getLogger("pipeline").handlers == before
+    refs = [{"dir": "a", "digest": "b"}]
+    assert detach(refs) == refs and detach(refs) is not refs and detach(refs)[0] is not refs[0]

@@ -344,8 +344,9 @@ def test_a_deployed_round_waits_for_its_annotators_and_resumes_into_the_next_rou
     assert any("labels appended" in m for m in messages)  # pipeline.annotation: the import's report
     assert any(m.startswith("trained 2 steps") for m in messages)  # pipeline.model.train
     by_key = {}
-    for a in arts:
+    for a in sorted(arts, key=lambda a: a.created, reverse=True):  # the API's order is not the creation order
         by_key.setdefault(a.key, a)
     assert by_key["learning-curve"].type == "image" and by_key["learning-curve"].data.startswith("data:image/png")
+    assert by_key["round-summary"].description == "Labeling round 1"  # round 0, in the same run, had no curve
     assert "![learning curve](data:image/png;base64," in by_key["round-summary"].data
     assert {"round-progress", "training-progress", "export-folder"} <= set(by_key)

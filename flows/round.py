@@ -74,6 +74,7 @@ from pipeline.store import (
     stage_key,
     write_manifest,
 )
+from pipeline.strategies.schedule import phase_label
 
 log = logging.getLogger(__name__)
 TRAIN_STAGE_VERSION = "1"
@@ -267,7 +268,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         state.update(selected=sel["n"], export_dir=exp["dir"], selection_dir=sel["dir"], outliers=sel.get("outliers"),
                      phase=sel.get("phase"), embeddings=sel.get("embeddings"))
         if sel.get("phase"):
-            state["strategy"] = f"{sel['phase']['strategy']}+{sel['phase']['diversity']}"
+            state["strategy"] = phase_label(sel["phase"])
         if check is not None and cfg.labelcheck.relabel_top_n:
             rel = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=r)
             state["relabel"] = rel["count"]

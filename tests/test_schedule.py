@@ -72,3 +72,12 @@ def test_schedule_and_embeddings_config_validate_with_field_names():
         parse_config({"select": {"schedule": {"coverage": "kmeans"}}})
     with pytest.raises(ConfigError, match=r"select.embeddings.path: is required with source 'file'"):
         parse_config({"select": {"embeddings": "file"}})
+
+
+def test_phase_label_names_the_coverage_selector_not_its_nominal_random_strategy():
+    from pipeline.strategies.schedule import phase_label
+
+    cfg = ScheduleConfig(coverage="maxherding", switch="labels_per_class", labels_per_class=10)
+    coverage = phase(20, cfg)
+    assert coverage.strategy == "random" and phase_label(coverage.as_dict()) == "coverage: maxherding"
+    assert phase_label(phase(200, cfg).as_dict()) == "margin+cluster_margin"

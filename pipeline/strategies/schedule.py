@@ -28,6 +28,14 @@ class Phase:
         return {"phase": self.name, "strategy": self.strategy, "diversity": self.diversity, "reason": self.reason}
 
 
+def phase_label(phase: Mapping[str, str]) -> str:
+    """How a round's selection reads in tables: "coverage: maxherding" (the coverage phase ignores the model's
+    scores, so its nominal strategy, random, would mislead), else "strategy+diversity"."""
+    if phase["phase"] == "coverage":
+        return f"coverage: {phase['diversity']}"
+    return f"{phase['strategy']}+{phase['diversity']}"
+
+
 def accuracy_stopped_rising(history: Sequence[float], patience: int) -> int | None:
     """Index (into `history`) of the first value after which the newest-labels accuracy did not rise above its
     earlier best for `patience` consecutive rounds; None while it is still rising."""

@@ -886,9 +886,10 @@ def plot(panels: list[tuple[str, dict[str, Any], float]], baseline: str, chance:
             for sname, s in sorted(summary.items()):
                 x, m = np.array(s["labels"]), np.array(s["mean"])
                 lo, hi = (np.array(b) for b in s["mean_ci"])
-                # The labels ratio to random: to 95 % of full data, or to random's final value when the full-data
-                # reference lies below random's curve (its 95 % target is then met by everything at once).
-                weak_reference = full_acc < summary[baseline]["mean"][-1]
+                # The labels ratio to random: to 95 % of full data, or to random's final value when random meets
+                # that target within its first two steps (a weak reference: every strategy meets it at once).
+                base = summary[baseline]
+                weak_reference = base["labels_to_95"] is None or base["labels_to_95"] <= base["labels"][1]
                 ratio = s.get("ratio_to_random_final" if weak_reference else "ratio_to_random_95")
                 target = "random's last" if weak_reference else "95 %"
                 label = f"{sname} (×{ratio:.2f} to {target})" if ratio is not None and sname != baseline else sname

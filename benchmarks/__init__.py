@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that measure tamis and write JSON under benchmarks/results/ (see benchmarks/README.md)."""

@@ -14,7 +14,7 @@ import numpy as np
 
 from pipeline.config import SelectConfig
 from pipeline.errors import SelectionError
-from pipeline.strategies import get_heuristic, select_batch
+from pipeline.strategies import get_heuristic, get_selector, select_batch
 from pipeline.strategies.schedule import Phase, choose_phase, newest_label_accuracy
 
 
@@ -43,16 +43,18 @@ class RoundSelection:
 
 
 def heuristic_input(scores: Any, strategy: str) -> np.ndarray | None:
-    """The array a heuristic reads: candidate probs ([n, c] or MC [n, c, k]), token entropies, or agreement codes."""
+    """The array heuristic `strategy` reads (its `input`): candidate probs ([n, c], MC-averaged when only MC
+    samples exist), MC samples [n, c, k], token entropies, or agreement codes; None when the scores lack it."""
     from pipeline.scoring import agreement_codes
 
-    if strategy == "token_entropy":
+    kind = get_heuristic(strategy).input
+    if kind == "token_entropy":
         return scores.token_entropy
-    if strategy == "answer_disagreement":
+    if kind == "agreement":
         return agreement_codes(scores.mc_answers) if scores.mc_answers else None
-    if strategy == "bald":
+    if kind == "mc_probs":
         return scores.mc_probs
-    if strategy == "random":
+    if kind == "none":
         return None
     return scores.mc_probs.mean(-1) if scores.mc_probs is not None and scores.probs is None else scores.probs
 
@@ -145,10 +147,10 @@ def select_round(
         strategy = (phase or {}).get("strategy", sel_cfg.strategy)
         diversity = (phase or {}).get("diversity", sel_cfg.diversity)
         probs = heuristic_input(scores, strategy)
-        if probs is None and strategy != "random":
-            need = "select.mc_dropout_passes ≥ 2" if strategy in ("bald", "answer_disagreement") else "closed answers"
-            raise SelectionError(f"select.strategy {strategy!r} needs {need}; the pool was scored with "
-                                 f"{sel_cfg.mc_dropout_passes} MC passes")
+        heuristic = get_heuristic(strategy)
+        if probs is None and heuristic.input != "none":
+            raise SelectionError(f"select.strategy {strategy!r} needs {heuristic.requires}; the pool was scored "
+                                 f"with {sel_cfg.mc_dropout_passes} MC passes")
     labeled_emb = None
     if labeled and emb is not None:
         if space is not None:
@@ -157,9 +159,9 @@ def select_round(
             at = {s: i for i, s in enumerate(ids)}
             rows = [at[s] for s in sorted(labeled) if s in at]
             labeled_emb = emb[rows] if rows else None
-    options: dict[str, Any] = {}
-    if diversity == "probcover" and answers:
-        options["n_classes"] = len(answers)
+    # What the round knows that a selector may ask for (Selector.wants); unknown facts are left out.
+    facts = {"n_classes": len(answers) if answers else None}
+    options = {k: facts[k] for k in get_selector(diversity).wants if facts.get(k) is not None}
     predicted = scores.probs.argmax(1) if scores is not None and scores.probs is not None else None
     selection = select_batch(
         ids, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, probs=probs, embeddings=emb,

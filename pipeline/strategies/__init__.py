@@ -1,8 +1,10 @@
 """Active-learning strategies: uncertainty heuristics (pure array functions) and batch selectors (numpy/faiss)."""
 
-from pipeline.strategies.heuristics import HEURISTICS, Heuristic, get_heuristic, rank
+from pipeline.strategies.base import Selector
+from pipeline.strategies.heuristics import Heuristic, rank
 from pipeline.strategies.pool import Selection, select_batch
-from pipeline.strategies.selectors import SELECTORS, Selector, k_center_greedy, kmeans_labels
+from pipeline.strategies.registry import HEURISTICS, SELECTORS, get_heuristic, get_selector
+from pipeline.strategies.selectors import k_center_greedy, kmeans_labels
 
 __all__ = [
     "HEURISTICS",
@@ -11,6 +13,7 @@ __all__ = [
     "Selection",
     "Selector",
     "get_heuristic",
+    "get_selector",
     "k_center_greedy",
     "kmeans_labels",
     "rank",

@@ -23,14 +23,7 @@ import scipy.sparse as sp
 from threadpoolctl import threadpool_limits
 
 from pipeline.errors import SelectionError
-from pipeline.strategies.selectors import (
-    _BLOCK,
-    Selector,
-    _check_embeddings,
-    _sqnorms,
-    faiss_threads,
-    kmeans_labels,
-)
+from pipeline.strategies.base import BLOCK, Selector, check_embeddings, faiss_threads, kmeans_labels, sqnorms
 
 _EXACT_MAX = 8192  # points; up to here neighbourhoods are exact (one block)
 _PROBE = 6  # blocks each block searches, itself included
@@ -82,10 +75,10 @@ class Blocks:
         self.order = np.argsort(labels, kind="stable")
         self.bounds = np.r_[0, np.cumsum(counts)]
         self.xs = x if len(counts) == 1 else x[self.order]
-        self.sqs = _sqnorms(self.xs)
+        self.sqs = sqnorms(self.xs)
         if len(counts) > 1:
             cent = np.add.reduceat(self.xs, self.bounds[:-1]) / counts[:, None].astype(np.float32)
-            csq = _sqnorms(cent)
+            csq = sqnorms(cent)
             cd = csq[:, None] + csq[None, :] - 2.0 * (cent @ cent.T)
             np.fill_diagonal(cd, -np.inf)  # a block always searches itself
             ranked = np.argsort(cd, axis=1, kind="stable")
@@ -124,8 +117,8 @@ class Blocks:
             mine = rows[self.block[rows] == b]
             c = self.reach(b)
             xc, csq = self.xs[self.pos[c]], self.sqs[self.pos[c]]
-            for s in range(0, len(mine), _BLOCK):
-                q = mine[s : s + _BLOCK]
+            for s in range(0, len(mine), BLOCK):
+                q = mine[s : s + BLOCK]
                 d2 = self.xs[self.pos[q]] @ xc.T
                 d2 *= -2.0
                 d2 += csq[None, :]
@@ -168,7 +161,7 @@ def _threads(n: int) -> int | None:
 def _points(sel: Selector, k: int, scores: Any, embeddings: Any, labeled: Any) -> tuple[np.ndarray, int]:
     """Candidates then labeled rows as one float32 matrix, and the number of candidates."""
     s = sel._scores(k, scores)
-    e = _check_embeddings(embeddings, len(s), sel.name)
+    e = check_embeddings(embeddings, len(s), sel.name)
     lab = _labeled(labeled, e.shape[1], sel.name)
     return (np.concatenate([e, lab]) if len(lab) else e), len(e)
 
@@ -271,6 +264,7 @@ class ProbCover(Selector):
     """
 
     name = "probcover"
+    wants = ("n_classes",)  # the task's class count sets the purity clusters (ProbCover's δ heuristic)
     needs_scores = False
 
     def __init__(
@@ -304,16 +298,16 @@ class ProbCover(Selector):
         )
         rng = np.random.default_rng(seed)
         sample = np.sort(rng.choice(big_n, min(self.purity_sample, big_n), replace=False))
-        xs, ssq = x[sample], _sqnorms(x[sample])
+        xs, ssq = x[sample], sqnorms(x[sample])
         out = np.full(len(sample), np.inf, dtype=np.float32)
         far = np.full(len(sample), -np.inf, dtype=np.float32)
-        xsq = _sqnorms(x)
-        for j in range(0, big_n, 8 * _BLOCK):
-            g = xs @ x[j : j + 8 * _BLOCK].T
+        xsq = sqnorms(x)
+        for j in range(0, big_n, 8 * BLOCK):
+            g = xs @ x[j : j + 8 * BLOCK].T
             g *= -2.0
-            g += xsq[None, j : j + 8 * _BLOCK]
+            g += xsq[None, j : j + 8 * BLOCK]
             np.maximum(far, g.max(axis=1), out=far)
-            g[labels[sample][:, None] == labels[None, j : j + 8 * _BLOCK]] = np.inf
+            g[labels[sample][:, None] == labels[None, j : j + 8 * BLOCK]] = np.inf
             np.minimum(out, g.min(axis=1), out=out)
         d_out = np.sort(np.sqrt(np.maximum(out + ssq, 0.0)))
         # purity(δ) = share of sampled centres with d_out > δ; up to q of them may have d_out <= δ.

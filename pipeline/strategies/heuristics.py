@@ -18,7 +18,7 @@ answer_disagreement  [n, k] answer ids of k sampled generations (ints or normali
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 
@@ -82,9 +82,22 @@ def _entropy(p: np.ndarray, axis: int = 1) -> np.ndarray:
 
 
 class Heuristic:
-    """Scores candidates from one array; `score` returns a float64 [n] vector, higher = more informative."""
+    """Scores candidates from one array; `score` returns a float64 [n] vector, higher = more informative.
+
+    `input` names the array a round feeds it (pipeline.selection.heuristic_input reads it, so a new heuristic needs
+    no caller that knows its name): "probs" candidate probabilities (MC samples averaged when only they exist),
+    "mc_probs" MC-dropout samples, "token_entropy" per-token entropies, "agreement" sampled answers, "none" nothing.
+    `requires` says which setting produces that input, for the error when it is missing.
+    """
 
     name: str = ""
+    input: ClassVar[str] = "probs"
+    requires: ClassVar[str] = "closed answers (data.answers)"
+
+    @classmethod
+    def from_seed(cls, seed: int) -> Heuristic:
+        """An instance for a round with this seed; only heuristics that draw random numbers read it."""
+        return cls()
 
     def score(self, probs: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -94,9 +107,15 @@ class Random(Heuristic):
     """Uniform random scores from a seeded generator: the passive-learning baseline."""
 
     name = "random"
+    input = "none"
+    requires = "nothing"
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
+
+    @classmethod
+    def from_seed(cls, seed: int) -> Heuristic:
+        return cls(seed)
 
     def score(self, probs: np.ndarray) -> np.ndarray:
         n = len(probs)
@@ -143,6 +162,8 @@ class BALD(Heuristic):
     """Mutual information between prediction and weights (Houlsby et al. 2011): H[mean_k p] - mean_k H[p_k]."""
 
     name = "bald"
+    input = "mc_probs"
+    requires = "select.mc_dropout_passes >= 2 and closed answers"
 
     def score(self, probs: np.ndarray) -> np.ndarray:
         p = _probs(probs, self.name, ndims=(3,))
@@ -163,6 +184,8 @@ class TokenEntropy(Heuristic):
     """
 
     name = "token_entropy"
+    input = "token_entropy"
+    requires = "open answers (data.answers: null)"
 
     def __init__(self, kind: Literal["entropy", "logprob"] = "entropy") -> None:
         if kind not in ("entropy", "logprob"):
@@ -191,6 +214,8 @@ class AnswerDisagreement(Heuristic):
     """1 - fraction of the k sampled answers that agree with the modal answer (0 = all k agree)."""
 
     name = "answer_disagreement"
+    input = "agreement"
+    requires = "select.mc_dropout_passes >= 2"
 
     def score(self, probs: np.ndarray) -> np.ndarray:
         a = np.asarray(probs)
@@ -227,24 +252,6 @@ class AnswerDisagreement(Heuristic):
         run_start = np.maximum.accumulate(np.where(change, pos, 0), axis=1)
         longest = (pos - run_start + 1).max(axis=1)
         return 1.0 - longest / k
-
-
-HEURISTICS: dict[str, type[Heuristic]] = {
-    "random": Random,
-    "least_confidence": LeastConfidence,
-    "margin": Margin,
-    "entropy": Entropy,
-    "bald": BALD,
-    "token_entropy": TokenEntropy,
-    "answer_disagreement": AnswerDisagreement,
-}
-
-
-def get_heuristic(name: str, *, seed: int = 0) -> Heuristic:
-    """The heuristic called `name`; only `random` reads the seed."""
-    if name not in HEURISTICS:
-        raise SelectionError(f"unknown strategy {name!r}; choose one of {sorted(HEURISTICS)}")
-    return Random(seed) if name == "random" else HEURISTICS[name]()
 
 
 def rank(scores: np.ndarray, *, seed: int) -> np.ndarray:

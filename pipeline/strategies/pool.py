@@ -11,9 +11,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import SelectionError
-from pipeline.strategies.heuristics import HEURISTICS, get_heuristic
 from pipeline.strategies.outliers import apply_outlier_policy
-from pipeline.strategies.selectors import SELECTORS
+from pipeline.strategies.registry import SELECTORS, get_heuristic, get_selector
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +79,11 @@ def select_batch(
     (typical, typiclust, probcover, maxherding: a cold start) work. Scores of `downweight` IDs (outliers) shrink
     towards the lowest score by `downweight_weight` (outliers.apply_outlier_policy) before the selector sees them.
     """
-    if strategy not in HEURISTICS:
-        raise SelectionError(f"select: unknown strategy {strategy!r}; choose one of {sorted(HEURISTICS)}")
-    if diversity not in SELECTORS:
-        raise SelectionError(f"select: unknown diversity {diversity!r}; choose one of {sorted(SELECTORS)}")
+    try:
+        heuristic = get_heuristic(strategy, seed=seed)
+    except SelectionError as exc:
+        raise SelectionError(f"select: {exc}") from None
+    selector_cls = get_selector(diversity)
     if k < 1:
         raise SelectionError(f"select: batch size must be >= 1, got {k}")
     ids = list(candidate_ids)
@@ -109,10 +109,10 @@ def select_batch(
     pos = keep[np.argsort(np.asarray([ids[i] for i in keep]), kind="stable")]
 
     if probs is not None:
-        scores = get_heuristic(strategy, seed=seed).score(probs[pos])
-    elif strategy == "random":
-        scores = get_heuristic("random", seed=seed).score(pos)
-    elif not SELECTORS[diversity].needs_scores:
+        scores = heuristic.score(probs[pos])
+    elif heuristic.input == "none":  # random: reads no scores, only how many candidates there are
+        scores = heuristic.score(pos)
+    elif not selector_cls.needs_scores:
         scores = np.zeros(len(pos))  # cold start: the selector ignores scores (typicality, coverage decide)
     else:
         cold = sorted(name for name, cls in SELECTORS.items() if not cls.needs_scores)
@@ -129,7 +129,7 @@ def select_batch(
                                          weight=downweight_weight)
 
     try:
-        selector = SELECTORS[diversity](**dict(options or {}))
+        selector = selector_cls(**dict(options or {}))
     except TypeError as exc:
         raise SelectionError(f"select: bad options {dict(options or {})} for diversity {diversity!r}: {exc}") from None
     picks = selector.select(

@@ -6,83 +6,21 @@ on the embeddings as given; L2-normalise them beforehand for cosine geometry.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Literal
 
-import faiss
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from pipeline.errors import SelectionError
+from pipeline.strategies.base import BLOCK, Selector, check_embeddings, faiss_threads, kmeans_labels, sqnorms
 from pipeline.strategies.heuristics import rank
 
-# Rows per distance block and centre columns per GEMM: keeps each temporary under ~50 MB at any pool size.
-_BLOCK = 1024
+__all__ = ["ClusterMargin", "KCenter", "Stratified", "TopK", "Typical", "faiss_threads", "k_center_greedy",
+           "kmeans_labels"]
+
+# Centre columns per GEMM: keeps each temporary under ~50 MB at any pool size.
 _CENTER_CHUNK = 1024
 _DONE = np.iinfo(np.int64).max
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no sched_getaffinity
-        return os.cpu_count() or 1
-
-
-@contextlib.contextmanager
-def faiss_threads(n: int | None = None) -> Iterator[None]:
-    """Run faiss with `n` OpenMP threads (default: the CPUs this process may use, not the host's core count)."""
-    prev = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(n or available_cpus())
-    try:
-        yield
-    finally:
-        faiss.omp_set_num_threads(prev)
-
-
-def kmeans_labels(
-    x: np.ndarray,
-    n_clusters: int,
-    *,
-    seed: int,
-    niter: int = 20,
-    max_points_per_centroid: int = 64,
-    nredo: int = 1,
-    threads: int | None = None,
-) -> np.ndarray:
-    """Cluster id per row with seeded faiss k-means.
-
-    Training reads at most `max_points_per_centroid * n_clusters` rows (a seeded subsample), then every row is
-    assigned. Seeding is k-means++ where it is cheap; random seeding splits well-separated blobs wrongly, and exact
-    k-means++ took ~2 s for 300 clusters of 20k x 384 here, so larger problems use AFK-MC2, its MCMC approximation
-    (the same final objective to 1e-5 there, at a fraction of the cost). `nredo` runs keep the lowest objective.
-    `threads`: faiss threads; by default one for cheap problems (<= 1e6 training row x cluster pairs: many tiny
-    OpenMP regions, whose spinning barriers cost 100x the work when the cores are busy elsewhere), else every CPU
-    this process may use.
-    """
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    n = len(x)
-    if not 1 <= n_clusters <= n:
-        raise SelectionError(f"k-means: cannot make {n_clusters} clusters from {n} embeddings")
-    if n_clusters == n:
-        return np.arange(n, dtype=np.int64)
-    rows = min(n, max_points_per_centroid * n_clusters)
-    cheap = rows * n_clusters <= 1_000_000
-    init = faiss.ClusteringInitMethod_KMEANS_PLUS_PLUS if cheap else faiss.ClusteringInitMethod_AFK_MC2
-    with faiss_threads(threads or (1 if cheap else None)):
-        km = faiss.Kmeans(
-            x.shape[1], n_clusters, niter=niter, seed=seed % (2**31), verbose=False, init_method=init,
-            max_points_per_centroid=max_points_per_centroid, min_points_per_centroid=1, nredo=nredo,
-        )
-        km.train(x)
-        _, labels = km.index.search(x, 1)
-    return labels[:, 0].astype(np.int64)
-
-
-def _sqnorms(x: np.ndarray) -> np.ndarray:
-    return np.einsum("ij,ij->i", x, x)
 
 
 def _min_sqdist(x: np.ndarray, xsq: np.ndarray, c: np.ndarray, csq: np.ndarray) -> np.ndarray:
@@ -145,14 +83,14 @@ def _k_center_lazy(
         c[0] = x[first]
         picks.append(int(first))
         t = 1
-    csq[:t] = _sqnorms(c[:t])
+    csq[:t] = sqnorms(c[:t])
     # One pass against the first centre gives every row a finite upper bound to start from.
-    xsq = _sqnorms(x)
+    xsq = sqnorms(x)
     md = _min_sqdist(x, xsq, c[:1], csq[:1])
     key = md.copy() if w is None else md * w
     for i in picks:
         key[i], stamp[i] = -np.inf, _DONE
-    block = _BLOCK
+    block = BLOCK
     while len(picks) < k:
         i = int(np.argmax(key))
         if stamp[i] >= t:
@@ -160,7 +98,7 @@ def _k_center_lazy(
             c[t], csq[t] = x[i], xsq[i]
             t += 1
             key[i], stamp[i] = -np.inf, _DONE
-            block = _BLOCK
+            block = BLOCK
             continue
         top = np.argpartition(key, n - block)[n - block :] if block < n else np.arange(n)
         top = top[stamp[top] < t]
@@ -178,23 +116,6 @@ def _k_center_lazy(
     return np.asarray(picks, dtype=np.int64)
 
 
-def _check_embeddings(emb: np.ndarray | None, n: int, who: str) -> np.ndarray:
-    if emb is None:
-        raise SelectionError(f"{who}: needs embeddings [n, d]; the scorer writes them next to the scores")
-    e = np.asarray(emb)
-    if e.ndim != 2 or e.shape[0] != n or e.shape[1] == 0:
-        raise SelectionError(f"{who}: embeddings must have shape [{n}, d] to match {n} scores, got {e.shape}")
-    if e.dtype.kind not in "fiu":
-        raise SelectionError(f"{who}: embeddings must be numbers, got dtype {e.dtype}")
-    e = np.ascontiguousarray(e, dtype=np.float32)
-    if not np.isfinite(e).all():
-        rows = np.unique(np.argwhere(~np.isfinite(e))[:, 0])
-        raise SelectionError(
-            f"{who}: {len(rows)} embedding rows contain NaN/inf (first at row {int(rows[0])}); rescore or quarantine them"
-        )
-    return e
-
-
 def _order_round_robin(group: np.ndarray, within: np.ndarray, group_order: np.ndarray) -> np.ndarray:
     """Positions sorted by (round, group turn): the r-th pick of every group comes before any (r+1)-th pick."""
     return np.lexsort((group_order[group], within))
@@ -209,44 +130,6 @@ def _within_rank(group: np.ndarray) -> np.ndarray:
     out = np.empty(len(group), dtype=np.int64)
     out[order] = pos
     return out
-
-
-class Selector:
-    """Picks k candidates; returns indices into the candidate arrays in pick order.
-
-    `needs_scores` is False for selectors that ignore the scores (they still validate them), so select_batch can
-    run them as a cold start before any model exists. `info` holds what the last `select` chose (a radius, a
-    bandwidth, a cluster count...) for callers to report; selectors with nothing to say leave it empty.
-    """
-
-    name: str = ""
-    needs_scores: bool = True
-    info: dict[str, Any]
-
-    def __init__(self) -> None:
-        self.info = {}
-
-    def select(
-        self,
-        k: int,
-        *,
-        scores: np.ndarray,
-        embeddings: np.ndarray | None = None,
-        predicted: np.ndarray | None = None,
-        seed: int,
-        labeled_embeddings: np.ndarray | None = None,
-    ) -> np.ndarray:
-        raise NotImplementedError
-
-    def _scores(self, k: int, scores: np.ndarray) -> np.ndarray:
-        s = np.asarray(scores, dtype=np.float64)
-        if s.ndim != 1:
-            raise SelectionError(f"{self.name}: scores must be 1-D [n], got shape {s.shape}")
-        if not 1 <= k <= len(s):
-            raise SelectionError(f"{self.name}: cannot pick {k} of {len(s)} candidates; k must be in [1, {len(s)}]")
-        if not np.isfinite(s).all():
-            raise SelectionError(f"{self.name}: {int((~np.isfinite(s)).sum())} of {len(s)} scores are NaN/inf")
-        return s
 
 
 class TopK(Selector):
@@ -278,7 +161,7 @@ class KCenter(Selector):
 
     def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
         s = self._scores(k, scores)
-        e = _check_embeddings(embeddings, len(s), self.name)
+        e = check_embeddings(embeddings, len(s), self.name)
         lab = None
         if labeled_embeddings is not None and len(labeled_embeddings):
             lab = np.asarray(labeled_embeddings, dtype=np.float32)
@@ -329,7 +212,7 @@ class ClusterMargin(Selector):
 
     def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
         s = self._scores(k, scores)
-        e = _check_embeddings(embeddings, len(s), self.name)
+        e = check_embeddings(embeddings, len(s), self.name)
         n = len(s)
         nc = min(n, self.n_clusters or max(1, round(n**0.5)))
         labels = kmeans_labels(e, nc, seed=seed, niter=self.niter, max_points_per_centroid=self.max_points_per_centroid)
@@ -424,7 +307,7 @@ class Typical(Selector):
 
     def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
         s = self._scores(k, scores)
-        e = _check_embeddings(embeddings, len(s), self.name)
+        e = check_embeddings(embeddings, len(s), self.name)
         labels = kmeans_labels(e, k, seed=seed, niter=self.niter)
         rng = np.random.default_rng(seed)
         typ = np.full(len(s), -np.inf)
@@ -445,23 +328,9 @@ class Typical(Selector):
         m = len(x)
         if m == 1:
             return np.ones(1)
-        xsq = _sqnorms(x)
+        xsq = sqnorms(x)
         d2 = xsq[:, None] + xsq[None, :] - 2.0 * (x @ x.T)
         np.fill_diagonal(d2, np.inf)
         nn = min(self.n_neighbors, m - 1)
         near = np.sqrt(np.maximum(np.partition(d2, nn - 1, axis=1)[:, :nn], 0.0))
         return 1.0 / (near.mean(axis=1, dtype=np.float64) + 1e-12)
-
-
-SELECTORS: dict[str, type[Selector]] = {
-    "top_k": TopK,
-    "k_center": KCenter,
-    "cluster_margin": ClusterMargin,
-    "stratified": Stratified,
-    "typical": Typical,
-}
-
-# At the bottom: coverage.py builds on this module's helpers, and the package imports this module first.
-from pipeline.strategies.coverage import MaxHerding, ProbCover, TypiClust  # noqa: E402
-
-SELECTORS.update({"typiclust": TypiClust, "probcover": ProbCover, "maxherding": MaxHerding})

@@ -1,0 +1,136 @@
+"""What every batch selector shares: the `Selector` base class, embedding checks, faiss threads and k-means.
+
+Selectors live in selectors.py (scores and distances) and coverage.py (coverage of the pool); both build on this
+module, and only pipeline/strategies/registry.py names them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import faiss
+import numpy as np
+
+from pipeline.errors import SelectionError
+
+# Rows per distance block: keeps each temporary under ~50 MB at any pool size.
+BLOCK = 1024
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def faiss_threads(n: int | None = None) -> Iterator[None]:
+    """Run faiss with `n` OpenMP threads (default: the CPUs this process may use, not the host's core count)."""
+    prev = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(n or available_cpus())
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(prev)
+
+
+def kmeans_labels(
+    x: np.ndarray,
+    n_clusters: int,
+    *,
+    seed: int,
+    niter: int = 20,
+    max_points_per_centroid: int = 64,
+    nredo: int = 1,
+    threads: int | None = None,
+) -> np.ndarray:
+    """Cluster id per row with seeded faiss k-means.
+
+    Training reads at most `max_points_per_centroid * n_clusters` rows (a seeded subsample), then every row is
+    assigned. Seeding is k-means++ where it is cheap; random seeding splits well-separated blobs wrongly, and exact
+    k-means++ took ~2 s for 300 clusters of 20k x 384 here, so larger problems use AFK-MC2, its MCMC approximation
+    (the same final objective to 1e-5 there, at a fraction of the cost). `nredo` runs keep the lowest objective.
+    `threads`: faiss threads; by default one for cheap problems (<= 1e6 training row x cluster pairs: many tiny
+    OpenMP regions, whose spinning barriers cost 100x the work when the cores are busy elsewhere), else every CPU
+    this process may use.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n = len(x)
+    if not 1 <= n_clusters <= n:
+        raise SelectionError(f"k-means: cannot make {n_clusters} clusters from {n} embeddings")
+    if n_clusters == n:
+        return np.arange(n, dtype=np.int64)
+    rows = min(n, max_points_per_centroid * n_clusters)
+    cheap = rows * n_clusters <= 1_000_000
+    init = faiss.ClusteringInitMethod_KMEANS_PLUS_PLUS if cheap else faiss.ClusteringInitMethod_AFK_MC2
+    with faiss_threads(threads or (1 if cheap else None)):
+        km = faiss.Kmeans(
+            x.shape[1], n_clusters, niter=niter, seed=seed % (2**31), verbose=False, init_method=init,
+            max_points_per_centroid=max_points_per_centroid, min_points_per_centroid=1, nredo=nredo,
+        )
+        km.train(x)
+        _, labels = km.index.search(x, 1)
+    return labels[:, 0].astype(np.int64)
+
+def sqnorms(x: np.ndarray) -> np.ndarray:
+    return np.einsum("ij,ij->i", x, x)
+
+def check_embeddings(emb: np.ndarray | None, n: int, who: str) -> np.ndarray:
+    if emb is None:
+        raise SelectionError(f"{who}: needs embeddings [n, d]; the scorer writes them next to the scores")
+    e = np.asarray(emb)
+    if e.ndim != 2 or e.shape[0] != n or e.shape[1] == 0:
+        raise SelectionError(f"{who}: embeddings must have shape [{n}, d] to match {n} scores, got {e.shape}")
+    if e.dtype.kind not in "fiu":
+        raise SelectionError(f"{who}: embeddings must be numbers, got dtype {e.dtype}")
+    e = np.ascontiguousarray(e, dtype=np.float32)
+    if not np.isfinite(e).all():
+        rows = np.unique(np.argwhere(~np.isfinite(e))[:, 0])
+        raise SelectionError(
+            f"{who}: {len(rows)} embedding rows contain NaN/inf (first at row {int(rows[0])}); rescore or quarantine them"
+        )
+    return e
+
+class Selector:
+    """Picks k candidates; returns indices into the candidate arrays in pick order.
+
+    `needs_scores` is False for selectors that ignore the scores (they still validate them), so select_batch can
+    run them as a cold start before any model exists. `info` holds what the last `select` chose (a radius, a
+    bandwidth, a cluster count...) for callers to report; selectors with nothing to say leave it empty.
+    """
+
+    name: str = ""
+    needs_scores: bool = True
+    # Facts of the round a selector's constructor takes (e.g. "n_classes"): the caller passes those it knows,
+    # instead of testing the selector's name.
+    wants: ClassVar[tuple[str, ...]] = ()
+    info: dict[str, Any]
+
+    def __init__(self) -> None:
+        self.info = {}
+
+    def select(
+        self,
+        k: int,
+        *,
+        scores: np.ndarray,
+        embeddings: np.ndarray | None = None,
+        predicted: np.ndarray | None = None,
+        seed: int,
+        labeled_embeddings: np.ndarray | None = None,
+    ) -> np.ndarray:
+        raise NotImplementedError
+
+    def _scores(self, k: int, scores: np.ndarray) -> np.ndarray:
+        s = np.asarray(scores, dtype=np.float64)
+        if s.ndim != 1:
+            raise SelectionError(f"{self.name}: scores must be 1-D [n], got shape {s.shape}")
+        if not 1 <= k <= len(s):
+            raise SelectionError(f"{self.name}: cannot pick {k} of {len(s)} candidates; k must be in [1, {len(s)}]")
+        if not np.isfinite(s).all():
+            raise SelectionError(f"{self.name}: {int((~np.isfinite(s)).sum())} of {len(s)} scores are NaN/inf")
+        return s

@@ -32,9 +32,10 @@ def labels_import(
 ) -> None:
     """Validate a label file and append its labels to the ledger (artifacts/labels.jsonl)."""
     from pipeline.annotation import Ledger, import_labels, ledger_path
-    from pipeline.annotation.labels import LabelKeys, import_round, project_index
+    from pipeline.annotation.labels import LabelKeys, project_index
     from pipeline.config import load_config
     from pipeline.lock import ProjectLock
+    from pipeline.rounds import import_round
 
     out = out_console(markup=False, highlight=False)  # reasons hold [lists] rich would read as markup
     cfg = load_config(config)

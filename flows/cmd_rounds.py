@@ -97,8 +97,8 @@ def demo_cmd(
 
 def status_summary_of(cfg: Any) -> dict[str, Any]:
     """Everything `tamis status` reports, as plain data (`--json` prints it as is)."""
-    from pipeline.evaluate import status_summary
     from pipeline.rounds import completed_rounds
+    from pipeline.status import status_summary
 
     states = completed_rounds(cfg.artifacts)
     quarantined = 0
@@ -118,7 +118,7 @@ def status_cmd(
     """Rounds so far, labeled / pool / quarantined counts, last metrics."""
     import json
 
-    from pipeline.evaluate import merge_equal_metrics
+    from pipeline.metrics import merge_equal_metrics
     from pipeline.rounds import completed_rounds
 
     cfg = load(config)

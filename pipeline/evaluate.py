@@ -1,25 +1,18 @@
 """Per-round metrics: accuracy / exact match (closed answer sets), SQuAD-style exact match, token F1 and normalized
-edit similarity (open answers), the metrics log, the learning curve and the status summary."""
+edit similarity (open answers), and the evaluation of a model on the test split.
+
+The metrics log and learning curve live in pipeline/metrics.py, the project status in pipeline/status.py."""
 
 from __future__ import annotations
 
-import io
-import os
 import re
 import string
-import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.annotation.labels import inbox_files
-from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.errors import DataError
-from pipeline.store import MANIFEST_NAME, append_jsonl, atomic_write_bytes, digest_file, read_jsonl
-
-METRICS_NAME = "metrics.jsonl"
-METRIC_KEYS = ("round", "labels", "metric", "value", "strategy")
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
@@ -98,99 +91,6 @@ def score_answers(preds: Sequence[str | None], refs: Sequence[str], *, closed: b
             "edit_similarity": edit_similarity(preds, refs)}
 
 
-# ------------------------------------------------------------------------------------------- metrics log
-def append_metrics(artifacts: str | os.PathLike[str], row: Mapping[str, Any]) -> dict[str, Any]:
-    """Append one metric value of one round to artifacts/metrics.jsonl (append-only, fsync'd)."""
-    missing = [k for k in METRIC_KEYS if k not in row]
-    if missing:
-        raise DataError(f"metrics row lacks {', '.join(missing)} (needs {', '.join(METRIC_KEYS)}): {dict(row)}")
-    out = dict(row)
-    out["value"] = float(out["value"])
-    out.setdefault("time", time.time())
-    append_jsonl(Path(artifacts) / METRICS_NAME, [out])
-    return out
-
-
-def read_metrics(artifacts: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    return read_jsonl(Path(artifacts) / METRICS_NAME)
-
-
-def merge_equal_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
-    """Metrics with the same value under one joined name, in first-seen order: on a closed answer set accuracy and
-    exact match are usually the same number, shown once as `accuracy = exact_match`."""
-    groups: dict[float, list[str]] = {}
-    for name, value in metrics.items():
-        groups.setdefault(float(value), []).append(name)
-    return {" = ".join(names): value for value, names in groups.items()}
-
-
-def plot_learning_curve(
-    rows: Sequence[Mapping[str, Any]], out_png: str | os.PathLike[str], *, metric: str | None = None
-) -> Path:
-    """Metric vs number of labels, one line per strategy; `metric` defaults to the first one logged."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers and workers
-    import matplotlib.pyplot as plt
-
-    if not rows:
-        raise DataError(f"no metrics to plot into {out_png}: no round has been evaluated yet")
-    metric = metric or rows[0]["metric"]
-    lines: dict[str, dict[int, float]] = {}
-    for r in rows:
-        if r["metric"] == metric:
-            # A re-evaluated round replaces its earlier value (the log is append-only, newest wins).
-            lines.setdefault(str(r.get("strategy") or "?"), {})[int(r["labels"])] = float(r["value"])
-    if not lines:
-        raise DataError(f"no rows for metric {metric!r}; logged: {', '.join(sorted({r['metric'] for r in rows}))}")
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    try:
-        for strategy, pts in sorted(lines.items()):
-            xs = sorted(pts)
-            ax.plot(xs, [pts[x] for x in xs], marker="o", label=strategy)
-        ax.set_xlabel("labeled samples")
-        ax.set_ylabel(metric)
-        ax.set_title(f"Learning curve ({metric})")
-        ax.grid(True, alpha=0.3)
-        if len(lines) > 1:
-            ax.legend()
-        buf = io.BytesIO()
-        # No timestamp / software metadata, so the same metrics give the same bytes.
-        fig.savefig(buf, format="png", metadata={"Software": None})
-    finally:
-        plt.close(fig)
-    return atomic_write_bytes(out_png, buf.getvalue())
-
-
-def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
-    """What `tamis status` shows from the annotation side: rounds exported, labels, pending inbox, last metrics."""
-    from pipeline.rounds import completed_rounds
-
-    artifacts = Path(artifacts)
-    rounds_dir = artifacts / "rounds"
-    exported = sorted(
-        int(p.name) for p in rounds_dir.glob("[0-9][0-9][0-9]") if (p / "export" / MANIFEST_NAME).is_file()
-    ) if rounds_dir.is_dir() else []
-    ledger = Ledger(ledger_path(artifacts))
-    entries = ledger.entries()
-    done = {e.get("source_digest") for e in entries}
-    metrics = read_metrics(artifacts)
-    last_round = max((int(m["round"]) for m in metrics), default=None)
-    return {
-        "rounds_exported": exported,
-        # Finished rounds (round.json written), as `tamis status` lists them; a round that stopped exports nothing.
-        "rounds_done": len(completed_rounds(artifacts)),
-        "labeled": len({e["sample_id"] for e in entries if "sample_id" in e}),
-        "ledger_entries": len(entries),
-        "corrections": sum(e.get("kind") == "correction" for e in entries),
-        # Inbox files no ledger entry came from yet (a file whose rows were all rejected stays listed).
-        "inbox_pending": [str(p) for p in inbox_files(artifacts / "inbox") if digest_file(p) not in done],
-        "last_round_evaluated": last_round,
-        "last_metrics": {m["metric"]: m["value"] for m in metrics if last_round is not None and m["round"] == last_round},
-        "metrics_rows": len(metrics),
-    }
-
-
 def predict_answers(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | None, *,
                     batch_size: int = 16, max_new_tokens: int = 16) -> list[str]:
     """The model's answer per row: the most likely candidate for closed sets, greedy generation for open answers."""
@@ -216,3 +116,39 @@ def evaluate_model(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequ
         "predictions": [{"sample_id": r["sample_id"], "prediction": p, "answer": a}
                         for r, p, a in zip(rows, preds, refs, strict=True)],
     }
+
+
+EVAL_VERSION = "1"
+
+
+def evaluate_stage(artifacts: str, prepared: dict, adapter: dict, model: dict, answers: list[str] | None,
+                   batch_size: int, out_dir: str) -> dict[str, Any]:
+    """The evaluate stage: the round's adapter on the labeled test split, predictions and metrics into `out_dir`."""
+    from pipeline.config import ModelConfig
+    from pipeline.model.loading import load_model
+    from pipeline.preprocess import load_prepared
+    from pipeline.store import (
+        atomic_write_json,
+        atomic_write_jsonl,
+        reuse_or_compute,
+        stage_key,
+        write_manifest,
+    )
+
+    inputs = {"prepared": prepared["digest"], "adapter": adapter["adapter_digest"]}
+    config = {"model": model, "answers": answers}
+
+    def compute() -> Any:
+        test = load_prepared(prepared["dir"]).filter(lambda split, answer: split == "test" and answer is not None,
+                                                     input_columns=["split", "answer"], keep_in_memory=True)
+        model_cfg = ModelConfig.model_validate(model)
+        result = evaluate_model(load_model(model_cfg, adapter=adapter["adapter_dir"]), list(test), answers,
+                                batch_size=batch_size, max_new_tokens=model_cfg.max_new_tokens)
+        out = Path(out_dir)
+        atomic_write_jsonl(out / "predictions.jsonl", result.pop("predictions"))
+        atomic_write_json(out / "metrics.json", result)
+        return write_manifest(out, stage="evaluate", stage_version=EVAL_VERSION, inputs=inputs, config=config,
+                              outputs={"metrics": "metrics.json", "predictions": "predictions.jsonl"}, info=result)
+
+    m = reuse_or_compute(out_dir, stage_key("evaluate", EVAL_VERSION, inputs, config), compute)
+    return {"dir": out_dir, "digest": m.key, **m.info}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.evaluate import merge_equal_metrics
+from pipeline.metrics import merge_equal_metrics
 
 # The stages of a round in the order the flow runs them, with their rough share of a round's time on a CPU (training
 # dominates), so the round's progress bar moves like the clock, not like a stage counter.

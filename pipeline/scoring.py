@@ -11,6 +11,7 @@ Embeddings come from the same prefix forward (mean of the last hidden state over
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -24,7 +25,17 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.store import Manifest, atomic_write_bytes, atomic_write_json, read_manifest, write_manifest
+from pipeline.store import (
+    Manifest,
+    atomic_write_bytes,
+    atomic_write_json,
+    digest_json,
+    find_valid_manifest,
+    read_manifest,
+    reuse_or_compute,
+    stage_key,
+    write_manifest,
+)
 
 log = logging.getLogger(__name__)
 SCORE_VERSION = "1"
@@ -202,7 +213,9 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     return (e / e.sum(axis=axis, keepdims=True)).astype(np.float32)
 
 
-def normalize_answer(text: str) -> str:
+def agreement_key(text: str) -> str:
+    """How sampled answers are compared for agreement: case, outer spaces and end punctuation ignored (lighter than
+    pipeline.evaluate.normalize_answer, which also drops articles and inner punctuation for the SQuAD metrics)."""
     return " ".join(text.lower().strip().strip(".!?").split())
 
 
@@ -289,7 +302,7 @@ def agreement_codes(mc_answers: list[list[str]]) -> np.ndarray:
     codes = np.zeros((len(mc_answers), len(mc_answers[0]) if mc_answers else 0), dtype=np.int64)
     for i, runs in enumerate(mc_answers):
         vocab: dict[str, int] = {}
-        codes[i] = [vocab.setdefault(normalize_answer(a), len(vocab)) for a in runs]
+        codes[i] = [vocab.setdefault(agreement_key(a), len(vocab)) for a in runs]
     return codes
 
 
@@ -354,3 +367,109 @@ def plan_shards(sample_ids: Sequence[str], shard_size: int) -> list[list[str]]:
     """Fixed-size shards in sorted-ID order, so the same pool always gives the same shards (and cache keys)."""
     ids = sorted(sample_ids)
     return [ids[i : i + shard_size] for i in range(0, len(ids), shard_size)]
+
+
+# ------------------------------------------------------------------------------------------- the pool's shards
+def score_config(cfg: Any) -> dict[str, Any]:
+    """The settings a shard's scores depend on (part of every shard's key), from the sections that hold them."""
+    return {
+        "answers": cfg.data.answers,
+        "length_normalize": cfg.select.length_normalize,
+        "mc_dropout_passes": cfg.select.mc_dropout_passes,
+        "score_batch_size": cfg.select.score_batch_size,
+        "max_new_tokens": cfg.model.max_new_tokens,
+        "seed": cfg.seed,
+    }
+
+
+def shard_inputs(adapter: dict[str, Any] | None, prepared: dict[str, Any], shard_ids: list[str]) -> dict[str, str]:
+    return {"adapter": (adapter or {}).get("digest", "base"), "prepared": prepared["digest"],
+            "shard": digest_json(shard_ids)}
+
+
+def shard_manifest_key(inputs: dict[str, str], model: dict[str, Any], scoring: dict[str, Any]) -> str:
+    return stage_key("score", SCORE_VERSION, inputs, {"model": model, "scoring": scoring})
+
+
+def shard_dir(artifacts: str | Path, adapter: dict[str, Any] | None, prepared: dict[str, Any], ids: list[str],
+              model: dict[str, Any], scoring: dict[str, Any]) -> str:
+    key = digest_json({"adapter": (adapter or {}).get("digest"), "prepared": prepared["digest"], "ids": ids,
+                       "model": model, "scoring": scoring})
+    return str(Path(artifacts) / "scores" / key[:16])
+
+
+def shard_params(artifacts: str | Path, *, model: dict[str, Any], scoring: dict[str, Any],
+                 adapter: dict[str, Any] | None, prepared: dict[str, Any], pool_ids: Sequence[str],
+                 shard_size: int) -> list[dict[str, Any]]:
+    """One score-shard stage's parameters (its cache key) per shard of the pool, in shard order."""
+    return [dict(artifacts=str(artifacts), model=model, adapter=adapter, prepared=prepared, shard_ids=ids,
+                 scoring=scoring, out_dir=shard_dir(artifacts, adapter, prepared, ids, model, scoring))
+            for ids in plan_shards(pool_ids, shard_size)]
+
+
+POOL_FILE = "pool.jsonl"
+
+
+def write_pool_file(round_dir: str | Path, pool_ids: Sequence[str]) -> str:
+    """The pool's IDs as a file in the round's folder: a 100k-sample pool would bloat a run's parameters."""
+    from pipeline.store import atomic_write_jsonl
+
+    return str(atomic_write_jsonl(Path(round_dir) / POOL_FILE, [{"sample_id": s} for s in sorted(pool_ids)]))
+
+
+def read_pool_file(path: str | Path) -> list[str]:
+    from pipeline.store import read_jsonl
+
+    return [r["sample_id"] for r in read_jsonl(path)]
+
+
+def scored_on_disk(params: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The shard refs when every shard has verified scores on disk, else None."""
+    refs = []
+    for p in params:
+        inputs = shard_inputs(p["adapter"], p["prepared"], p["shard_ids"])
+        if (m := find_valid_manifest(p["out_dir"], shard_manifest_key(inputs, p["model"], p["scoring"]))) is None:
+            return None
+        refs.append({"dir": p["out_dir"], "digest": m.key})
+    return refs
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded(model_json: str, adapter_dir: str | None, adapter_digest: str | None) -> Any:
+    """One model per worker process, reused across its shards (the digest makes a retrained adapter a new entry)."""
+    from pipeline.config import ModelConfig
+    from pipeline.model.loading import load_model
+
+    return load_model(ModelConfig.model_validate_json(model_json), adapter=adapter_dir)
+
+
+@functools.lru_cache(maxsize=2)
+def _index(prepared_dir: str) -> tuple[Any, dict[str, int]]:
+    from pipeline.preprocess import load_prepared
+
+    ds = load_prepared(prepared_dir)
+    return ds, {sid: i for i, sid in enumerate(ds["sample_id"])}
+
+
+def score_shard(artifacts: str, model: dict[str, Any], adapter: dict[str, Any] | None, prepared: dict[str, Any],
+                shard_ids: list[str], scoring: dict[str, Any], out_dir: str) -> dict[str, Any]:
+    """The score-shard stage: one shard of the pool scored into `out_dir` (or its verified scores reused).
+
+    The manifest records stage "score": a "score_shard" key never matched, so a shard whose result Prefect had not
+    recorded (killed just after its manifest, or a new PREFECT_HOME) was scored again despite verified outputs.
+    """
+    inputs = shard_inputs(adapter, prepared, shard_ids)
+
+    def compute() -> Manifest:
+        ds, index = _index(prepared["dir"])
+        rows = [{"sample_id": r["sample_id"], "prepared": r["prepared"], "question": r["question"]}
+                for r in ds.select([index[s] for s in shard_ids])]
+        loaded = _loaded(json.dumps(model, sort_keys=True), adapter and adapter["dir"], adapter and adapter["digest"])
+        scorer = make_scorer(loaded, scoring["answers"], length_normalize=scoring["length_normalize"],
+                             max_new_tokens=scoring["max_new_tokens"])
+        result = scorer.score(rows, batch_size=scoring["score_batch_size"], mc_passes=scoring["mc_dropout_passes"],
+                              seed=scoring["seed"])
+        return save_scores(result, out_dir, inputs=inputs, config={"model": model, "scoring": scoring})
+
+    m = reuse_or_compute(out_dir, shard_manifest_key(inputs, model, scoring), compute)
+    return {"dir": out_dir, "digest": m.key}

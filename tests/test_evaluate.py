@@ -7,15 +7,13 @@ from pipeline.annotation.ledger import Ledger, ledger_path, make_entry
 from pipeline.errors import DataError
 from pipeline.evaluate import (
     accuracy,
-    append_metrics,
     exact_match,
     normalize_answer,
-    plot_learning_curve,
-    read_metrics,
     score_answers,
-    status_summary,
     token_f1,
 )
+from pipeline.metrics import append_metrics, plot_learning_curve, read_metrics
+from pipeline.status import status_summary
 
 
 def test_metric_functions():

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.annotation.labels import inbox_files
+from pipeline.annotation.inbox import inbox_files
 from pipeline.annotation.ledger import Ledger, make_entry
 from pipeline.errors import ArtifactError
 from pipeline.rounds import completed_rounds

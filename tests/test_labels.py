@@ -3,7 +3,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.annotation.labels import import_inbox, import_labels, read_label_file
+from pipeline.annotation.inbox import import_inbox, inbox_dir
+from pipeline.annotation.label_files import read_label_file
+from pipeline.annotation.labels import import_labels
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.errors import LabelImportError
 
@@ -176,27 +178,26 @@ def test_open_answers_accept_free_text(tmp_path, env):
     assert len(rep.accepted) == 1 and led.labels() == {"s000": "a red bus"}
 
 
-def test_inbox_is_read_whole_before_anything_is_appended(tmp_path, env):
-    led, _ = env
-    inbox = tmp_path / "inbox"
-    inbox.mkdir()
+def test_inbox_imports_each_file_on_its_own_and_rejects_a_corrupt_one_with_its_line(tmp_path):
+    art = tmp_path / "artifacts"
+    inbox = inbox_dir(art)
+    inbox.mkdir(parents=True)
     _write(inbox / "1-good.csv", "sample_id,label\ns000,1\n")
     _write(inbox / "2-bad.json", '[{"data": {"sample_id": "s001"}, "annotations": [\n}]')
-    _write(inbox / ".3-partial.json.tmp", "[")
+    _write(inbox / ".3-partial.json.tmp", "[")  # an atomic write still in progress
     (inbox / "notes.txt").write_text("ignored")
-    kw = dict(known_ids=KNOWN, answers=DIGITS, ledger=led, round_index=1, rejections_dir=tmp_path / "rej")
-    with pytest.raises(LabelImportError, match=r"2-bad.json:2:"):
-        import_inbox(inbox, **kw)
-    assert not led.path.exists()
-    (inbox / "2-bad.json").unlink()
     _write(inbox / "3-more.jsonl", '{"sample_id": "s002", "label": "2"}\n')
     _write(inbox / "4-copy.csv", "sample_id,label\ns000,1\n")  # same bytes as 1-good.csv
-    reps = import_inbox(inbox, **kw)
-    assert [r.file.rsplit("/", 1)[1] for r in reps] == ["1-good.csv", "3-more.jsonl", "4-copy.csv"]
-    assert [len(r.accepted) for r in reps] == [1, 1, 0] and reps[2].already_imported
-    assert all(r.already_imported for r in import_inbox(inbox, **kw))
+    kw = dict(index=KNOWN, answers=DIGITS, round_index=1)
+    reps = import_inbox(art, **kw)
+    assert [r["file"].rsplit("/", 1)[1] for r in reps] == ["1-good.csv", "2-bad.json", "3-more.jsonl", "4-copy.csv"]
+    assert "2-bad.json:2:" in reps[1]["error"] and "accepted" not in reps[1]
+    assert [r.get("accepted") for r in reps] == [1, None, 1, 0] and reps[3]["already_imported"]
+    led = Ledger(ledger_path(art))
     assert led.labels() == {"s000": "1", "s002": "2"}
-    assert (inbox / "1-good.csv").exists()  # nothing is moved
+    again = import_inbox(art, **kw)
+    assert [r.get("already_imported") for r in again] == [True, None, True, True]  # the bad file is reported again
+    assert led.labels() == {"s000": "1", "s002": "2"} and (inbox / "1-good.csv").exists()  # nothing is moved
 
 
 def test_read_label_file_rejects_non_utf8(tmp_path):

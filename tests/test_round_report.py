@@ -9,9 +9,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from pipeline.annotation.inbox import receive_labels
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError
-from pipeline.evaluate import merge_equal_metrics, plot_learning_curve
+from pipeline.metrics import merge_equal_metrics, plot_learning_curve
 from pipeline.report import (
     ROUND_STAGES,
     RoundProgress,
@@ -26,7 +27,7 @@ from pipeline.report import (
     state_message,
     summary_markdown,
 )
-from pipeline.rounds import receive_labels, should_wait
+from pipeline.rounds import should_wait
 
 ROWS = [
     {"round": 1, "labels": 6, "metric": "accuracy", "value": 0.25, "strategy": "margin+none"},

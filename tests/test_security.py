@@ -219,7 +219,7 @@ def test_export_replaces_planted_symlinks_instead_of_writing_through_them(tmp_pa
 def test_symlinked_inbox_file_is_read_but_nothing_is_written_outside_artifacts(tmp_path):
     """A label file may live anywhere (the inbox may link to it); tamis only reads it, and every output (ledger,
     rejection report) goes under artifacts/."""
-    from flows.round import import_new_labels
+    from pipeline.annotation.inbox import import_inbox
 
     cfg = parse_config({"paths": {"artifacts": "artifacts"}, "data": {"answers": DIGITS}}, root=tmp_path / "project")
     outside = tmp_path / "outside"
@@ -233,7 +233,7 @@ def test_symlinked_inbox_file_is_read_but_nothing_is_written_outside_artifacts(t
     (inbox / "b.json").symlink_to(outside / "dir.json")
     before = snapshot(tmp_path, cfg.artifacts)
 
-    [rep] = import_new_labels(cfg, {"s000", "s001"}, round_index=1)
+    [rep] = import_inbox(cfg.artifacts, index={"s000", "s001"}, answers=cfg.data.answers, round_index=1)
     assert (rep["accepted"], rep["rejected"]) == (1, 2), rep
     assert snapshot(tmp_path, cfg.artifacts) == before
     assert (inbox / "a.json").is_symlink() and digest_file(label_file) == digest_file(inbox / "a.json")

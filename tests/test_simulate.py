@@ -4,7 +4,8 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.annotation.export import export_dir, export_selection
-from pipeline.annotation.labels import import_inbox
+from pipeline.annotation.inbox import inbox_files
+from pipeline.annotation.labels import import_labels
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.annotation.simulate import sidecar_path, simulate_annotator
 from pipeline.config import parse_config
@@ -24,8 +25,8 @@ def _project(tmp_path, ds, ids, *, answers=DIGITS, round_index=1):
 
 def _import(cfg, ids, answers=DIGITS):
     led = Ledger(ledger_path(cfg.artifacts))
-    reps = import_inbox(cfg.artifacts / "inbox", known_ids=set(ids), answers=answers, ledger=led, round_index=1,
-                        rejections_dir=cfg.artifacts / "rejections")
+    reps = [import_labels(p, known_ids=set(ids), answers=answers, ledger=led, round_index=1,
+                          rejections_dir=cfg.artifacts / "rejections") for p in inbox_files(cfg.artifacts / "inbox")]
     return led, reps
 
 

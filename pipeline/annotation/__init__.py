@@ -8,20 +8,14 @@ from pipeline.annotation.export import (
     export_selection,
     exported_sample_ids,
 )
-from pipeline.annotation.labels import (
-    READERS,
-    ImportReport,
-    LabelKeys,
-    LabelReader,
-    SampleIndex,
-    import_inbox,
-    import_labels,
-)
+from pipeline.annotation.inbox import import_inbox, inbox_files, receive_labels
+from pipeline.annotation.label_files import LABEL_READERS, LabelKeys, LabelReader
+from pipeline.annotation.labels import ImportReport, SampleIndex, import_labels
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.annotation.simulate import simulate_annotator
 
 __all__ = [
-    "EXPORTERS", "READERS", "ExportError", "Exporter", "ImportReport", "LabelKeys", "LabelReader", "Ledger",
-    "SampleIndex", "export_dir",
-    "export_selection", "exported_sample_ids", "import_inbox", "import_labels", "ledger_path", "simulate_annotator",
+    "EXPORTERS", "LABEL_READERS", "ExportError", "Exporter", "ImportReport", "LabelKeys", "LabelReader", "Ledger",
+    "SampleIndex", "export_dir", "export_selection", "exported_sample_ids", "import_inbox", "import_labels",
+    "inbox_files", "ledger_path", "receive_labels", "simulate_annotator",
 ]

@@ -340,14 +340,34 @@ def export_selection(
     )
 
 
-def exported_sample_ids(artifacts: str | os.PathLike[str]) -> set[str]:
-    """Every sample_id tamis has sent out for labeling (any round, any task set under rounds/)."""
-    ids: set[str] = set()
+def exported_sample_ids(artifacts: str | os.PathLike[str], *, before_round: int | None = None) -> set[str]:
+    """Every sample_id tamis has sent out for labeling (any round, any task set under rounds/), or with
+    `before_round` only the round exports (rounds/NNN/export/) of the rounds before it."""
     rounds = Path(artifacts) / "rounds"
-    for p in sorted(rounds.rglob(TASKS_FILE)) if rounds.is_dir() else []:
+    if before_round is None:
+        files = sorted(rounds.rglob(TASKS_FILE)) if rounds.is_dir() else []
+    else:
+        files = [rounds / f"{r:03d}" / "export" / TASKS_FILE for r in range(before_round)]
+    ids: set[str] = set()
+    for p in files:
+        if not p.is_file():
+            continue
         try:
             tasks = json.loads(p.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ExportError(f"{p}: unreadable export ({exc}); re-run the export of that round") from None
         ids.update(t["data"]["sample_id"] for t in tasks if isinstance(t, dict) and "sample_id" in t.get("data", {}))
     return ids
+
+
+def export_stage(artifacts: str, selection: dict, prepared: dict, annotate: dict, answers: list[str] | None,
+                 round_index: int, out_dir: str) -> dict[str, Any]:
+    """The export stage: the round's selection written for annotators into `out_dir`, in every configured format."""
+    from pipeline.config import StageConfig
+    from pipeline.preprocess import load_prepared
+    from pipeline.store import read_jsonl
+
+    cfg = StageConfig({"annotate": annotate, "data": {"answers": answers}}, artifacts=artifacts)
+    rows = read_jsonl(Path(selection["dir"]) / "selection.jsonl")
+    m = export_selection(rows, load_prepared(prepared["dir"]), cfg, out_dir, round_index=round_index)
+    return {"dir": out_dir, "digest": m.key, "count": m.info["count"]}

@@ -14,8 +14,6 @@ by file name when unique). The ledger entry records which key matched.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import logging
 import os
@@ -24,42 +22,16 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, ClassVar
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
-from pipeline.annotation.export import FROM_NAME
+from pipeline.annotation.label_files import LabelFile, LabelKeys, LabelRow, read_label_file
 from pipeline.annotation.ledger import Ledger, make_entry
 from pipeline.errors import LabelImportError
+from pipeline.evaluate import normalize_answer
 from pipeline.store import atomic_write_jsonl, digest_bytes
 
 log = logging.getLogger(__name__)
-
-INBOX_SUFFIXES = (".json", ".csv", ".jsonl")
-
-
-@dataclass
-class LabelRow:
-    """One annotator's answer for one sample, as read from a file (not yet validated)."""
-
-    sample_id: str | None
-    label: str | None
-    annotator: str
-    line: int
-    where: str
-    cancelled: bool = False
-    problem: str | None = None  # a defect the reader already saw (e.g. two choices selected)
-    external_id: str | None = None  # the user's own ID of the sample (an `id` / id_column cell)
-    image: str | None = None  # an image path or Label Studio image URL
-    # Filled in by SampleIndex.resolve: the tamis sample, which key matched it and the key's value.
-    resolved: str | None = None
-    matched_by: str | None = None
-    matched_key: str | None = None
-
-    def keys(self) -> list[tuple[str, str]]:
-        """The keys this row offers, as (kind, value)."""
-        out = [("sample_id", self.sample_id)] if self.sample_id else []
-        out += [("id", self.external_id)] if self.external_id else []
-        return out + ([("image", self.image)] if self.image else [])
 
 
 @dataclass
@@ -123,327 +95,6 @@ class ImportReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# ------------------------------------------------------------------------------------------------- readers
-def _line_of(text: str, pos: int) -> int:
-    return text.count("\n", 0, pos) + 1
-
-
-def _json_msg(exc: json.JSONDecodeError) -> str:
-    return re.sub(r"\s+(starting )?at$", "", exc.msg)  # "Invalid control character at": the position follows
-
-
-def _json_error(name: str, exc: json.JSONDecodeError) -> LabelImportError:
-    return LabelImportError(
-        f"{name}:{exc.lineno}:{exc.colno}: not valid JSON ({_json_msg(exc)}); fix that line or export the file again"
-    )
-
-
-_WS = re.compile(r"[ \t\n\r]*")
-
-
-def json_array_items(text: str, name: str) -> list[tuple[int, Any]]:
-    """Parse a top-level JSON array, keeping the line each element starts on (for row-level messages)."""
-    dec = json.JSONDecoder()
-    pos = _WS.match(text, 0).end()
-    if pos >= len(text):
-        raise LabelImportError(f"{name}: the file is empty; expected a JSON list of tasks")
-    if text[pos] != "[":
-        try:
-            first = dec.raw_decode(text, pos)[0]
-        except json.JSONDecodeError as exc:
-            raise _json_error(name, exc) from None
-        raise LabelImportError(
-            f"{name}:{_line_of(text, pos)}: expected a JSON list of tasks, found a {type(first).__name__}; "
-            "export from Label Studio as JSON or JSON_MIN"
-        )
-    items: list[tuple[int, Any]] = []
-    # Lines are counted incrementally: counting from the start for every task would be quadratic.
-    seen_pos, seen_line = 0, 1
-    pos = _WS.match(text, pos + 1).end()
-    if text.startswith("]", pos):
-        pos += 1
-    else:
-        while True:
-            try:
-                obj, end = dec.raw_decode(text, pos)
-            except json.JSONDecodeError as exc:
-                raise _json_error(name, exc) from None
-            seen_line += text.count("\n", seen_pos, pos)
-            seen_pos = pos
-            items.append((seen_line, obj))
-            pos = _WS.match(text, end).end()
-            if text.startswith(",", pos):
-                pos = _WS.match(text, pos + 1).end()
-            elif text.startswith("]", pos):
-                pos += 1
-                break
-            else:
-                line, col = _line_of(text, pos), pos - text.rfind("\n", 0, pos)
-                raise LabelImportError(
-                    f"{name}:{line}:{col}: not valid JSON (expected ',' or ']' after a task); fix that line or "
-                    "export the file again"
-                )
-    if _WS.match(text, pos).end() != len(text):
-        p = _WS.match(text, pos).end()
-        raise LabelImportError(f"{name}:{_line_of(text, p)}: not valid JSON (extra data after the list)")
-    return items
-
-
-def _annotator(value: Any, fallback: str) -> str:
-    if isinstance(value, dict):
-        value = value.get("email") or value.get("id")
-    return fallback if value in (None, "") else str(value)
-
-
-def _cell(value: Any) -> str | None:
-    """A key cell as text (a number an annotator typed stays a key, not a crash); empty → None."""
-    return None if value in (None, "") else value.strip() or None if isinstance(value, str) else str(value)
-
-
-def _result_label(result: list[Any]) -> tuple[str | None, str | None]:
-    """(label, problem) from an annotation's result list: the choices or text of the answer control."""
-    items = [r for r in result if isinstance(r, dict) and isinstance(r.get("value"), dict)]
-    items.sort(key=lambda r: r.get("from_name") != FROM_NAME)  # our control first, then any other
-    for r in items:
-        v = r["value"]
-        if "choices" in v:
-            ch = [str(c) for c in v["choices"] or []]
-            if len(ch) != 1:
-                return None, f"{len(ch)} choices selected ({', '.join(ch)}); select exactly one"
-            return ch[0], None
-        if "text" in v:
-            texts = v["text"] if isinstance(v["text"], list) else [v["text"]]
-            return "\n".join(str(t).strip() for t in texts if str(t).strip()), None
-    return None, "the result holds no choices or text; label with the project's label_config.xml"
-
-
-@dataclass(frozen=True)
-class LabelKeys:
-    """Where label files carry their keys besides sample_id: the user's ID columns and the image columns."""
-
-    id_columns: tuple[str, ...] = ("id",)
-    image_columns: tuple[str, ...] = ("image", "image_path")
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> LabelKeys:
-        """From a ProjectConfig: every source's id_column and image column / Label Studio image key."""
-        ids, images = list(cls.id_columns), list(cls.image_columns)
-        for src in cfg.data.sources:
-            ids.append(src.id_column)
-            images += [src.image_column, src.data_image_key]
-        return cls(tuple(dict.fromkeys(ids)), tuple(dict.fromkeys(images)))
-
-    def first(self, d: dict[str, Any], names: Sequence[str], *, skip: Sequence[str] = ()) -> str | None:
-        return next((v for k in names if k not in skip and (v := _cell(d.get(k))) is not None), None)
-
-
-class LabelReader:
-    """One file format → label rows. `read` raises LabelImportError for a malformed file."""
-
-    name: ClassVar[str]
-
-    def __init__(self, keys: LabelKeys | None = None):
-        self.keys = keys or LabelKeys()
-
-    def read(self, text: str, name: str) -> tuple[list[LabelRow], int]:
-        """(label rows, count of tasks that carried no annotation)."""
-        raise NotImplementedError
-
-
-class LabelStudioReader(LabelReader):
-    name = "label_studio"
-
-    def read(self, text: str, name: str) -> tuple[list[LabelRow], int]:
-        rows, unlabeled = [], 0
-        for t, (line, task) in enumerate(json_array_items(text, name)):
-            # Label Studio's own task / annotation IDs name a row the way its UI does; the position is the fallback.
-            task_name = f"task {task['id']}" if isinstance(task, dict) and "id" in task else f"task #{t + 1} of the file"
-            if not isinstance(task, dict):
-                raise LabelImportError(f"{name}:{line}: {task_name} is a {type(task).__name__}, not an object")
-            data = task.get("data") if isinstance(task.get("data"), dict) else {}
-            meta = task.get("meta") if isinstance(task.get("meta"), dict) else {}
-            sid = _cell(data.get("sample_id")) or _cell(meta.get("sample_id"))
-            ext = self.keys.first(data, self.keys.id_columns)
-            image = self.keys.first(data, self.keys.image_columns)
-            anns = task.get("annotations") or []
-            if not isinstance(anns, list):
-                raise LabelImportError(f"{name}:{line}: {task_name}: 'annotations' must be a list")
-            if not anns:
-                unlabeled += 1
-            for j, ann in enumerate(anns):
-                if not isinstance(ann, dict):
-                    raise LabelImportError(f"{name}:{line}: {task_name} annotation #{j + 1} is not an object")
-                ann_name = f"annotation {ann['id']}" if "id" in ann else f"annotation #{j + 1}"
-                who = _annotator(ann.get("completed_by"), f"annotation-{ann.get('id', f'{t}.{j}')}")
-                where = f"{name}:{line} ({task_name}, {ann_name})"
-                result = ann.get("result") or []
-                row = LabelRow(sid, None, who, line, where, external_id=ext, image=image)
-                if ann.get("was_cancelled") or not result:
-                    row.cancelled = True
-                    rows.append(row)
-                    continue
-                if not isinstance(result, list):
-                    raise LabelImportError(f"{where}: 'result' must be a list")
-                row.label, row.problem = _result_label(result)
-                rows.append(row)
-        return rows, unlabeled
-
-
-class LabelStudioMinReader(LabelReader):
-    """JSON_MIN: one flat object per task; the answer sits under the control's name."""
-
-    name = "label_studio_min"
-    label_keys = (FROM_NAME, "label")
-
-    def read(self, text: str, name: str) -> tuple[list[LabelRow], int]:
-        rows, unlabeled = [], 0
-        for t, (line, task) in enumerate(json_array_items(text, name)):
-            if not isinstance(task, dict):
-                raise LabelImportError(f"{name}:{line}: task #{t + 1} is a {type(task).__name__}, not an object")
-            key = next((k for k in self.label_keys if k in task), None)
-            if key is None:
-                unlabeled += 1
-                continue
-            value, problem = task[key], None
-            if isinstance(value, dict) and "choices" in value:
-                value = value["choices"]
-            if isinstance(value, list):
-                if len(value) != 1:
-                    problem = f"{len(value)} values ({', '.join(map(str, value))}); give exactly one"
-                value = value[0] if len(value) == 1 else None
-            who = _annotator(task.get("annotator"), f"annotation-{task.get('annotation_id', t)}")
-            where = f"{name}:{line}" + (f" (task {task['id']})" if "id" in task else "")
-            rows.append(LabelRow(
-                _cell(task.get("sample_id")), None if value is None else str(value), who, line, where,
-                problem=problem,
-                # JSON_MIN's own "id" is Label Studio's task ID, never the user's: only other ID columns count.
-                external_id=self.keys.first(task, self.keys.id_columns, skip=("id",)),
-                image=self.keys.first(task, self.keys.image_columns),
-            ))
-        return rows, unlabeled
-
-
-def _table_row(d: dict[str, Any], line: int, name: str, keys: LabelKeys) -> LabelRow:
-    label = d.get("label")
-    return LabelRow(
-        _cell(d.get("sample_id")),
-        None if label is None else str(label),
-        _annotator(d.get("annotator"), "unknown"),
-        line,
-        f"{name}:{line}",
-        external_id=keys.first(d, keys.id_columns),
-        image=keys.first(d, keys.image_columns),
-    )
-
-
-class CsvReader(LabelReader):
-    name = "csv"
-
-    def read(self, text: str, name: str) -> tuple[list[LabelRow], int]:
-        reader = csv.reader(io.StringIO(text, newline=""), strict=True)
-        rows: list[LabelRow] = []
-        header: list[str] | None = None
-        start = 1
-        key_columns = ("sample_id", *self.keys.id_columns, *self.keys.image_columns)
-        try:
-            for record in reader:
-                line, start = start, reader.line_num + 1
-                if not record or all(not c.strip() for c in record):
-                    continue
-                if header is None:
-                    header = [c.strip().lower() for c in record]
-                    missing = [] if "label" in header else ["label"]
-                    if not any(k.lower() in header for k in key_columns):
-                        missing.append("sample_id (or " + " / ".join(key_columns[1:]) + ")")
-                    if missing:
-                        raise LabelImportError(
-                            f"{name}:{line}: the header lacks column(s) {', '.join(missing)} (found: "
-                            f"{', '.join(header)}); the first line must name the label column and a key column: "
-                            "sample_id, your own id, or the image path"
-                        )
-                    continue
-                if len(record) != len(header):
-                    raise LabelImportError(
-                        f"{name}:{line}: {len(record)} fields, but the header has {len(header)}; quote values that "
-                        "contain commas"
-                    )
-                rows.append(_table_row(dict(zip(header, record, strict=True)), line, name, self.keys))
-        except csv.Error as exc:
-            raise LabelImportError(f"{name}:{reader.line_num}: not valid CSV ({exc}); fix that line") from None
-        if header is None:
-            raise LabelImportError(f"{name}: the file is empty; expected a header with sample_id,label")
-        return rows, 0
-
-
-class JsonlReader(LabelReader):
-    name = "jsonl"
-
-    def read(self, text: str, name: str) -> tuple[list[LabelRow], int]:
-        rows = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise LabelImportError(
-                    f"{name}:{n}:{exc.colno}: not valid JSON ({_json_msg(exc)}); each line must be one JSON object"
-                ) from None
-            if not isinstance(d, dict):
-                raise LabelImportError(f"{name}:{n}: a {type(d).__name__}, not a JSON object with sample_id and label")
-            rows.append(_table_row(d, n, name, self.keys))
-        return rows, 0
-
-
-READERS: dict[str, type[LabelReader]] = {
-    c.name: c for c in (LabelStudioReader, LabelStudioMinReader, CsvReader, JsonlReader)
-}
-
-
-def detect_format(path: Path, text: str) -> str:
-    suffix = path.suffix.lower()
-    if suffix == ".csv":
-        return "csv"
-    if suffix == ".jsonl":
-        return "jsonl"
-    if suffix == ".json":
-        items = json_array_items(text, str(path))
-        full = any(isinstance(t, dict) and ("annotations" in t or "data" in t) for _, t in items)
-        return "label_studio" if full else "label_studio_min"
-    raise LabelImportError(
-        f"{path}: unknown label file type {suffix!r}; use a Label Studio .json export, .csv or .jsonl"
-    )
-
-
-@dataclass
-class LabelFile:
-    path: Path
-    digest: str
-    format: str
-    rows: list[LabelRow]
-    unlabeled_tasks: int
-
-
-def read_label_file(path: str | os.PathLike[str], keys: LabelKeys | None = None) -> LabelFile:
-    path = Path(path)
-    if not path.is_file():
-        raise LabelImportError(f"{path}: no such file")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise LabelImportError(f"{path}:{line}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
-    fmt = detect_format(path, text)
-    rows, unlabeled = READERS[fmt](keys).read(text, str(path))
-    # No tasks at all (Label Studio exports `[]` for an empty project, a CSV may hold only its header) is zero labels,
-    # nothing to do; tasks without a single label row is more likely the wrong export.
-    if not rows and unlabeled:
-        hint = f" (answers are read from keys {', '.join(LabelStudioMinReader.label_keys)})" if fmt.endswith("min") else ""
-        raise LabelImportError(f"{path}: no label rows in {unlabeled} task(s){hint}; is this the annotated export?")
-    return LabelFile(path, digest_bytes(raw), fmt, rows, unlabeled)
 
 
 # ------------------------------------------------------------------------------------------------ matching
@@ -593,8 +244,6 @@ def _check_project(lf: LabelFile, index: SampleIndex) -> None:
 
 
 def _open_key(label: str) -> str:
-    from pipeline.evaluate import normalize_answer
-
     return normalize_answer(label)
 
 
@@ -742,56 +391,6 @@ def _prepared_file(path: Path, index: SampleIndex, keys: LabelKeys | None) -> La
         index.resolve(r)
     _check_project(lf, index)
     return lf
-
-
-def inbox_files(inbox_dir: str | os.PathLike[str]) -> list[Path]:
-    d = Path(inbox_dir)
-    if not d.is_dir():
-        return []
-    # Hidden names are temp files of an atomic write still in progress.
-    return sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in INBOX_SUFFIXES
-                  and not p.name.startswith("."))
-
-
-def import_inbox(
-    inbox_dir: str | os.PathLike[str],
-    *,
-    known_ids: SampleIndex | set[str],
-    answers: Sequence[str] | None,
-    ledger: Ledger,
-    round_index: int,
-    rejections_dir: str | os.PathLike[str],
-    strict: bool = False,
-    keys: LabelKeys | None = None,
-) -> list[ImportReport]:
-    """Import every new label file in the inbox (sorted by name). Files stay where they are: digests make it idempotent.
-
-    All new files are read and checked first, so one malformed file stops the import before anything is appended.
-    """
-    index = SampleIndex.of(known_ids)
-    done = ledger.imported_digests()
-    reports: list[ImportReport] = []
-    pending: list[LabelFile] = []
-    for p in inbox_files(inbox_dir):
-        digest = digest_bytes(p.read_bytes())
-        if digest in done:
-            reports.append(ImportReport(file=str(p), digest=digest, already_imported=True))
-            continue
-        pending.append(_prepared_file(p, index, keys))
-        done.add(digest)  # a second copy under another name is the same file
-    for lf in pending:
-        reports.append(_apply(lf, index=index, answers=answers, ledger=ledger, round_index=round_index,
-                              rejections_dir=Path(rejections_dir), strict=strict))
-    order = {str(p): i for i, p in enumerate(inbox_files(inbox_dir))}
-    return sorted(reports, key=lambda r: order.get(r.file, len(order)))
-
-
-def import_round(artifacts: str | os.PathLike[str]) -> int:
-    """The round labels imported now belong to, the same for the inbox and `tamis labels import`: the next round,
-    the first whose labeled set holds them (0 before any round finished)."""
-    from pipeline.rounds import next_round_index
-
-    return next_round_index(artifacts, None)
 
 
 PREPARE_LATEST = Path("prepare") / "latest.json"  # written by flows.prepare (LATEST): the last prepared dataset

@@ -1,0 +1,81 @@
+"""The inbox: where annotators' exports land (artifacts/inbox/), and the one policy that imports them.
+
+Each file is imported on its own: a corrupt file is rejected (reported with its line) and the others still go in;
+a file the ledger already holds is a no-op, so the inbox can keep every file it ever received.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.annotation.label_files import LabelKeys
+from pipeline.annotation.labels import SampleIndex, import_labels
+from pipeline.annotation.ledger import Ledger, ledger_path
+from pipeline.errors import DataError, LabelImportError
+from pipeline.store import atomic_write_bytes, digest_file
+
+log = logging.getLogger(__name__)
+INBOX = "inbox"
+INBOX_SUFFIXES = (".json", ".csv", ".jsonl")
+
+
+def inbox_dir(artifacts: str | os.PathLike[str]) -> Path:
+    return Path(artifacts) / INBOX
+
+
+def inbox_files(inbox: str | os.PathLike[str]) -> list[Path]:
+    d = Path(inbox)
+    if not d.is_dir():
+        return []
+    # Hidden names are temp files of an atomic write still in progress.
+    return sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in INBOX_SUFFIXES
+                  and not p.name.startswith("."))
+
+
+def import_inbox(artifacts: str | os.PathLike[str], *, index: SampleIndex | set[str], answers: Sequence[str] | None,
+                 round_index: int, keys: LabelKeys | None = None) -> list[dict[str, Any]]:
+    """Import every inbox file (sorted by name) into the ledger; one report dict per file, in that order."""
+    ledger = Ledger(ledger_path(artifacts))
+    index = SampleIndex.of(index)
+    reports = []
+    for path in inbox_files(inbox_dir(artifacts)):
+        try:
+            rep = import_labels(path, known_ids=index, answers=answers, ledger=ledger, round_index=round_index,
+                                rejections_dir=Path(artifacts) / "rejections", keys=keys)
+        except LabelImportError as exc:
+            log.error("label file rejected, nothing imported from it: %s", exc)
+            reports.append({"file": str(path), "error": str(exc)})
+            continue
+        if not rep.already_imported:
+            log.info(rep.summary())
+        reports.append({"file": rep.file, "summary": rep.summary(), "accepted": len(rep.accepted),
+                        "rejected": len(rep.rejected), "already_imported": rep.already_imported})
+    return reports
+
+
+def receive_labels(artifacts: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+    """Put the annotators' export file into the inbox (a copy; the original stays where it is) → the inbox path.
+
+    A file whose content is already in the inbox is not copied twice; a different file with the same name gets a
+    numbered name, so nothing in the inbox is overwritten.
+    """
+    src = Path(path).expanduser()
+    if not src.is_file():
+        raise DataError(f"labels file {src} does not exist or is not a file; give the path of the annotators' export "
+                        "(Label Studio JSON, or CSV / JSONL with sample_id,label) as the worker's machine sees it")
+    if src.suffix.lower() not in INBOX_SUFFIXES:
+        raise DataError(f"labels file {src}: the inbox reads only {', '.join(sorted(INBOX_SUFFIXES))} files; export "
+                        "the labels in one of those formats")
+    inbox = inbox_dir(artifacts)
+    digest = digest_file(src)
+    for existing in sorted(inbox.iterdir()) if inbox.is_dir() else []:
+        if existing.is_file() and digest_file(existing) == digest:
+            return existing
+    dest, n = inbox / src.name, 1
+    while dest.exists():
+        dest, n = inbox / f"{src.stem}-{n}{src.suffix}", n + 1
+    return atomic_write_bytes(dest, src.read_bytes())

@@ -1,0 +1,40 @@
+"""What `tamis status` shows from the annotation side: rounds exported and finished, labels, pending inbox files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pipeline.annotation.inbox import inbox_dir, inbox_files
+from pipeline.annotation.ledger import Ledger, ledger_path
+from pipeline.metrics import read_metrics
+from pipeline.rounds import completed_rounds
+from pipeline.store import MANIFEST_NAME, digest_file
+
+
+def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
+    """What `tamis status` shows from the annotation side: rounds exported, labels, pending inbox, last metrics."""
+    artifacts = Path(artifacts)
+    rounds_dir = artifacts / "rounds"
+    exported = sorted(
+        int(p.name) for p in rounds_dir.glob("[0-9][0-9][0-9]") if (p / "export" / MANIFEST_NAME).is_file()
+    ) if rounds_dir.is_dir() else []
+    ledger = Ledger(ledger_path(artifacts))
+    entries = ledger.entries()
+    done = {e.get("source_digest") for e in entries}
+    metrics = read_metrics(artifacts)
+    last_round = max((int(m["round"]) for m in metrics), default=None)
+    return {
+        "rounds_exported": exported,
+        # Finished rounds (round.json written), as `tamis status` lists them; a round that stopped exports nothing.
+        "rounds_done": len(completed_rounds(artifacts)),
+        "labeled": len({e["sample_id"] for e in entries if "sample_id" in e}),
+        "ledger_entries": len(entries),
+        "corrections": sum(e.get("kind") == "correction" for e in entries),
+        # Inbox files no ledger entry came from yet (a file whose rows were all rejected stays listed).
+        "inbox_pending": [str(p) for p in inbox_files(inbox_dir(artifacts)) if digest_file(p) not in done],
+        "last_round_evaluated": last_round,
+        "last_metrics": {m["metric"]: m["value"] for m in metrics if last_round is not None and m["round"] == last_round},
+        "metrics_rows": len(metrics),
+    }

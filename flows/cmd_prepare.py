@@ -43,13 +43,12 @@ def quality_report_cmd(
     """Counts per quality flag and the worst examples' IDs and image paths (from the last `tamis prepare`)."""
     from rich.table import Table
 
-    from flows.prepare import latest_refs
-    from pipeline.preprocess import load_prepared
+    from pipeline.preprocess import latest_refs, load_prepared
     from pipeline.quality import quality_report
     from pipeline.store import read_manifest
 
     cfg = load(config)
-    refs = latest_refs(cfg)
+    refs = latest_refs(cfg.artifacts)
     out = out_console()
     qdir = Path(refs["quality"]["dir"])
     if read_manifest(qdir, verify=False).config != cfg.section("quality"):

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from prefect import flow
 
 from flows.stages import run_stage, stage_task
 from pipeline.config import ProjectConfig, load_config
-from pipeline.data.ingest import INGEST_VERSION, STAGE, ingest, source_digest
-from pipeline.store import find_valid_manifest, stage_key
-
-
-def ingest_dir(artifacts: str | Path, digest: str, data_config: dict[str, Any]) -> Path:
-    key = stage_key(STAGE, INGEST_VERSION, {"sources": digest}, data_config)
-    return Path(artifacts) / STAGE / key[:16]
+from pipeline.data.ingest import INGEST_VERSION, STAGE, ingest_dir, ingest_stage, source_digest
 
 
 @stage_task(STAGE, INGEST_VERSION)
 def ingest_task(artifacts: str, source_digest: str, data_config: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    key = stage_key(STAGE, INGEST_VERSION, {"sources": source_digest}, data_config)
-    # Prefect's cache may be gone (new PREFECT_HOME) while the verified outputs are still on disk: reuse them.
-    m = find_valid_manifest(out_dir, key)
-    if m is None:
-        cfg = ProjectConfig.model_validate({"data": data_config, "paths": {"artifacts": artifacts}})
-        m = ingest(cfg, Path(out_dir), digest=source_digest)
-    return {"dir": str(out_dir), "digest": m.key, "counts": m.info["counts"]}
+    return ingest_stage(artifacts, source_digest, data_config, out_dir)
 
 
 def ingest_ref(cfg: ProjectConfig, digest: str | None = None) -> dict[str, Any]:
@@ -36,13 +23,8 @@ def ingest_ref(cfg: ProjectConfig, digest: str | None = None) -> dict[str, Any]:
     """
     digest = digest or source_digest(cfg.data)
     data_config = cfg.section("data")
-    return run_stage(
-        ingest_task,
-        artifacts=str(cfg.artifacts),
-        source_digest=digest,
-        data_config=data_config,
-        out_dir=str(ingest_dir(cfg.artifacts, digest, data_config)),
-    )
+    return run_stage(ingest_task, artifacts=str(cfg.artifacts), source_digest=digest, data_config=data_config,
+                     out_dir=str(ingest_dir(cfg.artifacts, digest, data_config)))
 
 
 @flow(name="ingest")

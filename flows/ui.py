@@ -106,3 +106,27 @@ def detach(value: Any) -> Any:
     linked object passed to a task becomes a `flow_run` task input when that run is a subflow; the Prefect UI's
     Task Runs tab (V1) refuses such an input ("Invalid TaskInputResponse") and lists no task at all."""
     return json.loads(json.dumps(value))
+
+
+def publish_round(artifacts: Any, state: dict[str, Any], metrics_rows: list[dict], label_report: str, curve: Any, *,
+                  waiting: bool) -> None:
+    """The round in the Prefect UI: its summary (with the curve inline), the curve, and the export hand-off."""
+    from prefect.artifacts import create_image_artifact, create_markdown_artifact
+
+    from pipeline import report
+    from pipeline.annotation import export
+
+    uri = report.png_data_uri(curve) if curve else None
+    create_markdown_artifact(key="round-summary", description=f"Labeling round {state['round']}",
+                             markdown=report.summary_markdown(state, metrics_rows, label_report, curve_uri=uri,
+                                                              curve_path=curve))
+    if uri:
+        create_image_artifact(key="learning-curve", image_url=uri,
+                              description=f"Learning curve after round {state['round']} ({curve})")
+    if state.get("export_dir"):
+        create_markdown_artifact(key="export-folder", description=f"Round {state['round']} export: where it is, how "
+                                 "to hand it off", markdown=report.handoff_markdown(
+                                     state["export_dir"], artifacts=artifacts, round_index=state["round"],
+                                     count=state["selected"], tasks_file=export.TASKS_FILE,
+                                     label_config_file=export.LABEL_CONFIG_FILE, csv_file=export.CSV_FILE,
+                                     waiting=waiting))

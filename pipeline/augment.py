@@ -23,9 +23,19 @@ import cv2
 import numpy as np
 
 from pipeline.config import AugmentConfig, ImageAugmentConfig, TextAugmentConfig
-from pipeline.errors import ArtifactError, DataError
+from pipeline.errors import DataError
 from pipeline.preprocess import decode_prepared, encode_png
-from pipeline.store import Manifest, atomic_dir, digest_json, read_manifest, write_manifest
+from pipeline.store import (
+    Manifest,
+    atomic_dir,
+    digest_json,
+    find_valid_manifest,
+    load_stage_dataset,
+    stage_dataset,
+    stage_key,
+    stage_ref,
+    write_manifest,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -305,10 +315,33 @@ def augment_labeled(
 
 
 def load_augmented(folder: str | os.PathLike[str]) -> datasets.Dataset:
+    return load_stage_dataset(folder, STAGE)
+
+
+def augment_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str, augment: dict[str, Any],
+                  seed: int, wordnet: bool) -> dict[str, Any]:
+    """The augment stage: copies of the labeled `dataset` in artifacts/augment/<key>/ (or the verified folder
+    already there). An output made without WordNet is redone once `wordnet` says it is installed."""
     import datasets
 
-    folder = Path(folder)
-    m = read_manifest(folder)
-    if m.stage != STAGE:
-        raise ArtifactError(f"{folder}: holds the output of stage {m.stage!r}, not {STAGE!r}; pass an augment folder")
-    return datasets.load_from_disk(str(m.path_of("dataset", folder)))
+    inputs = {"dataset": dataset_digest}
+    key = stage_key(STAGE, AUGMENT_VERSION, inputs, {**augment, "seed": seed})
+    out = Path(artifacts) / "augment" / key[:16]
+    m = find_valid_manifest(out, key)
+    if m is not None and wordnet and "synonym" in m.info.get("skipped_text_augmenters", []):
+        m = None
+    m = m or augment_labeled(datasets.load_from_disk(dataset), AugmentConfig(**augment), seed, out, inputs=inputs)
+    return stage_ref(out, m, "dataset")
+
+
+def wants_wordnet(cfg: AugmentConfig) -> bool:
+    """Whether this augmentation would use WordNet synonyms and WordNet is installed (part of the stage's key)."""
+    return cfg.copies > 0 and cfg.text.synonym_p > 0 and wordnet_available()
+
+
+def augment_params(artifacts: str | os.PathLike[str], labeled_ref: dict[str, Any], augment: AugmentConfig,
+                   seed: int) -> dict[str, Any]:
+    """The augment stage's parameters (its cache key) for a labeled set's ref (a stage folder or a saved dataset)."""
+    dataset, digest = stage_dataset(labeled_ref)
+    return {"artifacts": str(artifacts), "dataset": dataset, "dataset_digest": digest,
+            "augment": augment.model_dump(mode="json"), "seed": seed, "wordnet": wants_wordnet(augment)}

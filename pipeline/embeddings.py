@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from pipeline.config import EmbeddingsConfig, ModelConfig, PoolEncoderConfig, ProjectConfig
+from pipeline.config import EmbeddingsConfig, ModelConfig, PoolEncoderConfig, ProjectConfig, SelectConfig
 from pipeline.errors import ArtifactError, ConfigError, DataError
 from pipeline.preprocess import decode_prepared
 from pipeline.store import (
@@ -31,7 +31,9 @@ from pipeline.store import (
     atomic_write_bytes,
     atomic_write_json,
     digest_file,
+    digest_json,
     read_manifest,
+    reuse_or_compute,
     stage_key,
     write_manifest,
 )
@@ -312,7 +314,13 @@ class VisionTowerEmbedder(Embedder):
 
     @classmethod
     def from_config(cls, cfg: ProjectConfig) -> VisionTowerEmbedder:
-        return cls(cfg.model, batch_size=cfg.select.score_batch_size)
+        try:
+            batch_size = cfg.select.score_batch_size
+        except ConfigError:
+            # The round's embeddings stage is keyed on select.embeddings only, so it is not given the batch size:
+            # it runs the tower at the default one, as it always has (the embeddings do not depend on it).
+            batch_size = SelectConfig.model_fields["score_batch_size"].default
+        return cls(cfg.model, batch_size=batch_size)
 
     @property
     def loaded(self) -> Any:
@@ -617,3 +625,32 @@ def lookup(ids_all: Sequence[str], emb_all: np.ndarray, wanted_ids: Sequence[str
         raise DataError(f"sample {missing[0]!r} has no selection embedding ({len(missing)} of {len(wanted_ids)} "
                         "missing); recompute the selection embeddings for the current dataset")
     return emb_all[np.asarray(rows, dtype=np.int64)] if rows else emb_all[:0]
+
+
+def embeddings_params(cfg: Any, prepared: dict[str, Any]) -> dict[str, Any] | None:
+    """The selection-embeddings stage's parameters (its cache key), or None when selection uses the model's own
+    embeddings. Keyed by the prepared data's content, the embeddings config, the seed, the base model
+    (vision_tower) and the user's file (file), never by the adapter."""
+    emb = cfg.select.embeddings
+    if emb.source == "model":
+        return None
+    # Prefect's cache sees only parameters: a changed embeddings file must change them.
+    file_digest = digest_json(file_inputs(cfg)) if emb.source == "file" else None
+    params = {"prepared": prepared, "select": {"embeddings": cfg.section("select")["embeddings"]},
+              "model": cfg.section("model") if emb.source == "vision_tower" else None,
+              "file_digest": file_digest, "seed": cfg.seed}
+    out = Path(cfg.artifacts) / "embeddings" / digest_json(params)[:16]
+    return {"artifacts": str(cfg.artifacts), "out_dir": str(out), **params}
+
+
+def embeddings_stage(artifacts: str, prepared: dict[str, Any], select: dict[str, Any], model: dict[str, Any] | None,
+                     file_digest: str | None, seed: int, out_dir: str) -> dict[str, Any]:
+    """The selection-embeddings stage: fitted on the pool's images only, written to `out_dir` (or reused there)."""
+    from pipeline.config import StageConfig
+    from pipeline.preprocess import load_prepared
+
+    cfg = StageConfig({"select": select, "seed": seed, **({"model": model} if model else {})}, artifacts=artifacts)
+    inputs = {"prepared": prepared["digest"]}
+    m = reuse_or_compute(out_dir, embeddings_key(cfg, inputs),
+                         lambda: compute_selection_embeddings(cfg, load_prepared(prepared["dir"]), out_dir, inputs=inputs))
+    return {"dir": out_dir, "digest": m.key}

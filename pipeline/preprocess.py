@@ -8,6 +8,7 @@ DCT scale (a power of two that still leaves the longest side ≥ N) before the a
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import os
@@ -24,7 +25,18 @@ from PIL import Image, ImageOps
 from pipeline.config import ModelConfig, PreprocessConfig
 from pipeline.data.images import ImageRejected, open_image
 from pipeline.errors import ArtifactError, ConfigError, DataError
-from pipeline.store import Manifest, atomic_dir, atomic_write_jsonl, read_manifest, write_manifest
+from pipeline.store import (
+    Manifest,
+    atomic_dir,
+    atomic_write_json,
+    atomic_write_jsonl,
+    load_stage_dataset,
+    reuse_or_compute,
+    stage_dataset,
+    stage_key,
+    stage_ref,
+    write_manifest,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -292,10 +304,44 @@ def preprocess_dataset(
 
 def load_prepared(folder: str | os.PathLike[str]) -> datasets.Dataset:
     """The prepared dataset in a preprocess stage folder, after verifying its manifest's digests."""
+    return load_stage_dataset(folder, STAGE)
+
+
+def preprocess_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str, preprocess: dict[str, Any],
+                     size: int, max_pixels: int) -> dict[str, Any]:
+    """The preprocess stage: the ingested `dataset` prepared into artifacts/prepare/<key>/, or the verified folder
+    already there. Returns its ref {"dir", "digest", "info"}."""
     import datasets
 
-    folder = Path(folder)
-    m = read_manifest(folder)
-    if m.stage != STAGE:
-        raise ArtifactError(f"{folder}: holds the output of stage {m.stage!r}, not {STAGE!r}; pass a prepare folder")
-    return datasets.load_from_disk(str(m.path_of("dataset", folder)))
+    inputs = {"dataset": dataset_digest}
+    key = stage_key(STAGE, PREPROCESS_VERSION, inputs, {**preprocess, "size": size, "max_pixels": max_pixels})
+    out = Path(artifacts) / "prepare" / key[:16]
+    m = reuse_or_compute(out, key, lambda: preprocess_dataset(
+        datasets.load_from_disk(dataset), PreprocessConfig(**preprocess), out, size=size, max_pixels=max_pixels,
+        inputs=inputs))
+    return stage_ref(out, m, "dataset")
+
+
+LATEST = "latest.json"  # artifacts/prepare/latest.json: the refs of the last prepare run
+
+
+def record_latest(artifacts: str | os.PathLike[str], refs: dict[str, Any]) -> None:
+    """Keep the refs of the last prepare run: what `tamis quality report` and later commands read without a flow."""
+    atomic_write_json(Path(artifacts) / "prepare" / LATEST, refs)
+
+
+def latest_refs(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
+    """The refs the last `prepare` run of this project wrote; a clear error if there was none."""
+    path = Path(artifacts) / "prepare" / LATEST
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no prepared data yet; run `tamis prepare --config <your config>` first")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def preprocess_params(artifacts: str | os.PathLike[str], ingest_ref: dict[str, Any], preprocess: PreprocessConfig,
+                      model: ModelConfig, max_pixels: int) -> dict[str, Any]:
+    """The preprocess stage's parameters (its cache key) for an ingested dataset's ref."""
+    dataset, digest = stage_dataset(ingest_ref)
+    return {"artifacts": str(artifacts), "dataset": dataset, "dataset_digest": digest,
+            "preprocess": preprocess.model_dump(mode="json"), "size": resolve_size(preprocess, model),
+            "max_pixels": max_pixels}

@@ -22,7 +22,17 @@ import numpy as np
 from pipeline.config import QualityConfig
 from pipeline.errors import ArtifactError, DataError
 from pipeline.preprocess import decode_prepared
-from pipeline.store import Manifest, atomic_write_jsonl, read_jsonl, read_manifest, write_manifest
+from pipeline.store import (
+    Manifest,
+    atomic_write_jsonl,
+    read_jsonl,
+    read_manifest,
+    reuse_or_compute,
+    stage_dataset,
+    stage_key,
+    stage_ref,
+    write_manifest,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -195,3 +205,25 @@ def quality_report(quality_dir: str | os.PathLike[str], ds: datasets.Dataset, to
     counts = Counter(f for r in table for f in r["flags"])
     return {"rows": len(table), "excluded": sum(r["excluded"] for r in table),
             "counts": {f: counts[f] for f in FLAGS}, "worst": worst}
+
+
+def quality_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str,
+                  quality: dict[str, Any]) -> dict[str, Any]:
+    """The quality stage: flags for the prepared `dataset` in artifacts/quality/<key>/ (or the verified folder
+    already there). Returns its ref {"dir", "digest", "info"}."""
+    import datasets
+
+    inputs = {"dataset": dataset_digest}
+    key = stage_key(STAGE, QUALITY_VERSION, inputs, quality)
+    out = Path(artifacts) / "quality" / key[:16]
+    m = reuse_or_compute(out, key, lambda: assess_quality(datasets.load_from_disk(dataset), QualityConfig(**quality),
+                                                          out, inputs=inputs))
+    return stage_ref(out, m, "table")
+
+
+def quality_params(artifacts: str | os.PathLike[str], prepared_ref: dict[str, Any],
+                   quality: QualityConfig) -> dict[str, Any]:
+    """The quality stage's parameters (its cache key) for a prepared dataset's ref."""
+    dataset, digest = stage_dataset(prepared_ref)
+    return {"artifacts": str(artifacts), "dataset": dataset, "dataset_digest": digest,
+            "quality": quality.model_dump(mode="json")}

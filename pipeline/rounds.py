@@ -1,18 +1,25 @@
-"""Round bookkeeping: which round comes next, what was already sent out, when to stop."""
+"""The round's decisions: which round this is, which labels it trains on, its warm start, which samples it may
+select, when to stop, and what it leaves behind (summary.md, then round.json last).
+
+Plain functions of the project's files and config, unit-tested without a Prefect server; flows/round.py only
+orders them around the cached stages.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError
-from pipeline.store import atomic_dir, atomic_write_text
+from pipeline.store import atomic_dir, atomic_write_json, atomic_write_text, digest_json
 
 ROUND_FILE = "round.json"
+SUMMARY_FILE = "summary.md"  # the round-summary artifact, also readable without the Prefect UI
 
 
 def completed_rounds(artifacts: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -36,16 +43,17 @@ def next_round_index(artifacts: str | os.PathLike[str], labeled_digest: str | No
     return last["round"] if labeled_digest is not None and last.get("labeled_digest") == labeled_digest else last["round"] + 1
 
 
+def import_round(artifacts: str | os.PathLike[str]) -> int:
+    """The round labels imported now belong to, the same for the inbox and `tamis labels import`: the next round,
+    the first whose labeled set holds them (0 before any round finished)."""
+    return next_round_index(artifacts, None)
+
+
 def exported_before(artifacts: str | os.PathLike[str], round_index: int) -> set[str]:
     """Samples sent to annotators in rounds before `round_index` (exported but maybe not labeled yet)."""
-    from pipeline.annotation.export import TASKS_FILE
+    from pipeline.annotation.export import exported_sample_ids
 
-    ids: set[str] = set()
-    for r in range(round_index):
-        tasks = Path(artifacts) / "rounds" / f"{r:03d}" / "export" / TASKS_FILE
-        if tasks.is_file():
-            ids.update(t["data"]["sample_id"] for t in json.loads(tasks.read_text(encoding="utf-8")))
-    return ids
+    return exported_sample_ids(artifacts, before_round=round_index)
 
 
 def save_labeled_set(prepared: Any, labels: Mapping[str, str], out_dir: str | os.PathLike[str], *,
@@ -95,35 +103,147 @@ def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Se
     return None
 
 
-def receive_labels(artifacts: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
-    """Put the annotators' export file into the inbox (a copy; the original stays where it is) → the inbox path.
-
-    A file whose content is already in the inbox is not copied twice; a different file with the same name gets a
-    numbered name, so nothing in the inbox is overwritten.
-    """
-    from pipeline.store import atomic_write_bytes, digest_file
-
-    src = Path(path).expanduser()
-    if not src.is_file():
-        raise DataError(f"labels file {src} does not exist or is not a file; give the path of the annotators' export "
-                        "(Label Studio JSON, or CSV / JSONL with sample_id,label) as the worker's machine sees it")
-    from pipeline.annotation.labels import INBOX_SUFFIXES
-
-    if src.suffix.lower() not in INBOX_SUFFIXES:
-        raise DataError(f"labels file {src}: the inbox reads only {', '.join(sorted(INBOX_SUFFIXES))} files; export "
-                        "the labels in one of those formats")
-    inbox = Path(artifacts) / "inbox"
-    digest = digest_file(src)
-    for existing in sorted(inbox.iterdir()) if inbox.is_dir() else []:
-        if existing.is_file() and digest_file(existing) == digest:
-            return existing
-    dest, n = inbox / src.name, 1
-    while dest.exists():
-        dest, n = inbox / f"{src.stem}-{n}{src.suffix}", n + 1
-    return atomic_write_bytes(dest, src.read_bytes())
-
-
 def should_wait(cfg: ProjectConfig, state: Mapping[str, Any], *, deployed: bool) -> bool:
     """Whether a finished round waits for its annotators: rounds.wait_for_labels, a batch was exported, and the run
     can be suspended and resumed later (only a deployment's run can: its worker starts it again)."""
     return bool(cfg.rounds.wait_for_labels and deployed and state.get("export_dir") and not state.get("stopped"))
+
+
+def round_dir(artifacts: str | os.PathLike[str], round_index: int) -> Path:
+    return Path(artifacts) / "rounds" / f"{round_index:03d}"
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclass
+class PoolData:
+    """The prepared dataset's columns a round decides on (IDs, splits, seed answers) and its label-matching index."""
+
+    ids: list[str]
+    splits: list[str]
+    answers: list[str | None]
+    index: Any  # pipeline.annotation.labels.SampleIndex: matches labels by ID, the user's own ID or image path
+
+    @classmethod
+    def of(cls, prepared: Any) -> PoolData:
+        from pipeline.annotation.labels import SampleIndex
+
+        ds = prepared.select_columns(["sample_id", "split", "answer"])
+        cols = [c for c in ("sample_id", "external_id", "image_path") if c in prepared.column_names]
+        return cls(ds["sample_id"], ds["split"], ds["answer"], SampleIndex.from_dataset(prepared.select_columns(cols)))
+
+    def seed_labels(self) -> dict[str, str]:
+        """Answers the data came with on its train split: labels before any annotator."""
+        return {s: a for s, sp, a in zip(self.ids, self.splits, self.answers, strict=True)
+                if sp == "train" and a is not None}
+
+
+def round_labels(pool: PoolData, ledger_labels: Mapping[str, str]) -> dict[str, str]:
+    """The labels a round trains on: the seed labels, overridden by the ledger's labels of this dataset's samples."""
+    known = set(pool.ids)
+    return {**pool.seed_labels(), **{s: lab for s, lab in ledger_labels.items() if s in known}}
+
+
+@dataclass
+class RoundPlan:
+    """Which round this run is, with what labels, and what came before it."""
+
+    index: int
+    dir: Path
+    labels: dict[str, str]
+    labeled_digest: str
+    rerun: dict[str, Any] | None  # the finished round this run repeats (its labeled set is unchanged)
+    previous: list[dict[str, Any]]  # finished rounds before this one, oldest first
+
+    def warm_start(self, init: str) -> dict[str, Any] | None:
+        """The adapter training starts from: the last earlier round's with train.init = warm, never this round's
+        own (on a re-run of round r, round r's adapter would be its own warm start)."""
+        return self.previous[-1].get("adapter") if self.previous and init == "warm" else None
+
+    def history_dirs(self, artifacts: str | os.PathLike[str]) -> list[Path]:
+        return [round_dir(artifacts, p["round"]) for p in self.previous]
+
+    def state(self, imports: list[dict[str, Any]]) -> dict[str, Any]:
+        """The round's state as round.json records it, before any stage ran."""
+        from pipeline.report import import_record
+
+        return {"round": self.index, "labeled": len(self.labels), "labeled_digest": self.labeled_digest,
+                "imports": import_record(self.rerun, imports), "metrics": None}
+
+
+def plan_round(artifacts: str | os.PathLike[str], labels: dict[str, str]) -> RoundPlan:
+    """The round for this labeled set: the last one again when it is unchanged (a re-run), else the next."""
+    digest = digest_json(sorted(labels.items()))
+    r = next_round_index(artifacts, digest)
+    done = completed_rounds(artifacts)
+    return RoundPlan(index=r, dir=round_dir(artifacts, r), labels=labels, labeled_digest=digest,
+                     rerun=next((s for s in done if s["round"] == r), None),
+                     previous=[s for s in done if s["round"] < r])
+
+
+def labeled_set(prepared_ref: Mapping[str, Any], plan: RoundPlan) -> dict[str, str]:
+    """The round's labeled training set on disk (round_dir/labeled/), keyed by the prepared data and the labels."""
+    from pipeline.preprocess import load_prepared
+
+    return save_labeled_set(load_prepared(prepared_ref["dir"]), plan.labels, plan.dir / "labeled",
+                            digest=digest_json([prepared_ref["digest"], plan.labeled_digest]))
+
+
+def train_params(cfg: Any, plan: RoundPlan, *, prepared: dict[str, Any], labeled: dict[str, Any],
+                 augmented: dict[str, Any] | None) -> dict[str, Any]:
+    """The train stage's parameters (its cache key) and output folder for this round."""
+    init = plan.warm_start(cfg.train.init)
+    sections = {"model": cfg.section("model"), "train": cfg.section("train")}
+    key = digest_json({"prepared": prepared["digest"], "labeled": plan.labeled_digest, **sections,
+                       "aug": augmented and augmented["digest"], "init": init and init["adapter_digest"],
+                       "seed": cfg.seed})
+    return dict(artifacts=str(cfg.artifacts), prepared=prepared, labeled=labeled, augmented=augmented, seed=cfg.seed,
+                init_adapter=init, out_dir=str(Path(cfg.artifacts) / "train" / key[:16]), **sections)
+
+
+def evaluate_params(cfg: Any, *, prepared: dict[str, Any], adapter: dict[str, Any]) -> dict[str, Any]:
+    """The evaluate stage's parameters (its cache key) and output folder for a trained adapter."""
+    key = digest_json({"prepared": prepared["digest"], "adapter": adapter["adapter_digest"]})
+    return dict(artifacts=str(cfg.artifacts), prepared=prepared, adapter=adapter, model=cfg.section("model"),
+                answers=cfg.data.answers, batch_size=cfg.select.score_batch_size,
+                out_dir=str(Path(cfg.artifacts) / "eval" / key[:16]))
+
+
+def round_strategy(cfg: Any, *, cold: bool) -> str:
+    """How the round's batch is chosen, as tables and the metrics log name it."""
+    return "cold start: " + cfg.select.cold_start if cold else f"{cfg.select.strategy}+{cfg.select.diversity}"
+
+
+def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: RoundPlan,
+                  quality_excluded: set[str]) -> tuple[list[str], set[str]]:
+    """(pool samples the round may select, every ID it must not): labeled, flagged by quality, or exported in an
+    earlier round and not labeled yet (still with the annotators)."""
+    labeled = set(plan.labels)
+    exclude = labeled | quality_excluded | (exported_before(artifacts, plan.index) - labeled)
+    return [s for s, sp in zip(pool.ids, pool.splits, strict=True) if sp == "pool" and s not in exclude], exclude
+
+
+# --------------------------------------------------------------------------------------------- the end
+def write_round(plan: RoundPlan, state: Mapping[str, Any], summary: str) -> None:
+    """summary.md, then round.json last: round.json is what marks the round finished."""
+    atomic_write_text(plan.dir / SUMMARY_FILE, summary + "\n")
+    atomic_write_json(plan.dir / ROUND_FILE, dict(state))
+
+
+def answer_round(artifacts: str | os.PathLike[str], state: Mapping[str, Any], *, ground_truth: Any, noise: float,
+                 seed: int) -> None:
+    """The simulated annotator answers a finished round's export (and its re-label queue) into the inbox.
+
+    Only a finished round is answered: with its labels in the inbox before round.json, a crash in between made the
+    re-run import them into this round (a cold-start round trained, its export replaced, rounds renumbered).
+    """
+    from pipeline.annotation.inbox import inbox_dir
+    from pipeline.annotation.simulate import simulate_annotator
+
+    if not state.get("export_dir"):
+        return
+    simulate_annotator(state["export_dir"], ground_truth, inbox_dir(artifacts), round_index=state["round"],
+                       noise=noise, seed=seed)
+    if state.get("relabel_dir"):
+        # The reviewer of likely errors is careful: answers from the ground truth, never flipped.
+        simulate_annotator(state["relabel_dir"], ground_truth, inbox_dir(artifacts), round_index=state["round"],
+                           seed=seed, annotator="simulated-reviewer", kind="relabel")

@@ -1,21 +1,29 @@
 """One round's selection from its inputs: the pool's scores (none at a cold start in a non-model space), the
 selection space, the labeled set, what may not be picked, the uncertainty history, and the round's phase.
 
-No Prefect here: flows/select.py loads the inputs, calls `select_round` and writes what it returns.
+No Prefect here: flows/select.py orders the stages; `plan_selection` writes the round's ID files and returns the
+select stage's parameters, `select_stage` is that stage's body (load, `select_round`, write).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pipeline.config import SelectConfig
 from pipeline.errors import SelectionError
+from pipeline.store import atomic_write_jsonl, digest_file, digest_json, read_jsonl, write_manifest
 from pipeline.strategies import get_heuristic, get_selector, select_batch
 from pipeline.strategies.schedule import Phase, choose_phase, newest_label_accuracy
+
+SELECT_VERSION = "3"
+UNCERTAINTY_FILE = "uncertainty.json"
+OUTLIERS_FILE = "outliers.jsonl"
+SELECTION_FILE = "selection.jsonl"
 
 
 @dataclass(frozen=True)
@@ -181,3 +189,96 @@ def select_round(
     if getattr(selection, "info", None):
         out.info["selector"] = selection.info
     return out
+
+
+# ------------------------------------------------------------------------------------------- the select stage
+def uncertainty_history(round_dirs: Sequence[Path]) -> list[dict[str, str]]:
+    """Earlier rounds' pool uncertainty files (oldest first), with digests for the select stage's cache key."""
+    files = [Path(d) / "selection" / UNCERTAINTY_FILE for d in round_dirs]
+    return [{"path": str(f), "digest": digest_file(f)} for f in files if f.is_file()]
+
+
+@dataclass
+class SelectionPlan:
+    """What the select stage of a round needs: the candidates to score (pool + labeled samples, whose embeddings
+    tell pool outliers from samples near labels), whether to score them at all, and the stage's parameters."""
+
+    candidates: list[str]
+    score: bool  # a cold start in a non-model selection space scores nothing
+    params: dict[str, Any]  # select stage parameters, all but shard_refs
+
+    def stage_params(self, shard_refs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**self.params, "shard_refs": shard_refs}
+
+
+def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclude: Collection[str],
+                   labels: Mapping[str, str], adapter: dict[str, Any] | None, space: dict[str, Any] | None,
+                   history_dirs: Sequence[Path]) -> SelectionPlan:
+    """Plan the select stage of the round in `round_dir`: writes its candidate, exclusion and labeled ID files (they
+    are too long to be parameters), and decides the round's phase from earlier rounds' selections."""
+    labeled_ids = sorted(labels) if adapter is not None else []
+    candidates = sorted(set(pool_ids) | set(labeled_ids))
+    pool_path, exclude_path, labeled_path = (round_dir / "candidates.jsonl", round_dir / "exclude.jsonl",
+                                             round_dir / "labeled_ids.jsonl")
+    atomic_write_jsonl(pool_path, [{"sample_id": s} for s in candidates])
+    exclude_rows = [{"sample_id": s} for s in sorted(set(exclude) | set(labeled_ids))]
+    atomic_write_jsonl(exclude_path, exclude_rows)
+    atomic_write_jsonl(labeled_path, [{"sample_id": s} for s in labeled_ids])
+    phase = None
+    if adapter is not None:
+        previous = [read_jsonl(f) for d in history_dirs if (f := Path(d) / "selection" / SELECTION_FILE).is_file()]
+        phase = round_phase(cfg.select, labels=labels, n_classes=len(cfg.data.answers) if cfg.data.answers else None,
+                            previous_selections=previous).as_dict()
+    params = dict(artifacts=str(cfg.artifacts), select=cfg.section("select"), answers=cfg.data.answers,
+                  exclude_digest=digest_json(exclude_rows), exclude_path=str(exclude_path),
+                  labeled_path=str(labeled_path), pool_path=str(pool_path),
+                  history=uncertainty_history(list(history_dirs)), cold_start=adapter is None, phase=phase,
+                  space=space, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
+                  out_dir=str(round_dir / "selection"))
+    return SelectionPlan(candidates, adapter is not None or space is None, params)
+
+
+def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[str, Any], answers: list[str] | None,
+                 exclude_digest: str, exclude_path: str, labeled_path: str, pool_path: str,
+                 history: list[dict[str, str]], cold_start: bool, phase: dict[str, str] | None,
+                 space: dict[str, Any] | None, adapter_digest: str | None, seed: int, out_dir: str) -> dict[str, Any]:
+    """The select stage: the round's batch from its scores (and selection space) into `out_dir`."""
+    from pipeline.embeddings import load_selection_embeddings
+    from pipeline.scoring import concat_scores, load_scores
+    from pipeline.strategies.outliers import read_uncertainty_history, write_uncertainty
+
+    sel_cfg = SelectConfig.model_validate(select)
+    scores = concat_scores([load_scores(r["dir"]) for r in shard_refs]) if shard_refs else None
+    sp = Space(*load_selection_embeddings(space["dir"]), source=sel_cfg.embeddings.source) if space else None
+    labeled = sorted(r["sample_id"] for r in read_jsonl(labeled_path))
+    result = select_round(
+        sel_cfg, candidate_ids=[r["sample_id"] for r in read_jsonl(pool_path)], scores=scores, space=sp,
+        labeled=set(labeled), exclude={r["sample_id"] for r in read_jsonl(exclude_path)}, answers=answers,
+        history=read_uncertainty_history([h["path"] for h in history]), cold_start=cold_start, seed=seed,
+        phase=phase,
+    )
+    out = Path(out_dir)
+    outputs = {"selection": SELECTION_FILE}
+    if result.uncertainty is not None:
+        write_uncertainty(out / UNCERTAINTY_FILE, *result.uncertainty)
+        outputs["uncertainty"] = UNCERTAINTY_FILE
+    if result.outliers is not None:
+        atomic_write_jsonl(out / OUTLIERS_FILE, result.outliers)
+        outputs["outliers"] = OUTLIERS_FILE
+    atomic_write_jsonl(out / SELECTION_FILE, [{**r, "adapter_digest": adapter_digest} for r in result.rows])
+    m = write_manifest(out, stage="select", stage_version=SELECT_VERSION,
+                       inputs={"scores": digest_json([r["digest"] for r in shard_refs]), "exclude": exclude_digest,
+                               "labeled": digest_json(labeled), "space": (space or {}).get("digest", "model"),
+                               "history": digest_json([h["digest"] for h in history])},
+                       config={**select, "phase": phase}, outputs=outputs, info={**result.info, "phase": phase})
+    return {"dir": out_dir, "digest": m.key, **{k: v for k, v in result.info.items() if k != "selector"},
+            "phase": phase}
+
+
+def selection_rows(ref: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return read_jsonl(Path(ref["dir"]) / SELECTION_FILE)
+
+
+def selection_table(rows: list[dict[str, Any]], top: int = 20) -> list[dict[str, Any]]:
+    """The top of a selection as the Prefect UI's table shows it."""
+    return [{k: r.get(k) for k in ("rank", "sample_id", "score", "prediction", "confidence")} for r in rows[:top]]

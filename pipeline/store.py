@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -339,6 +339,43 @@ def find_valid_manifest(folder: str | os.PathLike[str], key: str) -> Manifest | 
     except ArtifactError:
         return None
     return m
+
+
+def reuse_or_compute(folder: str | os.PathLike[str], key: str, compute: Callable[[], Manifest]) -> Manifest:
+    """The verified manifest in `folder` for `key`, or what `compute()` writes there.
+
+    Every stage body starts this way: Prefect's cache may be gone (a new PREFECT_HOME, a cleared result store)
+    while the verified outputs are still on disk, and those are reused instead of recomputed.
+    """
+    return find_valid_manifest(folder, key) or compute()
+
+
+def load_stage_dataset(folder: str | os.PathLike[str], stage: str, output: str = "dataset") -> Any:
+    """The dataset a stage wrote in `folder`, after checking the folder is that stage's and its digests verify."""
+    import datasets
+
+    folder = Path(folder)
+    m = read_manifest(folder)
+    if m.stage != stage:
+        raise ArtifactError(f"{folder}: holds the output of stage {m.stage!r}, not {stage!r}; pass a {stage} folder")
+    return datasets.load_from_disk(str(m.path_of(output, folder)))
+
+
+def stage_ref(folder: str | os.PathLike[str], m: Manifest, output: str) -> dict[str, Any]:
+    """What a stage hands on: its folder, the digest of its main output, and its manifest's info."""
+    return {"dir": str(folder), "digest": m.outputs[output].digest, "info": m.info}
+
+
+def stage_dataset(ref: Mapping[str, Any]) -> tuple[str, str]:
+    """(dataset folder, content digest) of a reference: a stage folder ({"dir"}) whose manifest has a "dataset"
+    output, or a plain saved dataset ({"dataset", optional "digest"})."""
+    if "dataset" in ref:
+        return str(ref["dataset"]), ref.get("digest") or digest_dir(ref["dataset"])
+    folder = Path(ref["dir"])
+    m = read_manifest(folder, verify=False)  # the producing stage's outputs were verified when it was (re)used
+    if "dataset" not in m.outputs:
+        raise ArtifactError(f"{folder}: stage {m.stage!r} has no 'dataset' output; pass an ingest or prepare folder")
+    return str(m.path_of("dataset", folder)), m.outputs["dataset"].digest
 
 
 # ----------------------------------------------------------------------------------------- execution log

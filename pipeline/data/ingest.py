@@ -13,10 +13,10 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config import DataConfig, ProjectConfig
+from pipeline.config import DataConfig, ProjectConfig, StageConfig
 from pipeline.data.images import ImageRejected, open_image
 from pipeline.data.readers import READERS, RawRow, Rejected
-from pipeline.errors import ArtifactError, DataError
+from pipeline.errors import DataError
 from pipeline.schema import INGEST_COLUMNS, SPLITS, sample_id_for
 from pipeline.store import (
     Manifest,
@@ -26,7 +26,9 @@ from pipeline.store import (
     digest_bytes,
     digest_json,
     digest_path,
-    read_manifest,
+    load_stage_dataset,
+    reuse_or_compute,
+    stage_key,
     write_manifest,
 )
 
@@ -228,10 +230,19 @@ def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> M
 
 def load_ingested(folder: str | os.PathLike[str]) -> datasets.Dataset:
     """The ingested dataset in `folder`, after checking every output against the digests its manifest recorded."""
-    import datasets
+    return load_stage_dataset(folder, STAGE)
 
-    folder = Path(folder)
-    m = read_manifest(folder)
-    if m.stage != STAGE:
-        raise ArtifactError(f"{folder}: holds the output of stage {m.stage!r}, not {STAGE!r}; pass the ingest folder")
-    return datasets.load_from_disk(str(m.path_of("dataset", folder)))
+
+def ingest_dir(artifacts: str | os.PathLike[str], digest: str, data_config: dict[str, Any]) -> Path:
+    key = stage_key(STAGE, INGEST_VERSION, {"sources": digest}, data_config)
+    return Path(artifacts) / STAGE / key[:16]
+
+
+def ingest_stage(artifacts: str | os.PathLike[str], source_digest: str, data_config: dict[str, Any],
+                 out_dir: str) -> dict[str, Any]:
+    """The ingest stage: the sources of `data_config` ingested into `out_dir` (or the verified folder already
+    there). Returns {"dir", "digest", "counts"}."""
+    key = stage_key(STAGE, INGEST_VERSION, {"sources": source_digest}, data_config)
+    cfg = StageConfig({"data": data_config}, artifacts=artifacts)
+    m = reuse_or_compute(out_dir, key, lambda: ingest(cfg, Path(out_dir), digest=source_digest))
+    return {"dir": str(out_dir), "digest": m.key, "counts": m.info["counts"]}

@@ -270,3 +270,17 @@ def device_cluster(devices: Sequence[str], *, host: str = "127.0.0.1", dashboard
     }
     return SpecCluster(workers=workers, scheduler=scheduler, asynchronous=asynchronous, name="tamis-devices",
                        **kwargs)
+
+
+def dask_runner_options(select: Any, hw: Any) -> dict[str, Any]:
+    """How `select.runner: dask` scores: {"address"} of an existing cluster, or the local cluster to start
+    ({"cluster_class"?, "cluster_kwargs"}): one pinned worker process per GPU, else N single-threaded CPU workers."""
+    if select.dask_address:
+        return {"address": select.dask_address}
+    # Dask binds the dashboard of ":8787" to every interface; keep the whole local cluster on loopback.
+    local = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:8787"}
+    devices = scoring_devices(select.dask_workers, hw)
+    if devices is not None:
+        return {"cluster_class": device_cluster, "cluster_kwargs": {"devices": devices, **local}}
+    workers = 2 if select.dask_workers == "auto" else select.dask_workers
+    return {"cluster_kwargs": {"n_workers": workers, "threads_per_worker": 1, "processes": True, **local}}

@@ -1,0 +1,54 @@
+"""The training half of a round: augment → retrain the adapter → evaluate it → check the labels it learned from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flows.labelcheck import label_check_ref
+from flows.prepare import augment_ref
+from flows.stages import run_stage, stage_task
+from flows.ui import progress_sink
+from pipeline import report, rounds
+from pipeline.config import ProjectConfig
+from pipeline.evaluate import EVAL_VERSION, evaluate_stage
+from pipeline.metrics import book_metrics
+from pipeline.model.train_stage import TRAIN_VERSION, train_stage
+
+evaluate_task = stage_task("evaluate", EVAL_VERSION)(evaluate_stage)
+
+
+@stage_task("train", TRAIN_VERSION)
+def train_task(artifacts: str, prepared: dict, labeled: dict, augmented: dict | None, model: dict, train: dict,
+               seed: int, init_adapter: dict | None, out_dir: str) -> dict[str, Any]:
+    def progress(total: int) -> Any:  # every ~20th of the run (each report is an API call)
+        return report.StepReporter(total, progress_sink("training-progress", f"training ({total} steps)"),
+                                   every=max(1, total // 20))
+
+    return train_stage(artifacts, prepared, labeled, augmented, model, train, seed, init_adapter, out_dir,
+                       progress=progress)
+
+
+def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any], state: dict[str, Any],
+                progress: report.RoundProgress) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the adapter's ref, the label check's ref or None) of a round that has labels; records its metrics and label
+    check in `state`."""
+    labeled = rounds.labeled_set(prep["prepare"], plan)
+    aug = augment_ref(cfg, labeled) if cfg.augment.copies else None
+    progress.start("train")
+    adapter = run_stage(train_task, **rounds.train_params(cfg, plan, prepared=prep["prepare"], labeled=labeled,
+                                                          augmented=aug))
+    progress.finish("train")
+    progress.start("evaluate")
+    ev = run_stage(evaluate_task, **rounds.evaluate_params(cfg, prepared=prep["prepare"], adapter=adapter))
+    state["metrics"] = ev["metrics"]
+    book_metrics(cfg.artifacts, round_index=plan.index, labels=len(plan.labels), metrics=ev["metrics"],
+                 strategy=rounds.round_strategy(cfg, cold=False))
+    progress.finish("evaluate")
+    progress.start("label check")
+    check = label_check_ref(cfg, labeled=labeled, previous=plan.previous[-1] if plan.previous else None,
+                            round_dir=plan.dir, prepared=prep["prepare"])
+    progress.finish("label check")
+    if check is not None:
+        state["labelcheck"] = {k: check.get(k) for k in ("dir", "method", "checked", "issues", "abstained",
+                                                         "oos_accuracy", "expected_false_alarms", "message")}
+    return adapter, check

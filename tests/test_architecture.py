@@ -1,0 +1,121 @@
+"""The floors of the house, checked from the code's own imports (function-local ones included).
+
+flows/ → pipeline/, never back; pipeline/ never imports Prefect; no import cycle anywhere; the flow modules order
+stages and leave the artifact store to the library; no library file grows into a drawer.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("pipeline", "flows")
+FLOW_MODULES = ("round", "select", "prepare", "ingest", "labelcheck")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(path: Path, name: str, known: dict[str, Path]) -> list[tuple[str, int]]:
+    """(imported module, line) for every import statement in the file, at any depth (functions too)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            for a in node.names:
+                # `from a.b import c` imports the module a.b.c when there is one, else a name of a.b.
+                out.append((f"{base}.{a.name}" if f"{base}.{a.name}" in known else base, node.lineno))
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    edges: dict[str, set[str]] = {m: set() for m in known}
+    for name, path in known.items():
+        for target, _ in imports(path, name, known):
+            while target and target not in known:  # `import pipeline.x.y` of a name: its module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges[name].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_counting_function_local_imports():
+    found = cycles(graph())
+    assert not found, "import cycles (break each by moving the shared part down a floor): " + "; ".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_the_library_never_imports_prefect_or_the_flows():
+    known = modules()
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+           for name, path in known.items() if name.startswith("pipeline")
+           for target, line in imports(path, name, known)
+           if target.split(".")[0] in ("prefect", "prefect_dask", "flows")]
+    assert not bad, "pipeline/ must not import Prefect or flows/ (move the code to flows/): " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("name", FLOW_MODULES)
+def test_flow_modules_leave_the_artifact_store_to_the_library(name):
+    known = modules()
+    path = known[f"flows.{name}"]
+    bad = [line for target, line in imports(path, f"flows.{name}", known) if target == "pipeline.store"]
+    assert not bad, f"flows/{name}.py imports pipeline.store at lines {bad}: build paths and digests in pipeline/"
+
+
+def test_files_stay_small():
+    limits = {"flows/round.py": 150, "flows/select.py": 120}
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines()) for p in modules().values()}
+    over = {f: n for f, n in sizes.items() if n > limits.get(f, 700 if f.startswith("pipeline/") else 10**6)}
+    assert not over, f"files over their size (a package waiting to happen): {over}"
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    # The guard above passes on an empty graph too: show it can fail.
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -1,0 +1,162 @@
+"""The round's decisions as plain functions (pipeline/rounds.py): no Prefect server, real files in a tmp project."""
+
+import json
+
+import datasets
+import pytest
+
+from pipeline.annotation.export import TASKS_FILE
+from pipeline.config import parse_config
+from pipeline.metrics import book_metrics, read_metrics
+from pipeline.rounds import (
+    ROUND_FILE,
+    SUMMARY_FILE,
+    PoolData,
+    answer_round,
+    completed_rounds,
+    eligible_pool,
+    plan_round,
+    round_dir,
+    round_labels,
+    stop_reason,
+    train_params,
+    write_round,
+)
+
+IDS = [f"s{i:02d}" for i in range(10)]
+SPLITS = ["train", "train", "test", "pool", "pool", "pool", "pool", "pool", "pool", "pool"]
+ANSWERS = ["1", "2", "3", None, None, None, None, None, None, None]
+
+
+@pytest.fixture
+def pool():
+    return PoolData.of(datasets.Dataset.from_dict({"sample_id": IDS, "split": SPLITS, "answer": ANSWERS}))
+
+
+def cfg(tmp_path, **sections):
+    return parse_config({"paths": {"artifacts": "artifacts"}, "data": {"answers": [str(d) for d in range(10)]},
+                         **sections}, root=tmp_path)
+
+
+def finish(art, plan, **state):
+    write_round(plan, {**plan.state([]), **state}, "summary")
+
+
+def test_seed_labels_come_from_the_train_split_and_the_ledger_overrides_them(pool):
+    labels = round_labels(pool, {"s01": "7", "s05": "4", "elsewhere": "9"})
+    # The test split's answer never trains; a label for a sample of another dataset is not this round's.
+    assert labels == {"s00": "1", "s01": "7", "s05": "4"}
+
+
+def test_round_numbers_advance_only_when_the_labeled_set_changes(tmp_path):
+    art = tmp_path / "artifacts"
+    first = plan_round(art, {})
+    assert (first.index, first.rerun, first.previous) == (0, None, [])
+    finish(art, first, adapter=None)
+    again = plan_round(art, {})  # nothing new: a re-run of round 0, which is not its own history
+    assert (again.index, again.rerun["round"], again.previous) == (0, 0, [])
+    more = plan_round(art, {"s03": "5"})
+    assert more.index == 1 and more.rerun is None and [p["round"] for p in more.previous] == [0]
+    assert more.dir == round_dir(art, 1) and more.labeled_digest != first.labeled_digest
+
+
+def test_warm_start_is_the_previous_rounds_adapter_never_the_rounds_own(tmp_path):
+    art = tmp_path / "artifacts"
+    finish(art, plan_round(art, {"s03": "5"}), adapter={"adapter_digest": "a0", "adapter_dir": "x0"})
+    finish(art, plan_round(art, {"s03": "5", "s04": "6"}), adapter={"adapter_digest": "a1", "adapter_dir": "x1"})
+    rerun = plan_round(art, {"s03": "5", "s04": "6"})  # re-run of round 1
+    assert rerun.index == 1 and rerun.warm_start("warm")["adapter_digest"] == "a0"
+    assert rerun.warm_start("fresh") is None
+    nxt = plan_round(art, {"s03": "5", "s04": "6", "s05": "1"})
+    assert nxt.warm_start("warm")["adapter_digest"] == "a1"
+
+
+def test_train_folder_follows_the_labels_and_the_warm_start(tmp_path):
+    c = cfg(tmp_path, train={"init": "warm"})
+    art = c.artifacts
+    refs = dict(prepared={"digest": "p", "dir": "d"}, labeled={"dataset": "l", "digest": "l"}, augmented=None)
+    a = train_params(c, plan_round(art, {"s03": "5"}), **refs)
+    assert a["init_adapter"] is None and a["out_dir"].startswith(str(art / "train"))
+    assert train_params(c, plan_round(art, {"s03": "5"}), **refs) == a  # the same round: the same key
+    assert train_params(c, plan_round(art, {"s03": "6"}), **refs)["out_dir"] != a["out_dir"]
+    finish(art, plan_round(art, {"s03": "5"}), adapter={"adapter_digest": "a0", "adapter_dir": "x0"})
+    b = train_params(c, plan_round(art, {"s03": "5", "s04": "1"}), **refs)
+    assert b["init_adapter"]["adapter_digest"] == "a0" and b["out_dir"] != a["out_dir"]
+
+
+def test_the_pool_leaves_out_labeled_flagged_and_still_exported_samples(tmp_path, pool):
+    art = tmp_path / "artifacts"
+    export = round_dir(art, 0) / "export"
+    export.mkdir(parents=True)
+    (export / TASKS_FILE).write_text(json.dumps([{"data": {"sample_id": s}} for s in ("s03", "s04")]))
+    plan = plan_round(art, {"s00": "1", "s03": "5"})  # s03 came back labeled, s04 is still with the annotators
+    assert plan.index == 0  # no round finished: the export's round is still "before" only from round 1 on
+    finish(art, plan)
+    plan = plan_round(art, {"s00": "1", "s03": "5", "s09": "2"})
+    ids, exclude = eligible_pool(art, pool, plan, quality_excluded={"s05"})
+    assert ids == ["s06", "s07", "s08"]
+    assert exclude == {"s00", "s03", "s09", "s05", "s04"}
+
+
+def test_an_unreadable_earlier_export_is_named_with_the_fix(tmp_path, pool):
+    from pipeline.errors import TamisError
+
+    art = tmp_path / "artifacts"
+    finish(art, plan_round(art, {}))
+    (round_dir(art, 0) / "export").mkdir(parents=True)
+    (round_dir(art, 0) / "export" / TASKS_FILE).write_text("[{")
+    with pytest.raises(TamisError, match=r"000/export/label_studio_tasks.json: unreadable export .*re-run the export"):
+        eligible_pool(art, pool, plan_round(art, {"s03": "1"}), set())
+
+
+@pytest.mark.parametrize("rounds,n_labels,curve,pool_left,expect", [
+    ({"max_rounds": 3}, 10, [], 5, None),
+    ({"max_rounds": 3}, 10, [], 0, "pool exhausted"),
+    ({"max_rounds": 2}, 10, [], 5, "rounds.max_rounds = 2 reached (this is round 1)"),
+    ({"label_budget": 10}, 10, [], 5, "label budget spent: 10 labels ≥ rounds.label_budget = 10"),
+    ({"label_budget": 11}, 10, [], 5, None),
+    ({"target_metric": 0.9}, 10, [0.5, 0.91], 5, "target reached: accuracy = 0.9100"),
+    ({"target_metric": 0.9}, 10, [0.95, 0.85], 5, None),  # the newest round counts, not the best
+    ({"plateau_rounds": 2}, 10, [0.5, 0.6, 0.603, 0.604], 5, "plateau: accuracy has not improved"),
+    ({"plateau_rounds": 2}, 10, [0.5, 0.6, 0.603, 0.61], 5, None),
+    ({"plateau_rounds": 2}, 10, [0.5, 0.6], 5, None),  # too short to tell
+])
+def test_each_stopping_rule(tmp_path, rounds, n_labels, curve, pool_left, expect):
+    c = cfg(tmp_path, rounds={"max_rounds": 10, **rounds})
+    metrics = [{"round": r, "metric": "accuracy", "value": v} for r, v in enumerate(curve)]
+    metrics += [{"round": 0, "metric": "exact_match", "value": 1.0}]  # another metric never stops a round
+    reason = stop_reason(c, 1, n_labels, metrics, pool_left)
+    assert reason is None if expect is None else reason.startswith(expect), reason
+
+
+def test_open_answers_stop_on_token_f1(tmp_path):
+    c = parse_config({"paths": {"artifacts": "a"}, "data": {"answers": None}, "rounds": {"target_metric": 0.5}},
+                     root=tmp_path)
+    metrics = [{"round": 0, "metric": "accuracy", "value": 0.9}, {"round": 0, "metric": "token_f1", "value": 0.4}]
+    assert stop_reason(c, 0, 5, metrics, 10) is None
+    assert stop_reason(c, 0, 5, metrics + [{"round": 1, "metric": "token_f1", "value": 0.6}], 10).startswith(
+        "target reached: token_f1")
+
+
+def test_summary_is_written_before_the_round_counts_as_finished(tmp_path):
+    art = tmp_path / "artifacts"
+    plan = plan_round(art, {"s03": "5"})
+    write_round(plan, {**plan.state([]), "selected": 3}, "# Round 0")
+    assert (plan.dir / SUMMARY_FILE).read_text() == "# Round 0\n"
+    assert json.loads((plan.dir / ROUND_FILE).read_text())["selected"] == 3
+    assert [s["round"] for s in completed_rounds(art)] == [0]
+
+
+def test_metrics_are_booked_once_per_round(tmp_path):
+    art = tmp_path / "artifacts"
+    for _ in range(2):  # a re-run of the round books nothing new
+        book_metrics(art, round_index=0, labels=10, metrics={"accuracy": 0.5, "exact_match": 0.5}, strategy="m")
+    book_metrics(art, round_index=1, labels=20, metrics={"accuracy": 0.6}, strategy="m")
+    assert [(m["round"], m["metric"], m["labels"]) for m in read_metrics(art)] == [
+        (0, "accuracy", 10), (0, "exact_match", 10), (1, "accuracy", 20)]
+
+
+def test_a_round_that_exported_nothing_is_not_answered(tmp_path):
+    art = tmp_path / "artifacts"
+    answer_round(art, {"round": 0, "stopped": "pool exhausted"}, ground_truth=None, noise=0.0, seed=0)
+    assert not (art / "inbox").exists()

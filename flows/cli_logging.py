@@ -117,6 +117,11 @@ def configure_logging(debug: bool) -> None:
     # A console per invocation: it reads the terminal width (COLUMNS) now, not when this module was imported.
     handler = RichHandler(console=Console(stderr=True), show_path=debug, rich_tracebacks=debug)
     if not debug:
+        # tamis shows its own progress; the libraries' bars (datasets' Map/Filter/Saving, transformers' "Loading
+        # weights") would reach piped output as carriage-return lines. Both read these when they are imported,
+        # which the CLI does only after this.
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         handler.addFilter(ConsoleFilter())
         ignore_harmless_warnings()
     # The root level decides for every library that sets none itself; tamis's loggers get theirs explicitly.

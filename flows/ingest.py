@@ -8,7 +8,7 @@ from prefect import flow
 
 from flows.stages import run_stage, stage_task
 from pipeline.config import ProjectConfig, load_config
-from pipeline.data.ingest import INGEST_VERSION, STAGE, ingest_dir, ingest_stage, source_digest
+from pipeline.data.ingest import INGEST_VERSION, STAGE, ingest_dir, ingest_stage, record_latest, source_digest
 
 
 @stage_task(STAGE, INGEST_VERSION)
@@ -23,8 +23,10 @@ def ingest_ref(cfg: ProjectConfig, digest: str | None = None) -> dict[str, Any]:
     """
     digest = digest or source_digest(cfg.data)
     data_config = cfg.section("data")
-    return run_stage(ingest_task, artifacts=str(cfg.artifacts), source_digest=digest, data_config=data_config,
-                     out_dir=str(ingest_dir(cfg.artifacts, digest, data_config)))
+    ref = run_stage(ingest_task, artifacts=str(cfg.artifacts), source_digest=digest, data_config=data_config,
+                    out_dir=str(ingest_dir(cfg.artifacts, digest, data_config)))
+    record_latest(cfg.artifacts, ref)
+    return ref
 
 
 @flow(name="ingest")

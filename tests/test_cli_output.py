@@ -120,3 +120,13 @@ def test_demo_data_and_prepare_print_no_library_chatter(project):
     debug = tamis("--debug", "prepare", "--config", str(config), env=env)
     assert "Loading faiss" in debug.stderr  # --debug still shows the libraries' INFO lines
     assert "Beginning flow run" in debug.stderr
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_library_progress_bars_only_with_debug(debug):
+    code = ("from flows.cli_logging import configure_logging; configure_logging(%s); import datasets; "
+            "datasets.Dataset.from_dict({'a': [1, 2, 3]}).map(lambda r: r)" % debug)
+    env = {k: v for k, v in os.environ.items() if not k.endswith("DISABLE_PROGRESS_BARS")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert ("Map" in done.stderr) is debug, done.stderr

@@ -186,7 +186,7 @@ def test_cli_without_a_prepared_dataset_says_so(tmp_path):
     res = CliRunner().invoke(app, ["labels", "import", str(f), "-c", str(cfg)])
     assert res.exit_code != 0
     msg = " ".join((res.output + str(res.exception)).split())
-    assert "the 0 samples exported for labeling (no prepared dataset" in msg and "--dataset" in msg
+    assert "the 0 samples exported for labeling (no ingested dataset" in msg and "--dataset" in msg
 
 
 def test_labels_for_an_ingested_manifest_by_relative_path_id_and_url(tmp_path):
@@ -231,3 +231,50 @@ def test_labels_for_an_ingested_manifest_by_relative_path_id_and_url(tmp_path):
     by_path = dict(zip(index.paths.values(), index.paths.keys(), strict=True))
     assert labels[by_path[str(src / "imgs/a/y.png")]] == "4" and labels[by_path[str(src / "imgs/b/z.png")]] == "5"
     assert {e["matched_by"] for e in led.entries()} >= {"image_path", "image_name"}
+
+
+def test_labels_keyed_by_the_users_ids_import_right_after_ingest_and_say_so_once(tmp_path, prefect_harness):
+    """A team brings labels before any round: `tamis ingest`, then `tamis labels import` of a file keyed by their
+    own IDs. The import must read the ingested dataset (no prepare, no round), and its summary appears once; no
+    third-party progress bar reaches piped output."""
+    import io
+    import os
+    import subprocess
+    import sys
+
+    from PIL import Image
+    from prefect.settings import PREFECT_API_URL
+
+    src = tmp_path / "team"
+    (src / "imgs").mkdir(parents=True)
+    rows = []
+    for i in range(6):
+        buf = io.BytesIO()
+        Image.new("L", (8, 8), 40 * i).save(buf, format="PNG")
+        (src / "imgs" / f"{i}.png").write_bytes(buf.getvalue())
+        rows.append({"image": f"imgs/{i}.png", "id": f"team-{i}"})
+    (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({"paths": {"artifacts": str(tmp_path / "art")}, "data": {
+        "answers": DIGITS, "sources": [{"kind": "jsonl", "path": str(src / "m.jsonl")}]}}))
+    labels = tmp_path / "labels.csv"
+    labels.write_text("id,label\nteam-0,1\nteam-3,4\nteam-9,2\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_API_URL=PREFECT_API_URL.value(), COLUMNS="200")
+    tamis = [sys.executable, "-c", "import sys; from flows.cli import run; sys.argv = ['tamis', *sys.argv[1:]]; run()"]
+
+    def run(*args):
+        done = subprocess.run([*tamis, *args, "-c", str(cfg)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+        return done.returncode, done.stdout + done.stderr
+
+    rc, out = run("ingest")
+    assert rc == 0, out
+    rc, out = run("labels", "import", str(labels))
+    assert rc == 0, out
+    assert out.count("label rows → 2 labels appended") == 1, out
+    assert "rejected" in out and "team-9" in out
+    assert "\r" not in out, "a progress bar reached piped output"
+    from pipeline.annotation.ledger import Ledger, ledger_path
+
+    assert set(Ledger(ledger_path(tmp_path / "art")).labels().values()) == {"1", "4"}

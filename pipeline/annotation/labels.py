@@ -229,7 +229,7 @@ def _check_project(lf: LabelFile, index: SampleIndex) -> None:
         )
     if not keyed or any(r.resolved for r in keyed):
         return
-    hint = "" if len(index) else "; this project has no ingested samples yet: run a round (or `tamis prepare`) first"
+    hint = "" if len(index) else "; this project has no ingested samples yet: run `tamis ingest` first"
     ids = {r.sample_id for r in keyed if r.sample_id}
     if ids:
         raise LabelImportError(
@@ -353,8 +353,7 @@ def _apply(
                 f"{first_rows}{more}\nfull list: {out}"
             )
     ledger.append(rep.accepted)
-    log.info("%s", rep.summary())
-    return rep
+    return rep  # the caller reports rep.summary() once: the CLI prints it, the round logs it
 
 
 def import_labels(
@@ -393,12 +392,27 @@ def _prepared_file(path: Path, index: SampleIndex, keys: LabelKeys | None) -> La
     return lf
 
 
-PREPARE_LATEST = Path("prepare") / "latest.json"  # written by flows.prepare (LATEST): the last prepared dataset
+PREPARE_LATEST = Path("prepare") / "latest.json"  # pipeline.preprocess.record_latest: the last prepared dataset
+INGEST_LATEST = Path("ingest") / "latest.json"  # pipeline.data.ingest.record_latest: the last ingested dataset
+
+
+def _latest_dataset(artifacts: Path) -> Path | None:
+    """The project's last prepared dataset, else its last ingested one: both hold every sample's IDs and paths."""
+    for pointer, key in ((PREPARE_LATEST, "prepare"), (INGEST_LATEST, None)):
+        try:
+            refs = json.loads((artifacts / pointer).read_text(encoding="utf-8"))
+            folder = Path(refs[key]["dir"] if key else refs["dir"]) / "dataset"
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if folder.is_dir():
+            return folder
+    return None
 
 
 def project_index(artifacts: str | os.PathLike[str], dataset: str | os.PathLike[str] | None = None) -> SampleIndex:
-    """Every sample a label file may name: `dataset` (a saved dataset) or else the project's last prepared dataset,
-    plus every sample exported for labeling. Without either, only the exported samples, and the scope says so."""
+    """Every sample a label file may name: `dataset` (a saved dataset) or else the project's last prepared (or, before
+    any prepare, ingested) dataset, plus every sample exported for labeling. Without any, only the exported samples,
+    and the scope says so."""
     import datasets
 
     from pipeline.annotation.export import exported_sample_ids
@@ -406,19 +420,11 @@ def project_index(artifacts: str | os.PathLike[str], dataset: str | os.PathLike[
 
     artifacts = Path(artifacts)
     exported = exported_sample_ids(artifacts)
-    folder: Path | None = Path(dataset) if dataset is not None else None
-    if folder is None and (artifacts / PREPARE_LATEST).is_file():
-        try:
-            refs = json.loads((artifacts / PREPARE_LATEST).read_text(encoding="utf-8"))
-            folder = Path(refs["prepare"]["dir"]) / "dataset"
-        except (OSError, ValueError, KeyError, TypeError):
-            folder = None
-        if folder is not None and not folder.is_dir():
-            folder = None
+    folder = Path(dataset) if dataset is not None else _latest_dataset(artifacts)
     if folder is None:
         return SampleIndex(sorted(exported), scope=(
-            f"the {len(exported)} samples exported for labeling (no prepared dataset in {artifacts}: run a round, "
-            "or pass --dataset, to label any sample of the project)"))
+            f"the {len(exported)} samples exported for labeling (no ingested dataset in {artifacts}: run "
+            "`tamis ingest`, or pass --dataset, to label any sample of the project)"))
     try:
         ds = datasets.load_from_disk(str(folder))
     except (FileNotFoundError, ValueError) as exc:

@@ -246,3 +246,13 @@ def ingest_stage(artifacts: str | os.PathLike[str], source_digest: str, data_con
     cfg = StageConfig({"data": data_config}, artifacts=artifacts)
     m = reuse_or_compute(out_dir, key, lambda: ingest(cfg, Path(out_dir), digest=source_digest))
     return {"dir": str(out_dir), "digest": m.key, "counts": m.info["counts"]}
+
+
+LATEST = "latest.json"  # artifacts/ingest/latest.json: the ref of the last ingest run
+
+
+def record_latest(artifacts: str | os.PathLike[str], ref: dict[str, Any]) -> None:
+    """Keep the ref of the last ingest run: labels can be imported before any round (pipeline.annotation.labels)."""
+    from pipeline.store import atomic_write_json
+
+    atomic_write_json(Path(artifacts) / STAGE / LATEST, ref)

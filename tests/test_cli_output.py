@@ -124,8 +124,8 @@ def test_demo_data_and_prepare_print_no_library_chatter(project):
 
 @pytest.mark.parametrize("debug", [False, True])
 def test_library_progress_bars_only_with_debug(debug):
-    code = ("from flows.cli_logging import configure_logging; configure_logging(%s); import datasets; "
-            "datasets.Dataset.from_dict({'a': [1, 2, 3]}).map(lambda r: r)" % debug)
+    code = (f"from flows.cli_logging import configure_logging; configure_logging({debug}); import datasets; "
+            "datasets.Dataset.from_dict({'a': [1, 2, 3]}).map(lambda r: r)")
     env = {k: v for k, v in os.environ.items() if not k.endswith("DISABLE_PROGRESS_BARS")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr

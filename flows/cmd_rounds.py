@@ -98,7 +98,7 @@ def demo_cmd(
 def status_summary_of(cfg: Any) -> dict[str, Any]:
     """Everything `tamis status` reports, as plain data (`--json` prints it as is)."""
     from pipeline.rounds import completed_rounds
-    from pipeline.status import status_summary
+    from pipeline.status import annotation_time, status_summary
 
     states = completed_rounds(cfg.artifacts)
     quarantined = 0
@@ -106,6 +106,7 @@ def status_summary_of(cfg: Any) -> dict[str, Any]:
         with open(p, encoding="utf-8") as f:
             quarantined += sum(1 for _ in f)
     return {**status_summary(cfg.artifacts), "quarantined_rows": quarantined,
+            "annotation_time": annotation_time(cfg.artifacts, next_batch=cfg.select.batch_size),
             "pool_eligible": states[-1]["pool"] if states else None,
             "rounds": [{k: s.get(k) for k in ("round", "labeled", "metrics", "strategy", "selected", "stopped",
                                               "export_dir")} for s in states]}
@@ -144,7 +145,21 @@ def status_cmd(
     ]
     if summary["last_round_evaluated"] is not None:
         lines.append(f"last evaluated round {summary['last_round_evaluated']}: {metrics}")
+    lines += time_lines(summary["annotation_time"])
     out.print("\n".join(lines), highlight=False)
+
+
+def time_lines(t: dict[str, Any] | None) -> list[str]:
+    """Annotator time as `tamis status` prints it (nothing when no annotation carried a time)."""
+    if not t:
+        return []
+    out = [f"annotator time: {t['hours']:.2f} h over {t['timed']} timed annotations (median {t['median_s']:.0f} s, "
+           f"p90 {t['p90_s']:.0f} s per label)"]
+    out += [f"  {who}: {a['n']} labels, median {a['median_s']:.0f} s, p90 {a['p90_s']:.0f} s"
+            for who, a in t["annotators"].items()]
+    if t.get("next_batch"):
+        out.append(f"next batch of {t['next_batch']}: about {t['next_batch_hours']:.2f} h at the median")
+    return out
 
 
 def resume_cmd(

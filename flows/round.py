@@ -30,6 +30,7 @@ from pipeline.lock import ProjectLock
 from pipeline.metrics import learning_curve, read_metrics
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids
+from pipeline.status import annotation_time
 from pipeline.strategies.schedule import phase_label
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     imports = pull_labels(cfg, known_ids=pool.index, round_index=start) + import_inbox(
         art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg))
     plan = rounds.plan_round(art, rounds.round_labels(pool, Ledger(ledger_path(art)).labels()))
-    state = plan.state(imports)
+    state = {**plan.state(imports), "annotation_time": annotation_time(art, next_batch=cfg.select.batch_size)}
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
              report.run_tags(plan.index, rerun=plan.rerun is not None))
     progress.finish("import labels")

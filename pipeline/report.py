@@ -101,6 +101,11 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
                                                    for k, v in merge_equal_metrics(state["metrics"]).items()))
     if state.get("stopped"):
         lines.append(f"- **stopped**: {state['stopped']}")
+    if t := state.get("annotation_time"):
+        lines.append(f"- annotator time so far: {t['hours']:.2f} h over {t['timed']} timed labels (median "
+                     f"{t['median_s']:.0f} s, p90 {t['p90_s']:.0f} s)" + (
+                         f"; next batch of {t['next_batch']} ≈ {t['next_batch_hours']:.2f} h" if t.get("next_batch")
+                         else ""))
     for imp in state.get("imports", []):
         lines.append(f"- inbox: {imp.get('summary') or 'REJECTED ' + imp['file'] + ': ' + imp['error']}")
     if metrics_rows:

@@ -37,4 +37,30 @@ def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
         "last_round_evaluated": last_round,
         "last_metrics": {m["metric"]: m["value"] for m in metrics if last_round is not None and m["round"] == last_round},
         "metrics_rows": len(metrics),
+        "annotation_time": annotation_time(artifacts),
     }
+
+
+def annotation_time(artifacts: str | os.PathLike[str], *, next_batch: int | None = None) -> dict[str, Any] | None:
+    """Annotator time so far (from the times Label Studio or the label files recorded): hours, median and p90
+    seconds per label by annotator, and the forecast hours for a next batch of `next_batch` labels (at the median
+    of every timed annotation). None when no annotation carried a time."""
+    import numpy as np
+
+    rows = Ledger(ledger_path(artifacts)).times()
+    if not rows:
+        return None
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        by.setdefault(r["annotator"], []).append(float(r["seconds"]))
+    every = np.array([s for v in by.values() for s in v])
+    out: dict[str, Any] = {
+        "hours": round(float(every.sum()) / 3600, 3), "timed": len(every),
+        "median_s": round(float(np.median(every)), 1), "p90_s": round(float(np.percentile(every, 90)), 1),
+        "annotators": {a: {"n": len(v), "median_s": round(float(np.median(v)), 1),
+                           "p90_s": round(float(np.percentile(v, 90)), 1)} for a, v in sorted(by.items())},
+    }
+    if next_batch:
+        out["next_batch"] = next_batch
+        out["next_batch_hours"] = round(next_batch * float(np.median(every)) / 3600, 3)
+    return out

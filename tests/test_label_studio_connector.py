@@ -65,9 +65,10 @@ class FakeLS:
 
         self.projects, self.tasks, self.import_storage = Projects(), Tasks(), Storage()
 
-    def annotate(self, sample_id, label, ann_id, who=1):
+    def annotate(self, sample_id, label, ann_id, who=1, lead_time=None):
         task = next(t for t in self.tasks_ if t["data"]["sample_id"] == sample_id)
-        task["annotations"].append({"id": ann_id, "completed_by": who, "was_cancelled": False, "result": [
+        task["annotations"].append({"id": ann_id, "completed_by": who, "was_cancelled": False, "lead_time": lead_time,
+                                    "result": [
             {"from_name": "answer", "to_name": "image", "type": "choices", "value": {"choices": [label]}}]})
 
 
@@ -103,13 +104,16 @@ def test_push_pull_round_trip_is_idempotent_and_keeps_no_secret(project):
     assert fake.tasks_[0]["predictions"][0]["result"][0]["value"] == {"choices": ["1"]}
 
     assert pull_labels(cfg, known_ids=known, round_index=1, client=fake) == []  # nothing annotated yet
-    fake.annotate("s000", "3", 1)
-    fake.annotate("s001", "4", 2)
+    fake.annotate("s000", "3", 1, lead_time=14.0)
+    fake.annotate("s001", "4", 2, lead_time=9.5)
     fake.annotate("s001", "4", 3, who=2)
     [rec] = pull_labels(cfg, known_ids=known, round_index=1, client=fake)
     ledger = Ledger(ledger_path(cfg.artifacts))
     assert rec["accepted"] == 2 and ledger.labels() == {"s000": "3", "s001": "4"}
+    # Label Studio's lead_time survives the pull into the annotation-time log (the untimed vote records none).
+    assert sorted((t["sample_id"], t["seconds"]) for t in ledger.times()) == [("s000", 14.0), ("s001", 9.5)]
     assert pull_labels(cfg, known_ids=known, round_index=1, client=fake) == []  # a re-pull adds nothing
+    assert len(ledger.times()) == 2
     # A label corrected in tamis is not reverted by a later pull of other tasks.
     ledger.append([{**ledger.current()["s000"], "label": "8", "kind": "correction"}])
     fake.annotate("s002", "5", 4)

@@ -170,10 +170,13 @@ def test_round_pushes_to_label_studio_and_the_next_round_pulls(label_studio, lab
         label = str(t["id"] % 10)
         server.api("POST", f"/api/tasks/{t['id']}/annotations/", {"result": [
             {"from_name": "answer", "to_name": "image", "type": "choices", "value": {"choices": [label]}}],
-            "was_cancelled": False})
+            "was_cancelled": False, "lead_time": 5.0 + t["id"] % 7})
 
     second = labeling_round(str(config))
     ledger = Ledger(ledger_path(cfg.artifacts))
+    # Label Studio's lead_time came through the pull into the annotation-time log, one row per annotation.
+    assert sorted(r["seconds"] for r in ledger.times()) == sorted(5.0 + t["id"] % 7 for t in tasks)
+    assert second["annotation_time"]["timed"] == 6  # the round reports the time its labels took
     assert second["round"] == 1 and second["labeled"] == 6
     [pulled] = [i for i in second["imports"] if "label_studio" in i.get("file", "")]
     assert pulled["accepted"] == 6 and len(ledger.entries()) == 6

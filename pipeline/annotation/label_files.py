@@ -35,6 +35,7 @@ class LabelRow:
     problem: str | None = None  # a defect the reader already saw (e.g. two choices selected)
     external_id: str | None = None  # the user's own ID of the sample (an `id` / id_column cell)
     image: str | None = None  # an image path or Label Studio image URL
+    seconds: float | None = None  # the annotator's time on it (Label Studio's lead_time, a `seconds` column)
     # Filled in by SampleIndex.resolve: the tamis sample, which key matched it and the key's value.
     resolved: str | None = None
     matched_by: str | None = None
@@ -45,6 +46,25 @@ class LabelRow:
         out = [("sample_id", self.sample_id)] if self.sample_id else []
         out += [("id", self.external_id)] if self.external_id else []
         return out + ([("image", self.image)] if self.image else [])
+
+
+def read_seconds(value: Any) -> tuple[float | None, str | None]:
+    """(seconds, problem) of an annotation time cell: empty is unknown, anything else must be a number >= 0."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None, None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None, f"annotation time {value!r} is not a number of seconds; fix it or leave the cell empty"
+    if not seconds >= 0 or seconds == float("inf"):
+        return None, f"annotation time {value!r} must be a finite number of seconds >= 0; fix it or leave it empty"
+    return seconds, None
+
+
+def _timed(row: LabelRow, value: Any) -> LabelRow:
+    row.seconds, problem = read_seconds(value)
+    row.problem = row.problem or problem
+    return row
 
 
 def _line_of(text: str, pos: int) -> int:
@@ -208,7 +228,7 @@ class LabelStudioReader(LabelReader):
                 if not isinstance(result, list):
                     raise LabelImportError(f"{where}: 'result' must be a list")
                 row.label, row.problem = _result_label(result)
-                rows.append(row)
+                rows.append(_timed(row, ann.get("lead_time")))
         return rows, unlabeled
 
 
@@ -236,19 +256,19 @@ class LabelStudioMinReader(LabelReader):
                 value = value[0] if len(value) == 1 else None
             who = _annotator(task.get("annotator"), f"annotation-{task.get('annotation_id', t)}")
             where = f"{name}:{line}" + (f" (task {task['id']})" if "id" in task else "")
-            rows.append(LabelRow(
+            rows.append(_timed(LabelRow(
                 _cell(task.get("sample_id")), None if value is None else str(value), who, line, where,
                 problem=problem,
                 # JSON_MIN's own "id" is Label Studio's task ID, never the user's: only other ID columns count.
                 external_id=self.keys.first(task, self.keys.id_columns, skip=("id",)),
                 image=self.keys.first(task, self.keys.image_columns),
-            ))
+            ), task.get("lead_time")))
         return rows, unlabeled
 
 
 def _table_row(d: dict[str, Any], line: int, name: str, keys: LabelKeys) -> LabelRow:
     label = d.get("label")
-    return LabelRow(
+    return _timed(LabelRow(
         _cell(d.get("sample_id")),
         None if label is None else str(label),
         _annotator(d.get("annotator"), "unknown"),
@@ -256,7 +276,7 @@ def _table_row(d: dict[str, Any], line: int, name: str, keys: LabelKeys) -> Labe
         f"{name}:{line}",
         external_id=keys.first(d, keys.id_columns),
         image=keys.first(d, keys.image_columns),
-    )
+    ), d.get("seconds", d.get("lead_time")))
 
 
 class LabelCsvReader(LabelReader):

@@ -270,7 +270,8 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-_ANNOTATION_KEYS = ("id", "completed_by", "result", "was_cancelled", "ground_truth")
+# lead_time: the annotator's seconds on the task (Label Studio records it; the annotation-time log keeps it).
+_ANNOTATION_KEYS = ("id", "completed_by", "result", "was_cancelled", "ground_truth", "lead_time")
 
 
 def _task_json(task: Any) -> dict[str, Any]:

@@ -70,6 +70,7 @@ class ImportReport:
     rejections_file: str | None = None
     dry_run: bool = False
     matched_by: dict[str, int] = field(default_factory=dict)  # key kind → label rows it matched
+    times: list[dict[str, Any]] = field(default_factory=list)  # annotation-time rows (accepted votes with a time)
 
     @property
     def accounted(self) -> bool:
@@ -91,6 +92,8 @@ class ImportReport:
             f"({self.corrections} corrections), {len(self.unchanged)} unchanged, {len(self.rejected)} rejected, "
             f"{self.skipped_cancelled} skipped/cancelled, {len(self.conflicts)} annotator conflicts"
             + (f"; rows matched: {keys}" if keys and set(self.matched_by) != {"sample_id"} else "")
+            + (f"; {len(self.times)} timed annotations, {sum(t['seconds'] for t in self.times) / 3600:.2f} h"
+               if self.times else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -316,6 +319,9 @@ def _apply(
         rep.accepted_rows += len(rows)
         for r in rows:
             rep.matched_by[r.matched_by or "sample_id"] = rep.matched_by.get(r.matched_by or "sample_id", 0) + 1
+        # Every accepted vote cost its annotator time, outvoted or repeating the current label alike.
+        rep.times += [{"sample_id": sid, "annotator": r.annotator, "seconds": r.seconds, "round": round_index,
+                       "source_digest": lf.digest} for r in rows if r.seconds is not None]
         prev = current.get(sid)
         if prev is not None and same(prev["label"]) == same(winner):
             rep.unchanged.append(sid)
@@ -352,6 +358,8 @@ def _apply(
                 f"{name}: {len(rep.rejected)} of {rep.rows_read} label rows rejected, nothing imported (strict):\n"
                 f"{first_rows}{more}\nfull list: {out}"
             )
+    # Times first: a crash before the ledger write re-imports the file, and the time log drops repeated rows.
+    ledger.append_times(rep.times)
     ledger.append(rep.accepted)
     return rep  # the caller reports rep.summary() once: the CLI prints it, the round logs it
 

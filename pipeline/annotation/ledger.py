@@ -17,6 +17,7 @@ from pipeline.errors import LabelImportError
 from pipeline.store import append_jsonl, digest_json, read_jsonl
 
 LEDGER_NAME = "labels.jsonl"
+TIMES_NAME = "annotation_times.jsonl"  # beside the ledger: seconds per annotation, when the file gave them
 KINDS = ("label", "correction")
 REQUIRED = ("sample_id", "label", "annotator", "round", "source_file", "source_digest", "kind")
 
@@ -101,3 +102,20 @@ class Ledger:
                 raise LabelImportError(f"ledger entry {i} ({e['sample_id']}): empty label")
         append_jsonl(self.path, rows)
         return len(rows)
+
+    # Annotation time is a fact of each annotation, not of a label: a re-label that confirms the label changes no
+    # ledger entry but cost its annotator the same time. So it has its own append-only log beside the ledger.
+    @property
+    def times_path(self) -> Path:
+        return self.path.with_name(TIMES_NAME)
+
+    def append_times(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        rows = [dict(r) for r in rows]
+        if rows:
+            append_jsonl(self.times_path, rows)
+
+    def times(self) -> list[dict[str, Any]]:
+        """One row per timed annotation: sample_id, annotator, seconds, round, source_digest (an import that
+        crashed before its ledger write and ran again wrote its rows twice: they count once)."""
+        rows = {(r.get("source_digest"), r.get("sample_id"), r.get("annotator")): r for r in read_jsonl(self.times_path)}
+        return list(rows.values())

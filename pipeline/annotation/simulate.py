@@ -140,7 +140,7 @@ def simulate_annotator(
                 "result": result,
                 "was_cancelled": ans is None,
                 "ground_truth": False,
-                "lead_time": 0.0,
+                # No lead_time: the simulated annotator spends no time, and a recorded 0 s would count as data.
             }],
             # A real JSON export lists prediction IDs here, not the predictions themselves.
             "predictions": [],

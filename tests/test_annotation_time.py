@@ -1,0 +1,92 @@
+"""Annotator time: Label Studio's lead_time and a `seconds` column reach an append-only log beside the ledger, and
+`tamis status` / the round summary report hours, per-annotator median and p90, and the next batch's forecast."""
+
+import json
+
+import pytest
+
+from pipeline.annotation.labels import import_labels
+from pipeline.annotation.ledger import Ledger, ledger_path
+from pipeline.status import annotation_time
+
+DIGITS = [str(i) for i in range(10)]
+KNOWN = {f"s{i:03d}" for i in range(12)}
+
+
+def ls_task(sid, *anns):
+    return {"id": int(sid[1:]) + 1, "data": {"sample_id": sid}, "annotations": list(anns)}
+
+
+def ls_ann(label, who, seconds, ann_id):
+    return {"id": ann_id, "completed_by": who, "was_cancelled": False, "lead_time": seconds,
+            "result": [{"from_name": "answer", "to_name": "image", "type": "choices", "value": {"choices": [label]}}]}
+
+
+@pytest.fixture
+def project(tmp_path):
+    art = tmp_path / "artifacts"
+    led = Ledger(ledger_path(art))
+
+    def run(path, **kw):
+        return import_labels(path, known_ids=KNOWN, answers=DIGITS, ledger=led, round_index=1,
+                             rejections_dir=art / "rejections", **kw)
+
+    return art, led, run
+
+
+def test_label_studio_lead_time_is_kept_per_annotation_outvoted_ones_too(tmp_path, project):
+    art, led, run = project
+    f = tmp_path / "export.json"
+    f.write_text(json.dumps([
+        ls_task("s000", ls_ann("3", 1, 12.5, 1), ls_ann("3", 2, 30.0, 2), ls_ann("4", 3, 7.5, 3)),
+        ls_task("s001", ls_ann("1", 1, 20.0, 4)),
+    ]))
+    rep = run(f)
+    assert len(rep.accepted) == 2 and "4 timed annotations, 0.02 h" in rep.summary()
+    assert sorted((t["sample_id"], t["annotator"], t["seconds"]) for t in led.times()) == [
+        ("s000", "1", 12.5), ("s000", "2", 30.0), ("s000", "3", 7.5), ("s001", "1", 20.0)]
+    assert run(f).already_imported and len(led.times()) == 4  # the same file again adds nothing
+
+
+def test_a_confirming_relabel_changes_no_label_but_its_time_counts(tmp_path, project):
+    art, led, run = project
+    (tmp_path / "a.csv").write_text("sample_id,label,seconds\ns000,3,10\n")
+    (tmp_path / "b.csv").write_text("sample_id,label,annotator,seconds\ns000,3,reviewer,40\n")
+    run(tmp_path / "a.csv")
+    rep = run(tmp_path / "b.csv")
+    assert rep.unchanged == ["s000"] and not rep.accepted
+    assert [t["seconds"] for t in led.times()] == [10.0, 40.0]
+
+
+def test_json_min_and_jsonl_times_and_bad_times_are_rejected_with_the_fix(tmp_path, project):
+    art, led, run = project
+    (tmp_path / "min.json").write_text(json.dumps([{"sample_id": "s002", "answer": "2", "lead_time": 8}]))
+    (tmp_path / "t.jsonl").write_text('{"sample_id": "s003", "label": "5", "lead_time": "6.5"}\n'
+                                      '{"sample_id": "s004", "label": "5"}\n')
+    (tmp_path / "bad.csv").write_text("sample_id,label,seconds\ns005,1,soon\ns006,1,-3\ns007,1,\n")
+    assert run(tmp_path / "min.json").times[0]["seconds"] == 8.0
+    assert [t["seconds"] for t in run(tmp_path / "t.jsonl").times] == [6.5]  # s004 has no time: none recorded
+    rep = run(tmp_path / "bad.csv")
+    reasons = {r.sample_id: r.reason for r in rep.rejected}
+    assert "'soon' is not a number of seconds" in reasons["s005"] and "must be a finite number" in reasons["s006"]
+    assert [e["sample_id"] for e in rep.accepted] == ["s007"] and not rep.times  # an empty cell is unknown
+
+
+def test_a_dry_run_writes_no_time(tmp_path, project):
+    art, led, run = project
+    (tmp_path / "a.csv").write_text("sample_id,label,seconds\ns000,3,10\n")
+    assert run(tmp_path / "a.csv", dry_run=True).times and not led.times_path.exists()
+
+
+def test_status_reports_hours_per_annotator_and_the_next_batch(tmp_path, project):
+    art, led, run = project
+    assert annotation_time(art) is None  # nothing timed: nothing claimed
+    rows = "".join(f"s{i:03d},{i % 10},{who},{sec}\n" for i, (who, sec) in enumerate(
+        [("ann", 10), ("ann", 20), ("ann", 30), ("ann", 100), ("bob", 60), ("bob", 60)]))
+    (tmp_path / "t.csv").write_text("sample_id,label,annotator,seconds\n" + rows)
+    run(tmp_path / "t.csv")
+    t = annotation_time(art, next_batch=36)
+    assert t["hours"] == pytest.approx(280 / 3600, abs=1e-3) and t["timed"] == 6
+    assert t["annotators"]["ann"] == {"n": 4, "median_s": 25.0, "p90_s": 79.0}
+    assert t["annotators"]["bob"]["median_s"] == 60.0
+    assert t["median_s"] == 45.0 and t["next_batch_hours"] == pytest.approx(36 * 45 / 3600, abs=1e-3)

@@ -24,7 +24,9 @@ import yaml
 
 pytestmark = pytest.mark.slow
 
-LS_VENV = Path(os.environ.get("TAMIS_LS_VENV", Path.home() / ".cache" / "tamis-ls-venv"))
+# The Label Studio version these tests were written against; a new one is a deliberate bump (its API may move).
+LS_VERSION = "1.23.2"
+LS_VENV = Path(os.environ.get("TAMIS_LS_VENV", Path.home() / ".cache" / f"tamis-ls-venv-{LS_VERSION}"))
 LS_DB_CACHE = LS_VENV.parent / "tamis-ls-db"
 USER, PASSWORD, TOKEN = "tamis@example.com", "tamis-test-pass", "tamis-live-test-token-0123"
 TOKEN_ENV = "TAMIS_TEST_LABEL_STUDIO_TOKEN"
@@ -37,11 +39,12 @@ def _ensure_installed() -> Path:
     try:
         subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(LS_VENV)], check=True,
                        timeout=300, capture_output=True)
-        subprocess.run(["nice", "-n", "10", str(LS_VENV / "bin" / "pip"), "install", "-q", "label-studio"],
+        subprocess.run(["nice", "-n", "10", str(LS_VENV / "bin" / "pip"), "install", "-q",
+                        f"label-studio=={LS_VERSION}"],
                        check=True, timeout=1800, capture_output=True)
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"label-studio could not be installed into {LS_VENV} ({exc}); install it there with "
-                    f"`python -m venv {LS_VENV} && {LS_VENV}/bin/pip install label-studio`")
+                    f"`python -m venv {LS_VENV} && {LS_VENV}/bin/pip install label-studio=={LS_VERSION}`")
     return exe
 
 

@@ -57,14 +57,16 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
              report.run_tags(plan.index, rerun=plan.rerun is not None))
     progress.finish("import labels")
 
-    adapter, check = train_round(cfg, plan, prep, state, progress) if plan.labels else (None, None)
+    adapter, check = train_round(cfg, plan, prep, state, progress, pool) if plan.labels else (None, None)
     if not plan.labels:
         progress.skip("train", "evaluate", "label check")
 
-    pool_ids, exclude = rounds.eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]))
+    pool_ids, exclude = rounds.eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
+                                             stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
     state.update(pool=len(pool_ids), strategy=rounds.round_strategy(cfg, cold=adapter is None),
                  labels_spent=labels_spent(len(plan.labels), art, before_round=plan.index))
-    state["stopped"] = rounds.stop_reason(cfg, plan.index, state["labels_spent"], read_metrics(art), len(pool_ids))
+    state["stopped"] = rounds.stop_reason(cfg, plan.index, state["labels_spent"], read_metrics(art), len(pool_ids),
+                                          state.get("stability"))
     if not state["stopped"]:
         progress.start("score pool")
         sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=pool_ids, exclude=sorted(exclude), round_dir=plan.dir,

@@ -13,6 +13,7 @@ from pipeline.config import ProjectConfig
 from pipeline.evaluate import EVAL_VERSION, evaluate_stage
 from pipeline.metrics import book_metrics
 from pipeline.model.train_stage import TRAIN_VERSION, train_stage
+from pipeline.stopping import STOPSET, measure_stop_set
 
 evaluate_task = stage_task("evaluate", EVAL_VERSION)(evaluate_stage)
 
@@ -29,9 +30,9 @@ def train_task(artifacts: str, prepared: dict, labeled: dict, augmented: dict | 
 
 
 def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any], state: dict[str, Any],
-                progress: report.RoundProgress) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(the adapter's ref, the label check's ref or None) of a round that has labels; records its metrics and label
-    check in `state`."""
+                progress: report.RoundProgress, pool: rounds.PoolData) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the adapter's ref, the label check's ref or None) of a round that has labels; records its metrics, the
+    stop set's agreement with the previous adapter (rounds.stop_set) and the label check in `state`."""
     labeled = rounds.labeled_set(prep["prepare"], plan)
     aug = augment_ref(cfg, labeled) if cfg.augment.copies else None
     progress.start("train")
@@ -43,6 +44,8 @@ def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any]
     state["metrics"] = ev["metrics"]
     book_metrics(cfg.artifacts, round_index=plan.index, labels=len(plan.labels), metrics=ev["metrics"],
                  strategy=rounds.round_strategy(cfg, cold=False))
+    if cfg.rounds.stop_set:
+        state["stability"] = stop_set_agreement(cfg, plan, prep, adapter, pool.stop_set(cfg.rounds.stop_set, cfg.seed))
     progress.finish("evaluate")
     progress.start("label check")
     check = label_check_ref(cfg, labeled=labeled, previous=plan.previous[-1] if plan.previous else None,
@@ -52,3 +55,18 @@ def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any]
         state["labelcheck"] = {k: check.get(k) for k in ("dir", "method", "checked", "issues", "abstained",
                                                          "oos_accuracy", "expected_false_alarms", "message")}
     return adapter, check
+
+
+def stop_set_agreement(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any], adapter: dict[str, Any],
+                       ids: list[str]) -> dict[str, Any]:
+    """Score the stop set with the round's adapter (cached shards, like the pool's) and compare its answers with
+    the previous round's adapter's."""
+    from flows.select import score_pool
+
+    refs = score_pool(cfg, prepared=prep["prepare"], adapter={"dir": adapter["adapter_dir"],
+                                                                "digest": adapter["adapter_digest"]},
+                      pool_ids=ids, round_dir=plan.dir / STOPSET)
+    rule = cfg.rounds.stop_when_stable
+    return measure_stop_set(refs, ids=ids, answers=cfg.data.answers, round_dir=plan.dir,
+                            previous_dir=plan.history_dirs(cfg.artifacts)[-1] if plan.previous else None,
+                            target=rule.agreement if rule else 0.99)

@@ -328,6 +328,15 @@ class LabelCheckConfig(Section):
     knn_k: int = Field(default=5, ge=0)
 
 
+class StableRule(Section):
+    """Stop when successive adapters agree on the stop set (stabilizing predictions, Bloodgood & Vijay-Shanker 2009)."""
+
+    # Cohen's kappa (closed answers) or normalised-answer agreement (open answers) with the previous round's adapter.
+    agreement: float = Field(default=0.99, gt=0, le=1)
+    # ... reached this many rounds in a row.
+    window: int = Field(default=3, ge=1)
+
+
 class RoundsConfig(Section):
     max_rounds: int = Field(default=5, ge=1)
     label_budget: int | None = Field(default=None, ge=1)
@@ -342,6 +351,19 @@ class RoundsConfig(Section):
     wait_for_labels: bool = False
     # How long a suspended round waits; past it Prefect ends the run and the next scheduled run picks up.
     wait_timeout_s: int = Field(default=7 * 24 * 3600, ge=60)
+    # A seeded sample of this many pool samples, never selected, that each round's adapter predicts: how much
+    # successive adapters agree there tells when training has stopped changing, without a labeled test split.
+    # 0 = off.
+    stop_set: int = Field(default=0, ge=0)
+    # Stop once the adapters agree on the stop set (needs rounds.stop_set); None = never on this rule.
+    stop_when_stable: StableRule | None = None
+
+    @model_validator(mode="after")
+    def _stable_needs_a_stop_set(self) -> RoundsConfig:
+        if self.stop_when_stable is not None and self.stop_set == 0:
+            raise ValueError("rounds.stop_when_stable needs rounds.stop_set > 0 (e.g. 500): a stop set of pool samples "
+                             "for the adapters to agree on")
+        return self
 
 
 class PathsConfig(Section):

@@ -101,6 +101,11 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
                                                    for k, v in merge_equal_metrics(state["metrics"]).items()))
     if state.get("stopped"):
         lines.append(f"- **stopped**: {state['stopped']}")
+    if st := state.get("stability"):
+        lines.append(f"- stop set ({st['n']} pool samples): " + (
+            f"agreement with the previous adapter {st['agreement']:.4f}"
+            + (f" (κ; F-score change ≤ {st['f_change_bound']:.3f})" if "kappa" in st else "") + "; "
+            if "agreement" in st else "first predictions recorded; ") + st["forecast"])
     if t := state.get("annotation_time"):
         lines.append(f"- annotator time so far: {t['hours']:.2f} h over {t['timed']} timed labels (median "
                      f"{t['median_s']:.0f} s, p90 {t['p90_s']:.0f} s)" + (

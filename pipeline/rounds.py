@@ -83,8 +83,9 @@ def save_labeled_set(prepared: Any, labels: Mapping[str, str], out_dir: str | os
 
 
 def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Sequence[Mapping[str, Any]],
-                pool_left: int) -> str | None:
-    """Why no further batch should be selected, or None: max rounds, label budget, target metric, plateau, empty pool."""
+                pool_left: int, stability: Mapping[str, Any] | None = None) -> str | None:
+    """Why no further batch should be selected, or None: max rounds, label budget, target metric, plateau, stable
+    predictions on the stop set (`stability`, pipeline.stopping), empty pool."""
     rc = cfg.rounds
     if round_index + 1 >= rc.max_rounds:
         return f"rounds.max_rounds = {rc.max_rounds} reached (this is round {round_index})"
@@ -98,6 +99,10 @@ def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Se
         best_before = max(curve[: -rc.plateau_rounds])
         if max(curve[-rc.plateau_rounds:]) <= best_before + 0.005:
             return f"plateau: {main} has not improved by 0.005 over the last {rc.plateau_rounds} rounds"
+    from pipeline.stopping import stable_reason
+
+    if (why := stable_reason(stability, rc.stop_when_stable)) is not None:
+        return why
     if pool_left == 0:
         return "pool exhausted: no unlabeled samples left to select"
     return None
@@ -130,6 +135,12 @@ class PoolData:
         ds = prepared.select_columns(["sample_id", "split", "answer"])
         cols = [c for c in ("sample_id", "external_id", "image_path") if c in prepared.column_names]
         return cls(ds["sample_id"], ds["split"], ds["answer"], SampleIndex.from_dataset(prepared.select_columns(cols)))
+
+    def stop_set(self, size: int, seed: int) -> list[str]:
+        """The rounds' stop set (rounds.stop_set): pool samples no round selects, predicted by every adapter."""
+        from pipeline.stopping import stop_set
+
+        return stop_set([s for s, sp in zip(self.ids, self.splits, strict=True) if sp == "pool"], size, seed)
 
     def seed_labels(self) -> dict[str, str]:
         """Answers the data came with on its train split: labels before any annotator."""
@@ -214,11 +225,11 @@ def round_strategy(cfg: Any, *, cold: bool) -> str:
 
 
 def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: RoundPlan,
-                  quality_excluded: set[str]) -> tuple[list[str], set[str]]:
-    """(pool samples the round may select, every ID it must not): labeled, flagged by quality, or exported in an
-    earlier round and not labeled yet (still with the annotators)."""
+                  quality_excluded: set[str], *, stop: Sequence[str] = ()) -> tuple[list[str], set[str]]:
+    """(pool samples the round may select, every ID it must not): labeled, flagged by quality, exported in an
+    earlier round and not labeled yet (still with the annotators), or in the stop set."""
     labeled = set(plan.labels)
-    exclude = labeled | quality_excluded | (exported_before(artifacts, plan.index) - labeled)
+    exclude = labeled | quality_excluded | (exported_before(artifacts, plan.index) - labeled) | set(stop)
     return [s for s, sp in zip(pool.ids, pool.splits, strict=True) if sp == "pool" and s not in exclude], exclude
 
 

@@ -267,3 +267,26 @@ def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models
     labeling_round(str(config), simulate=False)
     runs = stage_runs(art) - before
     assert runs["labelcheck"] == 0 and runs["relabel"] == 1 and runs["train"] == 0
+
+
+@pytest.mark.slow
+def test_the_stop_set_is_predicted_by_each_adapter_and_never_exported(tmp_path, tiny_models, prefect_harness):
+    """rounds.stop_set: every trained round scores the same pool samples, records its answers and their agreement
+    with the previous adapter's; none of them is ever selected."""
+    from flows.round import labeling_round
+
+    config = write_project(tmp_path, tiny_models, limit=40, rounds={"stop_set": 8})
+    art = load_config(config).artifacts
+    states = [labeling_round(str(config)) for _ in range(3)]
+    assert [s["round"] for s in states] == [0, 1, 2]
+    assert "stability" not in states[0]  # the cold start has no adapter to ask
+    assert states[1]["stability"]["history"] == [] and states[1]["stability"]["n"] == 8
+    second = states[2]["stability"]
+    assert len(second["history"]) == 1 and -1 <= second["kappa"] <= 1 and "agreement" in second
+    stop = json.loads((art / "rounds/002/stopset.json").read_text())["ids"]
+    assert stop == json.loads((art / "rounds/001/stopset.json").read_text())["ids"] and len(stop) == 8
+    exported = {t["data"]["sample_id"] for r in range(3)
+                for t in json.loads((art / f"rounds/{r:03d}/export/label_studio_tasks.json").read_text())}
+    assert not exported & set(stop)
+    assert "stop set (8 pool samples): agreement with the previous adapter" in (
+        art / "rounds/002/summary.md").read_text()

@@ -1,0 +1,123 @@
+"""Stopping without labels: how much successive adapters agree on a fixed, never-selected stop set.
+
+"Stabilizing predictions" (Bloodgood & Vijay-Shanker 2009): once the models of successive rounds predict the same
+answers on a large unlabeled stop set (Cohen's kappa >= 0.99 over a few rounds), more labels stop changing the
+model. Bloodgood & Grothendieck (arXiv:1504.06329) bound the change of the F-score between two such models by
+4(1 - kappa) / kappa. Nothing here reads a test label.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.evaluate import normalize_answer
+from pipeline.store import atomic_write_json
+
+STOPSET_FILE = "stopset.json"
+STOPSET = "stopset"  # round_dir/stopset/: its pool file for the scoring
+
+
+def stop_set(pool_ids: Sequence[str], size: int, seed: int) -> list[str]:
+    """A seeded sample of `size` pool samples (sorted IDs): the same every round while the pool stays the same."""
+    ids = sorted(pool_ids)
+    if size <= 0 or not ids:
+        return []
+    pick = np.random.default_rng(seed).choice(len(ids), min(size, len(ids)), replace=False)
+    return sorted(ids[i] for i in pick)
+
+
+def cohen_kappa(a: Sequence[Any], b: Sequence[Any]) -> float:
+    """Cohen's kappa of two label sequences (1.0 when both are one and the same constant)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"kappa needs two equally long, non-empty sequences; got {len(a)} and {len(b)}")
+    labels = sorted(set(a) | set(b), key=str)
+    index = {lab: i for i, lab in enumerate(labels)}
+    m = np.zeros((len(labels), len(labels)))
+    for x, y in zip(a, b, strict=True):
+        m[index[x], index[y]] += 1
+    n = m.sum()
+    observed = np.trace(m) / n
+    expected = float((m.sum(0) * m.sum(1)).sum()) / n**2
+    return 1.0 if expected == 1 else float((observed - expected) / (1 - expected))
+
+
+def agreement(previous: Sequence[Any], current: Sequence[Any], *, closed: bool) -> dict[str, float]:
+    """How two rounds' predictions on the stop set agree: kappa for closed answers (and the F-score change bound),
+    the share of equal normalised answers for open ones (kappa does not apply to free text)."""
+    if closed:
+        k = cohen_kappa(list(previous), list(current))
+        bound = 4 * (1 - k) / k if k > 0 else math.inf
+        return {"agreement": round(k, 6), "kappa": round(k, 6), "f_change_bound": round(bound, 6)}
+    same = [normalize_answer(x) == normalize_answer(y) for x, y in zip(previous, current, strict=True)]
+    return {"agreement": round(float(np.mean(same)), 6)}
+
+
+def forecast(history: Sequence[float], target: float) -> tuple[int | None, str]:
+    """(rounds until `target`, the sentence the summary prints) from the disagreement's trend: log(1 - agreement)
+    fitted linearly over the rounds so far."""
+    if history and history[-1] >= target:
+        return 0, f"stable: agreement {history[-1]:.4f} ≥ {target}"
+    if len(history) < 2:
+        return None, "too few rounds for a trend (needs two agreements)"
+    y = np.log(np.maximum(1 - np.asarray(history[-4:], dtype=float), 1e-9))
+    slope = float(np.polyfit(np.arange(len(y)), y, 1)[0])
+    if slope >= 0:
+        return None, f"no trend toward stability yet (agreement {history[-1]:.4f}, not rising)"
+    n = max(1, math.ceil((math.log(1 - target) - y[-1]) / slope))
+    return n, f"stable in about {n} rounds at this trend (agreement {history[-1]:.4f} → {target})"
+
+
+def record_stop_set(round_dir: str | os.PathLike[str], previous_dir: str | os.PathLike[str] | None, *,
+                    ids: Sequence[str], predictions: Sequence[Any], closed: bool, target: float) -> dict[str, Any]:
+    """Write this round's stop-set predictions (round_dir/stopset.json) and compare them with the previous round's:
+    {n, agreement?, kappa?, f_change_bound?, history, rounds_to_stable, forecast}."""
+    prev = _read(previous_dir)
+    out: dict[str, Any] = {"n": len(ids)}
+    if prev is not None and prev["ids"] == list(ids):
+        out.update(agreement(prev["predictions"], predictions, closed=closed))
+        out["history"] = [*prev.get("history", []), out["agreement"]]
+    else:  # the first round with an adapter, or a pool that changed: no comparison yet
+        out["history"] = []
+    out["rounds_to_stable"], out["forecast"] = forecast(out["history"], target)
+    atomic_write_json(Path(round_dir) / STOPSET_FILE, {"ids": list(ids), "predictions": list(predictions),
+                                                       "history": out["history"]})
+    return out
+
+
+def _read(round_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    path = Path(round_dir) / STOPSET_FILE if round_dir is not None else None
+    if path is None or not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def stable_reason(stability: Mapping[str, Any] | None, rule: Any) -> str | None:
+    """Why to stop on `rounds.stop_when_stable`, or None: the last `window` agreements all reached the target."""
+    if rule is None or not stability:
+        return None
+    recent = stability.get("history", [])[-rule.window:]
+    if len(recent) == rule.window and min(recent) >= rule.agreement:
+        return (f"stable predictions: the stop set's agreement between successive adapters ≥ "
+                f"{rule.agreement} for {rule.window} rounds (rounds.stop_when_stable; last {recent[-1]:.4f})")
+    return None
+
+
+def measure_stop_set(shard_refs: Sequence[Mapping[str, Any]], *, ids: Sequence[str], answers: list[str] | None,
+                     round_dir: str | os.PathLike[str], previous_dir: str | os.PathLike[str] | None,
+                     target: float) -> dict[str, Any]:
+    """The stop set's predictions by this round's adapter (from its scored shards), recorded and compared with the
+    previous round's (`record_stop_set`)."""
+    from pipeline.scoring import concat_scores, load_scores
+    from pipeline.selection import predictions
+
+    scores = concat_scores([load_scores(r["dir"]) for r in shard_refs])
+    answer_of = dict(zip(scores.sample_ids, predictions(scores, answers)[0], strict=True))
+    return record_stop_set(round_dir, previous_dir, ids=ids, predictions=[answer_of[s] for s in ids],
+                           closed=bool(answers), target=target)

@@ -179,3 +179,53 @@ def select_round(
     if getattr(selection, "info", None):
         out.info["selector"] = selection.info
     return out
+
+
+def select_step(
+    candidate_ids: Sequence[str],
+    *,
+    k: int,
+    strategy: str,
+    diversity: str,
+    seed: int,
+    labeled: Collection[str] = (),
+    exclude: Collection[str] = (),
+    probs: np.ndarray | None = None,
+    predicted: np.ndarray | None = None,
+    space: Space | None = None,
+    embeddings: np.ndarray | None = None,
+    n_classes: int | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Any:
+    """One selection step on arrays: `k` of `candidate_ids` (minus `labeled` and `exclude`) picked by `strategy` ×
+    `diversity`, for a caller that holds its own scores (a benchmark's learner) rather than a ScoreResult.
+
+    `probs` (what the heuristic reads, `heuristic_input`) and `predicted` are row-aligned with `candidate_ids`;
+    embeddings come from `space` when given, else from `embeddings` (row-aligned too); the labeled samples'
+    embeddings seed k-center and count as covered for the coverage selectors. A selector whose constructor takes
+    `n_classes` gets the task's class count unless `options` sets it: the selector's signature says what it needs,
+    so no caller tests its name. Returns pipeline.strategies.Selection.
+    """
+    import inspect
+
+    from pipeline.strategies import SELECTORS
+
+    ids = list(candidate_ids)
+    labeled = set(labeled)
+    emb = space.rows(ids) if space is not None else embeddings
+    labeled_emb = None
+    if labeled and emb is not None:
+        if space is not None:
+            labeled_emb = space.rows(sorted(labeled))
+        else:
+            at = {s: i for i, s in enumerate(ids)}
+            rows = [at[s] for s in sorted(labeled) if s in at]
+            labeled_emb = emb[rows] if rows else None
+    opts: dict[str, Any] = {}
+    selector = SELECTORS.get(diversity)  # an unknown name is select_batch's to report
+    if n_classes and selector is not None and "n_classes" in inspect.signature(selector).parameters:
+        opts["n_classes"] = n_classes
+    opts.update(options or {})
+    return select_batch(ids, k=k, strategy=strategy, diversity=diversity, probs=probs, embeddings=emb,
+                        predicted=predicted, exclude=set(exclude) | labeled, seed=seed,
+                        labeled_embeddings=labeled_emb, options=opts)

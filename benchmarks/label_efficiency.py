@@ -40,16 +40,14 @@ hold the benchmark's `metric` (named at the top of the JSON).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -59,12 +57,12 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_
     os.environ.setdefault(_k, _v)
 
 import numpy as np  # noqa: E402
-import yaml  # noqa: E402
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator  # noqa: E402
 
 from benchmarks._curves import headline, plot, summarize  # noqa: E402
-from benchmarks._results import code_version, write_result  # noqa: E402
-from pipeline.config import ProjectConfig, ScheduleConfig, SelectConfig, parse_config  # noqa: E402
+from benchmarks._efficiency_config import DEFAULT_CONFIG, Bench, StrategySpec, load_bench_config, seeded  # noqa: E402
+from benchmarks._efficiency_work import Adapter, Data, Work, annotate, per_class_recall, selection_rows  # noqa: E402
+from benchmarks._results import write_result  # noqa: E402
+from pipeline.config import ProjectConfig, ScheduleConfig, SelectConfig  # noqa: E402
 from pipeline.errors import ConfigError, DataError  # noqa: E402
 from pipeline.selection import Space, cold_start_choice, round_phase, select_step  # noqa: E402
 from pipeline.store import (  # noqa: E402
@@ -77,155 +75,12 @@ from pipeline.store import (  # noqa: E402
 from pipeline.strategies.schedule import phase_label  # noqa: E402
 
 log = logging.getLogger("label_efficiency")
-DEFAULT_CONFIG = ROOT / "configs" / "label_efficiency.yaml"
 BENCH_VERSION = "2"
 COLD_STARTS = ("random", "typical", "typiclust", "probcover", "maxherding")
 VARIANTS = ("main", "longtail")
 
 
-# ------------------------------------------------------------------------------------------------ config
-class StrategySpec(BaseModel):
-    """One strategy: its own cold start, then per round `strategy` × `diversity`, or a budget-aware schedule."""
-
-    model_config = ConfigDict(extra="forbid")
-    cold_start: Literal["random", "typical", "typiclust", "probcover", "maxherding"] = "random"
-    strategy: str = "random"
-    diversity: str = "top_k"
-    options: dict[str, Any] = Field(default_factory=dict)
-    schedule: ScheduleConfig | None = None
-
-    @model_validator(mode="after")
-    def _known(self) -> StrategySpec:
-        from pipeline.strategies import HEURISTICS, SELECTORS
-
-        if self.strategy not in HEURISTICS:
-            raise ValueError(f"strategy {self.strategy!r} is not one of {sorted(HEURISTICS)}")
-        if self.diversity not in SELECTORS:
-            raise ValueError(f"diversity {self.diversity!r} is not one of {sorted(SELECTORS)}")
-        return self
-
-    @property
-    def is_random_baseline(self) -> bool:
-        return (self.strategy, self.diversity, self.cold_start, self.schedule) == ("random", "top_k", "random", None)
-
-
-class LongTail(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    imbalance: float = Field(default=20.0, ge=1)
-
-
-class Bench(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    build_demo_digits: bool = False
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2, 3, 4], min_length=1)
-    initial: int = Field(default=20, ge=1)
-    batch: int = Field(default=20, ge=1)
-    rounds: int = Field(default=9, ge=1)
-    train_steps: int | None = Field(default=None, ge=1)
-    test_size: int | None = Field(default=None, ge=1)
-    pool_size: int | None = Field(default=None, ge=2)
-    annotator_noise: float = Field(default=0.0, ge=0, le=1)
-    strategies: dict[str, StrategySpec]
-    longtail: LongTail | None = Field(default_factory=LongTail)
-    reference_learner: bool = True
-    bootstrap: int = Field(default=2000, ge=100)
-    # The curve's metric: accuracy (closed answer sets) or one of the open-answer metrics of pipeline.evaluate.
-    metric: Literal["accuracy", "exact_match", "token_f1", "edit_similarity"] | None = None
-    quick: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("strategies")
-    @classmethod
-    def _has_random(cls, v: dict[str, StrategySpec]) -> dict[str, StrategySpec]:
-        if not any(s.is_random_baseline for s in v.values()):
-            raise ValueError("needs the baseline {cold_start: random, strategy: random, diversity: top_k}: ratios are "
-                             "measured against it")
-        return v
-
-    @property
-    def baseline(self) -> str:
-        return next(n for n, s in self.strategies.items() if s.is_random_baseline)
-
-
-def load_bench_config(path: str | os.PathLike[str], *, quick: bool = False) -> tuple[ProjectConfig, Bench]:
-    """(project config, benchmark parameters) from the YAML; `quick` applies its `benchmark.quick` overrides."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: benchmark config not found; pass an existing YAML file with --config")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict) or set(data) - {"project", "benchmark"}:
-        extra = sorted(set(data) - {"project", "benchmark"}) if isinstance(data, dict) else type(data).__name__
-        raise ConfigError(f"{path}: the top level must hold only 'project' and 'benchmark', got {extra}")
-    project = parse_config(data.get("project"), origin=f"{path} (project)", root=ROOT)
-    raw = dict(data.get("benchmark") or {})
-    if quick:
-        over = dict(raw.get("quick") or {})
-        keep = over.pop("strategies", None)
-        if keep is not None:
-            missing = sorted(set(keep) - set(raw.get("strategies") or {}))
-            if missing:
-                raise ConfigError(f"{path}: benchmark.quick.strategies names {missing}, which benchmark.strategies "
-                                  "does not define")
-            raw["strategies"] = {k: v for k, v in raw["strategies"].items() if k in keep}
-        raw.update(over)
-    try:
-        bench = Bench.model_validate(raw)
-    except ValidationError as exc:
-        lines = "\n".join(f"  benchmark.{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')} "
-                          f"(got {e.get('input')!r})" for e in exc.errors())
-        raise ConfigError(f"{path}: invalid benchmark parameters\n{lines}") from None
-    if bench.train_steps is not None:
-        project.train.max_steps = bench.train_steps
-    if project.train.max_steps is None:
-        raise ConfigError(f"{path}: project.train.max_steps is not set; the benchmark compares strategies at a fixed "
-                          "step budget per round (e.g. 80)")
-    if bench.metric is None:
-        bench.metric = "accuracy" if project.data.answers else "token_f1"
-    if not project.data.answers:
-        if bench.metric == "accuracy":
-            raise ConfigError(f"{path}: benchmark.metric accuracy needs a closed answer set (project.data.answers); "
-                              "open answers are measured by exact_match, token_f1 or edit_similarity")
-        if bench.longtail is not None or bench.reference_learner:
-            raise ConfigError(f"{path}: open answers (project.data.answers: null) have no classes: set "
-                              "benchmark.longtail: null and benchmark.reference_learner: false")
-        bad = [n for n, sp in bench.strategies.items() if sp.strategy not in ("random", "token_entropy",
-                                                                                "answer_disagreement")]
-        if bad:
-            raise ConfigError(f"{path}: strategies {bad} read class probabilities, which open answers do not have; "
-                              "use random, token_entropy or answer_disagreement")
-    elif bench.metric != "accuracy":
-        raise ConfigError(f"{path}: benchmark.metric {bench.metric!r} is for open answers; a closed answer set "
-                          "(project.data.answers) is measured by accuracy")
-    if project.data.ground_truth is None:
-        raise ConfigError(f"{path}: project.data.ground_truth is not set; the simulated annotator answers from it")
-    if not project.data.sources:
-        raise ConfigError(f"{path}: project.data.sources is empty; point it at the data set's manifest")
-    return project, bench
-
-
-def seeded(cfg: ProjectConfig, seed: int, artifacts: Path | None = None) -> ProjectConfig:
-    out = cfg.model_copy(deep=True)
-    out.seed = seed
-    if artifacts is not None:
-        out.paths.artifacts = artifacts
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ data
-@dataclass
-class Data:
-    prepared: Any  # datasets.Dataset: what export reads
-    rows: dict[str, dict[str, Any]]  # sample_id → {sample_id, prepared, question}
-    pool: list[str]  # eligible pool IDs, sorted
-    test: list[dict[str, Any]]  # test rows with their answer
-    known: set[str]
-    digest: str  # prepared dataset's content digest
-    counts: dict[str, int] = field(default_factory=dict)
-    truth: dict[str, str] = field(default_factory=dict)  # sample_id → answer (long-tail pools, probe labels)
-
-
 def ground_truth_answers(path: str | os.PathLike[str], ids: list[str], image_paths: list[str | None]) -> dict[str, str]:
     """sample_id → answer from the ground-truth JSONL, matched as the simulated annotator matches a task: by
     sample_id first, else by the image's file name (a ground truth keyed by image path, as a manifest data set
@@ -342,220 +197,6 @@ def longtail_pool(pool: list[str], truth: dict[str, str], answers: list[str], im
         n = max(1, round(top * imbalance ** (-rank / max(1, len(order) - 1))))
         out += [by[a][i] for i in rng.choice(len(by[a]), n, replace=False)]
     return sorted(out)
-
-
-# ------------------------------------------------------------------------------------------------ work
-@dataclass
-class Adapter:
-    dir: Path | None  # None: the base model
-    digest: str
-
-
-@dataclass
-class Timer:
-    seconds: dict[str, float] = field(default_factory=Counter)
-    computed: dict[str, int] = field(default_factory=Counter)
-    reused: dict[str, int] = field(default_factory=Counter)
-    # What the reused results cost when they were computed (as their manifests recorded it): a run that reads a
-    # full cache still says what the measurement took.
-    recorded: dict[str, float] = field(default_factory=Counter)
-    # The code version (commit, "+dirty" when the tree was) that made each cached entry this run used, computed or
-    # reused: a result assembled from entries of several versions says so (benchmarks/_results.py).
-    versions: dict[str, int] = field(default_factory=Counter)
-
-    def add(self, what: str, t0: float, computed: bool, recorded_s: float | None = None) -> None:
-        if computed:
-            self.seconds[what] += time.monotonic() - t0
-            self.computed[what] += 1
-        else:
-            self.reused[what] += 1
-            self.recorded[what] += recorded_s or 0.0
-
-    def summary(self) -> dict[str, Any]:
-        keys = sorted(set(self.computed) | set(self.reused))
-        out = {k: {"computed": self.computed[k], "reused": self.reused[k], "seconds": round(self.seconds[k], 1),
-                   "mean_s": round(self.seconds[k] / self.computed[k], 2) if self.computed[k] else None}
-               for k in keys}
-        for k, s in self.recorded.items():
-            if s:
-                out[k]["reused_recorded_seconds"] = round(s, 1)
-        return out
-
-
-def model_digest(cfg: ProjectConfig) -> str:
-    """Content digest of the base model's folder (built first when it is a missing tiny model), so cached adapters,
-    scores and evaluations never outlive the weights they were made with."""
-    from pipeline.model.tiny import make_tiny_model
-    from pipeline.store import digest_path
-
-    path = Path(cfg.model.name_or_path)
-    if not path.is_absolute():
-        return cfg.model.name_or_path  # a hub ID: its revision is the user's to pin
-    if not path.exists() and cfg.model.build_tiny_if_missing and cfg.model.family:
-        make_tiny_model(cfg.model.family, path)
-    return digest_path(path)
-
-
-class Work:
-    """Content-keyed train / evaluate / score steps of the experiment, each cached under the work folder."""
-
-    def __init__(self, cfg: ProjectConfig, data: Data):
-        self.cfg, self.data, self.art = cfg, data, cfg.artifacts
-        self.model = model_digest(cfg)
-        self.timer = Timer()
-        self.code = code_version()
-        self._loaded: tuple[str, Any] | None = None
-
-    # Every entry this benchmark computes gets a small record beside the cache (its own file, so two runs filling
-    # one cache never race on a shared one): the code version that made it and what it cost. Entries cached before
-    # these records existed count as "unrecorded".
-    def _made_by(self, kind: str, key: str) -> Path:
-        return self.art / "made_by" / f"{kind}-{key[:16]}.json"
-
-    def made(self, kind: str, key: str, seconds: float | None) -> None:
-        atomic_write_json(self._made_by(kind, key), {"code_version": self.code,
-                                                     "seconds": None if seconds is None else round(seconds, 2)})
-        self.timer.versions[self.code] += 1
-
-    def reused(self, kind: str, key: str) -> float | None:
-        """The reused entry's recorded seconds (None when unknown); counts its code version."""
-        try:
-            rec = json.loads(self._made_by(kind, key).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            rec = {}
-        self.timer.versions[rec.get("code_version") or "unrecorded"] += 1
-        return rec.get("seconds")
-
-    def _load(self, adapter: Adapter) -> Any:
-        from pipeline.model.loading import load_model
-
-        if self._loaded is None or self._loaded[0] != adapter.digest:
-            self._loaded = None
-            gc.collect()
-            self._loaded = (adapter.digest, load_model(self.cfg.model, adapter=adapter.dir))
-        return self._loaded[1]
-
-    def train(self, cfg: ProjectConfig, labels: dict[str, str], init: Adapter | None = None) -> Adapter:
-        """An adapter for `labels`; with train.init warm, continued from `init` (the previous round's)."""
-        from pipeline.model.train import train_adapter
-
-        init = init if cfg.train.init == "warm" else None
-        rows = [{**self.data.rows[s], "answer": labels[s]} for s in sorted(labels)]
-        key = {"prepared": self.data.digest, "labels": sorted(labels.items()), "seed": cfg.seed,
-               "model": cfg.section("model"), "weights": self.model, "train": cfg.section("train")}
-        key = digest_json({**key, "init": init.digest} if init else key)
-        out = self.art / "train" / key[:16]
-        done = (out / MANIFEST_NAME).is_file()
-        t0 = time.monotonic()
-        res = train_adapter(cfg, rows, out, init_adapter=init and init.dir, progress=False)
-        if done:
-            self.reused("train", key)
-        else:
-            self.made("train", key, time.monotonic() - t0)
-        self.timer.add("train", t0, computed=not done, recorded_s=res.info.get("seconds"))
-        return Adapter(res.adapter_dir, res.manifest.outputs["adapter"].digest)
-
-    def evaluate(self, adapter: Adapter, metric: str = "accuracy") -> dict[str, Any]:
-        """{"accuracy" (the benchmark's metric), "metrics" (all of them), "recall": {answer: recall}} on the test
-        split."""
-        from pipeline.evaluate import evaluate_model
-
-        test = self.data.test
-        key = {"v": 2, "adapter": adapter.digest, "test": [r["sample_id"] for r in test],
-               "answers": self.cfg.data.answers, "model": self.cfg.section("model"), "weights": self.model}
-        key = digest_json(key if metric == "accuracy" else {**key, "metric": metric})
-        path = self.art / "eval" / f"{key[:16]}.json"
-        if path.is_file():
-            self.timer.add("evaluate", 0.0, computed=False, recorded_s=self.reused("evaluate", key))
-            return json.loads(path.read_text(encoding="utf-8"))
-        t0 = time.monotonic()
-        res = evaluate_model(self._load(adapter), test, self.cfg.data.answers,
-                             batch_size=self.cfg.select.score_batch_size, max_new_tokens=self.cfg.model.max_new_tokens)
-        preds = [p["prediction"] for p in res["predictions"]]
-        refs = [r["answer"] for r in test]
-        out = {"accuracy": res["metrics"][metric], "recall": per_class_recall(preds, refs), "n": res["n"],
-               "adapter": adapter.digest}
-        if metric != "accuracy":
-            out["metrics"] = res["metrics"]
-        atomic_write_json(path, out)
-        self.made("evaluate", key, time.monotonic() - t0)
-        self.timer.add("evaluate", t0, computed=True)
-        return out
-
-    def score(self, adapter: Adapter, ids: list[str], mc_passes: int, seed: int) -> Any:
-        from pipeline.scoring import SCORE_VERSION, load_scores, make_scorer, save_scores
-
-        sel = self.cfg.select
-        seed = seed if mc_passes else 0  # only MC dropout draws random numbers
-        config = {"answers": self.cfg.data.answers, "length_normalize": sel.length_normalize,
-                  "mc_dropout_passes": mc_passes, "seed": seed, "model": self.cfg.section("model"),
-                  "weights": self.model}
-        if not self.cfg.data.answers:  # generation: its batches and budget shape the answers and MC draws
-            config |= {"score_batch_size": sel.score_batch_size, "max_new_tokens": self.cfg.model.max_new_tokens}
-        inputs = {"adapter": adapter.digest, "prepared": self.data.digest, "ids": digest_json(ids)}
-        key = stage_key("score", SCORE_VERSION, inputs, config)
-        folder = self.art / "scores" / key[:16]
-        if find_valid_manifest(folder, key) is not None:
-            self.timer.add("score", 0.0, computed=False, recorded_s=self.reused("score", key))
-            return load_scores(folder)
-        t0 = time.monotonic()
-        scorer = make_scorer(self._load(adapter), self.cfg.data.answers, length_normalize=sel.length_normalize,
-                             max_new_tokens=self.cfg.model.max_new_tokens)
-        res = scorer.score([self.data.rows[s] for s in ids], batch_size=sel.score_batch_size, mc_passes=mc_passes,
-                           seed=seed)
-        save_scores(res, folder, inputs=inputs, config=config)
-        self.made("score", key, time.monotonic() - t0)
-        self.timer.add("score_mc" if mc_passes else "score", t0, computed=True)
-        return res
-
-
-def annotate(cfg: ProjectConfig, data: Data, run_dir: Path, selection: list[dict[str, Any]], round_index: int,
-             noise: float, timer: Timer, asked: set[str]) -> dict[str, str]:
-    """Export → simulated annotator (a Label Studio export in the inbox) → import into the run's ledger; returns
-    the ledger's labels of the samples asked so far (`asked` grows by this selection). Re-running a round writes
-    the same bytes, which the importer skips; a resumed run's ledger may already hold later rounds' labels."""
-    from pipeline.annotation.export import export_dir, export_selection
-    from pipeline.annotation.labels import import_labels
-    from pipeline.annotation.ledger import Ledger, ledger_path
-    from pipeline.annotation.simulate import simulate_annotator
-
-    t0 = time.monotonic()
-    run_cfg = seeded(cfg, cfg.seed, run_dir)
-    out = export_dir(run_dir, round_index)
-    export_selection(selection, data.prepared, run_cfg, out, round_index=round_index)
-    answered = simulate_annotator(out, cfg.data.ground_truth, run_dir / "inbox", round_index=round_index,
-                                  noise=noise, seed=cfg.seed)
-    ledger = Ledger(ledger_path(run_dir))
-    rep = import_labels(answered, known_ids=data.known, answers=cfg.data.answers, ledger=ledger,
-                        round_index=round_index, rejections_dir=run_dir / "rejections")
-    if not rep.already_imported and (rep.rejected or rep.skipped_cancelled):
-        log.warning("%s round %d: %s", run_dir.name, round_index, rep.summary())
-    timer.add("annotate", t0, computed=not rep.already_imported)
-    asked.update(r["sample_id"] for r in selection)
-    return {sid: label for sid, label in ledger.labels().items() if sid in asked}
-
-
-def selection_rows(sel: Any, scores: Any, adapter: Adapter, answers: list[str] | None) -> list[dict[str, Any]]:
-    """Selection rows as the select stage writes them: rank, score, the model's answer and confidence (when the
-    round scored the pool; open answers: the greedy answer, confidence exp(mean token log-prob))."""
-    from pipeline.selection import predictions
-
-    rows = sel.rows()
-    if scores is None or (scores.probs is None and scores.answers is None):
-        return [{**row, "adapter_digest": adapter.digest} for row in rows]
-    pred, conf = predictions(scores, answers)
-    for row, i in zip(rows, sel.positions, strict=True):
-        row.update(adapter_digest=adapter.digest, confidence=conf[i], prediction=pred[i])
-    return rows
-
-
-def per_class_recall(preds: list[Any], refs: list[str]) -> dict[str, float]:
-    """Recall of every reference answer (how many of its test rows the model got right)."""
-    out: dict[str, float] = {}
-    for a in sorted(set(refs)):
-        rows = [p == r for p, r in zip(preds, refs, strict=True) if r == a]
-        out[a] = round(sum(rows) / len(rows), 4)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ selection space

@@ -20,9 +20,15 @@ The protocol (what makes the ratios fair):
 - a reference learner: the same protocol with a logistic-regression probe on the selection embeddings as the model
   (milliseconds per round), which tells selection quality apart from the tiny model's learning noise.
 
-Work is cached by content under the project's artifacts folder (embeddings, adapters, scores, evaluations), so a
-killed run resumes where it stopped, and runs restricted with --seeds / --variants (e.g. two processes on two cores)
-fill one cache that a final full run then reads.
+Selection goes through the library as a round's does (pipeline.selection: the cold-start choice, the schedule's
+phase, one selection step). Work is cached by content under the project's artifacts folder (embeddings, adapters,
+scores, evaluations), each entry with a record of the code version that made it, and every finished seed's results
+are written to `seeds/` at once: a killed run resumes after the seeds it finished, runs restricted with --seeds /
+--variants (e.g. two processes on two cores) fill one cache that a final full run then reads, and the results JSON
+(benchmarks/_results.py) says when the entries it was assembled from came from several code versions.
+
+The ground truth (project.data.ground_truth) may key its answers by sample_id or by image path, as the simulated
+annotator reads it; a pool sample without an answer is refused before any work starts.
 
     python benchmarks/label_efficiency.py --json-out benchmarks/results/label_efficiency.json
     python benchmarks/label_efficiency.py --quick          # 3 strategies, 2 seeds, 2 rounds: a few minutes

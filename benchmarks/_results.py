@@ -18,6 +18,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.store import MANIFEST_NAME as MANIFEST  # noqa: E402
 from pipeline.store import atomic_write_json, digest_json  # noqa: E402
 
 
@@ -27,6 +28,16 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip()
+
+
+def code_version() -> str:
+    """The commit this code runs at, "+dirty" when tracked files differ from it ("unknown" outside a git checkout):
+    what a benchmark records beside each cache entry it makes, so a result read from a cache can say which code
+    versions it mixes."""
+    commit = _git("rev-parse", "HEAD")
+    if not commit:
+        return "unknown"
+    return commit[:12] + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def machine() -> dict[str, Any]:
@@ -58,9 +69,71 @@ def provenance(*, config: Any = None, started: float | None = None, reused_s: fl
     }
 
 
-def write_result(result: dict[str, Any], json_out: str | os.PathLike[str] | None, **provenance_kwargs: Any) -> dict[str, Any]:
-    """Add the provenance keys, print the JSON and write it atomically to `json_out` (when given)."""
-    result = json.loads(json.dumps({**result, **provenance(**provenance_kwargs)}, default=str))
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        out = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+class CacheFolder:
+    """What a benchmark took from a folder of cached stage outputs (library manifests) instead of computing it, and
+    which code versions made those outputs.
+
+    Open it before the work (it notes the manifests already there), call `finish()` after: a manifest that was
+    there and was not rewritten counts as reused, with the seconds its manifest recorded when it has them; every
+    manifest written by this run gets a record of this code version (in `.made_by/`, beside the outputs, never
+    inside them), which a later run reads back. Outputs from before these records read "unrecorded".
+    """
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+        self.before = self._scan()
+
+    def _scan(self) -> dict[Path, int]:
+        if not self.root.is_dir():
+            return {}
+        return {m.parent: m.stat().st_mtime_ns for m in self.root.rglob(MANIFEST)
+                if ".made_by" not in m.parts}
+
+    def _record(self, folder: Path) -> Path:
+        return self.root / ".made_by" / f"{digest_json(str(folder.relative_to(self.root)))[:16]}.json"
+
+    def finish(self) -> dict[str, Any]:
+        """{"reused_s", "code_versions", "reused", "computed"}: the keywords of `provenance` plus the counts."""
+        after = self._scan()
+        version = code_version()
+        reused_s, versions, reused = 0.0, [], 0
+        for folder, mtime in after.items():
+            if self.before.get(folder) != mtime:
+                atomic_write_json(self._record(folder), {"code_version": version, "folder": str(folder.name)})
+                versions.append(version)
+                continue
+            reused += 1
+            info = _read_json(folder / MANIFEST).get("info")
+            seconds = info.get("seconds") if isinstance(info, dict) else None
+            reused_s += float(seconds) if isinstance(seconds, (int, float)) else 0.0
+            versions.append(_read_json(self._record(folder)).get("code_version") or "unrecorded")
+        return {"reused_s": round(reused_s, 1), "code_versions": versions, "reused": reused,
+                "computed": len(after) - reused}
+
+
+def write_result(result: dict[str, Any], json_out: str | os.PathLike[str] | None, *, cache: CacheFolder | None = None,
+                 **provenance_kwargs: Any) -> dict[str, Any]:
+    """Add the provenance keys, print the JSON and write it atomically to `json_out` (when given). A `machine` dict
+    the benchmark recorded itself (threads, load at the start) is kept, with the provenance's keys added to it.
+    With `cache` (opened before the work), what the run reused from that folder goes into `reused_s` and the code
+    versions, and its counts into `cache_entries`."""
+    if cache is not None:
+        c = cache.finish()
+        result = {**result, "cache_entries": {"reused": c["reused"], "computed": c["computed"]}}
+        provenance_kwargs["reused_s"] = round((provenance_kwargs.get("reused_s") or 0.0) + c["reused_s"], 1)
+        provenance_kwargs["code_versions"] = [*(provenance_kwargs.get("code_versions") or []), *c["code_versions"]]
+    prov = provenance(**provenance_kwargs)
+    if isinstance(result.get("machine"), dict):
+        prov["machine"] = {**result["machine"], **prov["machine"]}
+    result = json.loads(json.dumps({**result, **prov}, default=str))
     print(json.dumps(result, indent=2))
     if json_out:
         atomic_write_json(json_out, result)

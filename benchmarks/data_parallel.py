@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from safetensors.torch import load_file
 
+    from benchmarks._results import write_result
     from pipeline.model.tiny import make_tiny_model
 
+    started = time.time()
     runs = {}
     with tempfile.TemporaryDirectory(prefix="tamis-dp-") as tmp:
         model = make_tiny_model("idefics3", Path(tmp) / "tiny-idefics3")
@@ -125,12 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
         "adapter_max_abs_diff": diff, "adapter_max_abs_weight": scale,
         "max_loss_rel_diff": max(abs(x - y) / abs(x) for x, y in zip(one["losses"], two["losses"], strict=True)),
     }
-    print(json.dumps(result, indent=2))
-    if args.json_out:
-        from pipeline.store import atomic_write_json
-
-        atomic_write_json(args.json_out, result)
-    return result
+    # A fresh temp folder: nothing reused, every figure measured in this run.
+    return write_result(result, args.json_out, started=started, reused_s=0.0,
+                        config={k: getattr(args, k) for k in ("steps", "effective", "rows", "threads")})
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OF
              "NO_ALBUMENTATIONS_UPDATE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(k, v)
 
+from benchmarks._results import CacheFolder, write_result  # noqa: E402
+
 DIGITS = [str(d) for d in range(10)]
 log = logging.getLogger("label_noise")
 KEYS = ("precision", "recall", "precision_at_flipped", "flagged", "flipped", "false_alarms", "expected_false_alarms",
@@ -286,8 +288,9 @@ def main() -> None:
     for noisy in ("httpx", "pipeline.model", "pipeline.annotation", "pipeline.data", "pipeline.scoring"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    started = time.monotonic()
+    started, started_wall = time.monotonic(), time.time()
     work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="tamis-label-noise-"))
+    cache = CacheFolder(work_root)  # --work-dir: adapters and embeddings of an earlier run are reused
     runs = [run_seed(args, seed, work_root / f"seed-{seed}") for seed in seeds]
     lc = _config(argparse.Namespace(**{**vars(args), "seed": seeds[0]}), work_root).labelcheck
     result: dict = {"noise_rates": args.rates, **summarize(runs, args.rates)}
@@ -301,12 +304,8 @@ def main() -> None:
                      "embeddings": args.embeddings, "labelcheck": lc.model_dump(mode="json")},
         "total_seconds": round(time.monotonic() - started, 1),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        from pipeline.store import atomic_write_text
-
-        atomic_write_text(args.json_out, text + "\n")
+    write_result(result, args.json_out, cache=cache, started=started_wall,
+                 config={"settings": result["settings"], "noise_rates": args.rates})
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.store import atomic_write_json  # noqa: E402
+from benchmarks._results import CacheFolder, write_result  # noqa: E402
 from pipeline.strategies.coverage import MaxHerding, ProbCover, TypiClust  # noqa: E402
 from pipeline.strategies.selectors import ClusterMargin, KCenter, faiss_threads  # noqa: E402
 
@@ -353,6 +353,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.child:
         print(json.dumps(score_child(json.loads(args.child))))
         return {}
+    started = time.time()
+    # --work-dir keeps the prepared pools between runs: what this run found there counts as reused.
+    cache = CacheFolder(args.work_dir) if args.work_dir else None
     result: dict[str, Any] = {
         "part": args.part,
         "threads": args.threads,
@@ -370,10 +373,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result.update(PARTS[part](args))
             except NotImplementedError as exc:
                 ap.exit(2, f"pool_scale: {exc}; run --part selection\n")
-    print(json.dumps(result, indent=2))
-    if args.json_out:
-        atomic_write_json(args.json_out, result)
-    return result
+    return write_result(result, args.json_out, cache=cache, started=started, reused_s=None if cache else 0.0,
+                        config={k: v for k, v in vars(args).items() if k not in ("json_out", "child")})
 
 
 if __name__ == "__main__":

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import multiprocessing as mp
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from benchmarks._results import write_result  # noqa: E402
 from pipeline.config import PreprocessConfig  # noqa: E402
 from pipeline.preprocess import ImagePreparer, preprocess_dataset  # noqa: E402
 
@@ -97,6 +99,7 @@ def main() -> None:
     ap.add_argument("--skip-dataset", action="store_true", help="skip the datasets.map (PNG + Arrow) runs")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
+    started = time.time()
 
     jpegs = make_jpegs(args.n, args.width, args.height, args.seed)
     prep = ImagePreparer(PreprocessConfig(pad="square"), size=args.size, max_pixels=MAX_PIXELS)
@@ -150,12 +153,9 @@ def main() -> None:
                                    size=args.size, max_pixels=MAX_PIXELS)
                 res[f"dataset_{procs}proc_ips"] = n / (time.perf_counter() - t)
         res["notes"] += " dataset_*: preprocess_dataset end to end (datasets.map, PNG encode, save_to_disk)."
-    text = json.dumps(res, indent=2)
-    print(text)
-    if args.json_out:
-        from pipeline.store import atomic_write_text
-
-        atomic_write_text(args.json_out, text + "\n")
+    # Nothing is cached: every figure is measured in this run.
+    write_result(res, args.json_out, started=started, reused_s=0.0,
+                 config={k: v for k, v in vars(args).items() if k != "json_out"})
 
 
 if __name__ == "__main__":

@@ -159,23 +159,11 @@ def select_round(
         if probs is None and heuristic.input != "none":
             raise SelectionError(f"select.strategy {strategy!r} needs {heuristic.requires}; the pool was scored "
                                  f"with {sel_cfg.mc_dropout_passes} MC passes")
-    labeled_emb = None
-    if labeled and emb is not None:
-        if space is not None:
-            labeled_emb = space.rows(sorted(labeled))
-        else:
-            at = {s: i for i, s in enumerate(ids)}
-            rows = [at[s] for s in sorted(labeled) if s in at]
-            labeled_emb = emb[rows] if rows else None
-    # What the round knows that a selector may ask for (Selector.wants); unknown facts are left out.
-    facts = {"n_classes": len(answers) if answers else None}
-    options = {k: facts[k] for k in get_selector(diversity).wants if facts.get(k) is not None}
     predicted = scores.probs.argmax(1) if scores is not None and scores.probs is not None else None
-    selection = select_batch(
-        ids, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, probs=probs, embeddings=emb,
-        predicted=predicted, exclude=exclude | labeled, seed=seed, labeled_embeddings=labeled_emb,
-        downweight=downweight, downweight_weight=sel_cfg.outlier_weight, options=options,
-    )
+    selection = select_step(ids, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, seed=seed,
+                            labeled=labeled, exclude=exclude, probs=probs, predicted=predicted, space=space,
+                            embeddings=emb, n_classes=len(answers) if answers else None, downweight=downweight,
+                            downweight_weight=sel_cfg.outlier_weight)
     if scores is not None:
         predicted_answer, confidence = predictions(scores, answers)
     else:
@@ -282,3 +270,52 @@ def selection_rows(ref: Mapping[str, Any]) -> list[dict[str, Any]]:
 def selection_table(rows: list[dict[str, Any]], top: int = 20) -> list[dict[str, Any]]:
     """The top of a selection as the Prefect UI's table shows it."""
     return [{k: r.get(k) for k in ("rank", "sample_id", "score", "prediction", "confidence")} for r in rows[:top]]
+
+
+def select_step(
+    candidate_ids: Sequence[str],
+    *,
+    k: int,
+    strategy: str,
+    diversity: str,
+    seed: int,
+    labeled: Collection[str] = (),
+    exclude: Collection[str] = (),
+    probs: np.ndarray | None = None,
+    predicted: np.ndarray | None = None,
+    space: Space | None = None,
+    embeddings: np.ndarray | None = None,
+    n_classes: int | None = None,
+    options: Mapping[str, Any] | None = None,
+    downweight: Collection[str] = (),
+    downweight_weight: float = 0.5,
+) -> Any:
+    """One selection step on arrays: `k` of `candidate_ids` (minus `labeled` and `exclude`) picked by `strategy` ×
+    `diversity`; `select_round` ends with it, and a caller that holds its own scores (a benchmark's learner) calls
+    it directly.
+
+    `probs` (what the heuristic reads, `heuristic_input`) and `predicted` are row-aligned with `candidate_ids`;
+    embeddings are `embeddings` (row-aligned), else `space`'s rows; the labeled samples' embeddings (from `space`
+    when given) seed k-center and count as covered for the coverage selectors. The round's facts a selector asks
+    for (`Selector.wants`, e.g. n_classes) are passed unless `options` sets them. Returns
+    pipeline.strategies.Selection.
+    """
+    ids = list(candidate_ids)
+    labeled = set(labeled)
+    emb = embeddings if embeddings is not None else (space.rows(ids) if space is not None else None)
+    labeled_emb = None
+    if labeled and emb is not None:
+        if space is not None:
+            labeled_emb = space.rows(sorted(labeled))
+        else:
+            at = {s: i for i, s in enumerate(ids)}
+            rows = [at[s] for s in sorted(labeled) if s in at]
+            labeled_emb = emb[rows] if rows else None
+    # What the round knows that a selector may ask for; unknown facts are left out.
+    facts = {"n_classes": n_classes}
+    opts = {f: facts[f] for f in get_selector(diversity).wants if facts.get(f) is not None}
+    opts.update(options or {})
+    return select_batch(ids, k=k, strategy=strategy, diversity=diversity, probs=probs, embeddings=emb,
+                        predicted=predicted, exclude=set(exclude) | labeled, seed=seed,
+                        labeled_embeddings=labeled_emb, downweight=downweight, downweight_weight=downweight_weight,
+                        options=opts)

@@ -9,7 +9,6 @@ that are SIGKILLed at one point after another, each re-run resuming; the outcome
 from __future__ import annotations
 
 import errno
-import importlib.util
 import io
 import json
 import os
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import _round_driver as driver
 from pipeline.annotation.inbox import inbox_files
 from pipeline.annotation.ledger import Ledger, make_entry
 from pipeline.errors import ArtifactError
@@ -40,10 +40,6 @@ from pipeline.store import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("tamis_round_driver", ROOT / "benchmarks" / "_round_driver.py")
-driver = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = driver  # dataclasses look their module up while the file executes
-_spec.loader.exec_module(driver)
 
 SEED = int(os.environ.get("TAMIS_FAULT_SEED", "7"))  # the random kill delays; printed on failure
 

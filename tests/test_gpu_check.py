@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import gpu_check as gc_
+
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("tamis_gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-gc_ = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = gc_  # dataclasses look their module up while the file executes
-_spec.loader.exec_module(gc_)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -12,13 +10,11 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.errors import ConfigError
+from benchmarks import _curves as curves
+from benchmarks import label_efficiency as le
+from pipeline.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("tamis_label_efficiency", ROOT / "benchmarks" / "label_efficiency.py")
-le = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = le  # dataclasses look their module up while the file executes
-_spec.loader.exec_module(le)
 
 
 def _write(tmp_path: Path, mutate) -> Path:
@@ -61,9 +57,9 @@ def test_bad_configs_name_the_field(tmp_path, mutate, fragment):
 
 def test_labels_to_interpolates_between_rounds():
     labels, curve = [40, 80, 120], [0.5, 0.6, 0.8]
-    assert le.labels_to(labels, curve, 0.4) == 40  # reached at the first point
-    assert le.labels_to(labels, curve, 0.7) == pytest.approx(100)  # halfway between 0.6 and 0.8
-    assert le.labels_to(labels, curve, 0.81) is None
+    assert curves.labels_to(labels, curve, 0.4) == 40  # reached at the first point
+    assert curves.labels_to(labels, curve, 0.7) == pytest.approx(100)  # halfway between 0.6 and 0.8
+    assert curves.labels_to(labels, curve, 0.81) is None
 
 
 def test_summarize_ratios_against_random():
@@ -73,14 +69,14 @@ def test_summarize_ratios_against_random():
         "margin": [{"labels": [10, 20, 30], "accuracy": [0.5, 0.95, 1.0], "seconds": 1.0,
                     "class_counts": {"a": 20, "b": 10}}] * 2,
     }
-    s = le.summarize(runs, [1.0, 1.0], "random", bootstrap=200)
+    s = curves.summarize(runs, [1.0, 1.0], "random", bootstrap=200)
     assert s["random"]["mean"] == [0.5, 0.8, 0.95] and s["random"]["std"][1] == pytest.approx(0.1414, abs=1e-4)
     assert s["margin"]["final_min_max_class"] == [10, 20]
     assert s["random"]["labels_to_95"] == pytest.approx(30) and s["margin"]["labels_to_95"] == pytest.approx(20)
     assert s["margin"]["ratio_to_random_95"] == pytest.approx(20 / 30, abs=1e-3)
     # Mean accuracy over the label range (trapezoids): random (0.5+0.8)/2 and (0.8+0.95)/2 averaged.
     assert s["random"]["auc"] == pytest.approx(((0.5 + 0.8) / 2 + (0.8 + 0.95) / 2) / 2, abs=1e-4)
-    assert le.best_ratio(s, "random", 95) == ("margin", s["margin"]["ratio_to_random_95"])
+    assert curves.best_ratio(s, "random", 95) == ("margin", s["margin"]["ratio_to_random_95"])
     # Paired by seed: margin's area minus random's, seed by seed.
     per_seed = [((0.5 + 0.95) / 2 + (0.95 + 1.0) / 2) / 2 - ((0.5 + a) / 2 + (a + 0.95) / 2) / 2 for a in (0.7, 0.9)]
     assert s["margin"]["auc_minus_random"]["per_seed"] == pytest.approx(per_seed, abs=1e-4)
@@ -98,13 +94,13 @@ def test_ratio_to_random_final_needs_no_full_data_reference():
                        {"labels": [10, 20, 30], "accuracy": [0.5, 0.8, 1.0], "seconds": 1.0}],
             "margin": [{"labels": [10, 20, 30], "accuracy": [0.55, 1.0, 1.0], "seconds": 1.0}] * 2}
     weak_reference = [0.3, 0.3]  # below every curve: the % of full-data targets are all reached at once
-    s = le.summarize(runs, weak_reference, "random", bootstrap=200)
+    s = curves.summarize(runs, weak_reference, "random", bootstrap=200)
     assert s["random"]["ratio_to_random_final"] == 1.0
     expected = (10 + 10 * (0.95 - 0.55) / (1.0 - 0.55)) / 30
     assert s["margin"]["ratio_to_random_final"] == pytest.approx(expected, abs=1e-3)
     lo, hi = s["margin"]["ratio_to_random_final_ci"]
     assert lo <= s["margin"]["ratio_to_random_final"] <= hi < 1.0
-    head = le.headline(s, "random", weak_reference)
+    head = curves.headline(s, "random", weak_reference)
     assert head["full_data_below_random_final"] is True
     assert (head["best_strategy_random_final"], head["best_ratio_random_final"]) == ("margin", s["margin"]["ratio_to_random_final"])
     assert s["margin"]["ratio_to_random_95"] == 1.0  # the weak reference hides the difference
@@ -113,11 +109,11 @@ def test_ratio_to_random_final_needs_no_full_data_reference():
 def test_bootstrap_ratio_is_paired_and_counts_never_reached():
     labels = np.array([10.0, 20.0, 30.0])
     base = np.array([[0.2, 0.5, 1.0], [0.2, 0.5, 1.0], [0.2, 0.5, 1.0]])
-    same = le.bootstrap_ratio(base, base, np.ones(3), labels, 95, 300)
+    same = curves.bootstrap_ratio(base, base, np.ones(3), labels, 95, 300)
     assert same == ([1.0, 1.0], 0.0)
-    never = le.bootstrap_ratio(np.full((3, 3), 0.3), base, np.ones(3), labels, 95, 300)
+    never = curves.bootstrap_ratio(np.full((3, 3), 0.3), base, np.ones(3), labels, 95, 300)
     assert never == ([None, None], 0.0)  # infinite ratio in every resample: no finite end
-    undefined = le.bootstrap_ratio(base, np.full((3, 3), 0.3), np.ones(3), labels, 95, 300)
+    undefined = curves.bootstrap_ratio(base, np.full((3, 3), 0.3), np.ones(3), labels, 95, 300)
     assert undefined == ([None, None], 1.0)
 
 
@@ -165,8 +161,104 @@ def test_tiny_run_goes_through_export_annotator_and_ledger(tmp_path):
         tasks = [t for f in sorted(run.glob("rounds/*/export/label_studio_tasks.json"))
                  for t in json.loads(f.read_text())]
         assert sorted(e["sample_id"] for e in ledger) == sorted(t["data"]["sample_id"] for t in tasks)
-    # A second run reuses every embedding, adapter, evaluation and score.
+    # Where it came from: the commit and tree, the config digest, the machine, the time spent and reused.
+    assert result["commit"] and isinstance(result["dirty"], bool) and len(result["config_digest"]) == 64
+    assert result["machine"]["cores"] and result["machine"]["torch_threads"] == 1 and result["wall_s"] > 0
+    assert result["mixed_code_versions"] is False and len(result["code_versions"]) == 1
+    # A second run resumes every finished seed from its file.
+    again = le.main(["--config", str(_write(tmp_path, tiny)), "--quick"])
+    assert again["timings"]["seed"]["computed"] == 0 and again["timings"]["seed"]["reused"] == 4
+    assert "train" not in again["timings"] and again["reused_s"] > 0
+    assert again["config_digest"] == result["config_digest"]
+    # Without the seed files it reuses every embedding, adapter, evaluation and score from the content cache.
+    for f in (tmp_path / "work" / "seeds").iterdir():
+        f.unlink()
     again = le.main(["--config", str(_write(tmp_path, tiny)), "--quick"])
     assert again["timings"]["train"]["computed"] == 0 and again["timings"]["embeddings"]["computed"] == 0
     for name, s in result["strategies"].items():
         assert again["strategies"][name]["per_seed"] == s["per_seed"]
+
+
+def _digits_config(tmp_path: Path, *, keyed_by: str, **bench) -> Path:
+    """A manifest data set (a slice of the digits) whose ground truth is keyed by sample_id or by image path only."""
+    from pipeline.data.demo import write_digits
+
+    digits = write_digits(tmp_path / "digits", limit=60)
+    gt = digits / "ground_truth.jsonl"
+    rows = [json.loads(line) for line in gt.read_text(encoding="utf-8").splitlines()]
+    keep = {"sample_id": ("sample_id", "answer"), "image": ("image", "answer")}[keyed_by]
+    gt.write_text("".join(json.dumps({k: r[k] for k in keep}) + "\n" for r in rows), encoding="utf-8")
+
+    def mutate(d):
+        d["project"]["paths"]["artifacts"] = str(tmp_path / "work")
+        d["project"]["model"]["name_or_path"] = str(tmp_path / "tiny-idefics3")
+        d["project"]["data"]["sources"] = [{"kind": "jsonl", "path": str(digits / "manifest.jsonl")}]
+        d["project"]["data"]["ground_truth"] = str(gt)
+        d["project"]["select"]["embeddings"] = {"source": "pixels", "pca_dim": 8}
+        d["benchmark"].update(build_demo_digits=False, initial=4, batch=4, rounds=1, bootstrap=100, **bench)
+
+    return _write(tmp_path, mutate)
+
+
+def test_ground_truth_keyed_by_image_path_gives_every_pool_sample_its_answer(tmp_path):
+    by_id_cfg = _digits_config(tmp_path / "by-id", keyed_by="sample_id")
+    by_path_cfg = _digits_config(tmp_path / "by-path", keyed_by="image")
+    cfg_id, bench_id = le.load_bench_config(by_id_cfg)
+    cfg, bench = le.load_bench_config(by_path_cfg)
+    reference = le.prepare_data(cfg_id, bench_id)
+    data = le.prepare_data(cfg, bench)
+    assert data.pool and set(data.pool) <= set(data.truth)
+    assert data.truth == reference.truth  # the same answers, matched by image file name instead of sample_id
+    # The reference learner reads every pool sample's answer (it ended the run with a KeyError on a pool sample).
+    work = le.Work(cfg, data)
+    space, _ = le.selection_space(cfg, data, data.pool, work)
+    full = le.probe_full(cfg, data, data.pool, space)
+    assert full["labels"] == len(data.pool) and 0.0 <= full["accuracy"] <= 1.0
+
+
+def test_pool_samples_without_ground_truth_are_refused_before_any_work(tmp_path):
+    cfg, bench = le.load_bench_config(_digits_config(tmp_path, keyed_by="image"))
+    data = le.prepare_data(cfg, bench)
+    paths = dict(zip(data.prepared["sample_id"], data.prepared["image_path"], strict=True))
+    dropped = Path(paths[data.pool[0]]).name
+    gt = Path(cfg.data.ground_truth)
+    lines = gt.read_text(encoding="utf-8").splitlines()
+    gt.write_text("".join(x + "\n" for x in lines if Path(json.loads(x)["image"]).name != dropped), encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        le.prepare_data(cfg, bench)
+    msg = str(err.value)
+    assert str(gt) in msg and f"no answer for 1 of {len(data.pool)} pool samples" in msg and dropped in msg
+
+
+@pytest.mark.slow
+def test_a_crash_late_in_a_run_keeps_the_finished_seeds_and_the_rerun_resumes(tmp_path, monkeypatch):
+    path = _digits_config(tmp_path, keyed_by="image", seeds=[0, 1], train_steps=1, test_size=10, pool_size=30,
+                          longtail=None, strategies={"random": {"cold_start": "random", "strategy": "random",
+                                                                "diversity": "top_k"},
+                                                     "typiclust": {"cold_start": "typiclust",
+                                                                   "diversity": "typiclust"}})
+    real_probe_full = le.probe_full
+
+    def crash_on_seed_1(cfg, *args):
+        if cfg.seed == 1:
+            raise RuntimeError("killed in seed 1's reference learner")
+        return real_probe_full(cfg, *args)
+
+    monkeypatch.setattr(le, "probe_full", crash_on_seed_1)
+    with pytest.raises(RuntimeError, match="seed 1"):
+        le.main(["--config", str(path)])
+    seeds = tmp_path / "work" / "seeds"
+    assert [f.name.split("-")[:2] for f in sorted(seeds.iterdir())] == [["main", "seed0"]]
+    monkeypatch.undo()
+
+    resumed = le.main(["--config", str(path)])
+    assert resumed["timings"]["seed"]["computed"] == 1 and resumed["timings"]["seed"]["reused"] == 1
+    assert len(list(seeds.iterdir())) == 2 and resumed["reused_s"] > 0
+    # The same result as a run that never crashed (its own work folder: nothing shared but the tiny model).
+    fresh_cfg = tmp_path / "fresh.yaml"
+    fresh_cfg.write_text(path.read_text().replace(str(tmp_path / "work"), str(tmp_path / "fresh-work")))
+    fresh = le.main(["--config", str(fresh_cfg)])
+    assert fresh["timings"]["seed"]["reused"] == 0
+    for got, want in ((resumed, fresh), (resumed["reference_learner"], fresh["reference_learner"])):
+        for name in ("random", "typiclust"):
+            assert got["strategies"][name]["per_seed"] == want["strategies"][name]["per_seed"]

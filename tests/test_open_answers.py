@@ -273,17 +273,11 @@ def test_typed_answers_import_verbatim_and_compare_normalised(tmp_path):
 
 # ------------------------------------------------------------------------------- the open-answer benchmark
 def _bench():
-    import importlib.util
-    import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    if "tamis_label_efficiency" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("tamis_label_efficiency", root / "benchmarks" / "label_efficiency.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(mod)
-    return sys.modules["tamis_label_efficiency"], root / "configs" / "label_efficiency_open.yaml"
+    from benchmarks import label_efficiency
+
+    return label_efficiency, Path(__file__).resolve().parent.parent / "configs" / "label_efficiency_open.yaml"
 
 
 def _open_bench_config(tmp_path, mutate):

@@ -140,8 +140,9 @@ class ClosedSetScorer:
         rows_tokens = len(images) * len(cand) * (enc["attention_mask"].shape[1] + width)
         if not self.single_token and len(images) > 1 and rows_tokens > MAX_CONTINUATION_TOKENS:
             half = len(images) // 2
-            parts = [self.logprobs(images[:half], questions[:half]), self.logprobs(images[half:], questions[half:])]
-            return tuple(np.concatenate(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
+            (ll_a, emb_a), (ll_b, emb_b) = (self.logprobs(images[s], questions[s])
+                                            for s in (slice(0, half), slice(half, None)))
+            return np.concatenate([ll_a, ll_b]), np.concatenate([emb_a, emb_b])
         out = self.model(**enc, output_hidden_states=True, use_cache=not self.single_token)
         hidden = out.hidden_states[-1]
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
@@ -167,8 +168,9 @@ class ClosedSetScorer:
         if deltas is None:
             return torch.full((n,), length, dtype=torch.long, device=prefix_mask.device)
         if deltas.shape[0] != n:
-            raise RuntimeError(f"rope_deltas holds {deltas.shape[0]} rows after a prefix pass of {n}; this "
-                               "transformers version places cached continuations differently")
+            raise RuntimeError(f"{type(self._mrope).__name__}.rope_deltas holds {deltas.shape[0]} rows after a prompt "
+                               f"pass of {n}: this transformers version places cached continuations differently; "
+                               "use the transformers version tamis is tested with (5.24)")
         return prefix_mask.long().sum(1) + deltas.reshape(n).to(prefix_mask.device)
 
     def _multi_token(self, out: Any, prefix_mask: torch.Tensor, first: torch.Tensor,

@@ -5,8 +5,10 @@ answer tokens' log-probabilities: what scoring without prefix sharing costs. tam
 prompt prefix once per batch of samples and reads every single-token candidate from one next-token distribution;
 multi-token candidates of the whole batch go on top of the prefix's KV cache, repeated once per candidate, in one
 more forward. Both use the same 4-bit (NF4) load of the same model and the same images, and their candidate
-probabilities must agree to 1e-4. `multi_over_single` is the two-token case's samples/s over the one-token case's, at
-the same batch size (target >= 1/3: multi-token answers cost at most three times as much as one-token ones).
+probabilities must agree to 1e-4. `multi_over_single` is the two-token scorer's samples/s over the one-token one's
+on the same samples at the same batch size (target >= 1/3: multi-token answers cost at most three times as much),
+timed head to head: the two take turns for --repeat-pair rounds, so a load swing of the shared machine falls on both
+(the two `compare` cases run minutes apart and their samples/s cannot be divided).
 
 The model is tamis' tiny random-weight Idefics3 (pipeline.model.tiny: 2 text layers of width 64, 2 vision layers,
 32-px images → 4 image tokens, ~1k-token vocabulary). On CPU a forward of this model costs mostly fixed per-call
@@ -129,6 +131,20 @@ def compare(loaded: Any, rows: list[dict], answers: list[str], *, batch_size: in
     return out
 
 
+def head_to_head(loaded: Any, rows: list[dict], answer_sets: dict[str, list[str]], *, batch_size: int,
+                 repeat: int) -> dict[str, Any]:
+    """samples/s of one scorer per answer set on the same rows and batch size, timed in alternation."""
+    from pipeline.scoring import ClosedSetScorer
+
+    scorers = {k: ClosedSetScorer(loaded, a, length_normalize=True) for k, a in answer_sets.items()}
+    for s in scorers.values():
+        s.score(rows[:2], batch_size=batch_size)  # warm-up
+    secs, _ = interleaved_best({k: (lambda s=s: s.score(rows, batch_size=batch_size)) for k, s in scorers.items()},
+                               repeat)
+    return {**{f"{k}_sps": round(len(rows) / t, 2) for k, t in secs.items()}, "n": len(rows),
+            "batch_size": batch_size, "rounds": repeat}
+
+
 def two_token_answers(loaded: Any, k: int = 10) -> list[str]:
     fam, proc = loaded.family, loaded.processor
     picked = [a for a in WORD_PAIRS if len(fam.answer_token_ids(proc, QUESTION, a)) == 2][:k]
@@ -143,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--n-multi", type=int, default=None, help="samples for the two-token case (default n)")
     ap.add_argument("--batch-size", type=int, default=16, help="tamis' score batch size")
     ap.add_argument("--repeat", type=int, default=3, help="rounds per timing; the fastest is reported")
+    ap.add_argument("--repeat-pair", type=int, default=20,
+                    help="rounds of the one-token vs two-token head-to-head timing (cheap: no naive loop)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--family", default="idefics3", choices=["idefics3", "qwen2_vl", "qwen2_5_vl"])
     ap.add_argument("--model", type=Path, default=None, help="a model folder (default: build the tiny one)")
@@ -162,12 +180,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         answers = two_token_answers(loaded)
         multi = compare(loaded, make_rows(args.n_multi or args.n, seed=1), answers,
                         batch_size=args.batch_size, repeat=args.repeat)
+        pair = head_to_head(loaded, make_rows(args.n), {"one_token": DIGITS, "two_token": answers},
+                            batch_size=args.batch_size, repeat=args.repeat_pair)
     multi["answers"] = answers
     result = {
         **single,
         "multi_token": multi,
         # Same batch size, same model: what a multi-token answer set costs against a one-token one.
-        "multi_over_single": round(multi["batched_sps"] / single["batched_sps"], 3),
+        "multi_over_single": round(pair["two_token_sps"] / pair["one_token_sps"], 3),
+        "head_to_head": pair,
         "device": loaded.info["device"],
         "model": {k: loaded.info[k] for k in ("family", "mode", "quantized", "compute_dtype", "total_params")},
         "model_source": str(args.model) if args.model else "pipeline.model.tiny (random weights)",

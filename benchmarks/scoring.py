@@ -7,8 +7,9 @@ multi-token candidates of the whole batch go on top of the prefix's KV cache, re
 more forward. Both use the same 4-bit (NF4) load of the same model and the same images, and their candidate
 probabilities must agree to 1e-4. `multi_over_single` is the two-token scorer's samples/s over the one-token one's
 on the same samples at the same batch size (target >= 1/3: multi-token answers cost at most three times as much),
-timed head to head: the two take turns for --repeat-pair rounds, so a load swing of the shared machine falls on both
-(the two `compare` cases run minutes apart and their samples/s cannot be divided).
+timed head to head: the two take turns for --repeat-pair rounds on one thread and their process CPU time is compared,
+so the load of a shared machine does not enter (the two `compare` cases run minutes apart, with 2 threads whose
+wall time on a loaded machine swings by 2x, and their samples/s cannot be divided).
 
 The model is tamis' tiny random-weight Idefics3 (pipeline.model.tiny: 2 text layers of width 64, 2 vision layers,
 32-px images → 4 image tokens, ~1k-token vocabulary). On CPU a forward of this model costs mostly fixed per-call
@@ -133,16 +134,34 @@ def compare(loaded: Any, rows: list[dict], answers: list[str], *, batch_size: in
 
 def head_to_head(loaded: Any, rows: list[dict], answer_sets: dict[str, list[str]], *, batch_size: int,
                  repeat: int) -> dict[str, Any]:
-    """samples/s of one scorer per answer set on the same rows and batch size, timed in alternation."""
+    """samples/s of one scorer per answer set on the same rows and batch size, timed in alternation on one thread.
+
+    `*_sps` count process CPU time: on one thread it is the compute a dedicated core spends, which other processes on
+    a shared machine do not inflate (being descheduled costs no CPU time; with 2+ threads OpenMP's spin-waits would).
+    `wall_*_sps` are the same rounds by the wall clock, for comparison.
+    """
     from pipeline.scoring import ClosedSetScorer
 
-    scorers = {k: ClosedSetScorer(loaded, a, length_normalize=True) for k, a in answer_sets.items()}
-    for s in scorers.values():
-        s.score(rows[:2], batch_size=batch_size)  # warm-up
-    secs, _ = interleaved_best({k: (lambda s=s: s.score(rows, batch_size=batch_size)) for k, s in scorers.items()},
-                               repeat)
-    return {**{f"{k}_sps": round(len(rows) / t, 2) for k, t in secs.items()}, "n": len(rows),
-            "batch_size": batch_size, "rounds": repeat}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        scorers = {k: ClosedSetScorer(loaded, a, length_normalize=True) for k, a in answer_sets.items()}
+        for s in scorers.values():
+            s.score(rows[:2], batch_size=batch_size)  # warm-up
+        cpu = {k: float("inf") for k in scorers}
+        wall = dict(cpu)
+        for _ in range(repeat):
+            for k, s in scorers.items():
+                t, c = time.perf_counter(), time.process_time()
+                s.score(rows, batch_size=batch_size)
+                cpu[k] = min(cpu[k], time.process_time() - c)
+                wall[k] = min(wall[k], time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    n = len(rows)
+    return {**{f"{k}_sps": round(n / t, 2) for k, t in cpu.items()},
+            **{f"wall_{k}_sps": round(n / t, 2) for k, t in wall.items()},
+            "n": n, "batch_size": min(batch_size, n), "threads": 1, "rounds": repeat}
 
 
 def two_token_answers(loaded: Any, k: int = 10) -> list[str]:

@@ -2,7 +2,8 @@
 
 Closed answer sets: the image + question prefix runs once per sample and every candidate answer is scored from it.
 When every candidate is a single token (digits, letters, yes/no) one next-token distribution gives all candidates;
-otherwise the prefix's KV cache is repeated once per candidate and only the candidate tokens run on top of it.
+otherwise the prefix's KV cache is repeated once per candidate and the candidate tokens of the whole batch run on top
+of it in one padded forward.
 Open answers: greedy generation (prompts left-padded, so batched answers equal one-at-a-time ones) with the log-prob
 and the entropy of every generated token up to the first stop token (NaN after it).
 MC dropout: k extra passes with only the LoRA dropout layers switched to training mode.
@@ -104,14 +105,31 @@ def _kv_cache(out: Any) -> tuple[str, Any]:
     return "past_key_values", out.past_key_values
 
 
+# Continuation forwards of multi-token candidates hold the prompt's KV cache once per (sample, candidate) row: a
+# batch whose rows × tokens would exceed this is scored in smaller groups of samples. For a 2B Qwen2-VL (28 layers,
+# 2 KV heads of 128, bf16: 28 KiB per token) 2**17 tokens are ~3.7 GB of cache; the tiny model never comes near it.
+MAX_CONTINUATION_TOKENS = 1 << 17
+
+
 class ClosedSetScorer:
-    """Candidate probabilities for a closed answer set, computed from one prefix pass per sample batch."""
+    """Candidate probabilities for a closed answer set, computed from one prefix pass per sample batch.
+
+    Multi-token candidates: the prefix's KV cache is repeated once per candidate (rows `i * c + j`: sample i,
+    candidate j) and every candidate's tokens but its last run in one padded forward on top of it, so a batch costs
+    two forwards whatever the number of candidates. The first answer token is read from the prefix's last position;
+    the others from the continuation. Right-padding the shorter candidates needs no mask: attention is causal, so a
+    real token never sees the padding after it, and padded positions are dropped from the sums.
+    """
 
     def __init__(self, loaded: Any, answers: Sequence[str], *, length_normalize: bool = True):
         self.model, self.processor, self.family = loaded.model, loaded.processor, loaded.family
         self.answers = list(answers)
         self.length_normalize = length_normalize
         self._cand: list[list[int]] | None = None
+        # M-RoPE models (Qwen2-VL, Qwen2.5-VL) keep the offset between a row's text positions and its token count
+        # in `rope_deltas`, set by every forward that starts from an empty cache: what transformers' own generation
+        # reads to place the tokens that follow a cached prompt.
+        self._mrope = next((m for m in self.model.modules() if hasattr(m, "rope_deltas")), None)
 
     def _candidates(self, question: str) -> list[list[int]]:
         if self._cand is None:
@@ -119,12 +137,6 @@ class ClosedSetScorer:
             if len({tuple(c) for c in self._cand}) != len(self._cand):
                 raise ValueError("two answers in data.answers tokenize identically; they cannot be told apart")
         return self._cand
-
-    @torch.no_grad()
-    def _prefix(self, images: list[Image.Image], questions: list[str]) -> tuple[Any, Any, torch.Tensor]:
-        enc = self.family.encode(self.processor, images, questions).to(_device_of(self.model))
-        out = self.model(**enc, output_hidden_states=True, use_cache=not self.single_token)
-        return enc, out, _last_index(enc["attention_mask"])
 
     @property
     def single_token(self) -> bool:
@@ -134,58 +146,74 @@ class ClosedSetScorer:
     def logprobs(self, images: list[Image.Image], questions: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(candidate log-likelihoods [n, c], pooled prefix embeddings [n, d]) for one batch."""
         cand = self._candidates(questions[0])
-        enc, out, last = self._prefix(images, questions)
+        enc = self.family.encode(self.processor, images, questions).to(_device_of(self.model))
+        width = max(len(t) for t in cand)
+        rows_tokens = len(images) * len(cand) * (enc["attention_mask"].shape[1] + width)
+        if not self.single_token and len(images) > 1 and rows_tokens > MAX_CONTINUATION_TOKENS:
+            half = len(images) // 2
+            (ll_a, emb_a), (ll_b, emb_b) = (self.logprobs(images[s], questions[s])
+                                            for s in (slice(0, half), slice(half, None)))
+            return np.concatenate([ll_a, ll_b]), np.concatenate([emb_a, emb_b])
+        out = self.model(**enc, output_hidden_states=True, use_cache=not self.single_token)
         hidden = out.hidden_states[-1]
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         emb = ((hidden * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu().numpy()
+        last = _last_index(enc["attention_mask"])
         rows = torch.arange(len(images), device=last.device)
         first = torch.log_softmax(out.logits[rows, last].float(), dim=-1)  # [n, vocab]
         if self.single_token:
             ll = first[:, [c[0] for c in cand]]
         else:
-            ll = self._multi_token(out, enc, first, cand)
+            ll = self._multi_token(out, enc["attention_mask"], first, cand)
         return ll.cpu().numpy(), emb
 
-    def _multi_token(self, out: Any, enc: Any, first: torch.Tensor, cand: list[list[int]]) -> torch.Tensor:
-        """Score multi-token candidates on top of the prefix's KV cache, one sample at a time (padding-free)."""
-        n, c = first.shape[0], len(cand)
-        lengths = torch.tensor([len(t) for t in cand], device=first.device)
+    def _next_positions(self, prefix_mask: torch.Tensor) -> torch.Tensor:
+        """[n] the position id of the token that follows each row's prompt (prompts are left-padded).
+
+        1-D RoPE models number every column, padding included (padding is masked and RoPE sees only differences), so
+        the next token sits at the prefix length. M-RoPE models number a row's real tokens from 0 with the image's
+        3-D positions in between: the next text token sits at its token count plus the row's `rope_deltas`.
+        """
+        n, length = prefix_mask.shape
+        deltas = None if self._mrope is None else self._mrope.rope_deltas
+        if deltas is None:
+            return torch.full((n,), length, dtype=torch.long, device=prefix_mask.device)
+        if deltas.shape[0] != n:
+            raise RuntimeError(f"{type(self._mrope).__name__}.rope_deltas holds {deltas.shape[0]} rows after a prompt "
+                               f"pass of {n}: this transformers version places cached continuations differently; "
+                               "use the transformers version tamis is tested with (5.24)")
+        return prefix_mask.long().sum(1) + deltas.reshape(n).to(prefix_mask.device)
+
+    def _multi_token(self, out: Any, prefix_mask: torch.Tensor, first: torch.Tensor,
+                     cand: list[list[int]]) -> torch.Tensor:
+        """[n, c] log-likelihoods of multi-token candidates from one forward over the repeated prefix cache."""
+        n, c, dev = first.shape[0], len(cand), first.device
+        lengths = torch.tensor([len(t) for t in cand], device=dev)
         width = int(lengths.max())
-        toks = torch.zeros(c, width, dtype=torch.long, device=first.device)
+        toks = torch.zeros(c, width, dtype=torch.long, device=dev)
         for j, t in enumerate(cand):
-            toks[j, : len(t)] = torch.tensor(t, device=first.device)
-        valid = torch.arange(width, device=first.device)[None, :] < lengths[:, None]
-        result = torch.empty(n, c, device=first.device)
-        if n != 1:
-            raise ValueError("multi-token candidates are scored one sample per prefix pass (score_batch_size 1)")
+            toks[j, : len(t)] = torch.tensor(t, device=dev)
+        valid = torch.arange(width, device=dev)[None, :] < lengths[:, None]  # [c, width]
         cache_kw, cache = _kv_cache(out)
-        cache.batch_repeat_interleave(c)
-        prefix_mask = enc["attention_mask"].repeat_interleave(c, dim=0)
-        attn = torch.cat([prefix_mask, valid.long()], dim=1)
-        start = enc["attention_mask"].shape[1]
-        cont = self.model(
-            input_ids=toks,
-            attention_mask=attn,
-            **{cache_kw: cache},
-            cache_position=torch.arange(start, start + width, device=first.device),
-            use_cache=True,
-        )
-        step = torch.log_softmax(cont.logits.float(), dim=-1)  # [c, width, vocab]: token t+1 given tokens ≤ t
-        tok_ll = torch.zeros(c, width, device=first.device)
-        tok_ll[:, 0] = first[0, toks[:, 0]]
-        if width > 1:
-            tok_ll[:, 1:] = step[:, :-1].gather(-1, toks[:, 1:].unsqueeze(-1)).squeeze(-1)
-        tok_ll = tok_ll * valid
-        total = tok_ll.sum(1)
-        result[0] = total / lengths if self.length_normalize else total
-        return result
+        cache.batch_repeat_interleave(c)  # row i * c + j: sample i, candidate j
+        steps = width - 1  # the last token's next-token distribution is never read
+        inputs = toks[:, :steps].repeat(n, 1)  # [n * c, steps], candidate j at row i * c + j
+        attn = torch.cat([prefix_mask.repeat_interleave(c, dim=0),
+                          torch.ones(n * c, steps, dtype=prefix_mask.dtype, device=dev)], dim=1)
+        positions = self._next_positions(prefix_mask).repeat_interleave(c)[:, None] + torch.arange(steps, device=dev)
+        cont = self.model(input_ids=inputs, attention_mask=attn, position_ids=positions, **{cache_kw: cache},
+                          use_cache=True)
+        logits = cont.logits.float()  # [n * c, steps, vocab]: token t + 1 given the prompt and tokens ≤ t
+        target = toks[:, 1:].repeat(n, 1).unsqueeze(-1)
+        later = (logits.gather(-1, target).squeeze(-1) - logits.logsumexp(-1)).view(n, c, steps)
+        tok_ll = torch.cat([first[:, toks[:, 0]].unsqueeze(-1), later], dim=2) * valid  # [n, c, width]
+        total = tok_ll.sum(2)
+        return total / lengths if self.length_normalize else total
 
     def score(self, rows: Sequence[dict], *, batch_size: int, mc_passes: int = 0, seed: int = 0) -> ScoreResult:
         images = [decode_rgb(r["prepared"]) for r in rows]
         questions = [r["question"] for r in rows]
         self._candidates(questions[0])
-        if not self.single_token:
-            batch_size = 1
         lls, embs, mc = [], [], []
         for i in range(0, len(rows), batch_size):
             ims, qs = images[i : i + batch_size], questions[i : i + batch_size]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
+from pipeline import scoring
 from pipeline.config import ModelConfig
 from pipeline.errors import ArtifactError
 from pipeline.model.loading import load_model
@@ -16,6 +17,7 @@ from pipeline.scoring import (
     OpenAnswerScorer,
     agreement_codes,
     concat_scores,
+    decode_rgb,
     load_scores,
     plan_shards,
     save_scores,
@@ -41,8 +43,6 @@ def _rows(n, size=32):
 
 def _naive_loglik(loaded, row, answer):
     """One full forward per candidate over prompt + answer: the reference the batched scorer must match."""
-    from pipeline.scoring import decode_rgb
-
     enc = loaded.family.encode(loaded.processor, [decode_rgb(row["prepared"])], [row["question"]], [answer])
     n_ans = len(loaded.family.answer_token_ids(loaded.processor, row["question"], answer))
     start = int(enc["answer_start"][0])
@@ -64,18 +64,54 @@ def test_single_token_candidates_match_one_forward_per_candidate(loaded):
         np.testing.assert_allclose(res.probs[i], ref, atol=1e-4)
 
 
-def test_multi_token_candidates_reuse_the_prefix_cache(loaded):
-    rows = _rows(2)
-    answers = ["cat", "dog house", "seven"]
+# Candidates of 1, 2, 1 and 7 tokens with the tiny tokenizer: different lengths pad the continuation forward.
+MIXED = ["cat", "dog house", "seven", "a photo of the big red tree"]
+
+
+@pytest.fixture(scope="module", params=["idefics3", "qwen2_vl", "qwen2_5_vl"])
+def family_loaded(request, tmp_path_factory):
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp("tiny") / request.param)
+    return load_model(ModelConfig(name_or_path=str(path), family=request.param, mode="qlora"))
+
+
+def _mixed_rows():
+    rows = _rows(3)
+    rows[1]["question"] = "What is shown in the image?"  # a shorter prompt: the batch's prompts are left-padded
+    return rows
+
+
+def test_multi_token_batch_equals_one_full_forward_per_candidate(family_loaded):
+    # The positions of the tokens continuing a cached prompt are the delicate part (Qwen2-VL's M-RoPE numbers text
+    # after the image from the image's grid, not from the token count): any offset moves these log-likelihoods by
+    # tenths, far beyond the tolerance.
+    ld, rows = family_loaded, _mixed_rows()
+    lengths = {len(ld.family.answer_token_ids(ld.processor, rows[0]["question"], a)) for a in MIXED}
+    assert len(lengths) >= 3 and max(lengths) >= 3
+    ref = np.array([[_naive_loglik(ld, r, a) for a in MIXED] for r in rows])  # [n, c, (total, tokens)]
     for normalize in (False, True):
-        res = ClosedSetScorer(loaded, answers, length_normalize=normalize).score(rows, batch_size=8)
-        for i in range(2):
-            ll = []
-            for a in answers:
-                total, n = _naive_loglik(loaded, rows[i], a)
-                ll.append(total / n if normalize else total)
-            ll = np.array(ll)
-            np.testing.assert_allclose(res.probs[i], np.exp(ll) / np.exp(ll).sum(), atol=1e-4)
+        scorer = ClosedSetScorer(ld, MIXED, length_normalize=normalize)
+        res = scorer.score(rows, batch_size=3)
+        ll = ref[..., 0] / ref[..., 1] if normalize else ref[..., 0]
+        np.testing.assert_allclose(res.probs, np.exp(ll - ll.max(1, keepdims=True))
+                                   / np.exp(ll - ll.max(1, keepdims=True)).sum(1, keepdims=True), atol=1e-4)
+        batched_ll, _ = scorer.logprobs([decode_rgb(r["prepared"]) for r in rows], [r["question"] for r in rows])
+        np.testing.assert_allclose(batched_ll, ll, atol=1e-4)
+
+
+def test_multi_token_batch_costs_two_forwards_and_splitting_it_changes_nothing(loaded, monkeypatch):
+    rows = _mixed_rows()
+    calls = []
+    hook = loaded.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        whole = ClosedSetScorer(loaded, MIXED).score(rows, batch_size=3)
+    finally:
+        hook.remove()
+    assert len(calls) == 2  # the prompts' forward, then every candidate of every sample in one
+    # A batch whose repeated cache would pass the token budget is scored in groups of samples, with the same result.
+    monkeypatch.setattr(scoring, "MAX_CONTINUATION_TOKENS", 64)
+    split = ClosedSetScorer(loaded, MIXED).score(rows, batch_size=3)
+    np.testing.assert_allclose(split.probs, whole.probs, atol=1e-5)
+    np.testing.assert_allclose(split.embeddings, whole.embeddings, atol=1e-4)
 
 
 def test_multi_token_scoring_passes_the_cache_under_its_current_name(loaded):

@@ -124,7 +124,10 @@ class AugmentConfig(Section):
     num_proc: int = Field(default=1, ge=1)
 
 
-Family = Literal["idefics3", "qwen2_vl", "qwen2_5_vl"]
+# The registered families (pipeline/model/families.py) and auto: a registered family when the checkpoint's model_type
+# has one, else the generic fallback for any image-text-to-text checkpoint with a chat template.
+Family = Literal["idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava_onevision", "internvl",
+                 "auto"]
 
 
 class ModelConfig(Section):

@@ -135,6 +135,9 @@ class ModelConfig(Section):
     name_or_path: str = "artifacts/models/tiny-idefics3"
     # Detected from the checkpoint's config when not given.
     family: Family | None = None
+    # The token that ends an answer, for model.family: auto when the chat template writes no special token after
+    # an answer and the tokenizer has no EOS (the registered families know theirs).
+    end_token: str | None = None
     # When the model directory is missing, build a tiny random-weight model of this family there (tests, demo).
     build_tiny_if_missing: bool = False
     mode: Literal["qlora", "lora", "full"] = "qlora"

@@ -287,6 +287,39 @@ def _internvl(tok: Any, image_size: int) -> tuple[Any, Any]:
                                      image_seq_length=image_tokens(image_size), chat_template=tok.chat_template)
 
 
+def _llava(tok: Any, image_size: int) -> tuple[Any, Any]:
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaProcessor
+
+    (image_id,) = _ids(tok, "<image>")
+    config = LlavaConfig(
+        text_config={"model_type": "qwen2", **_text_config(tok)}, vision_config=_siglip(image_size),
+        image_token_index=image_id, vision_feature_select_strategy="full", vision_feature_layer=-1,
+    )
+    size = {"height": image_size, "width": image_size}
+    ip = CLIPImageProcessor(size=size, crop_size=size, do_center_crop=False)
+    return config, LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=PATCH,
+                                  vision_feature_select_strategy="full", chat_template=tok.chat_template)
+
+
+class _ChatMLLlava(Family):
+    """The tokens and template of a tiny LLaVA (model_type `llava`) with ChatML markup, as many LLaVA fine-tunes
+    use: an architecture with no family class, for testing `model.family: auto`."""
+
+    name = "llava"
+    model_types = ("llava",)
+    end_token = "<|im_end|>"
+    special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>")
+    chat_template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for c in message['content'] %}"
+        "{% if c['type'] == 'image' %}<image>\n{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+# Architectures without a family class, built only to test the generic fallback: name → (token spec, builder).
+UNREGISTERED: dict[str, tuple[type[Family], Any]] = {"llava": (_ChatMLLlava, _llava)}
+
+
 def _fan_in_init(model: Any) -> None:
     """Re-draw weights with std 1/sqrt(fan_in): at width 64 the default std 0.02 leaves logits nearly flat and image
     signals faint, so no adapter could fit anything. This keeps activations at unit scale through every layer."""
@@ -321,13 +354,13 @@ def make_tiny_model(
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    fam = get_family(family)
+    fam = UNREGISTERED[family][0]() if family in UNREGISTERED else get_family(family)
     unit = PATCH * MERGE
     if image_size < unit or image_size % unit:
         raise ModelError(f"tiny model image_size {image_size} must be a positive multiple of {unit} "
                          f"(patch {PATCH} × merge {MERGE}), e.g. 32")
     tok = build_tokenizer(fam, vocab_words, max_length=context_length(image_size))
-    config, processor = BUILDERS[family](tok, image_size)
+    config, processor = (UNREGISTERED[family][1] if family in UNREGISTERED else BUILDERS[family])(tok, image_size)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     _fan_in_init(model)

@@ -217,6 +217,20 @@ class TestFamilyContract:
         assert abs(stored - footprint) / footprint < 0.10, (stored, footprint)
         assert p.trainable_params > 0 and p.total > p.weights
 
+    def test_planned_image_tokens_match_the_processor(self, tiny_models, processors, family):
+        from pipeline.model.planner import analyze, image_token_counts
+
+        fam, proc = get_family(family), processors(family)
+        shape = analyze(tiny_models[family])
+        image_id = proc.tokenizer.convert_tokens_to_ids(fam.image_token)
+        for size in (32, 64):
+            enc = fam.encode(proc, [Image.new("RGB", (size, size))], [QUESTION])
+            actual = int((enc["input_ids"] == image_id).sum())
+            planned, patches = image_token_counts(shape, size)
+            # The planner also counts the markers around each tile or image (at most 3 per tile, 5 tiles at 64 px).
+            assert actual <= planned <= actual + 15, (size, planned, actual)
+            assert patches > 0
+
 
 def test_smolvlm_and_idefics3_are_told_apart(tmp_path):
     for model_type, family in (("smolvlm", "smolvlm"), ("idefics3", "idefics3")):

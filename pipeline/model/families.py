@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -82,6 +83,16 @@ class Family:
     def processor_kwargs(self, image_size: int, *, tile: int | None = None) -> dict[str, Any]:
         """Image settings for a processor call on images whose longest side is `image_size` (aspect kept)."""
         return {}
+
+    def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
+        """(tokens in the text sequence, patches through the vision encoder) for one square `image_size`-px image,
+        from the config alone (`vc`: the vision config's image_size / patch_size / spatial_merge_size and the model
+        config's geometry keys, as the planner reads them). Default: a grid of patches merged `spatial_merge_size`²."""
+        patch, merge = vc.get("patch_size", 14), vc.get("spatial_merge_size", 2)
+        unit = patch * merge
+        side = max(unit, round(image_size / unit) * unit)
+        patches = (side // patch) ** 2
+        return patches // merge**2 + 2, patches  # + vision start/end tokens
 
     def lora_target(self, names: Sequence[str] | None = None) -> str:
         """A PEFT `target_modules` regex: these leaf module names inside the language model only."""
@@ -271,6 +282,14 @@ class TiledFamily(Family):
         split = tile is not None and image_size > tile
         return {"do_image_splitting": split, "size": {"longest_edge": image_size}}
 
+    def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
+        tile, patch = vc.get("image_size", 512), vc.get("patch_size", 16)
+        # Up to one tile the image is the global tile alone; larger ones are split plus one global tile.
+        tiles = 1 if image_size <= tile else math.ceil(image_size / tile) ** 2 + 1
+        patches = (tile // patch) ** 2
+        per_tile = patches // vc.get("scale_factor", 1) ** 2 + 3  # + row/col and fake-image marker tokens
+        return tiles * per_tile, tiles * patches
+
     def image_features(self, model: Any, processor: Any, images: Sequence[Image.Image]) -> torch.Tensor:
         enc = self.image_inputs(processor, images)
         pixels = enc["pixel_values"]  # [n, tiles, 3, H, W]; tiles padded with all-zero images
@@ -368,6 +387,11 @@ class Gemma3Family(Family):
     square_tiles = True  # resized to the square without keeping the aspect ratio (pan-and-scan off)
     nested_images = True
 
+    def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
+        # Every image is resized to the tower's square and pooled to mm_tokens_per_image, whatever its size.
+        side, patch = vc.get("image_size", 896), vc.get("patch_size", 14)
+        return vc.get("mm_tokens_per_image", 256) + 2, (side // patch) ** 2  # + start/end-of-image tokens
+
 
 class LlavaOnevisionFamily(Family):
     """LLaVA-OneVision: SigLIP 384-px tiles in an any-resolution grid (aspect kept) into a Qwen2 language model."""
@@ -382,6 +406,20 @@ class LlavaOnevisionFamily(Family):
     image_token = "<image>"
     special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
     chat_template = templates.LLAVA_ONEVISION
+
+    def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
+        # A base tile plus the any-resolution grid the pinpoints allow (a square image: n×n tiles), one newline
+        # token per row of grid features, scaled down past `anyres_max_N` tiles' worth (the processor's rule).
+        tile, patch = vc.get("image_size", 384), vc.get("patch_size", 14)
+        side = tile // patch
+        largest = max((max(p) for p in vc.get("image_grid_pinpoints") or [[tile, tile]]), default=tile)
+        n = max(1, min(math.ceil(image_size / tile), largest // tile))
+        rows = cols = n * side
+        cap = int(str(vc.get("vision_aspect_ratio", "anyres_max_9")).removeprefix("anyres_max_") or 9)
+        ratio = math.sqrt(rows * cols / (cap * side * side))
+        if ratio > 1.1:
+            rows, cols = int(rows // ratio), int(cols // ratio)
+        return side * side + rows * cols + rows, (1 + n * n) * side * side
 
 
 class InternVLFamily(Family):
@@ -402,6 +440,13 @@ class InternVLFamily(Family):
     def processor_kwargs(self, image_size: int, *, tile: int | None = None) -> dict[str, Any]:
         # Up to one tile the image is that tile alone; larger ones are cropped into tiles plus a thumbnail.
         return {"crop_to_patches": tile is not None and image_size > tile}
+
+    def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
+        tile, patch = vc.get("image_size", 448), vc.get("patch_size", 14)
+        tiles = 1 if image_size <= tile else math.ceil(image_size / tile) ** 2 + 1
+        patches = (tile // patch) ** 2
+        per_tile = int(patches * vc.get("downsample_ratio", 0.5) ** 2)
+        return tiles * per_tile + 2, tiles * patches  # + <img> and </img>
 
 
 FAMILIES: dict[str, type[Family]] = {

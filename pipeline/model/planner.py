@@ -256,28 +256,21 @@ def analyze(model_config: Any, *, local_only: bool = False) -> ModelShape:
             # InternVL writes sizes as [height, width]: the planner works with square images.
             k: (v[0] if isinstance(v, (list, tuple)) else v)
             for k in ("image_size", "patch_size", "spatial_merge_size") if (v := getattr(vc, k, None)) is not None
-        } | ({"scale_factor": config.scale_factor} if hasattr(config, "scale_factor") else {}),
+        } | {k: getattr(config, k) for k in ("scale_factor", "mm_tokens_per_image", "image_grid_pinpoints",
+                                             "downsample_ratio", "vision_aspect_ratio") if hasattr(config, k)},
     )
 
 
 # ------------------------------------------------------------------------------------------------ image tokens
 def image_token_counts(shape: ModelShape, image_size: int) -> tuple[int, int]:
-    """(tokens in the text sequence, patches through the vision encoder) for one square image of `image_size` px."""
-    vc = shape.vision_cfg
+    """(tokens in the text sequence, patches through the vision encoder) for one square image of `image_size` px:
+    the family's geometry (`Family.planned_image_tokens`), the merged-patch grid for a model without one."""
+    from pipeline.model.families import Family, get_family
+
     if shape.vision is None or image_size <= 0:
         return 0, 0
-    if shape.family in ("idefics3", "smolvlm"):
-        tile, patch = vc.get("image_size", 512), vc.get("patch_size", 16)
-        # Up to one tile the image is the global tile alone; larger ones are split plus one global tile.
-        tiles = 1 if image_size <= tile else math.ceil(image_size / tile) ** 2 + 1
-        patches = (tile // patch) ** 2
-        per_tile = patches // vc.get("scale_factor", 1) ** 2 + 3  # + row/col and fake-image marker tokens
-        return tiles * per_tile, tiles * patches
-    patch, merge = vc.get("patch_size", 14), vc.get("spatial_merge_size", 2)
-    unit = patch * merge
-    side = max(unit, round(image_size / unit) * unit)
-    patches = (side // patch) ** 2
-    return patches // merge**2 + 2, patches  # + vision start/end tokens
+    family = get_family(shape.family) if shape.family else Family()
+    return family.planned_image_tokens(shape.vision_cfg, image_size)
 
 
 # ------------------------------------------------------------------------------------------------ LoRA targets

@@ -190,6 +190,10 @@ def _qwen2_5_vl(tok: Any, image_size: int) -> tuple[Any, Any]:
 
 def _smolvlm(tok: Any, image_size: int) -> tuple[Any, Any]:
     from transformers import SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+    from transformers.utils import is_num2words_available
+
+    if not is_num2words_available():
+        raise ModelError("smolvlm: SmolVLM2's processor needs the num2words package; pip install num2words")
 
     (image_id,) = _ids(tok, "<image>")
     config = SmolVLMConfig(

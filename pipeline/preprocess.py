@@ -49,7 +49,7 @@ def resolve_size(pre: PreprocessConfig, model: ModelConfig) -> int:
     if pre.size is not None:
         return pre.size
     family = model.family
-    if family is None:
+    if family in (None, "auto"):  # auto: a registered family when the checkpoint has one
         from pipeline.model.families import detect_family
 
         try:

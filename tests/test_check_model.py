@@ -151,3 +151,13 @@ def test_cli_check_model_exit_codes(tiny_models, tmp_path):
     bad = runner.invoke(app, ["check-model", str(empty)])
     assert bad.exit_code == 1
     assert "a round would fail at 'checkpoint'" in bad.output and "no config.json" in bad.output
+
+
+def test_cli_make_tiny_model_builds_a_new_family(tmp_path):
+    from flows.cli import app
+    from pipeline.model.families import detect_family
+
+    res = CliRunner().invoke(app, ["make-tiny-model", "--family", "llava_onevision", "--out", str(tmp_path / "m")])
+    assert res.exit_code == 0, res.output
+    assert detect_family(tmp_path / "m") == "llava_onevision"
+    assert json.loads((tmp_path / "m" / "tamis_tiny.json").read_text())["family"] == "llava_onevision"

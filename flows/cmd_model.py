@@ -12,7 +12,9 @@ from flows.cli_common import ConfigOpt, out_console
 
 
 def make_tiny_model_cmd(
-    family: Annotated[str, typer.Option("--family", "-f", help="idefics3, qwen2_vl or qwen2_5_vl.")],
+    family: Annotated[str, typer.Option("--family", "-f", help="A registered family as model.family writes it: "
+                                        "idefics3, smolvlm, qwen2_vl, qwen2_5_vl, qwen3_vl, gemma3, llava_onevision, "
+                                        "internvl.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the checkpoint to (replaced if present).")],
     image_size: Annotated[int, typer.Option("--image-size", help="Image side the model is built for (multiple of 16).")] = 32,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
@@ -49,6 +51,54 @@ def check_quant_cmd(
     if json_out is not None:
         atomic_write_json(json_out, report)
     typer.echo(json.dumps(report, indent=2))
+
+
+def check_model_cmd(
+    path: Annotated[Path | None, typer.Argument(help="A local checkpoint folder (default: the config's model).")] = None,
+    config: ConfigOpt = None,
+    family: Annotated[str | None, typer.Option("--family", "-f", help="model.family to check with (auto: the "
+                                               "generic fallback for unregistered architectures).")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json-out", help="Also write the report here.")] = None,
+) -> None:
+    """Load a local checkpoint the way a round would and report what tamis will do with it: family, image tokens,
+    prompt/answer boundaries, LoRA targets, 4-bit agreement, one scoring batch, one training step, planned memory.
+    Exits 1 when a round would fail, naming the reason."""
+    from rich.table import Table
+
+    from pipeline.config import load_config
+    from pipeline.model.check import check_model
+    from pipeline.store import atomic_write_json
+
+    cfg = load_config(config)
+    update: dict = {"build_tiny_if_missing": False}
+    if path is not None:
+        update |= {"name_or_path": str(path.resolve()), "family": family}
+    elif family is not None:
+        update["family"] = family
+    sections: dict = {"model": cfg.model.model_copy(update=update)}
+    if path is not None and config is None:
+        # The demo config's tiny-model settings (image size, LoRA on the vision tower) say nothing about this
+        # checkpoint: check it with the defaults and its family's image size.
+        from pipeline.config import ModelConfig
+
+        sections["model"] = ModelConfig(name_or_path=str(path.resolve()), family=family)
+        sections["preprocess"] = cfg.preprocess.model_copy(update={"size": None})
+        sections["train"] = type(cfg.train)()
+    report = check_model(cfg.model_copy(update=sections))
+    if json_out is not None:
+        atomic_write_json(json_out, report.to_dict())
+    t = Table(title=f"check-model: {report.model}")
+    t.add_column("check")
+    t.add_column("status")
+    t.add_column("what tamis will do / found", overflow="fold")
+    colour = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+    for r in report.rows:
+        t.add_row(r.check, f"[{colour[r.status]}]{r.status}[/]", r.found)
+    out_console().print(t)
+    if not report.ok:
+        reason = report.failures[0]
+        typer.echo(f"check-model: a round would fail at '{reason.check}': {reason.found}", err=True)
+        raise typer.Exit(1)
 
 
 def hardware_cmd(
@@ -170,6 +220,7 @@ def train_cmd(
 def register(app: typer.Typer) -> None:
     app.command("make-tiny-model")(make_tiny_model_cmd)
     app.command("check-quant")(check_quant_cmd)
+    app.command("check-model")(check_model_cmd)
     app.command("hardware")(hardware_cmd)
     app.command("plan")(plan_cmd)
     app.command("train")(train_cmd)

@@ -124,7 +124,10 @@ class AugmentConfig(Section):
     num_proc: int = Field(default=1, ge=1)
 
 
-Family = Literal["idefics3", "qwen2_vl", "qwen2_5_vl"]
+# The registered families (pipeline/model/families.py) and auto: a registered family when the checkpoint's model_type
+# has one, else the generic fallback for any image-text-to-text checkpoint with a chat template.
+Family = Literal["idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava_onevision", "internvl",
+                 "auto"]
 
 
 class ModelConfig(Section):
@@ -132,6 +135,9 @@ class ModelConfig(Section):
     name_or_path: str = "artifacts/models/tiny-idefics3"
     # Detected from the checkpoint's config when not given.
     family: Family | None = None
+    # The token that ends an answer, for model.family: auto when the chat template writes no special token after
+    # an answer and the tokenizer has no EOS (the registered families know theirs).
+    end_token: str | None = None
     # When the model directory is missing, build a tiny random-weight model of this family there (tests, demo).
     build_tiny_if_missing: bool = False
     mode: Literal["qlora", "lora", "full"] = "qlora"

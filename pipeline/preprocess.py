@@ -61,7 +61,7 @@ def resolve_size(pre: PreprocessConfig, model: ModelConfig) -> int:
     if pre.size is not None:
         return pre.size
     family = model.family
-    if family is None:
+    if family in (None, "auto"):  # auto: a registered family when the checkpoint has one
         from pipeline.model.families import detect_family
 
         try:
@@ -72,6 +72,10 @@ def resolve_size(pre: PreprocessConfig, model: ModelConfig) -> int:
                 f"({exc}); set preprocess.size (e.g. 448) or model.family ({', '.join(FAMILY_SIZES)})"
             ) from None
     if family not in FAMILY_SIZES:
+        from pipeline.model.families import FAMILIES
+
+        if family in FAMILIES:  # families added since: their own default size
+            return FAMILIES[family].default_image_size
         raise ConfigError(f"model.family {family!r} has no default preprocess.size; set preprocess.size explicitly")
     return FAMILY_SIZES[family]
 

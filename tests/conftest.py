@@ -114,11 +114,42 @@ def image_dataset():
     return build
 
 
-# --- model: one tiny random-weight checkpoint per family, built once per session (about a second each) ---
+# --- model: one tiny random-weight checkpoint per family, built on first use per session (about a second each) ---
+class _TinyModels(dict):
+    """{family: checkpoint folder} for every registered family (32-px images, 4 image tokens); a family's model is
+    built the first time a test asks for it, so a test of one family does not pay for the others."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str) -> Path:
+        from pipeline.model.families import FAMILIES
+        from pipeline.model.tiny import make_tiny_model
+
+        if family not in FAMILIES:
+            raise KeyError(family)
+        self[family] = path = make_tiny_model(family, self.root / family)
+        return path
+
+    def _all(self) -> _TinyModels:
+        from pipeline.model.families import FAMILIES
+
+        for family in FAMILIES:
+            self[family]  # noqa: B018 - builds it
+        return self
+
+    # Iterating means every family: build the rest first.
+    def __iter__(self):
+        return dict.__iter__(self._all())
+
+    def items(self):
+        return dict.items(self._all())
+
+    def values(self):
+        return dict.values(self._all())
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """{family: checkpoint folder} for idefics3, qwen2_vl and qwen2_5_vl (32-px images, 4 image tokens)."""
-    from pipeline.model.tiny import make_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny-models")
-    return {f: make_tiny_model(f, root / f) for f in ("idefics3", "qwen2_vl", "qwen2_5_vl")}
+    return _TinyModels(tmp_path_factory.mktemp("tiny-models"))

@@ -4,12 +4,20 @@ One small class per family and a plain name → class dict. Everything family-sp
 lives here: the prompt (via the processor's chat template), where the answer tokens start (label masking, scoring),
 the end-of-turn token, the processor settings that keep an image's aspect ratio, the default LoRA targets, and how
 to run the vision encoder alone (selection embeddings).
+
+The base class does the work; a family is mostly declarations (docs/models.md lists them). Three image geometries
+cover today's families, one mixin each: a fixed square (Gemma 3, LLaVA-OneVision's tiles, InternVL's tiles: the
+processor decides), a grid of merged patches at the image's own resolution (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), and
+SigLIP tiles with splitting (Idefics3, SmolVLM2). `pipeline.model.generic` builds a family for any other checkpoint
+with a chat template (`model.family: auto`).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -18,38 +26,25 @@ import torch
 from PIL import Image
 
 from pipeline.errors import ModelError
+from pipeline.model import templates
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 
-# The chat templates the real checkpoints ship (SmolVLM-Instruct; Qwen2-VL-Instruct, which Qwen2.5-VL shares). They
-# are written into tiny models and used as a fallback for a checkpoint whose processor has none.
-IDEFICS3_CHAT_TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
-    "{% if message['content'] is string %}{{': ' + message['content']}}{% else %}"
-    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
-    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
-)
-QWEN2_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
-    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Kept importable under their old names (tests and benchmarks use them).
+IDEFICS3_CHAT_TEMPLATE = templates.IDEFICS3
+QWEN2_VL_CHAT_TEMPLATE = templates.QWEN2_VL
 
 
 class Family:
-    """What one model family needs beyond the generic transformers classes."""
+    """What one model family needs beyond the generic transformers classes.
+
+    Declarations (ClassVars): `name` (as `model.family` writes it), `model_types` (config.json values), the three
+    module scopes (regex fragments of module paths: the language model, the projector, the vision tower),
+    `default_image_size`, `end_token` (closes the assistant turn; the label's EOS), `image_token` (the placeholder
+    the processor repeats once per image token), `special_tokens` (the tiny tokenizer's), `chat_template` (fallback
+    when a checkpoint has none), `square_tiles`, and `answer_prefix`.
+    """
 
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]  # config.json `model_type` values of this family
@@ -57,22 +52,47 @@ class Family:
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
     )
     # LoRA goes on the language model only by default: the vision encoder stays frozen (and some vision blocks reuse
-    # the same leaf names, e.g. Qwen2.5-VL's MLP).
+    # the same leaf names, e.g. Qwen2.5-VL's MLP). The projector and vision scopes say where the other parts sit.
     language_model_scope: ClassVar[str]
+    projector_scope: ClassVar[str]
+    vision_scope: ClassVar[str]
     default_image_size: ClassVar[int]
-    end_token: ClassVar[str]  # closes the assistant turn; the label's EOS
+    end_token: ClassVar[str]
+    image_token: ClassVar[str]
     special_tokens: ClassVar[tuple[str, ...]]
     chat_template: ClassVar[str]
     # The processor squares every tile: pad images to a square first (preprocess.pad) to keep their aspect ratio.
     square_tiles: ClassVar[bool] = False
+    # Between the generation prompt and the answer, used only where the template renders the answered turn so that
+    # it does not start with the generation prompt (the answer is then appended to the prompt the model generates
+    # from: what it will see at inference).
+    answer_prefix: ClassVar[str] = ""
+    # Keyword arguments of the image processor call that take the images as one list per sample ([[im], [im]]).
+    nested_images: ClassVar[bool] = False
 
+    # ------------------------------------------------------------------------------------------ image geometry
     def tile_size(self, processor: Any) -> int:
         """The processor's native image unit in pixels (a tile, or one merged patch)."""
-        raise NotImplementedError
+        size = processor.image_processor.size
+        size = size if isinstance(size, dict) else dict(size)
+        side = size.get("height") or size.get("longest_edge") or size.get("shortest_edge")
+        if not side:
+            raise ModelError(f"{self.name}: the image processor's size {size} names no height or edge")
+        return int(side)
 
     def processor_kwargs(self, image_size: int, *, tile: int | None = None) -> dict[str, Any]:
         """Image settings for a processor call on images whose longest side is `image_size` (aspect kept)."""
-        raise NotImplementedError
+        return {}
+
+    def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
+        """(tokens in the text sequence, patches through the vision encoder) for one square `image_size`-px image,
+        from the config alone (`vc`: the vision config's image_size / patch_size / spatial_merge_size and the model
+        config's geometry keys, as the planner reads them). Default: a grid of patches merged `spatial_merge_size`²."""
+        patch, merge = vc.get("patch_size", 14), vc.get("spatial_merge_size", 2)
+        unit = patch * merge
+        side = max(unit, round(image_size / unit) * unit)
+        patches = (side // patch) ** 2
+        return patches // merge**2 + 2, patches  # + vision start/end tokens
 
     def lora_target(self, names: Sequence[str] | None = None) -> str:
         """A PEFT `target_modules` regex: these leaf module names inside the language model only."""
@@ -88,13 +108,26 @@ class Family:
             msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
         return msgs
 
-    def prompt(self, processor: Any, question: str, answer: str | None = None) -> str:
-        """The chat-formatted text: the user turn (image + question), then the assistant's answer or its cue."""
+    def _render(self, processor: Any, question: str, answer: str | None) -> str:
         template = getattr(processor, "chat_template", None) or self.chat_template
         return processor.apply_chat_template(
             self.messages(question, answer), chat_template=template, add_generation_prompt=answer is None,
             tokenize=False,
         )
+
+    def answer_rendering(self, processor: Any, question: str, answer: str) -> str:
+        """'template' when the chat template renders the answered turn as the generation prompt followed by the
+        answer; 'appended' when it does not, and the answer is appended to the generation prompt instead."""
+        return "template" if self._render(processor, question, answer).startswith(
+            self._render(processor, question, None)) else "appended"
+
+    def prompt(self, processor: Any, question: str, answer: str | None = None) -> str:
+        """The chat-formatted text: the user turn (image + question), then the assistant's answer or its cue."""
+        cue = self._render(processor, question, None)
+        if answer is None:
+            return cue
+        full = self._render(processor, question, answer)
+        return full if full.startswith(cue) else cue + self.answer_prefix + answer + self.end_token
 
     def end_token_id(self, processor: Any) -> int:
         tok = processor.tokenizer
@@ -159,10 +192,6 @@ class Family:
             if not isinstance(a, str) or not a.strip():
                 raise ModelError(f"encode: row {i}: answer is {a!r}; training needs a non-empty answer string")
         full = [self.prompt(processor, q, a) for q, a in zip(questions, answers, strict=True)]
-        for i, (p, f) in enumerate(zip(prompts, full, strict=True)):
-            if not f.startswith(p):
-                raise ModelError(f"{self.name}: row {i}: the chat template renders the answered conversation "
-                                 "differently from the question alone; answer tokens cannot be located")
         enc = self._call(processor, images, full, size, "right")
         pe = self._call(processor, images, prompts, size, "right")
         prompt_ids, prompt_lens = pe["input_ids"], pe["attention_mask"].sum(1)
@@ -186,30 +215,63 @@ class Family:
         return enc
 
     # ------------------------------------------------------------------------------------------ vision encoder
-    def _image_kwargs(self, processor: Any, images: Sequence[Image.Image]) -> dict[str, Any]:
-        # The same image settings `encode` uses: the batch's longest side (prepared images have the right size).
-        return self.processor_kwargs(max(max(im.size) for im in images), tile=self.tile_size(processor))
+    def image_inputs(self, processor: Any, images: Sequence[Image.Image]) -> Any:
+        """The image processor's output for `images`, with the settings `encode` uses: the batch's longest side
+        (prepared images have the right size)."""
+        images = [im.convert("RGB") for im in images]
+        kwargs = self.processor_kwargs(max(max(im.size) for im in images), tile=self.tile_size(processor))
+        batch = [[im] for im in images] if self.nested_images else images
+        return processor.image_processor(images=batch, return_tensors="pt", **kwargs)
 
     def image_features(self, model: Any, processor: Any, images: Sequence[Image.Image]) -> torch.Tensor:
         """[n, d]: the vision encoder's last hidden state (before any projection into the language model), mean-pooled
-        over an image's patches, and over its tiles where the processor splits it. The language model never runs."""
-        raise NotImplementedError
+        over an image's patches, and over its tiles where the processor splits it. The language model never runs.
+
+        The model's own `get_image_features` runs the tower; its `last_hidden_state` comes grouped one of three ways,
+        told apart by what the image processor returned: `image_grid_thw` (rows of patches, one run per image),
+        `num_patches` (tiles per image, InternVL), or one unit per image or per real tile (stacked pixel_values)."""
+        enc = self.image_inputs(processor, images)
+        n = len(images)
+        device = next(model.parameters()).device
+        accepted = inspect.signature(model.get_image_features).parameters
+        args = {k: v.to(device) for k, v in enc.items() if k in accepted and isinstance(v, torch.Tensor)}
+        out = model.get_image_features(**args)
+        hidden = out.last_hidden_state.float().cpu()
+        if "image_grid_thw" in enc:  # [all patches, d]
+            return torch.stack([h.mean(0) for h in hidden.split(enc["image_grid_thw"].prod(-1).tolist())])
+        per_unit = hidden.mean(1) if hidden.dim() == 3 else hidden  # [units, d]
+        if "num_patches" in enc:
+            counts = torch.as_tensor(enc["num_patches"]).flatten().tolist()
+        elif per_unit.shape[0] == n:
+            counts = [1] * n
+        else:
+            pixels = enc["pixel_values"]  # [n, tiles, 3, H, W]; tiles padded with all-zero images
+            counts = (pixels != 0).flatten(2).any(-1).sum(1).tolist() if pixels.dim() == 5 else []
+        if sum(counts) != per_unit.shape[0] or len(counts) != n:
+            raise ModelError(f"{self.name}: the vision tower returned {tuple(hidden.shape)} for {n} images and the "
+                             f"processor's {sorted(enc)}; cannot tell which rows belong to which image")
+        return torch.stack([u.mean(0) for u in per_unit.split(counts)])
 
 
-class Idefics3Family(Family):
-    """SmolVLM (v1) and Idefics3: SigLIP tiles + pixel shuffle into a Llama/SmolLM2 language model."""
+class GridFamily(Family):
+    """Native resolution: the image keeps its aspect ratio and becomes a grid of patches merged `merge_size`²."""
 
-    name = "idefics3"
-    model_types = ("idefics3", "smolvlm")
-    language_model_scope = "text_model"
-    default_image_size = 512
-    end_token = "<end_of_utterance>"
-    special_tokens = (
-        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
-        "<global-img>", *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
-    )
-    chat_template = IDEFICS3_CHAT_TEMPLATE
+    def tile_size(self, processor: Any) -> int:
+        ip = processor.image_processor
+        return int(ip.patch_size * ip.merge_size)
+
+    def processor_kwargs(self, image_size: int, *, tile: int | None = None) -> dict[str, Any]:
+        # smart_resize keeps the aspect ratio and rounds sides to the merged-patch size; capping the pixel count at
+        # image_size² keeps prepared images at their own resolution instead of the 1280-token default.
+        unit = tile or 28
+        return {"size": {"shortest_edge": unit * unit, "longest_edge": max(image_size * image_size, unit * unit)}}
+
+
+class TiledFamily(Family):
+    """SigLIP tiles of the processor's size: one global tile for small images, split into tiles beyond it."""
+
     square_tiles = True
+    nested_images = True
 
     def tile_size(self, processor: Any) -> int:
         return int(processor.image_processor.max_image_size["longest_edge"])
@@ -220,10 +282,16 @@ class Idefics3Family(Family):
         split = tile is not None and image_size > tile
         return {"do_image_splitting": split, "size": {"longest_edge": image_size}}
 
+    def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
+        tile, patch = vc.get("image_size", 512), vc.get("patch_size", 16)
+        # Up to one tile the image is the global tile alone; larger ones are split plus one global tile.
+        tiles = 1 if image_size <= tile else math.ceil(image_size / tile) ** 2 + 1
+        patches = (tile // patch) ** 2
+        per_tile = patches // vc.get("scale_factor", 1) ** 2 + 3  # + row/col and fake-image marker tokens
+        return tiles * per_tile, tiles * patches
+
     def image_features(self, model: Any, processor: Any, images: Sequence[Image.Image]) -> torch.Tensor:
-        images = [im.convert("RGB") for im in images]
-        enc = processor.image_processor([[im] for im in images], return_tensors="pt",
-                                        **self._image_kwargs(processor, images))
+        enc = self.image_inputs(processor, images)
         pixels = enc["pixel_values"]  # [n, tiles, 3, H, W]; tiles padded with all-zero images
         n, tiles, _, h, w = pixels.shape
         mask = enc.get("pixel_attention_mask")  # [n, tiles, H, W]: real pixels vs padding
@@ -240,39 +308,49 @@ class Idefics3Family(Family):
         return torch.stack([t.mean(0) for t in per_tile.split(real.sum(1).tolist())])
 
 
-class Qwen2VLFamily(Family):
+_QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+                "<|image_pad|>", "<|video_pad|>")
+_SMOL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<end_of_utterance>", "<fake_token_around_image>",
+                "<image>", "<global-img>", *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
+
+
+class Idefics3Family(TiledFamily):
+    """SmolVLM (v1) and Idefics3: SigLIP tiles + pixel shuffle into a Llama/SmolLM2 language model."""
+
+    name = "idefics3"
+    model_types = ("idefics3",)
+    language_model_scope = "text_model"
+    projector_scope = "connector"
+    vision_scope = "vision_model"
+    default_image_size = 512
+    end_token = "<end_of_utterance>"
+    image_token = "<image>"
+    special_tokens = _SMOL_TOKENS
+    chat_template = templates.IDEFICS3
+
+
+class SmolVLMFamily(Idefics3Family):
+    """SmolVLM2 (`smolvlm` model type): Idefics3's tiles and prompt format, SmolVLM classes with video support."""
+
+    name = "smolvlm"
+    model_types = ("smolvlm",)
+    special_tokens = (*_SMOL_TOKENS, "<video>")
+    chat_template = templates.SMOLVLM2
+
+
+class Qwen2VLFamily(GridFamily):
     """Qwen2-VL: native-resolution ViT (patches merged 2x2) into a Qwen2 language model with M-RoPE."""
 
     name = "qwen2_vl"
     model_types = ("qwen2_vl",)
     language_model_scope = "language_model"
+    projector_scope = r"visual\.merger"  # the 2×2 patch merger sits inside the vision module
+    vision_scope = "visual"
     default_image_size = 448
     end_token = "<|im_end|>"
-    special_tokens = (
-        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-        "<|image_pad|>", "<|video_pad|>",
-    )
-    chat_template = QWEN2_VL_CHAT_TEMPLATE
-
-    def tile_size(self, processor: Any) -> int:
-        ip = processor.image_processor
-        return int(ip.patch_size * ip.merge_size)
-
-    def processor_kwargs(self, image_size: int, *, tile: int | None = None) -> dict[str, Any]:
-        # smart_resize keeps the aspect ratio and rounds sides to the merged-patch size; capping the pixel count at
-        # image_size² keeps prepared images at their own resolution instead of the 1280-token default.
-        unit = tile or 28
-        return {"size": {"shortest_edge": unit * unit, "longest_edge": max(image_size * image_size, unit * unit)}}
-
-    def image_features(self, model: Any, processor: Any, images: Sequence[Image.Image]) -> torch.Tensor:
-        images = [im.convert("RGB") for im in images]
-        enc = processor.image_processor(images=images, return_tensors="pt", **self._image_kwargs(processor, images))
-        grid = enc["image_grid_thw"]  # [n, 3]: (t, h, w) patches per image; pixel_values holds them all, in order
-        device = next(model.parameters()).device
-        out = model.get_image_features(pixel_values=enc["pixel_values"].to(device), image_grid_thw=grid.to(device))
-        # Patches before the 2×2 merger, grouped by image (Qwen2.5-VL's window order permutes them within an image).
-        hidden = out.last_hidden_state.float()
-        return torch.stack([h.mean(0) for h in hidden.split(grid.prod(-1).tolist())])
+    image_token = "<|image_pad|>"
+    special_tokens = _QWEN_TOKENS
+    chat_template = templates.QWEN2_VL
 
 
 class Qwen25VLFamily(Qwen2VLFamily):
@@ -282,21 +360,124 @@ class Qwen25VLFamily(Qwen2VLFamily):
     model_types = ("qwen2_5_vl",)
 
 
+class Qwen3VLFamily(Qwen2VLFamily):
+    """Qwen3-VL: 16-px patches merged 2x2 (32-px units), DeepStack mergers feeding early language layers."""
+
+    name = "qwen3_vl"
+    model_types = ("qwen3_vl",)
+    projector_scope = r"visual\.(?:merger|deepstack_merger_list)"
+    default_image_size = 448  # 14 × 32-px units
+    chat_template = templates.QWEN3_VL
+
+
+class Gemma3Family(Family):
+    """Gemma 3: SigLIP at a fixed square (896 px; 256 pooled tokens) into a Gemma 3 language model."""
+
+    name = "gemma3"
+    model_types = ("gemma3",)
+    language_model_scope = "language_model"
+    projector_scope = "multi_modal_projector"
+    vision_scope = "vision_tower"
+    default_image_size = 896
+    end_token = "<end_of_turn>"
+    image_token = "<image_soft_token>"
+    special_tokens = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                      "<end_of_image>", "<image_soft_token>")
+    chat_template = templates.GEMMA3
+    square_tiles = True  # resized to the square without keeping the aspect ratio (pan-and-scan off)
+    nested_images = True
+
+    def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
+        # Every image is resized to the tower's square and pooled to mm_tokens_per_image, whatever its size.
+        side, patch = vc.get("image_size", 896), vc.get("patch_size", 14)
+        return vc.get("mm_tokens_per_image", 256) + 2, (side // patch) ** 2  # + start/end-of-image tokens
+
+
+class LlavaOnevisionFamily(Family):
+    """LLaVA-OneVision: SigLIP 384-px tiles in an any-resolution grid (aspect kept) into a Qwen2 language model."""
+
+    name = "llava_onevision"
+    model_types = ("llava_onevision",)
+    language_model_scope = "language_model"
+    projector_scope = "multi_modal_projector"
+    vision_scope = "vision_tower"
+    default_image_size = 384
+    end_token = "<|im_end|>"
+    image_token = "<image>"
+    special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
+    chat_template = templates.LLAVA_ONEVISION
+
+    def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
+        # A base tile plus the any-resolution grid the pinpoints allow (a square image: n×n tiles), one newline
+        # token per row of grid features, scaled down past `anyres_max_N` tiles' worth (the processor's rule).
+        tile, patch = vc.get("image_size", 384), vc.get("patch_size", 14)
+        side = tile // patch
+        largest = max((max(p) for p in vc.get("image_grid_pinpoints") or [[tile, tile]]), default=tile)
+        n = max(1, min(math.ceil(image_size / tile), largest // tile))
+        rows = cols = n * side
+        cap = int(str(vc.get("vision_aspect_ratio", "anyres_max_9")).removeprefix("anyres_max_") or 9)
+        ratio = math.sqrt(rows * cols / (cap * side * side))
+        if ratio > 1.1:
+            rows, cols = int(rows // ratio), int(cols // ratio)
+        return side * side + rows * cols + rows, (1 + n * n) * side * side
+
+
+class InternVLFamily(Family):
+    """InternVL 3 (-hf checkpoints): InternViT 448-px tiles + pixel shuffle into a Qwen2 language model."""
+
+    name = "internvl"
+    model_types = ("internvl",)
+    language_model_scope = "language_model"
+    projector_scope = "multi_modal_projector"
+    vision_scope = "vision_tower"
+    default_image_size = 448
+    end_token = "<|im_end|>"
+    image_token = "<IMG_CONTEXT>"
+    special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
+    chat_template = templates.INTERNVL
+    square_tiles = True
+
+    def processor_kwargs(self, image_size: int, *, tile: int | None = None) -> dict[str, Any]:
+        # Up to one tile the image is that tile alone; larger ones are cropped into tiles plus a thumbnail.
+        return {"crop_to_patches": tile is not None and image_size > tile}
+
+    def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
+        tile, patch = vc.get("image_size", 448), vc.get("patch_size", 14)
+        tiles = 1 if image_size <= tile else math.ceil(image_size / tile) ** 2 + 1
+        patches = (tile // patch) ** 2
+        per_tile = int(patches * vc.get("downsample_ratio", 0.5) ** 2)
+        return tiles * per_tile + 2, tiles * patches  # + <img> and </img>
+
+
 FAMILIES: dict[str, type[Family]] = {
     "idefics3": Idefics3Family,
+    "smolvlm": SmolVLMFamily,
     "qwen2_vl": Qwen2VLFamily,
     "qwen2_5_vl": Qwen25VLFamily,
+    "qwen3_vl": Qwen3VLFamily,
+    "gemma3": Gemma3Family,
+    "llava_onevision": LlavaOnevisionFamily,
+    "internvl": InternVLFamily,
 }
 
 
 def get_family(name: str) -> Family:
     if name not in FAMILIES:
-        raise ModelError(f"unknown model family {name!r}; supported: {', '.join(FAMILIES)}")
+        raise ModelError(f"unknown model family {name!r}; supported: {', '.join(FAMILIES)} (or auto, for the generic "
+                         "fallback)")
     return FAMILIES[name]()
 
 
-def detect_family(name_or_path: str | Path) -> str:
-    """The family of a checkpoint from its config.json `model_type` (a local folder, or a hub ID via the cache)."""
+def family_of_model_type(model_type: str | None) -> str | None:
+    """The registered family whose `model_types` include `model_type`, or None."""
+    for fam in FAMILIES.values():
+        if model_type in fam.model_types:
+            return fam.name
+    return None
+
+
+def read_model_type(name_or_path: str | Path) -> str | None:
+    """config.json's `model_type` of a local folder, or of a hub ID through the cache."""
     path = Path(name_or_path)
     if path.is_dir():
         cfg_file = path / "config.json"
@@ -304,18 +485,23 @@ def detect_family(name_or_path: str | Path) -> str:
             raise ModelError(f"{path}: no config.json; is this a saved model folder? Set model.family explicitly "
                              f"or point model.name_or_path at a checkpoint folder")
         try:
-            model_type = json.loads(cfg_file.read_text(encoding="utf-8")).get("model_type")
+            return json.loads(cfg_file.read_text(encoding="utf-8")).get("model_type")
         except json.JSONDecodeError as exc:
             raise ModelError(f"{cfg_file}: not valid JSON (line {exc.lineno}): {exc.msg}") from None
-    else:
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
-        try:
-            model_type = AutoConfig.from_pretrained(str(name_or_path)).model_type
-        except OSError as exc:
-            raise ModelError(f"{name_or_path}: cannot read its config ({exc}); offline, use a local folder") from None
-    for fam in FAMILIES.values():
-        if model_type in fam.model_types:
-            return fam.name
+    try:
+        return AutoConfig.from_pretrained(str(name_or_path)).model_type
+    except OSError as exc:
+        raise ModelError(f"{name_or_path}: cannot read its config ({exc}); offline, use a local folder") from None
+
+
+def detect_family(name_or_path: str | Path) -> str:
+    """The family of a checkpoint from its config.json `model_type` (a local folder, or a hub ID via the cache)."""
+    model_type = read_model_type(name_or_path)
+    found = family_of_model_type(model_type)
+    if found is not None:
+        return found
     supported = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES.values())
-    raise ModelError(f"{name_or_path}: model_type {model_type!r} is not a supported family; supported: {supported}")
+    raise ModelError(f"{name_or_path}: model_type {model_type!r} is not a supported family; supported: {supported}; "
+                     "set model.family: auto to try the generic fallback")

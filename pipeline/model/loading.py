@@ -143,6 +143,10 @@ def _resolve_source(model_cfg: ModelConfig) -> tuple[str, bool]:
 def resolve_family(model_cfg: ModelConfig, source: str | None = None) -> Family:
     """The configured family, checked against the checkpoint's config when that can be read."""
     source = source or model_cfg.name_or_path
+    if model_cfg.family == "auto":
+        from pipeline.model.generic import resolve_auto
+
+        return resolve_auto(source, end_token=model_cfg.end_token)
     detected = None
     if model_cfg.family is None or Path(source, "config.json").is_file():
         detected = detect_family(source)

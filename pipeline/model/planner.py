@@ -218,8 +218,9 @@ def _stack_vision(vc: Any, model_type: str) -> Stack:
 
 
 def _family_of(model_type: str) -> str | None:
-    return {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl"}.get(
-        model_type)
+    from pipeline.model.families import family_of_model_type
+
+    return family_of_model_type(model_type)
 
 
 def analyze(model_config: Any, *, local_only: bool = False) -> ModelShape:
@@ -229,8 +230,10 @@ def analyze(model_config: Any, *, local_only: bool = False) -> ModelShape:
     config = load_model_config(model_config, local_only=local_only)
     model = _meta_model(config)
     linears, others = [], []
+    # A Linear whose weight is tied to another parameter (Gemma 3's lm_head is its embedding) stores nothing more.
+    owned = {n for n, _ in model.named_parameters()}
     for name, mod in model.named_modules():
-        if type(mod) is torch.nn.Linear:
+        if type(mod) is torch.nn.Linear and f"{name}.weight" in owned:
             linears.append(Linear(name, mod.in_features, mod.out_features, mod.bias is not None))
     linear_params = {f"{lin.name}.{p}" for lin in linears for p in ("weight", "bias")}
     for name, p in model.named_parameters():
@@ -250,29 +253,24 @@ def analyze(model_config: Any, *, local_only: bool = False) -> ModelShape:
         vocab=config.get_text_config().vocab_size,
         family=_family_of(config.model_type),
         vision_cfg={} if vc is None else {
-            k: getattr(vc, k) for k in ("image_size", "patch_size", "spatial_merge_size") if hasattr(vc, k)
-        } | ({"scale_factor": config.scale_factor} if hasattr(config, "scale_factor") else {}),
+            # InternVL writes sizes as [height, width]: the planner works with square images.
+            k: (v[0] if isinstance(v, (list, tuple)) else v)
+            for k in ("image_size", "patch_size", "spatial_merge_size") if (v := getattr(vc, k, None)) is not None
+        } | {k: getattr(config, k) for k in ("scale_factor", "mm_tokens_per_image", "image_grid_pinpoints",
+                                             "downsample_ratio", "vision_aspect_ratio") if hasattr(config, k)},
     )
 
 
 # ------------------------------------------------------------------------------------------------ image tokens
 def image_token_counts(shape: ModelShape, image_size: int) -> tuple[int, int]:
-    """(tokens in the text sequence, patches through the vision encoder) for one square image of `image_size` px."""
-    vc = shape.vision_cfg
+    """(tokens in the text sequence, patches through the vision encoder) for one square image of `image_size` px:
+    the family's geometry (`Family.planned_image_tokens`), the merged-patch grid for a model without one."""
+    from pipeline.model.families import Family, get_family
+
     if shape.vision is None or image_size <= 0:
         return 0, 0
-    if shape.family == "idefics3":
-        tile, patch = vc.get("image_size", 512), vc.get("patch_size", 16)
-        # Up to one tile the image is the global tile alone; larger ones are split plus one global tile.
-        tiles = 1 if image_size <= tile else math.ceil(image_size / tile) ** 2 + 1
-        patches = (tile // patch) ** 2
-        per_tile = patches // vc.get("scale_factor", 1) ** 2 + 3  # + row/col and fake-image marker tokens
-        return tiles * per_tile, tiles * patches
-    patch, merge = vc.get("patch_size", 14), vc.get("spatial_merge_size", 2)
-    unit = patch * merge
-    side = max(unit, round(image_size / unit) * unit)
-    patches = (side // patch) ** 2
-    return patches // merge**2 + 2, patches  # + vision start/end tokens
+    family = get_family(shape.family) if shape.family else Family()
+    return family.planned_image_tokens(shape.vision_cfg, image_size)
 
 
 # ------------------------------------------------------------------------------------------------ LoRA targets

@@ -34,6 +34,13 @@ TEXT_TOKENS = 512
 # bitsandbytes' CPU inference kernel packs 4-bit weights in blocks: every quantized layer needs in_features % 64 == 0
 # and out_features % 32 == 0, so no width below 64.
 VISION = {"hidden_size": 64, "intermediate_size": 128}
+# Tokenizer roles per family where they differ from the Qwen/SmolLM markup; named extras become tokenizer attributes.
+TOKEN_ROLES: dict[str, dict[str, str]] = {
+    "gemma3": {"bos_token": "<bos>", "pad_token": "<pad>", "boi_token": "<start_of_image>",
+               "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+    "internvl": {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                 "video_token": "<video>"},
+}
 VOCAB_WORDS: tuple[str, ...] = (
     "the", "a", "an", "is", "are", "was", "of", "in", "on", "at", "to", "and", "or", "not", "no", "yes", "it", "this",
     "that", "what", "which", "who", "where", "how", "many", "much", "there", "here", "image", "picture", "photo",
@@ -84,12 +91,19 @@ def build_tokenizer(family: Family, words: Sequence[str] = VOCAB_WORDS, *, max_l
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tk.train_from_iterator(_corpus(words), trainer)
-    specials = {"bos_token": "<|im_start|>", "eos_token": family.end_token,
-                "pad_token": "<|endoftext|>", "unk_token": None}
+    roles = TOKEN_ROLES.get(family.name, {})
+    specials = {"bos_token": roles.get("bos_token", "<|im_start|>"), "eos_token": family.end_token,
+                "pad_token": roles.get("pad_token", "<|endoftext|>"), "unk_token": None}
+    named = {k: v for k, v in roles.items() if k not in specials}
+    extra = [t for t in family.special_tokens if t not in specials.values() and t not in named.values()]
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, additional_special_tokens=[t for t in family.special_tokens if t not in specials.values()],
-        model_max_length=max_length, **specials,
+        tokenizer_object=tk, model_max_length=max_length, **specials,
+        # Named extras become tokenizer attributes the processors read (Gemma 3's boi_token, InternVL's
+        # context_image_token), as the real checkpoints' tokenizer configs declare them.
+        extra_special_tokens=named or extra,
     )
+    if named:
+        tok.add_special_tokens({"extra_special_tokens": extra}, replace_extra_special_tokens=False)
     tok.chat_template = family.chat_template
     for prefix in ("", " "):
         for d in DIGITS:
@@ -125,14 +139,15 @@ def _idefics3(tok: Any, image_size: int) -> tuple[Any, Any]:
                                      chat_template=tok.chat_template)
 
 
-def _qwen_processor(tok: Any, image_size: int, cls: Any) -> Any:
+def _qwen_processor(tok: Any, image_size: int, cls: Any, video_cls: Any = None) -> Any:
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
+    video_cls = video_cls or Qwen2VLVideoProcessor
     unit = PATCH * MERGE
     geometry = {"patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2}
     size = {"shortest_edge": unit * unit, "longest_edge": image_size * image_size}
     return cls(image_processor=Qwen2VLImageProcessor(size=size, **geometry),
-               video_processor=Qwen2VLVideoProcessor(size=size, **geometry),
+               video_processor=video_cls(size=size, **geometry),
                tokenizer=tok, chat_template=tok.chat_template)
 
 
@@ -173,6 +188,142 @@ def _qwen2_5_vl(tok: Any, image_size: int) -> tuple[Any, Any]:
     return config, _qwen_processor(tok, image_size, Qwen2_5_VLProcessor)
 
 
+def _smolvlm(tok: Any, image_size: int) -> tuple[Any, Any]:
+    from transformers import SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+    from transformers.utils import is_num2words_available
+
+    if not is_num2words_available():
+        raise ModelError("smolvlm: SmolVLM2's processor needs the num2words package; pip install num2words")
+
+    (image_id,) = _ids(tok, "<image>")
+    config = SmolVLMConfig(
+        text_config={"model_type": "llama", **_text_config(tok), "rms_norm_eps": 1e-5},
+        vision_config={**VISION, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": image_size, "patch_size": PATCH},
+        scale_factor=MERGE, image_token_id=image_id, pad_token_id=tok.pad_token_id,
+    )
+    size = {"longest_edge": image_size}
+    ip = SmolVLMImageProcessor(size=size, max_image_size=size, do_image_splitting=False)
+    vp = SmolVLMVideoProcessor(size=size, max_image_size=size)
+    return config, SmolVLMProcessor(image_processor=ip, video_processor=vp, tokenizer=tok,
+                                    image_seq_len=image_tokens(image_size), chat_template=tok.chat_template)
+
+
+def _qwen3_vl(tok: Any, image_size: int) -> tuple[Any, Any]:
+    from transformers import Qwen3VLConfig, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    head_dim = TEXT["hidden_size"] // TEXT["num_attention_heads"]
+    # Interleaved M-RoPE over (time, height, width): the sections sum to head_dim / 2, as [24, 20, 20] does at 128.
+    rope = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+    config = Qwen3VLConfig(
+        text_config={**_text_config(tok), "head_dim": head_dim, "rope_parameters": rope},
+        vision_config={**VISION, "depth": 2, "num_heads": 2, "out_hidden_size": TEXT["hidden_size"],
+                       "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": 2,
+                       "num_position_embeddings": (image_size // PATCH) ** 2, "deepstack_visual_indexes": [0]},
+        **_qwen_ids(tok),
+    )
+    processor = _qwen_processor(tok, image_size, Qwen3VLProcessor, video_cls=Qwen3VLVideoProcessor)
+    return config, processor
+
+
+def _siglip(image_size: int) -> dict[str, Any]:
+    return {"model_type": "siglip_vision_model", **VISION, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "image_size": image_size, "patch_size": PATCH}
+
+
+def _gemma3(tok: Any, image_size: int) -> tuple[Any, Any]:
+    from transformers import Gemma3Config, Gemma3ImageProcessor, Gemma3Processor
+
+    head_dim = TEXT["hidden_size"] // TEXT["num_attention_heads"]
+    boi, eoi, image_id = _ids(tok, "<start_of_image>", "<end_of_image>", "<image_soft_token>")
+    # The projector average-pools the patch grid to mm_tokens_per_image tokens (a square): 256 of 4,096 at 896 px.
+    n_tokens = image_tokens(image_size)
+    config = Gemma3Config(
+        text_config={**_text_config(tok), "head_dim": head_dim, "query_pre_attn_scalar": head_dim,
+                     "sliding_window": 64},
+        vision_config=_siglip(image_size), mm_tokens_per_image=n_tokens,
+        boi_token_index=boi, eoi_token_index=eoi, image_token_index=image_id,
+    )
+    ip = Gemma3ImageProcessor(size={"height": image_size, "width": image_size}, do_pan_and_scan=False)
+    return config, Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=n_tokens,
+                                   chat_template=tok.chat_template)
+
+
+def _llava_onevision(tok: Any, image_size: int) -> tuple[Any, Any]:
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+    )
+
+    (image_id,) = _ids(tok, "<image>")
+    (video_id,) = _ids(tok, "<video>")
+    # Any-resolution grids of up to 2×2 tiles (the real checkpoints go to 6×6 of 384 px).
+    pinpoints = [[image_size * h, image_size * w] for h in (1, 2) for w in (1, 2)]
+    config = LlavaOnevisionConfig(
+        text_config={"model_type": "qwen2", **_text_config(tok)}, vision_config=_siglip(image_size),
+        image_token_index=image_id, video_token_index=video_id, image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="full", vision_feature_layer=-1,
+    )
+    size = {"height": image_size, "width": image_size}
+    ip = LlavaOnevisionImageProcessor(size=size, crop_size=size, image_grid_pinpoints=pinpoints)
+    vp = LlavaOnevisionVideoProcessor(size=size, crop_size=size)
+    return config, LlavaOnevisionProcessor(image_processor=ip, video_processor=vp, tokenizer=tok,
+                                           num_image_tokens=(image_size // PATCH) ** 2,
+                                           vision_feature_select_strategy="full", chat_template=tok.chat_template)
+
+
+def _internvl(tok: Any, image_size: int) -> tuple[Any, Any]:
+    from transformers import GotOcr2ImageProcessor, InternVLConfig, InternVLProcessor, InternVLVideoProcessor
+
+    (image_id,) = _ids(tok, "<IMG_CONTEXT>")
+    config = InternVLConfig(
+        text_config={"model_type": "qwen2", **_text_config(tok)},
+        vision_config={**VISION, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": [image_size, image_size], "patch_size": [PATCH, PATCH]},
+        image_token_id=image_id, downsample_ratio=1 / MERGE, image_seq_length=image_tokens(image_size),
+    )
+    size = {"height": image_size, "width": image_size}
+    ip = GotOcr2ImageProcessor(size=size, crop_to_patches=False, min_patches=1, max_patches=12)
+    vp = InternVLVideoProcessor(size=size)
+    return config, InternVLProcessor(image_processor=ip, video_processor=vp, tokenizer=tok,
+                                     image_seq_length=image_tokens(image_size), chat_template=tok.chat_template)
+
+
+def _llava(tok: Any, image_size: int) -> tuple[Any, Any]:
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaProcessor
+
+    (image_id,) = _ids(tok, "<image>")
+    config = LlavaConfig(
+        text_config={"model_type": "qwen2", **_text_config(tok)}, vision_config=_siglip(image_size),
+        image_token_index=image_id, vision_feature_select_strategy="full", vision_feature_layer=-1,
+    )
+    size = {"height": image_size, "width": image_size}
+    ip = CLIPImageProcessor(size=size, crop_size=size, do_center_crop=False)
+    return config, LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=PATCH,
+                                  vision_feature_select_strategy="full", chat_template=tok.chat_template)
+
+
+class _ChatMLLlava(Family):
+    """The tokens and template of a tiny LLaVA (model_type `llava`) with ChatML markup, as many LLaVA fine-tunes
+    use: an architecture with no family class, for testing `model.family: auto`."""
+
+    name = "llava"
+    model_types = ("llava",)
+    end_token = "<|im_end|>"
+    special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>")
+    chat_template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for c in message['content'] %}"
+        "{% if c['type'] == 'image' %}<image>\n{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+# Architectures without a family class, built only to test the generic fallback: name → (token spec, builder).
+UNREGISTERED: dict[str, tuple[type[Family], Any]] = {"llava": (_ChatMLLlava, _llava)}
+
+
 def _fan_in_init(model: Any) -> None:
     """Re-draw weights with std 1/sqrt(fan_in): at width 64 the default std 0.02 leaves logits nearly flat and image
     signals faint, so no adapter could fit anything. This keeps activations at unit scale through every layer."""
@@ -191,7 +342,8 @@ def _fan_in_init(model: Any) -> None:
                 m.weight.normal_(0.0, 1.0)
 
 
-BUILDERS = {"idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl}
+BUILDERS = {"idefics3": _idefics3, "smolvlm": _smolvlm, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl,
+            "qwen3_vl": _qwen3_vl, "gemma3": _gemma3, "llava_onevision": _llava_onevision, "internvl": _internvl}
 
 
 def make_tiny_model(
@@ -206,13 +358,13 @@ def make_tiny_model(
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    fam = get_family(family)
+    fam = UNREGISTERED[family][0]() if family in UNREGISTERED else get_family(family)
     unit = PATCH * MERGE
     if image_size < unit or image_size % unit:
         raise ModelError(f"tiny model image_size {image_size} must be a positive multiple of {unit} "
                          f"(patch {PATCH} × merge {MERGE}), e.g. 32")
     tok = build_tokenizer(fam, vocab_words, max_length=context_length(image_size))
-    config, processor = BUILDERS[family](tok, image_size)
+    config, processor = (UNREGISTERED[family][1] if family in UNREGISTERED else BUILDERS[family])(tok, image_size)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     _fan_in_init(model)

@@ -193,7 +193,8 @@ def _smolvlm(tok: Any, image_size: int) -> tuple[Any, Any]:
     from transformers.utils import is_num2words_available
 
     if not is_num2words_available():
-        raise ModelError("smolvlm: SmolVLM2's processor needs the num2words package; pip install num2words")
+        raise ModelError("smolvlm: SmolVLM2's processor needs the num2words package (LGPL-2.1); "
+                         "pip install 'tamis[smolvlm2]'")
 
     (image_id,) = _ids(tok, "<image>")
     config = SmolVLMConfig(

@@ -9,7 +9,7 @@ import pipeline.labelcheck
 PKG = Path(pipeline.labelcheck.__file__).parent
 # Lowest first: a module may import only modules before it.
 LAYERS = ["base", "detection", "calibration", "confident_learning", "knn", "out_of_sample", "relabel", "report",
-          "open_answers", "check"]
+          "open_answers", "check", "stage"]
 # What flows/, tests/ and benchmarks/ import from pipeline.labelcheck (the package keeps every one of them).
 USED = {
     "LABELCHECK_VERSION", "VERDICT_FILE", "Issue", "KnnSpace", "LabelCheckError", "OOSResult", "annotator_agreement",
@@ -32,7 +32,8 @@ def _imports(path: Path) -> set[str]:
             base = node.module or ""
             if node.level:  # relative: resolve against the package
                 base = "pipeline.labelcheck" + (f".{base}" if base else "")
-            out.add(base)
+            # `from pipeline import labelcheck` imports the module pipeline.labelcheck.
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
     return out
 
 
@@ -40,22 +41,36 @@ def test_every_module_imports_only_the_layers_below_it():
     files = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
     assert files == set(LAYERS), f"add a new module to LAYERS at its place: {sorted(files ^ set(LAYERS))}"
     for i, name in enumerate(LAYERS):
-        inside = {m.removeprefix("pipeline.labelcheck").lstrip(".") for m in _imports(PKG / f"{name}.py")
+        inside = {m.removeprefix("pipeline.labelcheck").lstrip(".").split(".")[0] for m in _imports(PKG / f"{name}.py")
                   if m == "pipeline.labelcheck" or m.startswith("pipeline.labelcheck.")}
         assert "" not in inside, f"{name}.py imports the package itself (a cycle through __init__)"
         above = inside - set(LAYERS[:i])
         assert not above, f"{name}.py imports {sorted(above)}, which sit at or above it in {LAYERS}"
 
 
-def test_nothing_outside_the_package_imports_it_back():
-    """The package's own imports (pipeline.model.train, pipeline.scoring, ...) must not lead back into it."""
-    root = PKG.parent
-    for mod in sorted({m for p in PKG.glob("*.py") for m in _imports(p)
-                       if m.startswith("pipeline.") and not m.startswith("pipeline.labelcheck")}):
-        path = root.parent / (mod.replace(".", "/") + ".py")
-        if not path.is_file():
-            path = root.parent / mod.replace(".", "/") / "__init__.py"
-        assert not any(m.startswith("pipeline.labelcheck") for m in _imports(path)), f"{mod} imports labelcheck"
+def _module_file(mod: str) -> Path | None:
+    path = PKG.parent.parent / mod.replace(".", "/")
+    return next((p for p in (path.with_suffix(".py"), path / "__init__.py") if p.is_file()), None)
+
+
+def test_nothing_the_package_imports_leads_back_into_it():
+    """Follow pipeline.* imports (function-local ones too) from the package's own outside imports: none reaches
+    pipeline.labelcheck again, so the package sits in no cycle."""
+    todo = sorted({m for p in PKG.glob("*.py") for m in _imports(p)
+                   if m.startswith("pipeline.") and not m.startswith("pipeline.labelcheck")})
+    seen: dict[str, str] = {m: "pipeline.labelcheck" for m in todo}
+    while todo:
+        mod = todo.pop()
+        path = _module_file(mod)
+        if path is None:  # a name imported from a module (from pipeline.x import y), not a module
+            continue
+        for dep in _imports(path):
+            if dep.startswith("pipeline.labelcheck") or dep == "pipeline.labelcheck":
+                raise AssertionError(f"{mod} (reached from {seen[mod]}) imports {dep}: an import cycle")
+            if dep.startswith("pipeline.") and dep not in seen:
+                seen[dep] = mod
+                todo.append(dep)
+    assert "pipeline.store" in seen  # the walk did follow the package's imports
 
 
 def test_files_stay_small():

@@ -11,7 +11,7 @@ annotators as a separate task set; their answers come in through the normal impo
 correction entries, so the old label stays visible in `tamis labels history`.
 
 The package, one module per part, each importing only the ones before it in this order: base, detection,
-calibration, confident_learning, knn, out_of_sample, relabel, report, open_answers, check. This file re-exports
+calibration, confident_learning, knn, out_of_sample, relabel, report, open_answers, check, stage. This file re-exports
 the names the rest of tamis uses.
 """
 
@@ -44,18 +44,23 @@ from pipeline.labelcheck.report import (
     annotator_agreement,
     label_issue_table,
     label_report_markdown,
+    report_agreement,
+    report_table,
+    report_verdict,
     verdict_headline,
     verdict_signals,
     write_label_report,
 )
+from pipeline.labelcheck.stage import plan_label_check, plan_relabel, run_label_check, run_relabel
 
 __all__ = [
-    'annotator_agreement', 'apply_temperature', 'calibrate_confident_joint', 'check_labels',
-    'class_thresholds', 'confident_joint', 'detect_label_issues', 'detect_open_label_issues',
-    'export_relabel', 'false_alarm_text', 'find_label_issues', 'fit_temperature', 'Issue',
-    'issues_from_report', 'knn_label_probs', 'knn_space', 'KnnSpace', 'label_error_posterior',
-    'label_issue_table', 'label_report_markdown', 'LABELCHECK_VERSION', 'LabelCheckError', 'labels_spent',
-    'noise_rate', 'OOSResult', 'out_of_sample_probs', 'prune_by_noise_rate', 'relabel_candidates',
-    'relabel_dir', 'relabel_queued', 'stratified_folds', 'three_rater_accuracy', 'VERDICT_FILE',
-    'verdict_headline', 'verdict_signals', 'write_label_report',
+    "annotator_agreement", "apply_temperature", "calibrate_confident_joint", "check_labels",
+    "class_thresholds", "confident_joint", "detect_label_issues", "detect_open_label_issues",
+    "export_relabel", "false_alarm_text", "find_label_issues", "fit_temperature", "Issue",
+    "issues_from_report", "knn_label_probs", "knn_space", "KnnSpace", "label_error_posterior",
+    "label_issue_table", "label_report_markdown", "LABELCHECK_VERSION", "LabelCheckError", "labels_spent",
+    "noise_rate", "OOSResult", "out_of_sample_probs", "plan_label_check", "plan_relabel",
+    "prune_by_noise_rate", "relabel_candidates", "relabel_dir", "relabel_queued", "report_agreement",
+    "report_table", "report_verdict", "run_label_check", "run_relabel", "stratified_folds",
+    "three_rater_accuracy", "VERDICT_FILE", "verdict_headline", "verdict_signals", "write_label_report",
 ]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import ProjectConfig
+from pipeline.config import LabelCheckConfig, ModelConfig, SelectConfig, TrainConfig
 from pipeline.labelcheck.knn import KnnSpace, detect_label_issues
 from pipeline.labelcheck.open_answers import check_open_labels
 from pipeline.labelcheck.out_of_sample import OOSResult, _answers, out_of_sample_probs
@@ -20,15 +20,16 @@ from pipeline.store import Manifest
 log = logging.getLogger(__name__)
 
 
-def knn_space(cfg: ProjectConfig, labeled_rows: Sequence[Mapping[str, Any]], oos: OOSResult,
-              selection: tuple[Sequence[str], np.ndarray] | None) -> tuple[KnnSpace | None, str | None]:
+def knn_space(labeled_rows: Sequence[Mapping[str, Any]], oos: OOSResult,
+              selection: tuple[Sequence[str], np.ndarray] | None, *, select: SelectConfig,
+              labelcheck: LabelCheckConfig) -> tuple[KnnSpace | None, str | None]:
     """The kNN signal's space and, when there is none, why. `selection`: the selection-embeddings stage's (IDs,
     vectors) when select.embeddings is not `model`; every labeled sample is a neighbour there. With `model`, the
     label check's own scoring embeddings of the checked samples, neighbours within each fold's adapter."""
     from pipeline.embeddings import lookup
 
-    source = cfg.select.embeddings.source
-    if cfg.labelcheck.knn_k == 0:
+    source = select.embeddings.source
+    if labelcheck.knn_k == 0:
         return None, "labelcheck.knn_k is 0"
     if source != "model":
         if selection is None:
@@ -45,32 +46,42 @@ def knn_space(cfg: ProjectConfig, labeled_rows: Sequence[Mapping[str, Any]], oos
 
 
 def check_labels(
-    cfg: ProjectConfig,
     labeled_rows: Sequence[Mapping[str, Any]],
     out_dir: str | os.PathLike[str],
     ledger: Any,
     *,
+    model: ModelConfig,
+    train: TrainConfig,
+    select: SelectConfig,
+    labelcheck: LabelCheckConfig,
+    answers: Sequence[str] | None,
+    seed: int,
     adapter: str | os.PathLike[str] | None = None,
     trained_ids: Iterable[str] = (),
     hw: Any = None,
     oos_dir: str | os.PathLike[str] | None = None,
     selection_embeddings: tuple[Sequence[str], np.ndarray] | None = None,
 ) -> Manifest:
-    """One round's label check: out-of-sample probabilities (cfg.labelcheck.method; fold adapters and scores under
+    """One round's label check: out-of-sample probabilities (labelcheck.method; fold adapters and scores under
     `oos_dir`, default out_dir/oos), detect_label_issues with the kNN signal (knn_space), the issues with who gave
     each label, annotator agreement, written by write_label_report to out_dir. `adapter` / `trained_ids` are for the
-    heldout method (see out_of_sample_probs). Open answers (data.answers: null) go to check_open_labels."""
-    if not cfg.data.answers:
-        return check_open_labels(cfg, labeled_rows, out_dir, ledger, adapter=adapter, trained_ids=trained_ids, hw=hw,
+    heldout method (see out_of_sample_probs). Open answers (`answers`, data.answers, None) go to check_open_labels.
+
+    Reads model, train, select (length_normalize, score_batch_size, mc_dropout_passes, embeddings.source),
+    labelcheck (method, kfold, max_steps, min_oos_accuracy, knn_k), data.answers and seed; nothing else."""
+    if not answers:
+        return check_open_labels(labeled_rows, out_dir, ledger, model=model, train=train, select=select,
+                                 labelcheck=labelcheck, seed=seed, adapter=adapter, trained_ids=trained_ids, hw=hw,
                                  oos_dir=oos_dir)
-    answers = _answers(cfg)
-    oos = out_of_sample_probs(cfg, labeled_rows, Path(oos_dir) if oos_dir else Path(out_dir) / "oos",
+    answers = _answers(answers)
+    oos = out_of_sample_probs(labeled_rows, Path(oos_dir) if oos_dir else Path(out_dir) / "oos", model=model,
+                              train=train, select=select, labelcheck=labelcheck, answers=answers, seed=seed,
                               adapter=adapter, trained_ids=trained_ids, hw=hw)
     given = {r["sample_id"]: r["answer"] for r in labeled_rows}
-    space, note = knn_space(cfg, labeled_rows, oos, selection_embeddings)
-    lc = cfg.labelcheck
+    space, note = knn_space(labeled_rows, oos, selection_embeddings, select=select, labelcheck=labelcheck)
     det = detect_label_issues(oos.probs, [given[s] for s in oos.sample_ids], answers, sample_ids=oos.sample_ids,
-                              knn=space, knn_note=note, min_oos_accuracy=lc.min_oos_accuracy, knn_k=lc.knn_k)
+                              knn=space, knn_note=note, min_oos_accuracy=labelcheck.min_oos_accuracy,
+                              knn_k=labelcheck.knn_k)
     table = label_issue_table(det.issues, ledger)
     agreement = annotator_agreement(ledger, oos.suggestions(answers))
     log.info("%s (%s)", det.summary(), oos.method)

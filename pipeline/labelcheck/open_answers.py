@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import ProjectConfig
+from pipeline.config import LabelCheckConfig, ModelConfig, SelectConfig, TrainConfig
 from pipeline.labelcheck.base import LabelCheckError
 from pipeline.labelcheck.detection import MIN_MODEL_ACCURACY, REPORT_CONFIDENCE, Detection, Issue
 from pipeline.labelcheck.out_of_sample import (
@@ -23,6 +23,7 @@ from pipeline.labelcheck.out_of_sample import (
     _score_config,
     fold_config,
     stratified_folds,
+    train_fold,
 )
 from pipeline.labelcheck.report import annotator_agreement, label_issue_table, write_label_report
 from pipeline.store import Manifest, digest_path, find_valid_manifest, stage_key
@@ -55,15 +56,15 @@ class OpenOOS:
         return [self.answers[i], *self.mc_answers[i]]
 
 
-def _score_open(cfg: ProjectConfig, adapter_dir: Path, rows: list[dict[str, Any]], out_dir: Path,
-                inputs: dict[str, str], config: dict[str, Any], hw: Any) -> None:
+def _score_open(model: ModelConfig, select: SelectConfig, seed: int, adapter_dir: Path, rows: list[dict[str, Any]],
+                out_dir: Path, inputs: dict[str, str], config: dict[str, Any], hw: Any) -> None:
     from pipeline.model.loading import load_model
     from pipeline.scoring import OpenAnswerScorer, save_scores
 
-    loaded = load_model(cfg.model, adapter=adapter_dir, hw=hw)
+    loaded = load_model(model, adapter=adapter_dir, hw=hw)
     try:
-        result = OpenAnswerScorer(loaded, max_new_tokens=cfg.model.max_new_tokens, min_new_tokens=1).score(
-            rows, batch_size=cfg.select.score_batch_size, mc_passes=cfg.select.mc_dropout_passes, seed=cfg.seed)
+        result = OpenAnswerScorer(loaded, max_new_tokens=model.max_new_tokens, min_new_tokens=1).score(
+            rows, batch_size=select.score_batch_size, mc_passes=select.mc_dropout_passes, seed=seed)
     finally:
         del loaded
         gc.collect()
@@ -71,10 +72,14 @@ def _score_open(cfg: ProjectConfig, adapter_dir: Path, rows: list[dict[str, Any]
 
 
 def out_of_sample_answers(
-    cfg: ProjectConfig,
     labeled_rows: Sequence[Mapping[str, Any]],
     work_dir: str | os.PathLike[str],
     *,
+    model: ModelConfig,
+    train: TrainConfig,
+    select: SelectConfig,
+    labelcheck: LabelCheckConfig,
+    seed: int,
     method: str | None = None,
     adapter: str | os.PathLike[str] | None = None,
     trained_ids: Iterable[str] = (),
@@ -85,13 +90,13 @@ def out_of_sample_answers(
     that never saw the rows (heldout: `adapter` on the rows not in `trained_ids`; kfold: fold adapters, folds
     stratified by the normalised answer), cached the same way."""
     from pipeline.evaluate import normalize_answer
-    from pipeline.model.train import check_rows, train_adapter
+    from pipeline.model.train import check_rows
     from pipeline.scoring import SCORE_VERSION, load_scores
 
-    method = method or cfg.labelcheck.method
+    method = method or labelcheck.method
     rows = _check_labeled(labeled_rows, None)
-    config = {**_score_config(cfg, []), "answers": None, "max_new_tokens": cfg.model.max_new_tokens,
-              "mc_dropout_passes": cfg.select.mc_dropout_passes}
+    config = {**_score_config(model, train, select, labelcheck, seed, []), "answers": None,
+              "max_new_tokens": model.max_new_tokens, "mc_dropout_passes": select.mc_dropout_passes}
     parts: list[tuple[list[int], Path, dict[str, str], Path | None, list[dict[str, Any]]]] = []
     if method == "heldout":
         if adapter is None:
@@ -105,11 +110,11 @@ def out_of_sample_answers(
             parts.append((idx, Path(work_dir) / "heldout", {"rows": check_rows(held), "adapter": digest_path(adapter)},
                           Path(adapter), []))
     elif method == "kfold":
-        k = cfg.labelcheck.kfold
+        k = labelcheck.kfold
         if k < 2 or len(rows) < k:
             raise LabelCheckError(f"k-fold label check: {len(rows)} labeled samples cannot make {k} folds; label at "
                                   f"least {k} samples or lower labelcheck.kfold (≥ 2)")
-        all_folds = stratified_folds([normalize_answer(r["answer"]) for r in rows], k, cfg.seed)
+        all_folds = stratified_folds([normalize_answer(r["answer"]) for r in rows], k, seed)
         digest = check_rows(rows)
         for i in range(k):
             parts.append(([int(j) for j in np.flatnonzero(all_folds == i)], Path(work_dir) / f"fold-{i}" / "oos",
@@ -124,8 +129,9 @@ def out_of_sample_answers(
     for held_idx, out, inputs, adapter_dir, train_rows in parts:
         if find_valid_manifest(out, stage_key("score", SCORE_VERSION, inputs, config)) is None:
             if adapter_dir is None:
-                adapter_dir = train_adapter(fold_config(cfg), train_rows, out.parent, hw=hw, progress=progress).adapter_dir
-            _score_open(cfg, adapter_dir, [rows[j] for j in held_idx], out, inputs, config, hw)
+                adapter_dir = train_fold(model, fold_config(train, labelcheck), seed, train_rows, out.parent, hw=hw,
+                                         progress=progress).adapter_dir
+            _score_open(model, select, seed, adapter_dir, [rows[j] for j in held_idx], out, inputs, config, hw)
         res = load_scores(out)
         mc = res.mc_answers or [[] for _ in res.sample_ids]
         by_id.update({s: (a, m) for s, a, m in zip(res.sample_ids, res.answers or [], mc, strict=True)})
@@ -197,11 +203,15 @@ def detect_open_label_issues(
 
 
 def check_open_labels(
-    cfg: ProjectConfig,
     labeled_rows: Sequence[Mapping[str, Any]],
     out_dir: str | os.PathLike[str],
     ledger: Any,
     *,
+    model: ModelConfig,
+    train: TrainConfig,
+    select: SelectConfig,
+    labelcheck: LabelCheckConfig,
+    seed: int,
     adapter: str | os.PathLike[str] | None = None,
     trained_ids: Iterable[str] = (),
     hw: Any = None,
@@ -211,12 +221,13 @@ def check_open_labels(
     same report files (oos_probs.npz holds the OPEN_COLUMNS), issue table, annotator agreement and relabel queue."""
     from pipeline.evaluate import normalize_answer
 
-    oos = out_of_sample_answers(cfg, labeled_rows, Path(oos_dir) if oos_dir else Path(out_dir) / "oos",
-                                adapter=adapter, trained_ids=trained_ids, hw=hw)
+    oos = out_of_sample_answers(labeled_rows, Path(oos_dir) if oos_dir else Path(out_dir) / "oos", model=model,
+                                train=train, select=select, labelcheck=labelcheck, seed=seed, adapter=adapter,
+                                trained_ids=trained_ids, hw=hw)
     given = {r["sample_id"]: r["answer"] for r in labeled_rows}
     det, cols = detect_open_label_issues([oos.model_answers(i) for i in range(len(oos.sample_ids))],
                                          [given[s] for s in oos.sample_ids], sample_ids=oos.sample_ids,
-                                         min_oos_accuracy=cfg.labelcheck.min_oos_accuracy)
+                                         min_oos_accuracy=labelcheck.min_oos_accuracy)
     table = label_issue_table(det.issues, ledger)
     at = {s: i for i, s in enumerate(oos.sample_ids)}
     for row in table:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import ProjectConfig
+from pipeline.config import LabelCheckConfig, ModelConfig, ProjectConfig, SelectConfig, TrainConfig
 from pipeline.labelcheck.base import LABELCHECK_VERSION, LabelCheckError
 from pipeline.store import digest_path, find_valid_manifest, stage_key
 
@@ -25,7 +25,7 @@ class OOSResult:
     """Class probabilities of labeled samples from models that did not train on them (rows of `sample_ids`)."""
 
     sample_ids: list[str]
-    probs: np.ndarray  # [n, c] over cfg.data.answers
+    probs: np.ndarray  # [n, c] over data.answers
     folds: np.ndarray  # [n] fold each sample was held out in; -1 for the heldout method
     method: str  # "kfold" or "heldout"
     info: dict[str, Any] = field(default_factory=dict)
@@ -52,11 +52,11 @@ def stratified_folds(labels: Sequence[str], k: int, seed: int) -> np.ndarray:
     return folds
 
 
-def _answers(cfg: ProjectConfig) -> list[str]:
-    if not cfg.data.answers:
+def _answers(answers: Sequence[str] | None) -> list[str]:
+    if not answers:
         raise LabelCheckError("label checks need a closed answer set: set data.answers (open answers have no class "
                               "probabilities to compare)")
-    return list(cfg.data.answers)
+    return list(answers)
 
 
 def _check_labeled(rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | None) -> list[dict[str, Any]]:
@@ -82,28 +82,38 @@ def _check_labeled(rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | N
     return sorted(out, key=lambda r: r["sample_id"])
 
 
-def fold_config(cfg: ProjectConfig) -> ProjectConfig:
-    """The config fold adapters train with: train.max_steps replaced by labelcheck.max_steps when that is set."""
-    if cfg.labelcheck.max_steps is None:
-        return cfg
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": cfg.labelcheck.max_steps})})
+def fold_config(train: TrainConfig, labelcheck: LabelCheckConfig) -> TrainConfig:
+    """The train section fold adapters train with: train.max_steps replaced by labelcheck.max_steps when that is set."""
+    if labelcheck.max_steps is None:
+        return train
+    return train.model_copy(update={"max_steps": labelcheck.max_steps})
 
 
-def _score_config(cfg: ProjectConfig, answers: list[str]) -> dict[str, Any]:
-    return {"model": cfg.section("model"), "train": fold_config(cfg).section("train"), "seed": cfg.seed,
-            "answers": answers, "length_normalize": cfg.select.length_normalize,
-            "batch_size": cfg.select.score_batch_size, "labelcheck_version": LABELCHECK_VERSION}
+def train_fold(model: ModelConfig, train: TrainConfig, seed: int, rows: list[dict[str, Any]], out_dir: Path, *,
+               hw: Any, progress: bool) -> Any:
+    """train_adapter on a fold's rows. train_adapter takes a ProjectConfig and reads only its model, train and seed;
+    the one built here holds exactly those (no other section is read, so none takes a default unseen)."""
+    from pipeline.model.train import train_adapter
+
+    return train_adapter(ProjectConfig(model=model, train=train, seed=seed), rows, out_dir, hw=hw, progress=progress)
 
 
-def _score_held_out(cfg: ProjectConfig, adapter_dir: Path, rows: list[dict[str, Any]], answers: list[str],
-                    out_dir: Path, inputs: dict[str, str], config: dict[str, Any], hw: Any) -> Any:
+def _score_config(model: ModelConfig, train: TrainConfig, select: SelectConfig, labelcheck: LabelCheckConfig,
+                  seed: int, answers: list[str]) -> dict[str, Any]:
+    return {"model": model.model_dump(mode="json"), "train": fold_config(train, labelcheck).model_dump(mode="json"),
+            "seed": seed, "answers": answers, "length_normalize": select.length_normalize,
+            "batch_size": select.score_batch_size, "labelcheck_version": LABELCHECK_VERSION}
+
+
+def _score_held_out(model: ModelConfig, select: SelectConfig, adapter_dir: Path, rows: list[dict[str, Any]],
+                    answers: list[str], out_dir: Path, inputs: dict[str, str], config: dict[str, Any], hw: Any) -> Any:
     from pipeline.model.loading import load_model
     from pipeline.scoring import ClosedSetScorer, save_scores
 
-    loaded = load_model(cfg.model, adapter=adapter_dir, hw=hw)
+    loaded = load_model(model, adapter=adapter_dir, hw=hw)
     try:
-        result = ClosedSetScorer(loaded, answers, length_normalize=cfg.select.length_normalize).score(
-            rows, batch_size=cfg.select.score_batch_size)
+        result = ClosedSetScorer(loaded, answers, length_normalize=select.length_normalize).score(
+            rows, batch_size=select.score_batch_size)
     finally:
         del loaded
         gc.collect()
@@ -112,10 +122,15 @@ def _score_held_out(cfg: ProjectConfig, adapter_dir: Path, rows: list[dict[str, 
 
 
 def out_of_sample_probs(
-    cfg: ProjectConfig,
     labeled_rows: Sequence[Mapping[str, Any]],
     work_dir: str | os.PathLike[str],
     *,
+    model: ModelConfig,
+    train: TrainConfig,
+    select: SelectConfig,
+    labelcheck: LabelCheckConfig,
+    answers: Sequence[str] | None,
+    seed: int,
     k: int | None = None,
     method: str | None = None,
     adapter: str | os.PathLike[str] | None = None,
@@ -125,7 +140,9 @@ def out_of_sample_probs(
 ) -> OOSResult:
     """Class probabilities for labeled rows ({sample_id, prepared, question, answer}) from models that never saw them.
 
-    kfold (default `cfg.labelcheck.method`): seeded folds stratified by label; fold i's adapter is trained with
+    Reads model, train, select (length_normalize, score_batch_size), labelcheck (method, kfold, max_steps),
+    data.answers (`answers`) and seed.
+    kfold (default `labelcheck.method`): seeded folds stratified by label; fold i's adapter is trained with
     `train_adapter` on the other folds into work_dir/fold-i and scores fold i. The scores are cached in
     work_dir/fold-i/oos, keyed by (labeled-set digest, fold, config): an unchanged labeled set costs nothing, and an
     interrupted run resumes (train_adapter resumes from its checkpoints).
@@ -135,11 +152,11 @@ def out_of_sample_probs(
     from pipeline.model.train import check_rows
     from pipeline.scoring import SCORE_VERSION, load_scores
 
-    method = method or cfg.labelcheck.method
-    answers = _answers(cfg)
+    method = method or labelcheck.method
+    answers = _answers(answers)
     rows = _check_labeled(labeled_rows, answers)
     work_dir = Path(work_dir)
-    config = _score_config(cfg, answers)
+    config = _score_config(model, train, select, labelcheck, seed, answers)
     n = len(rows)
 
     if method == "heldout":
@@ -155,7 +172,7 @@ def out_of_sample_probs(
         inputs = {"rows": check_rows(held), "adapter": digest_path(adapter)}
         out = work_dir / "heldout"
         if find_valid_manifest(out, stage_key("score", SCORE_VERSION, inputs, config)) is None:
-            _score_held_out(cfg, Path(adapter), held, answers, out, inputs, config, hw)
+            _score_held_out(model, select, Path(adapter), held, answers, out, inputs, config, hw)
             info["reused"] = False
         else:
             info["reused"] = True
@@ -164,14 +181,12 @@ def out_of_sample_probs(
 
     if method != "kfold":
         raise LabelCheckError(f"labelcheck.method {method!r} is not one of kfold, heldout")
-    from pipeline.model.train import train_adapter
-
-    k = cfg.labelcheck.kfold if k is None else k
+    k = labelcheck.kfold if k is None else k
     if k < 2 or n < k:
         raise LabelCheckError(f"k-fold label check: {n} labeled samples cannot make {k} folds; label at least {k} "
                               "samples or lower labelcheck.kfold (≥ 2)")
     labeled_digest = check_rows(rows)
-    folds = stratified_folds([r["answer"] for r in rows], k, cfg.seed)
+    folds = stratified_folds([r["answer"] for r in rows], k, seed)
     probs = np.full((n, len(answers)), np.nan, dtype=np.float32)
     embeddings: np.ndarray | None = None
     per_fold = []
@@ -185,8 +200,10 @@ def out_of_sample_probs(
         if not reused:
             log.info("label check fold %d/%d: training on %d samples, scoring %d held out", i + 1, k,
                      len(train_rows), len(held_idx))
-            trained = train_adapter(fold_config(cfg), train_rows, fold_dir, hw=hw, progress=progress)
-            _score_held_out(cfg, trained.adapter_dir, [rows[j] for j in held_idx], answers, out, inputs, config, hw)
+            trained = train_fold(model, fold_config(train, labelcheck), seed, train_rows, fold_dir, hw=hw,
+                                 progress=progress)
+            _score_held_out(model, select, trained.adapter_dir, [rows[j] for j in held_idx], answers, out, inputs,
+                            config, hw)
         res = load_scores(out)
         pos = {sid: j for j, sid in enumerate(res.sample_ids)}
         order = [pos[rows[j]["sample_id"]] for j in held_idx]

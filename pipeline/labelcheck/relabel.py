@@ -18,7 +18,7 @@ from pipeline.annotation.export import (
     _document_relpath,
     build_items,
 )
-from pipeline.config import ProjectConfig
+from pipeline.config import AnnotateConfig, PathsConfig, ProjectConfig
 from pipeline.errors import ArtifactError
 from pipeline.labelcheck.base import LABELCHECK_VERSION
 from pipeline.labelcheck.detection import Issue
@@ -103,34 +103,38 @@ class RelabelLabelStudioExporter(LabelStudioExporter):
 def export_relabel(
     issues: Sequence[Issue],
     dataset: Any,
-    cfg: ProjectConfig,
     out_dir: str | os.PathLike[str],
     *,
+    annotate: AnnotateConfig,
+    answers: Sequence[str] | None,
+    artifacts: str | os.PathLike[str],
     round_index: int,
 ) -> Manifest | None:
     """Write the issues as a separate annotation task set (rounds/NNN/relabel/): Label Studio tasks with the
     current label and the suggestion as pre-annotations, plus the other configured formats and relabel.jsonl.
-    Their import appends correction entries (labels.py); None when there is nothing to relabel."""
+    Their import appends correction entries (labels.py); None when there is nothing to relabel. Reads the annotate
+    section, data.answers (`answers`) and the artifacts folder (image paths are relative to the document root)."""
     if not issues:
         log.info("relabel queue for round %d: no likely label errors", round_index)
         return None
     out_dir = Path(out_dir)
     inputs = {"issues": digest_json([iss.to_dict() for iss in issues])}
-    config = {"annotate": cfg.section("annotate"), "answers": cfg.data.answers}
+    config = {"annotate": annotate.model_dump(mode="json"), "answers": answers}
     if (m := find_valid_manifest(out_dir, stage_key("relabel", LABELCHECK_VERSION, inputs, config))) is not None:
         return m  # already exported: annotators may be working on these files
     sel = [{"sample_id": iss.sample_id, "rank": r, "score": iss.margin, "prediction": iss.suggested_label,
             "confidence": iss.suggested_prob,
             "scores": {"margin": iss.margin, "given_prob": iss.given_prob, "suggested_prob": iss.suggested_prob}}
            for r, iss in enumerate(issues)]
-    items = build_items(sel, dataset, image_source=cfg.annotate.export_images)
-    ctx = ExportContext(round_index=round_index, answers=cfg.data.answers,
-                        image_url_prefix=cfg.annotate.image_url_prefix,
-                        export_relpath=_document_relpath(out_dir, cfg), model_version="labelcheck")
+    items = build_items(sel, dataset, image_source=annotate.export_images)
+    # _document_relpath takes a ProjectConfig and reads only annotate.document_root and the artifacts folder.
+    where = ProjectConfig(annotate=annotate, paths=PathsConfig(artifacts=Path(artifacts)))
+    ctx = ExportContext(round_index=round_index, answers=answers, image_url_prefix=annotate.image_url_prefix,
+                        export_relpath=_document_relpath(out_dir, where), model_version="labelcheck")
     current = {iss.sample_id: (iss.given_label, iss.given_prob) for iss in issues}
     out_dir.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, str] = {}
-    for name in dict.fromkeys(cfg.annotate.formats):
+    for name in dict.fromkeys(annotate.formats):
         exporter = RelabelLabelStudioExporter(ctx, current) if name == "label_studio" else EXPORTERS[name](ctx)
         outputs |= {rel: rel for rel in exporter.write(items, out_dir)}
     atomic_write_jsonl(out_dir / RELABEL_TABLE, [iss.to_dict() for iss in issues])

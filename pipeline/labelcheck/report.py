@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from pipeline.store import (
     atomic_write_jsonl,
     digest_json,
     find_valid_manifest,
+    read_jsonl,
     stage_key,
     write_manifest,
 )
@@ -184,3 +186,19 @@ def label_report_markdown(table: Sequence[Mapping[str, Any]], agreement: Mapping
         lines += [f"| {who} | {a['n']} | {pct(a['agree_majority'])} | {a['n_model']} | {pct(a['agree_model'])} |"
                   for who, a in agreement.items()]
     return "\n".join(lines)
+
+
+def report_table(ref: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The issue table of a label check (`ref`, the labelcheck stage's ref)."""
+    return read_jsonl(Path(ref["dir"]) / "issues.jsonl")
+
+
+def report_agreement(ref: Mapping[str, Any]) -> dict[str, Any]:
+    """Annotator agreement of a label check (its agreement.json)."""
+    return json.loads((Path(ref["dir"]) / "agreement.json").read_text(encoding="utf-8"))
+
+
+def report_verdict(ref: Mapping[str, Any]) -> dict[str, Any]:
+    """The check's verdict.json ({} for a report written before verdicts existed)."""
+    path = Path(ref["dir"]) / VERDICT_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}

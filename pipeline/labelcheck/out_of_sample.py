@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import LabelCheckConfig, ModelConfig, ProjectConfig, SelectConfig, TrainConfig
+from pipeline.config import LabelCheckConfig, ModelConfig, SelectConfig, StageConfig, TrainConfig
 from pipeline.labelcheck.base import LABELCHECK_VERSION, LabelCheckError
 from pipeline.store import digest_path, find_valid_manifest, stage_key
 
@@ -91,11 +91,12 @@ def fold_config(train: TrainConfig, labelcheck: LabelCheckConfig) -> TrainConfig
 
 def train_fold(model: ModelConfig, train: TrainConfig, seed: int, rows: list[dict[str, Any]], out_dir: Path, *,
                hw: Any, progress: bool) -> Any:
-    """train_adapter on a fold's rows. train_adapter takes a ProjectConfig and reads only its model, train and seed;
-    the one built here holds exactly those (no other section is read, so none takes a default unseen)."""
+    """train_adapter on a fold's rows, given exactly the sections it reads (model, train, seed): a read of any other
+    would be an error, not a silent default."""
     from pipeline.model.train import train_adapter
 
-    return train_adapter(ProjectConfig(model=model, train=train, seed=seed), rows, out_dir, hw=hw, progress=progress)
+    cfg = StageConfig({"model": model.model_dump(mode="json"), "train": train.model_dump(mode="json"), "seed": seed})
+    return train_adapter(cfg, rows, out_dir, hw=hw, progress=progress)
 
 
 def _score_config(model: ModelConfig, train: TrainConfig, select: SelectConfig, labelcheck: LabelCheckConfig,

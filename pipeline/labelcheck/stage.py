@@ -16,7 +16,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import AnnotateConfig, LabelCheckConfig, ModelConfig, SelectConfig, TrainConfig
+from pipeline.config import (
+    AnnotateConfig,
+    LabelCheckConfig,
+    ModelConfig,
+    SelectConfig,
+    StageConfig,
+    TrainConfig,
+)
 from pipeline.labelcheck.check import check_labels
 from pipeline.labelcheck.relabel import (
     export_relabel,
@@ -111,7 +118,7 @@ def run_label_check(*, artifacts: str, labeled: Mapping[str, Any], model: Mappin
     """The labelcheck task's body, on the parameters plan_label_check made: check_labels on the labeled set, its ref.
 
     `labelcheck` and `select` carry only the fields the check reads (the rest stay out of the key: changing them
-    must not rerun the check); the missing ones take defaults check_labels never reads."""
+    must not rerun the check); StageConfig makes a read of any other field an error, never a silent default."""
     import datasets
 
     from pipeline.annotation.ledger import Ledger, ledger_path
@@ -120,9 +127,9 @@ def run_label_check(*, artifacts: str, labeled: Mapping[str, Any], model: Mappin
     rows = list(datasets.load_from_disk(labeled["dataset"]).select_columns(
         ["sample_id", "prepared", "question", "answer"]))
     trained = [r["sample_id"] for r in read_jsonl(trained_ids_path)] if trained_ids_path else []
-    m = check_labels(rows, out_dir, Ledger(ledger_path(artifacts)), model=ModelConfig.model_validate(model),
-                     train=TrainConfig.model_validate(train), select=SelectConfig.model_validate(select),
-                     labelcheck=LabelCheckConfig.model_validate(labelcheck), answers=data["answers"], seed=seed,
+    given = StageConfig({"model": model, "train": train, "select": select, "labelcheck": labelcheck})
+    m = check_labels(rows, out_dir, Ledger(ledger_path(artifacts)), model=given.model, train=given.train,
+                     select=given.select, labelcheck=given.labelcheck, answers=data["answers"], seed=seed,
                      adapter=heldout_adapter and heldout_adapter["adapter_dir"], trained_ids=trained,
                      oos_dir=oos_dir, selection_embeddings=load_selection_embeddings(space["dir"]) if space else None)
     return {"dir": out_dir, "digest": m.key, **m.info}

@@ -196,7 +196,8 @@ def run_seed(args: argparse.Namespace, seed: int, work_root: Path) -> dict:
         cfg = base_cfg.model_copy(update={"paths": base_cfg.paths.model_copy(update={"artifacts": work / "artifacts"})})
         labels, flipped = noisy_labels(cfg, ds, gt, train_ids, noise, work)
         rows = trainer.rows(labels)
-        oos = out_of_sample_probs(cfg, rows, work / "oos")
+        oos = out_of_sample_probs(rows, work / "oos", model=cfg.model, train=cfg.train, select=cfg.select,
+                                  labelcheck=cfg.labelcheck, answers=cfg.data.answers, seed=cfg.seed)
         given = [labels[s] for s in oos.sample_ids]
         space = KnnSpace(oos.sample_ids, lookup(emb_ids, emb_all, oos.sample_ids), given,
                          source=f"{args.embeddings} embeddings")

@@ -149,7 +149,7 @@ def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models
     import numpy as np
     from typer.testing import CliRunner
 
-    import pipeline.labelcheck
+    import pipeline.labelcheck.check
     from flows.cli import app
     from flows.round import labeling_round
     from pipeline.annotation.simulate import sidecar_path
@@ -197,7 +197,8 @@ def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models
         probs[np.arange(len(oos.sample_ids)), [int(truth[s]) for s in oos.sample_ids]] = 0.9
         return dataclasses.replace(oos, probs=probs)
 
-    monkeypatch.setattr(pipeline.labelcheck, "out_of_sample_probs", oracle)
+    # check_labels looks out_of_sample_probs up in its own module (pipeline/labelcheck/check.py).
+    monkeypatch.setattr(pipeline.labelcheck.check, "out_of_sample_probs", oracle)
     raw["labelcheck"].update(min_oos_accuracy=0.4, knn_k=0)
     config.write_text(yaml.safe_dump(raw))
     before = stage_runs(art)

@@ -1,0 +1,89 @@
+"""One round's label check: out-of-sample probabilities, the kNN space, the verdict and the report."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import LabelCheckConfig, ModelConfig, SelectConfig, TrainConfig
+from pipeline.labelcheck.knn import KnnSpace, detect_label_issues
+from pipeline.labelcheck.open_answers import check_open_labels
+from pipeline.labelcheck.out_of_sample import OOSResult, _answers, out_of_sample_probs
+from pipeline.labelcheck.report import annotator_agreement, label_issue_table, write_label_report
+from pipeline.store import Manifest
+
+log = logging.getLogger(__name__)
+
+
+def knn_space(labeled_rows: Sequence[Mapping[str, Any]], oos: OOSResult,
+              selection: tuple[Sequence[str], np.ndarray] | None, *, select: SelectConfig,
+              labelcheck: LabelCheckConfig) -> tuple[KnnSpace | None, str | None]:
+    """The kNN signal's space and, when there is none, why. `selection`: the selection-embeddings stage's (IDs,
+    vectors) when select.embeddings is not `model`; every labeled sample is a neighbour there. With `model`, the
+    label check's own scoring embeddings of the checked samples, neighbours within each fold's adapter."""
+    from pipeline.embeddings import lookup
+
+    source = select.embeddings.source
+    if labelcheck.knn_k == 0:
+        return None, "labelcheck.knn_k is 0"
+    if source != "model":
+        if selection is None:
+            return None, f"select.embeddings is {source!r} but its embeddings were not passed to the check"
+        rows = sorted(labeled_rows, key=lambda r: r["sample_id"])
+        ids = [r["sample_id"] for r in rows]
+        return KnnSpace(ids, lookup(selection[0], selection[1], ids), [r["answer"] for r in rows],
+                        source=f"the select.embeddings space ({source})"), None
+    if oos.embeddings is None or len(oos.embeddings) != len(oos.sample_ids) or not len(oos.sample_ids):
+        return None, "select.embeddings is 'model' and the check's scoring produced no embeddings"
+    given = {r["sample_id"]: r["answer"] for r in labeled_rows}
+    return KnnSpace(list(oos.sample_ids), oos.embeddings, [given[s] for s in oos.sample_ids], groups=oos.folds,
+                    source="the scoring model's embeddings (select.embeddings is model)"), None
+
+
+def check_labels(
+    labeled_rows: Sequence[Mapping[str, Any]],
+    out_dir: str | os.PathLike[str],
+    ledger: Any,
+    *,
+    model: ModelConfig,
+    train: TrainConfig,
+    select: SelectConfig,
+    labelcheck: LabelCheckConfig,
+    answers: Sequence[str] | None,
+    seed: int,
+    adapter: str | os.PathLike[str] | None = None,
+    trained_ids: Iterable[str] = (),
+    hw: Any = None,
+    oos_dir: str | os.PathLike[str] | None = None,
+    selection_embeddings: tuple[Sequence[str], np.ndarray] | None = None,
+) -> Manifest:
+    """One round's label check: out-of-sample probabilities (labelcheck.method; fold adapters and scores under
+    `oos_dir`, default out_dir/oos), detect_label_issues with the kNN signal (knn_space), the issues with who gave
+    each label, annotator agreement, written by write_label_report to out_dir. `adapter` / `trained_ids` are for the
+    heldout method (see out_of_sample_probs). Open answers (`answers`, data.answers, None) go to check_open_labels.
+
+    Reads model, train, select (length_normalize, score_batch_size, mc_dropout_passes, embeddings.source),
+    labelcheck (method, kfold, max_steps, min_oos_accuracy, knn_k), data.answers and seed; nothing else."""
+    if not answers:
+        return check_open_labels(labeled_rows, out_dir, ledger, model=model, train=train, select=select,
+                                 labelcheck=labelcheck, seed=seed, adapter=adapter, trained_ids=trained_ids, hw=hw,
+                                 oos_dir=oos_dir)
+    answers = _answers(answers)
+    oos = out_of_sample_probs(labeled_rows, Path(oos_dir) if oos_dir else Path(out_dir) / "oos", model=model,
+                              train=train, select=select, labelcheck=labelcheck, answers=answers, seed=seed,
+                              adapter=adapter, trained_ids=trained_ids, hw=hw)
+    given = {r["sample_id"]: r["answer"] for r in labeled_rows}
+    space, note = knn_space(labeled_rows, oos, selection_embeddings, select=select, labelcheck=labelcheck)
+    det = detect_label_issues(oos.probs, [given[s] for s in oos.sample_ids], answers, sample_ids=oos.sample_ids,
+                              knn=space, knn_note=note, min_oos_accuracy=labelcheck.min_oos_accuracy,
+                              knn_k=labelcheck.knn_k)
+    table = label_issue_table(det.issues, ledger)
+    agreement = annotator_agreement(ledger, oos.suggestions(answers))
+    log.info("%s (%s)", det.summary(), oos.method)
+    return write_label_report(out_dir, oos=oos, table=table, agreement=agreement, answers=answers,
+                              verdict=det.info())

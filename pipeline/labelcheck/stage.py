@@ -1,0 +1,163 @@
+"""The label check and the relabel queue as cached stages: what each task's parameters are (its cache key) and what
+its body does. The flow only orders these calls; every path, digest and decision is made here.
+
+The labelcheck task is keyed by the labeled set, the model/training/labelcheck config, the selection embeddings (kNN
+signal) and (heldout) the adapter it scores with, so a re-run costs nothing. The probabilities live in their own
+folder keyed only by what they depend on: k-fold adapters are trained once per labeled set, whatever the detection
+settings (min_oos_accuracy, knn_k, min_confidence, relabel_top_n) become.
+
+A task's parameters are its Prefect cache key: their names and values must not change, or every cached check reruns.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import (
+    AnnotateConfig,
+    LabelCheckConfig,
+    ModelConfig,
+    SelectConfig,
+    StageConfig,
+    TrainConfig,
+)
+from pipeline.labelcheck.check import check_labels
+from pipeline.labelcheck.relabel import (
+    export_relabel,
+    issues_from_report,
+    relabel_candidates,
+    relabel_dir,
+    relabel_queued,
+)
+from pipeline.store import atomic_write_jsonl, digest_file, digest_json, read_jsonl
+
+# Settings that only decide what is reported or queued: never part of the probabilities' folder key.
+DETECTION_KEYS = ("min_oos_accuracy", "knn_k", "min_confidence", "relabel_top_n")
+QUEUE_KEYS = ("min_confidence", "relabel_top_n")
+
+
+def plan_label_check(
+    *,
+    artifacts: str | os.PathLike[str],
+    model: ModelConfig,
+    train: TrainConfig,
+    select: SelectConfig,
+    labelcheck: LabelCheckConfig,
+    answers: Sequence[str] | None,
+    seed: int,
+    labeled: Mapping[str, Any],
+    previous: Mapping[str, Any] | None,
+    round_dir: str | os.PathLike[str],
+    selection_space: Callable[[], Mapping[str, Any] | None] | None = None,
+) -> dict[str, Any] | None:
+    """The labelcheck task's parameters for this round's labeled set (`labeled`, the labeled stage's ref), or None
+    when labelcheck.method is off or the heldout method has no earlier adapter to score with (`previous`, the last
+    round's state, has none: the first trained round).
+
+    heldout writes the IDs the previous adapter trained on to round_dir/labelcheck_trained_ids.jsonl (the task reads
+    them; their digest is in the key). `selection_space` returns the selection-embeddings stage's ref; it is called
+    only when the kNN signal reads that space (select.embeddings is not `model`, labelcheck.knn_k > 0, closed
+    answers), and without it the check runs on the model signal alone and says so."""
+    from pipeline.annotation.ledger import ledger_path
+
+    method = labelcheck.method
+    if method == "off":
+        return None
+    heldout_adapter = trained_path = trained_digest = None
+    if method == "heldout":
+        if not previous or not previous.get("adapter"):
+            return None
+        import datasets
+
+        prev_set = Path(artifacts) / "rounds" / f"{previous['round']:03d}" / "labeled" / "dataset"
+        trained = sorted(datasets.load_from_disk(str(prev_set))["sample_id"])
+        trained_path = Path(round_dir) / "labelcheck_trained_ids.jsonl"
+        atomic_write_jsonl(trained_path, [{"sample_id": s} for s in trained])
+        heldout_adapter, trained_digest = previous["adapter"], digest_json(trained)
+    ledger = ledger_path(artifacts)
+    # The ledger is in the key for the table's annotator / source columns only; the probabilities are cached by the
+    # labeled set below (fold adapters are not retrained when just the ledger changed).
+    ledger_digest = digest_file(ledger) if ledger.is_file() else "none"
+    # The probabilities depend on the model, training, method/folds and scoring settings only: a new detection
+    # setting, relabel_top_n or select.batch_size must not retrain fold adapters.
+    lc = labelcheck.model_dump(mode="json")
+    check_cfg = {k: v for k, v in lc.items() if k not in QUEUE_KEYS}
+    scoring: dict[str, Any] = {"length_normalize": select.length_normalize, "score_batch_size": select.score_batch_size}
+    if not answers:  # open answers: the check compares the label with the model's MC-dropout answers too
+        scoring["mc_dropout_passes"] = select.mc_dropout_passes
+    model_cfg, train_cfg = model.model_dump(mode="json"), train.model_dump(mode="json")
+    probs_sections = {"model": model_cfg, "train": train_cfg, "select": scoring,
+                      "labelcheck": {k: v for k, v in lc.items() if k not in DETECTION_KEYS}}
+    oos_key = digest_json({"labeled": labeled["digest"], "heldout": heldout_adapter and
+                           heldout_adapter["adapter_digest"], "method": method, **probs_sections, "seed": seed})
+    space = None
+    # Open answers have no kNN label-consistency signal (answers are not classes): no space to pass.
+    if select.embeddings.source != "model" and labelcheck.knn_k and selection_space is not None and answers:
+        ref = selection_space()
+        space = ref and {"dir": ref["dir"], "digest": ref["digest"]}
+    embeddings = select.embeddings.model_dump(mode="json")
+    report_key = digest_json({"oos": oos_key, "labelcheck": check_cfg, "space": space and space["digest"],
+                              "embeddings": embeddings})
+    labelcheck_dir = Path(artifacts) / "labelcheck"
+    return {"artifacts": str(artifacts), "labeled": labeled, "data": {"answers": answers}, "seed": seed,
+            "heldout_adapter": heldout_adapter, "trained_ids_digest": trained_digest,
+            "trained_ids_path": trained_path and str(trained_path), "ledger_digest": ledger_digest, "space": space,
+            "oos_dir": str(labelcheck_dir / "oos" / oos_key[:16]), "out_dir": str(labelcheck_dir / report_key[:16]),
+            "model": model_cfg, "train": train_cfg, "labelcheck": check_cfg,
+            "select": {**scoring, "embeddings": embeddings}}
+
+
+def run_label_check(*, artifacts: str, labeled: Mapping[str, Any], model: Mapping[str, Any],
+                    train: Mapping[str, Any], labelcheck: Mapping[str, Any], select: Mapping[str, Any],
+                    data: Mapping[str, Any], seed: int, heldout_adapter: Mapping[str, Any] | None,
+                    trained_ids_path: str | None, space: Mapping[str, Any] | None, oos_dir: str,
+                    out_dir: str) -> dict[str, Any]:
+    """The labelcheck task's body, on the parameters plan_label_check made: check_labels on the labeled set, its ref.
+
+    `labelcheck` and `select` carry only the fields the check reads (the rest stay out of the key: changing them
+    must not rerun the check); StageConfig makes a read of any other field an error, never a silent default."""
+    import datasets
+
+    from pipeline.annotation.ledger import Ledger, ledger_path
+    from pipeline.embeddings import load_selection_embeddings
+
+    rows = list(datasets.load_from_disk(labeled["dataset"]).select_columns(
+        ["sample_id", "prepared", "question", "answer"]))
+    trained = [r["sample_id"] for r in read_jsonl(trained_ids_path)] if trained_ids_path else []
+    given = StageConfig({"model": model, "train": train, "select": select, "labelcheck": labelcheck})
+    m = check_labels(rows, out_dir, Ledger(ledger_path(artifacts)), model=given.model, train=given.train,
+                     select=given.select, labelcheck=given.labelcheck, answers=data["answers"], seed=seed,
+                     adapter=heldout_adapter and heldout_adapter["adapter_dir"], trained_ids=trained,
+                     oos_dir=oos_dir, selection_embeddings=load_selection_embeddings(space["dir"]) if space else None)
+    return {"dir": out_dir, "digest": m.key, **m.info}
+
+
+def plan_relabel(*, artifacts: str | os.PathLike[str], annotate: AnnotateConfig, labelcheck: LabelCheckConfig,
+                 answers: Sequence[str] | None, check: Mapping[str, Any], prepared: Mapping[str, Any],
+                 round_index: int) -> dict[str, Any]:
+    """The relabel task's parameters: the likely errors of `check` (the labelcheck stage's ref) at least
+    labelcheck.min_confidence likely wrong that no earlier round sent back, at most labelcheck.relabel_top_n, go to
+    rounds/NNN/relabel/."""
+    queued = sorted({s for ids in relabel_queued(artifacts, round_index).values() for s in ids})
+    return {"artifacts": str(artifacts), "check": {"dir": check["dir"], "digest": check["digest"]},
+            "prepared": prepared, "annotate": annotate.model_dump(mode="json"), "answers": answers,
+            "top_n": labelcheck.relabel_top_n, "min_confidence": labelcheck.min_confidence,
+            "already_queued": queued, "round_index": round_index, "out_dir": str(relabel_dir(artifacts, round_index))}
+
+
+def run_relabel(*, artifacts: str, check: Mapping[str, Any], prepared: Mapping[str, Any],
+                annotate: Mapping[str, Any], answers: Sequence[str] | None, top_n: int, min_confidence: float,
+                already_queued: Sequence[str], round_index: int, out_dir: str) -> dict[str, Any]:
+    """The relabel task's body: export the queue, its ref; {"count": 0} when there is nothing to send (an abstaining
+    check reports no issue)."""
+    from pipeline.preprocess import load_prepared
+
+    issues = relabel_candidates(issues_from_report(check["dir"]), min_confidence=min_confidence, top_n=top_n,
+                                skip=already_queued)
+    m = export_relabel(issues, load_prepared(prepared["dir"]), out_dir,
+                       annotate=AnnotateConfig.model_validate(annotate), answers=answers, artifacts=artifacts,
+                       round_index=round_index)
+    return {"dir": out_dir, "digest": m.key, "count": m.info["count"]} if m else {"count": 0}

@@ -1,0 +1,209 @@
+"""The label-check stages' parameters are their Prefect cache keys: planned by the library, they must equal what the
+flow built before the plan moved into pipeline/labelcheck/stage.py, or every cached check and relabel queue reruns.
+
+EXPECTED was computed once from the code at commit `main` before the move (84cbd58, when flows/labelcheck.py built
+the parameters itself): the scenarios below were run through the old `label_check_ref` / `relabel_ref` with
+`run_stage` replaced by a function returning its keyword arguments and `flows.select.embeddings_ref` by one
+returning SPACE_REF, then `flows.stages.stage_cache_key(stage, LABELCHECK_VERSION, params)` was recorded with the
+folders. The artifacts folder is the relative path "art" (the test runs in tmp_path), so the digests are fixed.
+"""
+
+from pathlib import Path
+
+import pytest
+
+import flows.labelcheck
+from flows.stages import stage_cache_key
+from pipeline.config import ProjectConfig
+from pipeline.labelcheck import LABELCHECK_VERSION, plan_label_check, plan_relabel
+
+DIGITS = [str(d) for d in range(10)]
+LABELED = {"dir": "art/rounds/002/labeled", "dataset": "art/rounds/002/labeled/dataset", "digest": "d" * 64}
+PREVIOUS = {"round": 0, "adapter": {"adapter_dir": "art/rounds/000/adapter", "adapter_digest": "a" * 64}}
+PREPARED = {"dir": "art/prepared/x", "digest": "p" * 64}
+SPACE_REF = {"dir": "art/embeddings/e", "digest": "e" * 64, "extra": 1}
+CHECK = {"dir": "art/labelcheck/abc", "digest": "c" * 64, "checked": 5, "issues": 2}
+# name -> (config overrides, previous round's state, prepared ref)
+CASES = {
+    "kfold-model": ({}, None, PREPARED),
+    "kfold-pixels-space": ({"select": {"embeddings": "pixels"}}, PREVIOUS, PREPARED),
+    "kfold-pixels-no-prepared": ({"select": {"embeddings": "pixels"}}, None, None),
+    "kfold-pixels-knn0": ({"select": {"embeddings": "pixels"}, "labelcheck": {"knn_k": 0}}, None, PREPARED),
+    "heldout-pixels": ({"labelcheck": {"method": "heldout", "max_steps": 1}, "select": {"embeddings": "pixels"}},
+                       PREVIOUS, PREPARED),
+    "open-kfold-pixels": ({"data": {"answers": None}, "select": {"embeddings": "pixels"}}, None, PREPARED),
+    "off": ({"labelcheck": {"method": "off"}}, PREVIOUS, PREPARED),
+    "heldout-first": ({"labelcheck": {"method": "heldout"}}, None, PREPARED),
+    "heldout-no-adapter": ({"labelcheck": {"method": "heldout"}}, {"round": 0, "adapter": None}, PREPARED),
+}
+RELABEL_CASES = {"relabel": {}, "relabel-open": {"data": {"answers": None}}}
+TRAINED_IDS = '{"sample_id": "s0"}\n{"sample_id": "s1"}\n{"sample_id": "s2"}\n'
+EXPECTED = {
+    "kfold-model": {
+        "key": "labelcheck-1-b35651cec781f2209e8b57f90194bfd0f10d1f758a7caf249a47145b3249ff9f",
+        "oos_dir": "art/labelcheck/oos/35757c1b69acd1e4",
+        "out_dir": "art/labelcheck/5a52c45950660758",
+        "trained_ids_path": None,
+    },
+    "kfold-pixels-space": {
+        "key": "labelcheck-1-5f7536dbbda5b262379890cc0047460bc90c99c89a1c85a67b892b53f90e651c",
+        "oos_dir": "art/labelcheck/oos/35757c1b69acd1e4",
+        "out_dir": "art/labelcheck/4a898d779d511301",
+        "trained_ids_path": None,
+    },
+    "kfold-pixels-no-prepared": {
+        "key": "labelcheck-1-5219c1ec0c0e12a0acb247d5f901360a1ffcfa4af90ddeadb6d1d52b81bdf66a",
+        "oos_dir": "art/labelcheck/oos/35757c1b69acd1e4",
+        "out_dir": "art/labelcheck/84a7323d2510b71e",
+        "trained_ids_path": None,
+    },
+    "kfold-pixels-knn0": {
+        "key": "labelcheck-1-7af10d778caebcd19228fa55dd9528fd4d5fe3c8d05cebaaba736d5a3b21079c",
+        "oos_dir": "art/labelcheck/oos/35757c1b69acd1e4",
+        "out_dir": "art/labelcheck/571c9d4b7b18f42a",
+        "trained_ids_path": None,
+    },
+    "heldout-pixels": {
+        "key": "labelcheck-1-6b9568a15ef00c66e8c4fcb28733cbd2d0ae877b8ccc2a384ee53db23f0aeefb",
+        "oos_dir": "art/labelcheck/oos/8f74e37722b06f42",
+        "out_dir": "art/labelcheck/63b855a3316ad38d",
+        "trained_ids_path": "art/rounds/002/labelcheck_trained_ids.jsonl",
+    },
+    "open-kfold-pixels": {
+        "key": "labelcheck-1-96fe96a96ee9e1066ba8243962c11f64b4e200f131a5f2aae9372cb0ea07f0e6",
+        "oos_dir": "art/labelcheck/oos/39d2ac1186331f08",
+        "out_dir": "art/labelcheck/339ea3c27b70efac",
+        "trained_ids_path": None,
+    },
+    "off": None,
+    "heldout-first": None,
+    "heldout-no-adapter": None,
+    "relabel": {
+        "key": "relabel-1-fa3648af0cc63b7d29bbfd5ddb77e970f66fdcc0bd79fbd16b10772cade77d31",
+        "out_dir": "art/rounds/003/relabel",
+        "already_queued": ["s4", "s9"],
+    },
+    "relabel-open": {
+        "key": "relabel-1-3cccca5803bc0ce197b89c989e0cb9b0b9da52602929e12297894d5d8737a3c2",
+        "out_dir": "art/rounds/003/relabel",
+        "already_queued": ["s4", "s9"],
+    },
+}
+
+
+def _cfg(**over) -> ProjectConfig:
+    base = {"paths": {"artifacts": "art"}, "data": {"answers": DIGITS}, "seed": 3,
+            "model": {"name_or_path": "models/tiny", "family": "idefics3"},
+            "train": {"max_steps": 2, "batch_size": 4},
+            "select": {"score_batch_size": 8, "mc_dropout_passes": 2, "batch_size": 7},
+            "labelcheck": {"method": "kfold", "kfold": 2, "relabel_top_n": 3, "min_confidence": 0.8, "knn_k": 4},
+            "annotate": {"formats": ["csv", "jsonl"]}}
+    for k, v in over.items():
+        base[k] = {**base[k], **v} if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return ProjectConfig.model_validate(base)
+
+
+@pytest.fixture
+def art(tmp_path, monkeypatch):
+    """A relative artifacts folder "art": a previous round's labeled set, a ledger, one finished relabel queue
+    (round 1) and one whose write never finished (round 2: not counted as sent)."""
+    import datasets
+
+    from pipeline.annotation.ledger import ledger_path
+    from pipeline.store import atomic_write_jsonl, write_manifest
+
+    monkeypatch.chdir(tmp_path)
+    datasets.Dataset.from_dict({"sample_id": ["s2", "s0", "s1"]}).save_to_disk("art/rounds/000/labeled/dataset")
+    ledger_path("art").write_text('{"sample_id": "s0", "label": "1"}\n')
+    q = Path("art/rounds/001/relabel")
+    atomic_write_jsonl(q / "relabel.jsonl", [{"sample_id": "s9"}, {"sample_id": "s4"}])
+    write_manifest(q, stage="relabel", stage_version="1", inputs={}, config={},
+                   outputs={"relabel.jsonl": "relabel.jsonl"})
+    atomic_write_jsonl(Path("art/rounds/002/relabel/relabel.jsonl"), [{"sample_id": "s7"}])
+    return Path("art")
+
+
+def _plan(cfg: ProjectConfig, previous, prepared, calls: list) -> dict | None:
+    def space():
+        calls.append(1)
+        return SPACE_REF
+
+    return plan_label_check(artifacts=cfg.artifacts, model=cfg.model, train=cfg.train, select=cfg.select,
+                            labelcheck=cfg.labelcheck, answers=cfg.data.answers, seed=cfg.seed, labeled=LABELED,
+                            previous=previous, round_dir=Path("art/rounds/002"),
+                            selection_space=None if prepared is None else space)
+
+
+def _seen(stage: str, params: dict | None) -> dict | None:
+    if params is None:
+        return None
+    if stage == "relabel":
+        return {"key": stage_cache_key(stage, LABELCHECK_VERSION, params), "out_dir": params["out_dir"],
+                "already_queued": params["already_queued"]}
+    return {"key": stage_cache_key(stage, LABELCHECK_VERSION, params), "oos_dir": params["oos_dir"],
+            "out_dir": params["out_dir"], "trained_ids_path": params["trained_ids_path"]}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_label_check_plan_gives_the_old_cache_key_and_folders(art, name):
+    over, previous, prepared = CASES[name]
+    calls: list = []
+    params = _plan(_cfg(**over), previous, prepared, calls)
+    assert _seen("labelcheck", params) == EXPECTED[name]
+    # The selection space is asked for only when the kNN signal reads it (no embeddings stage run for nothing).
+    assert len(calls) == (name in ("kfold-pixels-space", "heldout-pixels"))
+    if params and params["trained_ids_path"]:
+        assert Path(params["trained_ids_path"]).read_text() == TRAINED_IDS
+
+
+@pytest.mark.parametrize("name", list(RELABEL_CASES))
+def test_relabel_plan_gives_the_old_cache_key_and_folder(art, name):
+    cfg = _cfg(**RELABEL_CASES[name])
+    params = plan_relabel(artifacts=cfg.artifacts, annotate=cfg.annotate, labelcheck=cfg.labelcheck,
+                          answers=cfg.data.answers, check=CHECK, prepared=PREPARED, round_index=3)
+    assert _seen("relabel", params) == EXPECTED[name]
+
+
+def test_the_flow_passes_the_plan_to_its_tasks_unchanged(art, monkeypatch):
+    """flows/labelcheck.py's refs hand the planned parameters to the stage tasks as they are (no server needed:
+    run_stage is replaced by a recorder, the selection space by SPACE_REF)."""
+    seen: list[tuple[str, dict]] = []
+    monkeypatch.setattr(flows.labelcheck, "run_stage", lambda task, **p: seen.append((task.name, p)) or p)
+    monkeypatch.setattr(flows.labelcheck, "embeddings_ref", lambda cfg, prepared: SPACE_REF)
+    for name, (over, previous, prepared) in CASES.items():
+        seen.clear()
+        flows.labelcheck.label_check_ref(_cfg(**over), labeled=LABELED, previous=previous,
+                                         round_dir=Path("art/rounds/002"), prepared=prepared)
+        assert (_seen(*seen[0]) if seen else None) == EXPECTED[name], name
+    for name, over in RELABEL_CASES.items():
+        seen.clear()
+        flows.labelcheck.relabel_ref(_cfg(**over), check=CHECK, prepared=PREPARED, round_index=3)
+        assert _seen(*seen[0]) == EXPECTED[name], name
+
+
+def test_the_tasks_take_exactly_the_planned_parameters(art):
+    """Prefect binds a task's keyword parameters by its signature and keys its cache on them: a planned name the
+    task lacks (or the reverse) fails at run time."""
+    import inspect
+
+    cfg = _cfg(labelcheck={"method": "heldout"})
+    params = _plan(cfg, PREVIOUS, PREPARED, [])
+    assert set(inspect.signature(flows.labelcheck.labelcheck_task.fn).parameters) == set(params)
+    rel = plan_relabel(artifacts=cfg.artifacts, annotate=cfg.annotate, labelcheck=cfg.labelcheck,
+                       answers=cfg.data.answers, check=CHECK, prepared=PREPARED, round_index=3)
+    assert set(inspect.signature(flows.labelcheck.relabel_task.fn).parameters) == set(rel)
+
+
+@pytest.mark.parametrize(("over", "digest"), [
+    ({}, "ff1f71cec2f69225318f3cd9a6d24c3fba1acd31ce85984c0a9e078b09e94646"),
+    ({"labelcheck": {"max_steps": 1}}, "a2c22db3ddecb245e9a57cd25b9bafe48e0f21cd851c121d0c164d847400a069"),
+])
+def test_fold_scores_keep_their_manifest_config(over, digest):
+    """Inside the task, fold scores under oos_dir are reused when their manifest's config matches: it must not move
+    either (digests computed once from main's `_score_config(cfg, answers)`, for the same configs)."""
+    from pipeline.labelcheck.out_of_sample import _score_config
+    from pipeline.store import digest_json
+
+    cfg = _cfg(**over)
+    config = _score_config(cfg.model, cfg.train, cfg.select, cfg.labelcheck, cfg.seed, list(cfg.data.answers))
+    assert digest_json(config) == digest

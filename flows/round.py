@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 from flows import waiting
 from flows.export import export_ref
 from flows.ingest import ingest_ref
-from flows.labelcheck import relabel_ref, report_agreement, report_table, report_verdict
+from flows.labelcheck import relabel_ref
 from flows.prepare import prepare_refs
 from flows.select import select_ref
 from flows.train import train_round
@@ -25,7 +25,7 @@ from pipeline.annotation.label_files import LabelKeys
 from pipeline.annotation.label_studio import pull_labels, push_batch
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.config import ProjectConfig, load_config
-from pipeline.labelcheck import label_report_markdown, labels_spent
+from pipeline.labelcheck import check_report_markdown, labels_spent
 from pipeline.lock import ProjectLock
 from pipeline.metrics import learning_curve, read_metrics
 from pipeline.preprocess import load_prepared
@@ -91,9 +91,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
 
     state["adapter"] = adapter
     metrics_rows = read_metrics(art)
-    label_report = "" if check is None else label_report_markdown(
-        report_table(check), report_agreement(check), method=check["method"], checked=check["checked"],
-        verdict=report_verdict(check))
+    label_report = check_report_markdown(check)
     curve = learning_curve(art, metrics_rows)
     # The file keeps the PNG's path (a data URI would make summary.md unreadable as text); the UI gets the picture.
     rounds.write_round(plan, state, report.summary_markdown(state, metrics_rows, label_report, curve_path=curve))

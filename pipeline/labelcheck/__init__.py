@@ -42,6 +42,7 @@ from pipeline.labelcheck.relabel import (
 from pipeline.labelcheck.report import (
     VERDICT_FILE,
     annotator_agreement,
+    check_report_markdown,
     label_issue_table,
     label_report_markdown,
     report_agreement,
@@ -54,7 +55,7 @@ from pipeline.labelcheck.report import (
 from pipeline.labelcheck.stage import plan_label_check, plan_relabel, run_label_check, run_relabel
 
 __all__ = [
-    "annotator_agreement", "apply_temperature", "calibrate_confident_joint", "check_labels",
+    "annotator_agreement", "check_report_markdown", "apply_temperature", "calibrate_confident_joint", "check_labels",
     "class_thresholds", "confident_joint", "detect_label_issues", "detect_open_label_issues",
     "export_relabel", "false_alarm_text", "find_label_issues", "fit_temperature", "Issue",
     "issues_from_report", "knn_label_probs", "knn_space", "KnnSpace", "label_error_posterior",

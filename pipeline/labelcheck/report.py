@@ -202,3 +202,11 @@ def report_verdict(ref: Mapping[str, Any]) -> dict[str, Any]:
     """The check's verdict.json ({} for a report written before verdicts existed)."""
     path = Path(ref["dir"]) / VERDICT_FILE
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def check_report_markdown(ref: Mapping[str, Any] | None) -> str:
+    """The round summary's label-quality section for a finished check (`ref`, the labelcheck stage's ref)."""
+    if ref is None:
+        return ""
+    return label_report_markdown(report_table(ref), report_agreement(ref), method=ref["method"],
+                                 checked=ref["checked"], verdict=report_verdict(ref))

@@ -59,6 +59,11 @@ class Family:
     # LoRA goes on the language model only by default: the vision encoder stays frozen (and some vision blocks reuse
     # the same leaf names, e.g. Qwen2.5-VL's MLP).
     language_model_scope: ClassVar[str]
+    # model.train: language+projector / all add these: regex fragments that match the full module path (after any
+    # prefix) of each Linear of the vision→text projector / the vision tower's blocks, and nothing else (PEFT
+    # refuses a match on a non-Linear module such as an activation).
+    projector_scope: ClassVar[str]
+    vision_scope: ClassVar[str]
     default_image_size: ClassVar[int]
     end_token: ClassVar[str]  # closes the assistant turn; the label's EOS
     special_tokens: ClassVar[tuple[str, ...]]
@@ -74,10 +79,18 @@ class Family:
         """Image settings for a processor call on images whose longest side is `image_size` (aspect kept)."""
         raise NotImplementedError
 
-    def lora_target(self, names: Sequence[str] | None = None) -> str:
-        """A PEFT `target_modules` regex: these leaf module names inside the language model only."""
+    def lora_target(self, names: Sequence[str] | None = None, train: str = "language") -> str:
+        """A PEFT `target_modules` regex: these leaf module names inside the language model, plus the projector's
+        Linears (`train` language+projector) and the vision tower's too (`train` all)."""
         leaves = "|".join(names or self.default_target_modules)
-        return rf"^(?:.*\.)?{self.language_model_scope}\..*\.(?:{leaves})$"
+        language = rf"{self.language_model_scope}\..*\.(?:{leaves})"
+        scopes = {"language": [], "language+projector": [self.projector_scope],
+                  "all": [self.projector_scope, self.vision_scope]}
+        if train not in scopes:
+            raise ModelError(f"model.train is {train!r}; use one of {', '.join(scopes)}")
+        if not scopes[train]:
+            return rf"^(?:.*\.)?{language}$"
+        return rf"^(?:.*\.)?(?:{'|'.join([language, *scopes[train]])})$"
 
     # --------------------------------------------------------------------------------------------- prompts
     def messages(self, question: str, answer: str | None = None) -> list[dict[str, Any]]:
@@ -202,6 +215,8 @@ class Idefics3Family(Family):
     name = "idefics3"
     model_types = ("idefics3", "smolvlm")
     language_model_scope = "text_model"
+    projector_scope = r"connector\.modality_projection\.proj"
+    vision_scope = r"vision_model\.encoder\.layers\.\d+\.(?:self_attn\.(?:q|k|v|out)_proj|mlp\.fc[12])"
     default_image_size = 512
     end_token = "<end_of_utterance>"
     special_tokens = (
@@ -246,6 +261,8 @@ class Qwen2VLFamily(Family):
     name = "qwen2_vl"
     model_types = ("qwen2_vl",)
     language_model_scope = "language_model"
+    projector_scope = r"visual\.merger\.mlp\.[02]"  # mlp.1 is the GELU between the two Linears
+    vision_scope = r"visual\.blocks\.\d+\.(?:attn\.(?:qkv|proj)|mlp\.fc[12])"
     default_image_size = 448
     end_token = "<|im_end|>"
     special_tokens = (
@@ -280,6 +297,7 @@ class Qwen25VLFamily(Qwen2VLFamily):
 
     name = "qwen2_5_vl"
     model_types = ("qwen2_5_vl",)
+    vision_scope = r"visual\.blocks\.\d+\.(?:attn\.(?:qkv|proj)|mlp\.(?:gate|up|down)_proj)"  # SwiGLU blocks
 
 
 FAMILIES: dict[str, type[Family]] = {

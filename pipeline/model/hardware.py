@@ -88,6 +88,8 @@ class TrainSettings:
     quantize: bool
     reason: str
     num_processes: int = 1  # data-parallel processes, each with micro_batch × grad_accum samples per step
+    optimizer: str = "adamw"  # train.optimizer resolved (resolve_optimizer)
+    activation_offload: bool = False  # train.activation_offload, False on the CPU (a no-op there)
 
     @property
     def effective_batch(self) -> int:
@@ -140,6 +142,25 @@ def choose_precision(train_cfg: TrainConfig, model_cfg: ModelConfig, hw: Hardwar
     if hw.device != "cuda":
         return "fp32"
     return "bf16" if hw.bf16_supported else "fp16"
+
+
+def resolve_optimizer(train_cfg: TrainConfig, model_cfg: ModelConfig, hw: Hardware) -> str:
+    """train.optimizer: auto → adamw_8bit for full training (fp32 Adam moments are 8 bytes per parameter, 8-bit
+    ones ~2), paged_adamw for qlora on CUDA (the QLoRA recipe's paged optimizer), adamw otherwise (a LoRA's state
+    is a few MB, and paging is a CUDA feature)."""
+    if train_cfg.optimizer != "auto":
+        return train_cfg.optimizer
+    if model_cfg.mode == "full":
+        return "adamw_8bit"
+    return "paged_adamw" if model_cfg.mode == "qlora" and hw.device == "cuda" else "adamw"
+
+
+def resolve_activation_offload(train_cfg: TrainConfig, hw: Hardware) -> bool:
+    """train.activation_offload on CUDA only: on the CPU activations already sit in host memory (a no-op, logged)."""
+    if train_cfg.activation_offload and hw.device != "cuda":
+        log.info("train.activation_offload is a no-op on the CPU: activations already live in host memory")
+        return False
+    return train_cfg.activation_offload
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
@@ -224,6 +245,8 @@ def choose_train_settings(
     """
     precision = choose_precision(train_cfg, model_cfg, hw)
     quantize = model_cfg.mode == "qlora"
+    optimizer = resolve_optimizer(train_cfg, model_cfg, hw)
+    offload = resolve_activation_offload(train_cfg, hw)
     nproc = max(1, num_processes)
     effective = -(-train_cfg.effective_batch_size // nproc)
     if effective * nproc != train_cfg.effective_batch_size:
@@ -241,14 +264,15 @@ def choose_train_settings(
         return plan(shape, mode=model_cfg.mode, batch=micro, seq_len=seq_len, image_size=image_size,
                     gpu_memory_bytes=budget, lora_r=model_cfg.lora_r, target_modules=model_cfg.target_modules,
                     checkpointing=ckpt, precision=precision, device=hw.device, lora_dropout=model_cfg.lora_dropout,
-                    attention=attention, margin=SAFETY, processes=nproc)
+                    attention=attention, margin=SAFETY, processes=nproc, optimizer=optimizer,
+                    activation_offload=offload, train=model_cfg.train)
 
     where = f"{hw.device} with {budget / GiB:.1f} GiB free" + (f" per process ({nproc} processes)" if nproc > 1 else "")
 
     def settings(micro: int, accum: int, ckpt: bool, reason: str) -> TrainSettings:
         if nproc > 1:
             reason += f"; × {nproc} processes = effective batch {micro * accum * nproc}"
-        return TrainSettings(micro, accum, ckpt, precision, quantize, reason, nproc)
+        return TrainSettings(micro, accum, ckpt, precision, quantize, reason, nproc, optimizer, offload)
     if isinstance(train_cfg.batch_size, int):
         micro = train_cfg.batch_size
         if nproc > 1 and micro > effective:

@@ -138,24 +138,84 @@ def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split an optimizer state dict into tensors (safetensors) and plain data (JSON): no pickle on disk."""
+    """Split an optimizer state dict into tensors (safetensors) and plain data (JSON): no pickle on disk.
+
+    Keys are `param.name`, or `param.group.name` for a nested dict (bitsandbytes wraps its 8-bit state, absmax
+    and quantization maps in one per parameter), so the 8-bit state is stored as its own uint8 tensors, exactly."""
     sd = opt.state_dict()
     tensors, scalars = {}, {}
+
+    def put(key: str, v: Any) -> None:
+        if torch.is_tensor(v):
+            tensors[key] = v.detach().cpu().contiguous()
+        elif isinstance(v, dict):
+            for k, sub in v.items():
+                put(f"{key}.{k}", sub)
+        else:
+            scalars[key] = v
+
     for idx, state in sd["state"].items():
         for k, v in state.items():
-            if torch.is_tensor(v):
-                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
-            else:
-                scalars[f"{idx}.{k}"] = v
+            put(f"{idx}.{k}", v)
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                     devices: Sequence[torch.device] | None = None) -> dict[str, Any]:
+    """The inverse of _optimizer_tensors; tensors go to their parameter's device (`devices`, in parameter order)."""
     state: dict[int, dict[str, Any]] = {}
     for key, v in [*tensors.items(), *meta["scalars"].items()]:
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = v
+        idx, *path = key.split(".")
+        if devices is not None and torch.is_tensor(v):
+            v = v.to(devices[int(idx)])
+        node = state.setdefault(int(idx), {})
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = v
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+# ------------------------------------------------------------------------------------------------ optimizers
+def build_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float,
+                    weight_decay: float) -> torch.optim.Optimizer:
+    """`train.optimizer` (resolved, see pipeline.model.hardware.resolve_optimizer) → the optimizer object.
+
+    The 8-bit ones keep both Adam moments in uint8 with one fp32 absmax per 256 values (block-wise quantization;
+    tensors under 4,096 values keep fp32 state); the paged ones put their state in CUDA unified memory, which the
+    driver pages to host memory under pressure (bitsandbytes falls back to ordinary memory on the CPU)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    import bitsandbytes as bnb
+
+    classes = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
+               "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}
+    if name not in classes:
+        raise ModelError(f"train.optimizer {name!r} is not one of adamw, {', '.join(classes)}")
+    if name.startswith("paged") and not any(p.is_cuda for p in params):
+        import warnings
+
+        # bitsandbytes warns at the first step that paging falls back to ordinary memory on the CPU: documented
+        # above and logged here once, instead of a warning from inside its step.
+        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+        log.info("train.optimizer %s on the CPU: no paging (a CUDA feature), the state is ordinary memory", name)
+    return classes[name](params, lr=lr, weight_decay=weight_decay)
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor the optimizer keeps (moments, 8-bit absmax and maps, step counters)."""
+    total = 0
+
+    def add(v: Any) -> None:
+        nonlocal total
+        if torch.is_tensor(v):
+            total += v.numel() * v.element_size()
+        elif isinstance(v, dict):
+            for sub in v.values():
+                add(sub)
+
+    for state in opt.state.values():
+        add(state)
+    return total
 
 
 def _checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
@@ -223,7 +283,8 @@ def _load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimi
         for name, tensor in saved.items():
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))
     meta = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
-    opt.load_state_dict(_optimizer_state(load_file(path / "optimizer.safetensors"), meta))
+    devices = [p.device for g in opt.param_groups for p in g["params"]]
+    opt.load_state_dict(_optimizer_state(load_file(path / "optimizer.safetensors"), meta, devices))
     sched.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
@@ -338,6 +399,15 @@ def _autocast(device: str, precision: str) -> Any:
     if precision == "fp32":
         return torch.autocast(device_type=device, enabled=False)
     return torch.autocast(device_type=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def _offload(on: bool) -> Any:
+    """Activation offload: every tensor autograd saves in the forward (outside checkpointed layers, whose own hooks
+    win) goes to pinned host memory and comes back for backward. Only the forward is wrapped: the recomputation
+    of checkpointed layers in backward stays on the GPU. The caller passes False on the CPU (nothing to move)."""
+    import contextlib
+
+    return torch.autograd.graph.save_on_cpu(pin_memory=True) if on else contextlib.nullcontext()
 
 
 def _to(enc: Any, device: torch.device) -> dict[str, Any]:
@@ -514,7 +584,7 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
         raise ModelError(f"model.mode={cfg.model.mode}: nothing to train (no parameter requires a gradient)")
     if comm is not None:
         comm.broadcast_(params)
-    opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
+    opt = build_optimizer(settings.optimizer, params, cfg.train.learning_rate, cfg.train.weight_decay)
     warmup = math.ceil(cfg.train.warmup_ratio * total_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.scheduler, warmup, total_steps))
     scaler = torch.amp.GradScaler(hw.device) if settings.precision == "fp16" and hw.device == "cuda" else None
@@ -524,7 +594,8 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
     if ckpts:
         last_step, last = ckpts[-1]
         meta = json.loads((last / "state.json").read_text(encoding="utf-8"))
-        same = meta.get("fingerprint") == fingerprint and meta.get("effective_batch", effective) == effective
+        same = (meta.get("fingerprint") == fingerprint and meta.get("effective_batch", effective) == effective
+                and meta.get("optimizer", "adamw") == settings.optimizer)
         if not same:
             if comm is not None:
                 comm.barrier()  # every rank has read the state before rank 0 removes it
@@ -540,9 +611,10 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
             log.info("resuming training from %s (step %d of %d)", last, step, total_steps)
 
     log.info("training %s (%s) on %d rows: %d steps × %d samples (micro-batch %d × accumulation %d%s), %s, "
-             "gradient checkpointing %s", family.name, cfg.model.mode, n, total_steps, effective, micro, accum,
-             f" × {world} processes" if world > 1 else "", settings.precision,
-             "on" if settings.gradient_checkpointing else "off")
+             "gradient checkpointing %s, optimizer %s, activation offload %s", family.name, cfg.model.mode, n,
+             total_steps, effective, micro, accum, f" × {world} processes" if world > 1 else "", settings.precision,
+             "on" if settings.gradient_checkpointing else "off", settings.optimizer,
+             "on" if settings.activation_offload else "off")
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total_steps, initial=step, disable=not (job.progress and main), desc="train", unit="step")
@@ -558,7 +630,7 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
             try:
                 loss = _optimizer_step(model, processor, family, rows, idx, micro, device, hw.device,
                                        settings.precision, opt, scaler, cfg.train.max_grad_norm, step, job.oom_hook,
-                                       comm=comm)
+                                       comm=comm, offload=settings.activation_offload)
             except torch.cuda.OutOfMemoryError as exc:
                 opt.zero_grad(set_to_none=True)
                 if hw.device == "cuda":
@@ -583,7 +655,7 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
                 _save_checkpoint(out_dir, step, model, opt, sched, scaler,
                                  {"fingerprint": fingerprint, "losses": losses, "ooms": ooms, "micro_batch": micro,
                                   "grad_accum": accum, "total_steps": total_steps, "num_processes": world,
-                                  "effective_batch": effective}, comm)
+                                  "effective_batch": effective, "optimizer": settings.optimizer}, comm)
     bar.close()
     model.eval()
     util = watch.summary()
@@ -594,7 +666,7 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
         "steps": step, "total_steps": total_steps, "losses": losses, "settings": settings_info, "ooms": ooms,
         "utilisation": util, "rows": n, "effective_batch": effective, "warmup_steps": warmup,
         "seconds": round(time.monotonic() - started, 2), "model": loaded.info, "num_processes": world,
-        "resumed_from_step": resumed_from,
+        "resumed_from_step": resumed_from, "optimizer_state_mb": round(optimizer_state_bytes(opt) / 2**20, 2),
     }
     if step < total_steps:
         log.info("stopped after %d of %d steps (stop_after_steps); the last checkpoint can be resumed", step,
@@ -630,7 +702,7 @@ def _per_process(util: dict[str, Any], comm: Comm) -> dict[str, Any]:
 def _optimizer_step(model: torch.nn.Module, processor: Any, family: Any, rows: Sequence[dict[str, Any]],
                     idx: list[int], micro: int, device: torch.device, device_type: str, precision: str,
                     opt: torch.optim.Optimizer, scaler: Any, max_grad_norm: float, step: int,
-                    oom_hook: OomHook | None, comm: Comm | None = None) -> float:
+                    oom_hook: OomHook | None, comm: Comm | None = None, offload: bool = False) -> float:
     """One optimizer step over rows `idx` in micro-batches; returns the step's mean answer-token loss.
 
     With `comm` (several ranks) `idx` is this rank's share: the token count that weighs each micro-batch and the
@@ -655,7 +727,7 @@ def _optimizer_step(model: torch.nn.Module, processor: Any, family: Any, rows: S
         for enc, count in zip(batches, counts, strict=True):
             if oom_hook is not None:
                 oom_hook(step, micro)
-            with _autocast(device_type, precision):
+            with _autocast(device_type, precision), _offload(offload and device_type == "cuda"):
                 out = model(**_to(enc, device))
             loss = out.loss.float() * (count / total)
             (scaler.scale(loss) if scaler is not None else loss).backward()

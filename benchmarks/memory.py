@@ -159,14 +159,14 @@ def run_case(args: argparse.Namespace) -> dict:
     loss.backward()
     phases["backward"] = peak()
     del loss
-    reset()
+    step_start = reset()
     t1 = time.perf_counter()
     opt.step()
     phases["optimizer_step"] = peak()
     seconds = time.perf_counter() - t0
     return {"peak_mb": round(max(phases.values()), 1), "before_step_mb": round(before, 1),
             "phase_peak_mb": {k: round(v, 1) for k, v in phases.items()},
-            "peak_phase": max(phases, key=phases.get),
+            "peak_phase": max(phases, key=phases.get), "optimizer_step_start_mb": round(step_start, 1),
             "rss_anon_mb": round(status["RssAnon"], 1) if status else None,
             "rss_file_mb": round(status["RssFile"], 1) if status else None,
             "step_seconds": round(seconds, 2), "optimizer_step_seconds": round(time.perf_counter() - t1, 2),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.config import ModelConfig, TrainConfig
+from pipeline.errors import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class TrainSettings:
     num_processes: int = 1  # data-parallel processes, each with micro_batch × grad_accum samples per step
     optimizer: str = "adamw"  # train.optimizer resolved (resolve_optimizer)
     activation_offload: bool = False  # train.activation_offload, False on the CPU (a no-op there)
+    liger: bool = False  # model.liger resolved: never on the CPU
 
     @property
     def effective_batch(self) -> int:
@@ -161,6 +163,25 @@ def resolve_activation_offload(train_cfg: TrainConfig, hw: Hardware) -> bool:
         log.info("train.activation_offload is a no-op on the CPU: activations already live in host memory")
         return False
     return train_cfg.activation_offload
+
+
+def resolve_liger(model_cfg: ModelConfig, hw: Hardware) -> tuple[bool, str]:
+    """(apply Liger's kernels?, why). Never on the CPU: they are Triton GPU kernels."""
+    if model_cfg.liger is False:
+        return False, "model.liger is false"
+    if hw.device != "cuda":
+        if model_cfg.liger is True:
+            log.warning("model.liger is true but training runs on the CPU: Liger's Triton kernels need a CUDA GPU, "
+                        "so the model is left unpatched")
+        return False, "not applied on the CPU (Liger's kernels need CUDA)"
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        if model_cfg.liger is True:
+            raise ModelError("model.liger is true but liger_kernel does not import; install the extra "
+                             "(pip install 'tamis[liger]') or set model.liger: auto") from None
+        return False, "liger_kernel is not installed (pip install 'tamis[liger]')"
+    return True, "CUDA and liger_kernel present" + (" (model.liger: auto)" if model_cfg.liger == "auto" else "")
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
@@ -247,6 +268,7 @@ def choose_train_settings(
     quantize = model_cfg.mode == "qlora"
     optimizer = resolve_optimizer(train_cfg, model_cfg, hw)
     offload = resolve_activation_offload(train_cfg, hw)
+    liger = resolve_liger(model_cfg, hw)[0]
     nproc = max(1, num_processes)
     effective = -(-train_cfg.effective_batch_size // nproc)
     if effective * nproc != train_cfg.effective_batch_size:
@@ -265,14 +287,14 @@ def choose_train_settings(
                     gpu_memory_bytes=budget, lora_r=model_cfg.lora_r, target_modules=model_cfg.target_modules,
                     checkpointing=ckpt, precision=precision, device=hw.device, lora_dropout=model_cfg.lora_dropout,
                     attention=attention, margin=SAFETY, processes=nproc, optimizer=optimizer,
-                    activation_offload=offload, train=model_cfg.train)
+                    activation_offload=offload, train=model_cfg.train, liger=liger)
 
     where = f"{hw.device} with {budget / GiB:.1f} GiB free" + (f" per process ({nproc} processes)" if nproc > 1 else "")
 
     def settings(micro: int, accum: int, ckpt: bool, reason: str) -> TrainSettings:
         if nproc > 1:
             reason += f"; × {nproc} processes = effective batch {micro * accum * nproc}"
-        return TrainSettings(micro, accum, ckpt, precision, quantize, reason, nproc, optimizer, offload)
+        return TrainSettings(micro, accum, ckpt, precision, quantize, reason, nproc, optimizer, offload, liger)
     if isinstance(train_cfg.batch_size, int):
         micro = train_cfg.batch_size
         if nproc > 1 and micro > effective:

@@ -154,26 +154,6 @@ def resolve_family(model_cfg: ModelConfig, source: str | None = None) -> Family:
     return get_family(model_cfg.family or detected)
 
 
-def resolve_liger(model_cfg: ModelConfig, hw: Any = None) -> tuple[bool, str]:
-    """(apply Liger's kernels?, why). Never on the CPU: they are Triton GPU kernels."""
-    hw = _hardware(hw)
-    if model_cfg.liger is False:
-        return False, "model.liger is false"
-    if hw.device != "cuda":
-        if model_cfg.liger is True:
-            log.warning("model.liger is true but training runs on the CPU: Liger's Triton kernels need a CUDA GPU, "
-                        "so the model is left unpatched")
-        return False, "not applied on the CPU (Liger's kernels need CUDA)"
-    try:
-        import liger_kernel.transformers  # noqa: F401
-    except ImportError:
-        if model_cfg.liger is True:
-            raise ModelError("model.liger is true but liger_kernel does not import; install the extra "
-                             "(pip install 'tamis[liger]') or set model.liger: auto") from None
-        return False, "liger_kernel is not installed (pip install 'tamis[liger]')"
-    return True, "CUDA and liger_kernel present" + (" (model.liger: auto)" if model_cfg.liger == "auto" else "")
-
-
 def apply_liger(model: Any) -> str:
     """Patch a loaded model's RMSNorm, RoPE, SwiGLU and loss with Liger's kernels, by its model_type (smolvlm,
     qwen2_vl, qwen2_5_vl, ... as liger_kernel maps them); returns the patch's name."""
@@ -284,6 +264,8 @@ def load_model(
     if not trainable:
         # Inference (scoring, evaluation) needs no gradients; frozen weights keep autograd out of the way.
         model.requires_grad_(False)
+    from pipeline.model.hardware import resolve_liger
+
     liger, liger_why = resolve_liger(model_cfg, hw) if trainable else (False, "inference")
     liger_patch = apply_liger(model) if liger else None
     model.eval()

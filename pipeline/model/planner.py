@@ -114,6 +114,7 @@ class Plan:
     phase: str = "backward"
     # Bytes that live in host memory instead of the device's (paged optimizer state, offloaded activations on CUDA).
     host_terms: dict[str, int] = field(default_factory=dict)
+    liger: bool = False
 
     @property
     def total(self) -> int:
@@ -414,6 +415,7 @@ def plan(
     optimizer: str = "adamw",
     activation_offload: bool = False,
     train: str = "language",
+    liger: bool = False,
 ) -> Plan:
     """Estimated peak memory of one training step (forward, backward, optimizer step), term by term.
 
@@ -516,8 +518,15 @@ def plan(
         host["activations_offloaded"] = int(max(0.0, acts - kept_on_device))
         acts = min(acts, kept_on_device)
     terms["activations"] = int(acts)
-    # Logits in compute dtype, their fp32 upcast for the loss, log-softmax output, and the gradient in backward.
-    terms["logits"] = int(tokens * shape.vocab * 16)
+    if liger and device == "cuda":
+        # Liger's fused linear cross-entropy never holds all the logits: it computes them in chunks of
+        # 2^ceil(log2(tokens / ceil(vocab / hidden))) rows (fp32 logits and their gradient) and the hidden
+        # states' gradient (fp32) in the forward pass.
+        rows = 2 ** math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(shape.vocab / text.hidden)))))
+        terms["logits"] = int(min(rows, tokens) * shape.vocab * 4 * 2 + tokens * text.hidden * 4)
+    else:
+        # Logits in compute dtype, their fp32 upcast for the loss, log-softmax output, and the gradient.
+        terms["logits"] = int(tokens * shape.vocab * 16)
     if mode == "qlora":  # backward dequantizes one weight at a time
         terms["dequant_buffer"] = max((lin.numel for lin in shape.linears if _quantized(lin.name, skip)), default=0) * p
     if processes > 1:  # the gradients are copied into one buffer for the all-reduce, next to their originals
@@ -533,7 +542,7 @@ def plan(
         terms, phase = step_terms, "optimizer step"
     return Plan(mode, batch, seq_len, image_size, img_tokens, vis_tokens, checkpointing, precision, device,
                 terms, gpu_memory_bytes, margin, trainable, shape.params, processes, optimizer,
-                activation_offload and device == "cuda", phase, host)
+                activation_offload and device == "cuda", phase, host, liger and device == "cuda")
 
 
 def plan_grid(

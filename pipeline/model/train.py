@@ -144,10 +144,15 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tens
     and quantization maps in one per parameter), so the 8-bit state is stored as its own uint8 tensors, exactly."""
     sd = opt.state_dict()
     tensors, scalars = {}, {}
+    seen: set[int] = set()
 
     def put(key: str, v: Any) -> None:
         if torch.is_tensor(v):
-            tensors[key] = v.detach().cpu().contiguous()
+            t = v.detach().cpu().contiguous()
+            # bitsandbytes shares one quantization map between parameters; safetensors refuses shared storage.
+            ptr = t.untyped_storage().data_ptr()
+            tensors[key] = t.clone() if ptr in seen else t
+            seen.add(ptr)
         elif isinstance(v, dict):
             for k, sub in v.items():
                 put(f"{key}.{k}", sub)
@@ -202,13 +207,18 @@ def build_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float,
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor the optimizer keeps (moments, 8-bit absmax and maps, step counters)."""
+    """Bytes of every tensor the optimizer keeps (moments, 8-bit absmax and maps, step counters), each storage once
+    (bitsandbytes shares its quantization maps between parameters)."""
     total = 0
+    seen: set[int] = set()
 
     def add(v: Any) -> None:
         nonlocal total
         if torch.is_tensor(v):
-            total += v.numel() * v.element_size()
+            ptr = v.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += v.numel() * v.element_size()
         elif isinstance(v, dict):
             for sub in v.values():
                 add(sub)

@@ -10,8 +10,9 @@ peak is the largest.
 
 On the CPU the peak is the child's VmHWM (fp32 compute), reset after loading and between phases with
 /proc/self/clear_refs, so loading does not hide the step; on CUDA it is torch.cuda.max_memory_allocated (bf16).
-RSS counts resident pages, not tensors: it includes the imported libraries (the planner's `runtime` term) and
-memory glibc keeps after frees. The measured step is the first of its process (kernel set-up included).
+RSS counts resident pages, not tensors: it includes the imported libraries (the planner's `runtime` term). The
+child fixes glibc's mmap threshold as CPU training does (pipeline.model.hardware.bound_cpu_allocator), so freed
+activations leave RSS at once. The measured step is the first of its process (kernel set-up included).
 
 Activation offload and Liger are CUDA features (a documented no-op / never applied on the CPU): the grid adds them
 only on a CUDA device. Cases can be chosen with --cases (mode:ckpt:optimizer, comma-separated); each case row
@@ -97,6 +98,10 @@ def run_case(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
+    if not cuda:
+        from pipeline.model.hardware import bound_cpu_allocator
+
+        bound_cpu_allocator()  # as pipeline.model.train does on the CPU: RSS tracks live tensors
     dtype = torch.bfloat16 if cuda else torch.float32
     hw = Hardware("cuda" if cuda else "cpu")
     model_cfg = ModelConfig(name_or_path=args.model_dir, mode=args.mode, lora_r=args.lora_r, lora_alpha=2 * args.lora_r,
@@ -242,6 +247,8 @@ def main() -> None:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--replan", type=Path, help="recompute the planner columns of this result JSON (same shape flags)")
+    ap.add_argument("--merge", type=Path, nargs="+", help="combine the cases of these result JSONs (same model, batch "
+                    "and text length; the first measurement of a case wins) and recompute the planner columns")
     # Internal: one case in a child process.
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
@@ -259,6 +266,31 @@ def main() -> None:
     from pipeline.model.planner import analyze
 
     started = time.time()
+    if args.merge:
+        # Runs of parts of the grid (a shared machine cannot run all of it in one sitting): each case keeps the
+        # commit and wall time of the run that measured it.
+        parts = [json.loads(path.read_text()) for path in args.merge]
+        first = parts[0]
+        for part in parts[1:]:
+            if (part["batch"], part["seq_len"], part["model"]) != (first["batch"], first["seq_len"], first["model"]):
+                raise SystemExit(f"--merge: {part['model']}, batch {part['batch']}, text {part['seq_len']} differs "
+                                 f"from {first['model']}, batch {first['batch']}, text {first['seq_len']}")
+        cases, seen = [], set()
+        for part in parts:
+            for case in part["cases"]:
+                key = (case["mode"], case["gradient_checkpointing"], case["optimizer"])
+                if key in seen or "peak_mb" not in case:
+                    continue
+                seen.add(key)
+                cases.append({**case, "measured_commit": case.get("measured_commit") or part.get("commit")})
+        merged = {**{k: first.get(k) for k in ("device", "model", "batch", "seq_len", "image_tokens", "measured",
+                                               "config")},
+                  "cases": cases, "measured_commits": sorted({c["measured_commit"] for c in cases if
+                                                              c["measured_commit"]}),
+                  "measured_wall_s": sum(p.get("wall_s") or 0 for p in parts)}
+        tmp = Path(tempfile.mkdtemp()) / "merged.json"
+        tmp.write_text(json.dumps(merged))
+        args.replan = tmp
     if args.replan:
         # Planner changed, measurements did not: recompute planned_* in an earlier result without re-measuring.
         out = json.loads(args.replan.read_text())
@@ -273,6 +305,8 @@ def main() -> None:
                 if k in out}
         # The measurements belong to the commit that took them; write_result records the replanning one.
         keep["measured_commit"] = out.get("measured_commit") or out.get("commit")
+        if "measured_commits" in out:
+            keep["measured_commits"] = out["measured_commits"]
         keep["measured_wall_s"] = out.get("measured_wall_s") or out.get("wall_s")
         write_result({**keep, **_summary(out["cases"]), "replanned": True}, args.json_out or args.replan,
                      config=out.get("config"), started=started)

@@ -120,6 +120,26 @@ def detect_hardware() -> Hardware:
     return Hardware("cuda" if gpus else "cpu", gpus, cpus, int(vm.total), int(vm.available))
 
 
+CPU_MMAP_THRESHOLD = 64 << 10  # bytes: allocations from this size on get their own mapping, returned when freed
+
+
+def bound_cpu_allocator(threshold: int = CPU_MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold for CPU training; True when set.
+
+    glibc raises the threshold to the size of each large block freed (up to 32 MiB), after which tensors of that
+    size come from its heap, and freed ones stay resident there for reuse. A checkpointed step frees every layer's
+    activations as it goes, so the process kept ~0.4 GB more resident than its live tensors on the SmolVLM-256M
+    shape (benchmarks/memory.py). With the threshold fixed, a freed tensor's pages go back to the OS at once: the
+    resident size tracks the live tensors, which is what the memory planner counts (and no slower here)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, int(threshold)))  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to fix
+        return False
+
+
 def resolve_num_processes(value: int | str, hw: Hardware) -> int:
     """`train.num_processes`: auto → one process per visible GPU (1 on a CPU-only machine); an integer is checked
     against the GPUs there are (on a CPU any count runs, as gloo processes sharing the cores)."""

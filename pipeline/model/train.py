@@ -578,6 +578,10 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
     total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * n / effective))
     fingerprint = _fingerprint(cfg, job.rows_digest, job.init_digest)
 
+    if hw.device == "cpu":
+        from pipeline.model.hardware import bound_cpu_allocator
+
+        bound_cpu_allocator()  # resident memory = live tensors, as planned (see its docstring)
     torch.manual_seed(cfg.seed)  # the LoRA initialisation
     loaded: Loaded = load_model(cfg.model, adapter=job.init, trainable=True, hw=hw)
     model, processor, family = loaded.model, loaded.processor, loaded.family

@@ -594,10 +594,13 @@ def plan_table(model_config: Any, **kwargs: Any) -> Any:
     for col in ("mode", "ckpt", "batch", "weights", "trainable+opt", "activations", "logits", "total", "fits"):
         t.add_column(col, justify="right" if col not in ("mode", "ckpt", "fits") else "left")
     for p in plans:
-        train = p.terms.get("lora_params", 0) + p.terms["gradients"] + p.terms["optimizer"]
+        train = p.terms.get("lora_params", 0) + p.terms["gradients"] + p.terms.get("optimizer", 0)
         fits = {None: "-", True: "[green]yes[/]", False: "[red]no[/]"}[p.fits]
         t.add_row(p.mode, "on" if p.checkpointing else "off", str(p.batch), _gib(p.weights), _gib(train),
-                  _gib(p.terms["activations"]), _gib(p.terms["logits"]), _gib(p.total), fits)
+                  _gib(p.terms.get("activations", 0)), _gib(p.terms.get("logits", 0)),
+                  _gib(p.total) + ("*" if p.phase != "backward" else ""), fits)
+    if any(p.phase != "backward" for p in plans):
+        t.caption = "* the optimizer step peaks (its temporaries outweigh the backward pass's activations)"
     return t
 
 

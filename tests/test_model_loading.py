@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +218,33 @@ def test_liger_loss_matches_the_unpatched_model_on_cuda(tiny_models, family):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             losses[liger] = float(loaded.model(**enc).loss)
     assert abs(losses[True] - losses[False]) <= 2e-2 * abs(losses[False]), losses
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    out = []
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        for line in f:
+            if line.rstrip().endswith(str(path)):
+                lo, hi = line.split()[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_4bit_load_lets_the_checkpoint_map_close(tiny_models):
+    """No weight of a 4-bit model still points into the memory-mapped checkpoint (whose already-quantized fp32
+    pages would otherwise stay resident), and tied weights stay tied."""
+    import gc
+
+    loaded = load_model(ModelConfig(name_or_path=str(tiny_models["qwen2_vl"]), mode="qlora"), trainable=True,
+                        hw=CPU)
+    gc.collect()
+    files = list(Path(tiny_models["qwen2_vl"]).glob("*.safetensors"))
+    ranges = [r for f in files for r in _mapped_ranges(f.resolve())]
+    model = loaded.model
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        ptr = t.untyped_storage().data_ptr()
+        assert not any(lo <= ptr < hi for lo, hi in ranges), f"{name} still lives in the checkpoint's map"
+    base = model.get_base_model()
+    if base.config.get_text_config().tie_word_embeddings:
+        assert base.lm_head.weight is base.get_input_embeddings().weight

@@ -178,11 +178,13 @@ def release_checkpoint_map(model: torch.nn.Module) -> int:
     A 4-bit load reads every quantized weight through safetensors' memory map, and the map stays open as long as any
     unquantized tensor (embeddings, norms) is a view of it: the pages of the already-quantized fp32 weights then stay
     resident, ~0.75 GB of RSS on the SmolVLM-256M shape for nothing. Owning copies let the map close."""
-    copied = 0
+    copied, done = 0, set()
     with torch.no_grad():
         for mod in model.modules():
             for _name, p in list(mod.named_parameters(recurse=False)):
-                if p.device.type == "cpu" and type(p).__name__ != "Params4bit":
+                # A tied weight is one Parameter in two modules: copied once, and still tied.
+                if p.device.type == "cpu" and type(p).__name__ != "Params4bit" and id(p) not in done:
+                    done.add(id(p))
                     p.data = p.data.clone()
                     copied += p.numel() * p.element_size()
             for name, b in list(mod.named_buffers(recurse=False)):

@@ -407,7 +407,7 @@ def training(env: Env, path: Path, family: str, shape: Any, image_size: int, bat
     cases = []
     import importlib.util
 
-    from pipeline.model.train import build_optimizer
+    from pipeline.model.optim import build_optimizer
 
     liger_ok = env.cuda and importlib.util.find_spec("liger_kernel") is not None
     runs = [(mode, [("adamw", False)], False) for mode in MODES]

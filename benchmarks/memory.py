@@ -93,7 +93,8 @@ def run_case(args: argparse.Namespace) -> dict:
     from pipeline.model.families import get_family
     from pipeline.model.hardware import Hardware
     from pipeline.model.loading import build_bnb_config, build_lora_config, release_checkpoint_map
-    from pipeline.model.train import _enable_activation_checkpointing, build_optimizer, optimizer_state_bytes
+    from pipeline.model.optim import build_optimizer, optimizer_state_bytes
+    from pipeline.model.train import _enable_activation_checkpointing
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

@@ -20,13 +20,10 @@ from safetensors.torch import load_file
 from pipeline.config import parse_config
 from pipeline.errors import DataError, ModelError
 from pipeline.model.loading import load_model
+from pipeline.model.optim import build_optimizer, optimizer_state, optimizer_state_bytes, optimizer_tensors
 from pipeline.model.train import (
     _enable_activation_checkpointing,
-    _optimizer_state,
     _optimizer_step,
-    _optimizer_tensors,
-    build_optimizer,
-    optimizer_state_bytes,
     step_indices,
     train_adapter,
 )
@@ -291,7 +288,7 @@ OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit")
 
 
 def _flat_state(opt) -> dict[str, torch.Tensor]:
-    tensors, meta = _optimizer_tensors(opt)
+    tensors, meta = optimizer_tensors(opt)
     return {**tensors, **{k: torch.tensor(v) for k, v in meta["scalars"].items()}}
 
 
@@ -317,7 +314,7 @@ def test_optimizer_state_round_trips_exactly_through_safetensors(name, tmp_path)
         for p, g in zip(a, grads(step), strict=True):
             p.grad = g
         opt_a.step()
-    tensors, meta = _optimizer_tensors(opt_a)
+    tensors, meta = optimizer_tensors(opt_a)
     if name.endswith("8bit"):
         assert any(t.dtype == torch.uint8 for t in tensors.values()), "8-bit state is stored as uint8"
     save_file(tensors, tmp_path / "optimizer.safetensors")
@@ -326,7 +323,7 @@ def test_optimizer_state_round_trips_exactly_through_safetensors(name, tmp_path)
 
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     opt_b = build_optimizer(name, b, 1e-2, 0.01)
-    opt_b.load_state_dict(_optimizer_state(load_file(tmp_path / "optimizer.safetensors"),
+    opt_b.load_state_dict(optimizer_state(load_file(tmp_path / "optimizer.safetensors"),
                                            json.loads((tmp_path / "optimizer.json").read_text())))
     sa, sb = _flat_state(opt_a), _flat_state(opt_b)
     assert sa.keys() == sb.keys()

@@ -293,7 +293,7 @@ def test_tables_render():
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"])
 def test_optimizer_state_matches_the_real_optimizers(optimizer):
     """Full training of a tiny model: the planned Adam state equals what the optimizer really allocates."""
-    from pipeline.model.train import build_optimizer, optimizer_state_bytes
+    from pipeline.model.optim import build_optimizer, optimizer_state_bytes
 
     config = tiny_config("idefics3", hidden_size=128, intermediate_size=256)
     model = _model(config)

@@ -32,6 +32,7 @@ from pipeline.config import ProjectConfig
 from pipeline.errors import DataError, ModelError
 from pipeline.model.distributed import Comm, Rank, init_rank, launch, launched_rank, shard
 from pipeline.model.loading import Loaded, load_model
+from pipeline.model.optim import build_optimizer, optimizer_state, optimizer_state_bytes, optimizer_tensors
 from pipeline.store import (
     Manifest,
     atomic_dir,
@@ -137,97 +138,6 @@ def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split an optimizer state dict into tensors (safetensors) and plain data (JSON): no pickle on disk.
-
-    Keys are `param.name`, or `param.group.name` for a nested dict (bitsandbytes wraps its 8-bit state, absmax
-    and quantization maps in one per parameter), so the 8-bit state is stored as its own uint8 tensors, exactly."""
-    sd = opt.state_dict()
-    tensors, scalars = {}, {}
-    seen: set[int] = set()
-
-    def put(key: str, v: Any) -> None:
-        if torch.is_tensor(v):
-            t = v.detach().cpu().contiguous()
-            # bitsandbytes shares one quantization map between parameters; safetensors refuses shared storage.
-            ptr = t.untyped_storage().data_ptr()
-            tensors[key] = t.clone() if ptr in seen else t
-            seen.add(ptr)
-        elif isinstance(v, dict):
-            for k, sub in v.items():
-                put(f"{key}.{k}", sub)
-        else:
-            scalars[key] = v
-
-    for idx, state in sd["state"].items():
-        for k, v in state.items():
-            put(f"{idx}.{k}", v)
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
-                     devices: Sequence[torch.device] | None = None) -> dict[str, Any]:
-    """The inverse of _optimizer_tensors; tensors go to their parameter's device (`devices`, in parameter order)."""
-    state: dict[int, dict[str, Any]] = {}
-    for key, v in [*tensors.items(), *meta["scalars"].items()]:
-        idx, *path = key.split(".")
-        if devices is not None and torch.is_tensor(v):
-            v = v.to(devices[int(idx)])
-        node = state.setdefault(int(idx), {})
-        for name in path[:-1]:
-            node = node.setdefault(name, {})
-        node[path[-1]] = v
-    return {"state": state, "param_groups": meta["param_groups"]}
-
-
-# ------------------------------------------------------------------------------------------------ optimizers
-def build_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float,
-                    weight_decay: float) -> torch.optim.Optimizer:
-    """`train.optimizer` (resolved, see pipeline.model.hardware.resolve_optimizer) → the optimizer object.
-
-    The 8-bit ones keep both Adam moments in uint8 with one fp32 absmax per 256 values (block-wise quantization;
-    tensors under 4,096 values keep fp32 state); the paged ones put their state in CUDA unified memory, which the
-    driver pages to host memory under pressure (bitsandbytes falls back to ordinary memory on the CPU)."""
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    import bitsandbytes as bnb
-
-    classes = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
-               "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}
-    if name not in classes:
-        raise ModelError(f"train.optimizer {name!r} is not one of adamw, {', '.join(classes)}")
-    if name.startswith("paged") and not any(p.is_cuda for p in params):
-        import warnings
-
-        # bitsandbytes warns at the first step that paging falls back to ordinary memory on the CPU: documented
-        # above and logged here once, instead of a warning from inside its step.
-        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
-        log.info("train.optimizer %s on the CPU: no paging (a CUDA feature), the state is ordinary memory", name)
-    return classes[name](params, lr=lr, weight_decay=weight_decay)
-
-
-def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor the optimizer keeps (moments, 8-bit absmax and maps, step counters), each storage once
-    (bitsandbytes shares its quantization maps between parameters)."""
-    total = 0
-    seen: set[int] = set()
-
-    def add(v: Any) -> None:
-        nonlocal total
-        if torch.is_tensor(v):
-            ptr = v.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                total += v.numel() * v.element_size()
-        elif isinstance(v, dict):
-            for sub in v.values():
-                add(sub)
-
-    for state in opt.state.values():
-        add(state)
-    return total
-
-
 def _checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
     root = out_dir / "checkpoints"
     if not root.is_dir():
@@ -265,7 +175,7 @@ def _save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, opt: torc
     path = out_dir / "checkpoints" / f"step-{step}"
     with atomic_dir(path) as tmp:
         save_file({n: p.detach().cpu().contiguous() for n, p in _trainable(model).items()}, tmp / "trainable.safetensors")
-        tensors, meta = _optimizer_tensors(opt)
+        tensors, meta = optimizer_tensors(opt)
         save_file(tensors, tmp / "optimizer.safetensors")
         save_file(rng, tmp / "rng.safetensors")
         atomic_write_json(tmp / "optimizer.json", meta)
@@ -294,7 +204,7 @@ def _load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimi
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))
     meta = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
     devices = [p.device for g in opt.param_groups for p in g["params"]]
-    opt.load_state_dict(_optimizer_state(load_file(path / "optimizer.safetensors"), meta, devices))
+    opt.load_state_dict(optimizer_state(load_file(path / "optimizer.safetensors"), meta, devices))
     sched.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])

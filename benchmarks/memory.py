@@ -248,6 +248,7 @@ def main() -> None:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--replan", type=Path, help="recompute the planner columns of this result JSON (same shape flags)")
+    ap.add_argument("--note", default="", help="a sentence recorded with a merged result (how it was measured)")
     ap.add_argument("--merge", type=Path, nargs="+", help="combine the cases of these result JSONs (same model, batch "
                     "and text length; the first measurement of a case wins) and recompute the planner columns")
     # Internal: one case in a child process.
@@ -288,7 +289,7 @@ def main() -> None:
                                                "config")},
                   "cases": cases, "measured_commits": sorted({c["measured_commit"] for c in cases if
                                                               c["measured_commit"]}),
-                  "measured_wall_s": sum(p.get("wall_s") or 0 for p in parts)}
+                  "measured_wall_s": sum(p.get("wall_s") or 0 for p in parts), "note": args.note or None}
         tmp = Path(tempfile.mkdtemp()) / "merged.json"
         tmp.write_text(json.dumps(merged))
         args.replan = tmp
@@ -302,8 +303,8 @@ def main() -> None:
         device = "cpu" if out["device"] == "cpu" else "cuda"
         for case in out["cases"]:
             _add_plan(case, shape, args, device, cfg.vision_config.image_size)
-        keep = {k: out[k] for k in ("device", "model", "batch", "seq_len", "image_tokens", "cases", "measured")
-                if k in out}
+        keep = {k: out[k] for k in ("device", "model", "batch", "seq_len", "image_tokens", "cases", "measured",
+                                    "note") if k in out}
         # The measurements belong to the commit that took them; write_result records the replanning one.
         keep["measured_commit"] = out.get("measured_commit") or out.get("commit")
         if "measured_commits" in out:

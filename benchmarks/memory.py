@@ -311,7 +311,7 @@ def main() -> None:
             keep["measured_commits"] = out["measured_commits"]
         keep["measured_wall_s"] = out.get("measured_wall_s") or out.get("wall_s")
         write_result({**keep, **_summary(out["cases"]), "replanned": True}, args.json_out or args.replan,
-                     config=out.get("config"), started=started)
+                     config=out.get("config"), started=started, code_versions=out.get("measured_commits"))
         return
 
     import torch

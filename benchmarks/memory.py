@@ -364,8 +364,9 @@ def main() -> None:
         "cases": cases,
         **_summary(cases),
     }
-    config = {k: getattr(args, k) for k in ("config", "batch", "seq_len", "lora_r", "threads", "text_layers",
+    config = {k: getattr(args, k) for k in ("batch", "seq_len", "lora_r", "threads", "text_layers",
                                             "vision_layers", "modes", "cases")}
+    config["config"] = out["model"]["config"]  # relative to the repository, not this machine's path
     out["config"] = config
     write_result(out, args.json_out, config=config, started=started)
 

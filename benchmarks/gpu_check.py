@@ -9,7 +9,8 @@ image geometry), it prints one JSON with:
   candidate), their largest probability difference, and the batched throughput as a fraction of the FLOP limit
   (2 × params × tokens per sample at the measured bf16 matmul rate; also a text/vision split of the same estimate);
 - training: peak memory (torch.cuda.max_memory_allocated) and steps/s per mode (full / lora / qlora) × gradient
-  checkpointing off / on, next to pipeline.model.planner's estimate of the same step;
+  checkpointing off / on, plus the knobs (full with adamw_8bit, qlora with paged_adamw_8bit, qlora with activation
+  offload, lora with Liger when liger_kernel is installed), next to pipeline.model.planner's estimate and its error;
 - data_parallel: qlora training through pipeline.model.train with train.num_processes 2 vs 1 at the same effective
   batch (per-process peak memory, seconds, loss agreement) when the machine has ≥ 2 CUDA devices; otherwise recorded
   as not measured. In --dry-run it runs 2 gloo processes on the CPU.
@@ -376,8 +377,10 @@ def _vision(model: Any, enc: Any) -> tuple[int, int]:
     return count_parameters(tower)[1], int(enc["pixel_values"].shape[1]) * (v.image_size // v.patch_size) ** 2
 
 
-def train_step(env: Env, model: Any, enc: dict[str, Any], opt: Any) -> float:
-    with torch.autocast("cuda", dtype=env.dtype) if env.cuda else contextlib.nullcontext():
+def train_step(env: Env, model: Any, enc: dict[str, Any], opt: Any, offload: bool = False) -> float:
+    from pipeline.model.train import _offload
+
+    with torch.autocast("cuda", dtype=env.dtype) if env.cuda else contextlib.nullcontext(), _offload(offload):
         loss = model(**enc).loss
     loss.backward()
     opt.step()
@@ -385,8 +388,15 @@ def train_step(env: Env, model: Any, enc: dict[str, Any], opt: Any) -> float:
     return loss.detach().item()
 
 
+# Beyond adamw for every mode × checkpointing: (mode, optimizer, activation offload, liger) cases, the knobs
+# train.optimizer, train.activation_offload and model.liger; offload and Liger only where CUDA has them.
+KNOB_CASES = (("full", "adamw_8bit", False, False), ("qlora", "paged_adamw_8bit", False, False),
+              ("qlora", "adamw", True, False), ("lora", "adamw", False, True))
+
+
 def training(env: Env, path: Path, family: str, shape: Any, image_size: int, batch: int, steps: int) -> dict[str, Any]:
-    """Peak memory and steps/s per mode × checkpointing, with the planner's estimate of the same step."""
+    """Peak memory and steps/s per mode × checkpointing (× the optimizer, offload and Liger knobs), with the
+    planner's estimate of the same step."""
 
     from pipeline.model.loading import load_model
     from pipeline.model.planner import RUNTIME_BYTES, plan
@@ -395,10 +405,26 @@ def training(env: Env, path: Path, family: str, shape: Any, image_size: int, bat
     rows = make_rows(batch, image_size, seed=1)
     images = [decode_rgb(r["prepared"]) for r in rows]
     cases = []
-    for mode in MODES:
+    import importlib.util
+
+    from pipeline.model.optim import build_optimizer
+
+    liger_ok = env.cuda and importlib.util.find_spec("liger_kernel") is not None
+    runs = [(mode, [("adamw", False)], False) for mode in MODES]
+    for mode, opt_name, offload, liger in KNOB_CASES:
+        if (offload or liger) and not env.cuda:
+            continue  # a no-op / never applied on the CPU: nothing to measure
+        if liger and not liger_ok:
+            cases.append({"mode": mode, "liger": True, "skipped": "liger_kernel is not installed"})
+            continue
+        if liger:
+            runs.append((mode, [(opt_name, offload)], True))
+        else:
+            next(r for r in runs if r[0] == mode and not r[2])[1].append((opt_name, offload))
+    for mode, variants, liger in runs:
         _free()
         try:
-            loaded = load_model(model_cfg(path, family, mode), trainable=True)
+            loaded = load_model(model_cfg(path, family, mode, liger=liger), trainable=True)
         except Exception as exc:  # noqa: BLE001 - one mode failing (e.g. no bitsandbytes) leaves the others
             cases.append({"mode": mode, "error": f"load: {type(exc).__name__}: {exc}"[:600]})
             continue
@@ -411,26 +437,29 @@ def training(env: Env, path: Path, family: str, shape: Any, image_size: int, bat
         text_tokens = int(enc["input_ids"].shape[1] - (enc["input_ids"][0] == image_token).sum())
         if hasattr(model, "config"):
             model.config.use_cache = False
-        for ckpt in (False, True):
-            case: dict[str, Any] = {"mode": mode, "gradient_checkpointing": ckpt, "batch": batch,
-                                    "seq_len": int(enc["input_ids"].shape[1]), "text_tokens": text_tokens}
+        for ckpt, (opt_name, offload) in ((c, v) for v in variants for c in (False, True)):
+            case: dict[str, Any] = {"mode": mode, "gradient_checkpointing": ckpt, "optimizer": opt_name,
+                                    "activation_offload": offload, "liger": loaded.info["liger"]["applied"],
+                                    "batch": batch, "seq_len": int(enc["input_ids"].shape[1]),
+                                    "text_tokens": text_tokens}
             try:
                 if ckpt:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                     if hasattr(model, "enable_input_require_grads"):
                         model.enable_input_require_grads()
                 model.train()
-                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+                opt = build_optimizer(opt_name, [p for p in model.parameters() if p.requires_grad], 1e-5, 0.0)
                 env.reset_peak()
 
-                train_step(env, model, enc, opt)  # warm-up: AdamW states, kernels
+                train_step(env, model, enc, opt, offload)  # warm-up: optimizer states, kernels
                 env.sync()
                 t0 = time.perf_counter()
-                losses = [train_step(env, model, enc, opt) for _ in range(steps)]
+                losses = [train_step(env, model, enc, opt, offload) for _ in range(steps)]
                 env.sync()
                 secs = time.perf_counter() - t0
                 p = plan(shape, mode=mode, batch=batch, seq_len=text_tokens, image_size=image_size, lora_r=16,
-                         checkpointing=ckpt, precision="bf16" if env.cuda else "fp32", device=env.device)
+                         checkpointing=ckpt, precision="bf16" if env.cuda else "fp32", device=env.device,
+                         optimizer=opt_name, activation_offload=offload, liger=case["liger"])
                 # max_memory_allocated sees neither the CUDA context nor cuBLAS workspaces (the planner's runtime).
                 planned = p.total - RUNTIME_BYTES["cuda"] if env.cuda else p.total
                 peak = env.peak_mb()
@@ -438,6 +467,8 @@ def training(env: Env, path: Path, family: str, shape: Any, image_size: int, bat
                             loss=round(losses[-1], 4), peak_allocated_mb=peak,
                             planned_mb=round(planned / MiB, 1), planned_total_mb=round(p.total / MiB, 1),
                             planned_over_measured=None if not peak else round(planned / MiB / peak, 3),
+                            planned_error=None if not peak else round((planned / MiB - peak) / peak, 3),
+                            planned_phase=p.phase, planned_terms_mb={k: round(v / MiB, 1) for k, v in p.terms.items()},
                             trainable_params=loaded.info["trainable_params"])
                 del opt
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory in one case; the others still run

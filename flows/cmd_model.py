@@ -142,8 +142,28 @@ def hardware_cmd(
     console.print(c)
 
 
+def print_knobs(config: Path | None, gpu_memory: str | None, seq_len: int) -> None:
+    """`tamis plan --config`: one table of what each training knob saves and costs for this project config."""
+    from pipeline.config import load_config
+    from pipeline.model.hardware import SAFETY, choose_train_settings, detect_hardware, parse_memory
+    from pipeline.model.knobs import alternatives, knobs_table, plan_kwargs
+    from pipeline.model.planner import analyze
+
+    cfg = load_config(config)
+    hw = detect_hardware()
+    settings = choose_train_settings(cfg.train, cfg.model, hw, seq_len=seq_len, image_size=cfg.preprocess.size)
+    shape = analyze(cfg.model.name_or_path)
+    base = plan_kwargs(cfg.model, cfg.train, settings, seq_len=seq_len, image_size=cfg.preprocess.size)
+    budget = parse_memory(gpu_memory) if gpu_memory else hw.memory_budget_bytes
+    console = out_console()
+    console.print(knobs_table(alternatives(shape, {**base, "device": hw.device}, hw.device), int(SAFETY * budget)))
+    console.print(f"settings: {settings.reason}")
+
+
 def plan_cmd(
-    model: Annotated[str, typer.Option("--model", "-m", help="Hub ID, local model folder or config.json.")],
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Hub ID, local model folder or config.json.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Project config: print what each training "
+                                                "knob saves and costs for it instead.")] = None,
     mode: Annotated[str, typer.Option("--mode", help="qlora, lora or full: the mode itemized term by term.")] = "qlora",
     gpu_memory: Annotated[str | None, typer.Option("--gpu-memory", help="e.g. 16GiB, 24GB (default: this GPU's free memory).")] = None,
     batch: Annotated[int | None, typer.Option("--batch", min=1, help="Micro-batch to itemize (the table shows 1-16).")] = None,
@@ -161,6 +181,9 @@ def plan_cmd(
     from pipeline.model.hardware import SAFETY, detect_hardware, parse_memory
     from pipeline.model.planner import analyze, plan, plan_table, terms_table
 
+    if config is not None or model is None:
+        print_knobs(config, gpu_memory, seq_len)
+        return
     if gpu_memory is not None:
         memory = parse_memory(gpu_memory)
     else:

@@ -150,6 +150,20 @@ class ModelConfig(Section):
     # auto = bf16 where the GPU supports it, else fp16 on GPU, fp32 on CPU.
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     max_new_tokens: int = Field(default=16, ge=1)
+    # Which parts get LoRA adapters (derived from the family, like the language-model default): `language`, or also
+    # the vision→text projector, or also the vision tower. Ignored in full mode (everything trains); an explicit
+    # `target_modules` list replaces it.
+    train: Literal["language", "language+projector", "all"] = "language"
+    # Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy): auto = on when the `liger`
+    # extra is installed and training runs on CUDA. Never applied on the CPU (Triton GPU kernels).
+    liger: bool | Literal["auto"] = "auto"
+
+    @model_validator(mode="after")
+    def _one_way_to_pick_targets(self) -> ModelConfig:
+        if self.target_modules and self.train != "language":
+            raise ValueError(f"model.target_modules ({self.target_modules}) and model.train ({self.train!r}) both "
+                             "choose the LoRA targets; remove target_modules or set model.train: language")
+        return self
 
 
 class TrainConfig(Section):
@@ -167,6 +181,13 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(default=50, ge=1)
     init: Literal["fresh", "warm"] = "fresh"
     max_grad_norm: float = Field(default=1.0, gt=0)
+    # auto: adamw_8bit for model.mode full (fp32 AdamW keeps 8 bytes per parameter, more than bf16 weights; 8-bit
+    # state keeps ~2), paged_adamw for qlora on CUDA (the QLoRA recipe: pages state to host memory to absorb the
+    # spikes of checkpointed steps), adamw otherwise (LoRA state is a few MB; paging is a CUDA feature).
+    optimizer: Literal["auto", "adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"] = "auto"
+    # Move the activations autograd saves outside checkpointed layers to pinned host memory on CUDA (fetched back
+    # in backward). A no-op on the CPU, where activations already live in host memory (logged once).
+    activation_offload: bool = False
     # Data-parallel training processes, one per device (auto: every visible GPU, 1 on a CPU-only machine). The
     # effective batch is kept: per-device micro-batch × accumulation × processes = effective_batch_size.
     num_processes: Annotated[int, Field(ge=1)] | Literal["auto"] = 1

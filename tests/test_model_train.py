@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from pipeline.config import parse_config
 from pipeline.errors import DataError, ModelError
 from pipeline.model.loading import load_model
+from pipeline.model.optim import build_optimizer, optimizer_state, optimizer_state_bytes, optimizer_tensors
 from pipeline.model.train import (
     _enable_activation_checkpointing,
     _optimizer_step,
@@ -280,3 +281,145 @@ def test_sigkill_between_steps_then_resume_matches(tiny_models, rows, tmp_path):
     a, b = adapter_weights(whole), adapter_weights(resumed)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ optimizers
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit")
+
+
+def _flat_state(opt) -> dict[str, torch.Tensor]:
+    tensors, meta = optimizer_tensors(opt)
+    return {**tensors, **{k: torch.tensor(v) for k, v in meta["scalars"].items()}}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_optimizer_state_round_trips_exactly_through_safetensors(name, tmp_path):
+    """Save (safetensors + JSON), restore into a fresh optimizer: identical state, identical next steps."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    shapes = [(64, 128), (96, 64), (10,)]  # the first two take 8-bit state, the small one keeps fp32 state
+
+    def params():
+        g = torch.Generator().manual_seed(1)
+        return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
+
+    def grads(step):
+        g = torch.Generator().manual_seed(100 + step)
+        return [torch.randn(*s, generator=g) for s in shapes]
+
+    a = params()
+    opt_a = build_optimizer(name, a, 1e-2, 0.01)
+    for step in range(3):
+        for p, g in zip(a, grads(step), strict=True):
+            p.grad = g
+        opt_a.step()
+    tensors, meta = optimizer_tensors(opt_a)
+    if name.endswith("8bit"):
+        assert any(t.dtype == torch.uint8 for t in tensors.values()), "8-bit state is stored as uint8"
+    save_file(tensors, tmp_path / "optimizer.safetensors")
+    (tmp_path / "optimizer.json").write_text(json.dumps(meta))
+    from safetensors.torch import load_file
+
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_b = build_optimizer(name, b, 1e-2, 0.01)
+    opt_b.load_state_dict(optimizer_state(load_file(tmp_path / "optimizer.safetensors"),
+                                           json.loads((tmp_path / "optimizer.json").read_text())))
+    sa, sb = _flat_state(opt_a), _flat_state(opt_b)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    for step in range(3, 5):
+        for pa, pb, g in zip(a, b, grads(step), strict=True):
+            pa.grad, pb.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    for pa, pb in zip(a, b, strict=True):
+        assert torch.equal(pa, pb)
+
+
+def test_8bit_state_is_about_a_quarter_of_adamw():
+    ps = [torch.nn.Parameter(torch.randn(256, 256)) for _ in range(4)]
+    sizes = {}
+    for name in ("adamw", "adamw_8bit"):
+        opt = build_optimizer(name, ps, 1e-3, 0.0)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        sizes[name] = optimizer_state_bytes(opt)
+    # uint8 moments + one fp32 absmax per 256 values (+ the quantization maps): ~2 bytes per value vs 8.
+    assert 0.24 < sizes["adamw_8bit"] / sizes["adamw"] < 0.30, sizes
+
+
+def test_full_training_resumes_exactly_with_8bit_state(tiny_models, rows, tmp_path):
+    """model.mode full with the 8-bit optimizer: stopped after 3 steps and resumed from the step-2 checkpoint, the
+    run ends with the same losses and weights as one that ran through."""
+    cfg = make_cfg(tiny_models["idefics3"], "full", max_steps=4, effective_batch_size=2, optimizer="adamw_8bit",
+                   learning_rate=1e-3)
+    whole = train_adapter(cfg, rows, tmp_path / "whole", progress=False)
+    assert whole.settings["optimizer"] == "adamw_8bit" and whole.info["optimizer_state_mb"] > 0
+
+    part = train_adapter(cfg, rows, tmp_path / "resumed", progress=False, stop_after_steps=3)
+    ckpt = tmp_path / "resumed" / "checkpoints" / "step-2"
+    saved = load_file(ckpt / "optimizer.safetensors")
+    assert any(t.dtype == torch.uint8 for t in saved.values())
+    assert json.loads((ckpt / "state.json").read_text())["optimizer"] == "adamw_8bit"
+    assert not part.finished
+    resumed = train_adapter(cfg, rows, tmp_path / "resumed", progress=False)
+    assert resumed.info["resumed_from_step"] == 2
+    assert resumed.losses == whole.losses
+    a = load_file(whole.adapter_dir / "model.safetensors")
+    b = load_file(resumed.adapter_dir / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_checkpoints_of_another_optimizer_are_not_resumed(tiny_models, rows, tmp_path):
+    cfg = make_cfg(tiny_models["qwen2_vl"], "lora", max_steps=2, checkpoint_every=1, effective_batch_size=2)
+    train_adapter(cfg, rows, tmp_path / "run", progress=False, stop_after_steps=1)
+    other = cfg.model_copy(update={"train": cfg.train.model_copy(update={"optimizer": "adamw_8bit"})})
+    calls = []
+    train_adapter(other, rows, tmp_path / "run", progress=False, on_step=lambda s, _: calls.append(s))
+    assert calls == [1, 2]
+
+
+def test_default_optimizer_follows_the_mode():
+    from pipeline.model.hardware import GPU, Hardware, resolve_optimizer
+
+    cpu, gpu = Hardware("cpu"), Hardware("cuda", [GPU("A100", 40 << 30, (8, 0), True)])
+    picks = {(mode, hw.device): resolve_optimizer(make_cfg(Path("m"), mode).train, make_cfg(Path("m"), mode).model, hw)
+             for mode in ("full", "lora", "qlora") for hw in (cpu, gpu)}
+    assert picks == {("full", "cpu"): "adamw_8bit", ("full", "cuda"): "adamw_8bit", ("lora", "cpu"): "adamw",
+                     ("lora", "cuda"): "adamw", ("qlora", "cpu"): "adamw", ("qlora", "cuda"): "paged_adamw"}
+    explicit = make_cfg(Path("m"), "full", optimizer="paged_adamw_8bit")
+    assert resolve_optimizer(explicit.train, explicit.model, cpu) == "paged_adamw_8bit"
+
+
+def test_activation_offload_is_a_no_op_on_the_cpu(caplog):
+    from pipeline.model.hardware import GPU, Hardware, choose_train_settings
+
+    cfg = make_cfg(Path("m"), "lora", activation_offload=True)
+    with caplog.at_level("INFO", logger="pipeline.model.hardware"):
+        cpu = choose_train_settings(cfg.train, cfg.model, Hardware("cpu"))
+    assert cpu.activation_offload is False
+    assert "no-op on the CPU" in caplog.text
+    gpu = choose_train_settings(cfg.train, cfg.model, Hardware("cuda", [GPU("A100", 40 << 30, (8, 0), True)]))
+    assert gpu.activation_offload is True
+
+
+@pytest.mark.parametrize("train", ["language+projector", "all"])
+def test_training_the_projector_and_tower_moves_their_adapters(tiny_models, rows, tmp_path, train):
+    """model.train end to end with a bitsandbytes optimizer: the loss falls and the projector's (and the tower's)
+    adapters are trained and saved."""
+    cfg = make_cfg(tiny_models["qwen2_vl"], "qlora", batch_size=4, effective_batch_size=4, max_steps=5,
+                   optimizer="paged_adamw_8bit")
+    cfg.model.train = train
+    result = train_adapter(cfg, rows[:4], tmp_path / "run", progress=False)
+    assert result.losses[-1] < 0.7 * result.losses[0], result.losses
+    weights = adapter_weights(result)
+    merger = [k for k in weights if "visual.merger" in k and "lora_B" in k]
+    blocks = [k for k in weights if "visual.blocks" in k and "lora_B" in k]
+    assert merger and all(weights[k].abs().sum() > 0 for k in merger)  # B starts at zero: non-zero means trained
+    assert bool(blocks) == (train == "all")
+    assert all(weights[k].abs().sum() > 0 for k in blocks)

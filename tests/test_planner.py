@@ -287,3 +287,109 @@ def test_tables_render():
     assert "qlora" in text and "full" in text and "yes" in text and "no" in text
     assert "weights_nf4_constants" in text and "total" in text
     assert json.dumps(plans[0].as_dict())
+
+
+# --------------------------------------------------------------------------------------- optimizer choice
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"])
+def test_optimizer_state_matches_the_real_optimizers(optimizer):
+    """Full training of a tiny model: the planned Adam state equals what the optimizer really allocates."""
+    from pipeline.model.optim import build_optimizer, optimizer_state_bytes
+
+    config = tiny_config("idefics3", hidden_size=128, intermediate_size=256)
+    model = _model(config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(optimizer, params, 1e-3, 0.0)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    measured = optimizer_state_bytes(opt)
+    planned = plan(analyze(config), mode="full", precision="fp32", device="cpu", optimizer=optimizer).optimizer_state
+    # The step counters (one scalar per parameter) and per-parameter copies of the shared 8-bit maps are all
+    # that differ.
+    assert abs(planned - measured) / measured < 0.05, (planned, measured)
+
+
+def test_8bit_state_is_under_30_percent_and_paged_state_leaves_the_gpu():
+    shape = analyze(SHAPE_JSON)
+    kw = {"mode": "full", "batch": 1, "seq_len": 64, "image_size": 512}
+    adamw = plan(shape, optimizer="adamw", precision="fp32", device="cpu", **kw)
+    eight = plan(shape, optimizer="adamw_8bit", precision="fp32", device="cpu", **kw)
+    assert eight.optimizer_state < 0.30 * adamw.optimizer_state
+    assert eight.total < adamw.total
+    paged = plan(shape, optimizer="paged_adamw", precision="bf16", device="cuda", **kw)
+    plain = plan(shape, optimizer="adamw", precision="bf16", device="cuda", **kw)
+    # bitsandbytes' 32-bit state is fp32 (8 bytes per bf16 parameter), in unified memory the driver can page out.
+    assert "optimizer" not in paged.terms and paged.host_terms["optimizer_paged"] == 2 * plain.terms["optimizer"]
+    cpu_paged = plan(shape, optimizer="paged_adamw", precision="fp32", device="cpu", **kw)
+    assert cpu_paged.terms["optimizer"] == adamw.terms["optimizer"] and not cpu_paged.host_terms
+
+
+def test_the_optimizer_step_can_be_the_peak():
+    """On the CPU bitsandbytes' 8-bit step dequantizes the largest tensor's moments to fp32: with checkpointing
+    the step then outweighs the backward pass, and the plan says which phase it sized."""
+    shape = analyze(SHAPE_JSON)
+    kw = {"mode": "full", "batch": 1, "seq_len": 64, "image_size": 512, "precision": "fp32", "device": "cpu"}
+    p = plan(shape, optimizer="adamw_8bit", checkpointing=True, **kw)
+    biggest = max(n for _, n in shape.other_param_names)  # the token embeddings
+    assert p.phase == "optimizer step" and p.terms["optimizer_step"] == 20 * biggest
+    assert "activations" not in p.terms
+    assert plan(shape, optimizer="adamw_8bit", checkpointing=False, **kw).phase == "backward"
+
+
+def test_activation_offload_and_liger_count_on_cuda_only():
+    shape = analyze(SHAPE_JSON)
+    kw = {"mode": "lora", "batch": 8, "seq_len": 128, "image_size": 512}
+    gpu = plan(shape, precision="bf16", device="cuda", **kw)
+    off = plan(shape, precision="bf16", device="cuda", activation_offload=True, **kw)
+    assert off.terms["activations"] < 0.5 * gpu.terms["activations"]
+    assert off.host_terms["activations_offloaded"] + off.terms["activations"] == gpu.terms["activations"]
+    cpu = plan(shape, precision="fp32", device="cpu", **kw)
+    assert plan(shape, precision="fp32", device="cpu", activation_offload=True, **kw).terms == cpu.terms
+    liger = plan(shape, precision="bf16", device="cuda", liger=True, **kw)
+    assert liger.terms["logits"] < 0.5 * gpu.terms["logits"] and liger.liger
+    assert plan(shape, precision="fp32", device="cpu", liger=True, **kw).terms == cpu.terms
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("train", ["language", "language+projector", "all"])
+def test_planned_targets_are_what_peft_wraps(family, train):
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    from pipeline.model.families import get_family
+
+    from pipeline.model.loading import linear_names
+
+    config = tiny_config(family)
+    base = _model(config)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=get_family(family).lora_target(
+        train=train, linears=linear_names(base))))
+    wrapped = {n.removeprefix("base_model.model.") for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert {lin.name for lin in lora_targets(analyze(config), None, train)} == wrapped
+    p = plan(config, mode="lora", image_size=32, device="cpu", precision="fp32", train=train, lora_r=4)
+    assert p.trainable_params == sum(x.numel() for x in model.parameters() if x.requires_grad)
+
+
+def test_knobs_table_shows_every_alternative():
+    from rich.console import Console
+
+    from pipeline.model.knobs import alternatives, knobs_table
+
+    shape = analyze(SHAPE_JSON)
+    base = {"mode": "qlora", "batch": 4, "seq_len": 128, "image_size": 512, "checkpointing": False,
+            "precision": "bf16", "optimizer": "paged_adamw", "activation_offload": False, "liger": False,
+            "train": "language", "device": "cuda"}
+    rows = alternatives(shape, base, "cuda")
+    knobs = {(r.knob, r.setting) for r in rows}
+    assert {("train.gradient_checkpointing", "on"), ("train.optimizer", "adamw_8bit"), ("model.liger", "on"),
+            ("train.activation_offload", "on"), ("model.mode", "full"), ("model.train", "all")} <= knobs
+    by = {(r.knob, r.setting): r for r in rows}
+    ckpt = by[("train.gradient_checkpointing", "on")]
+    assert ckpt.plan.total < rows[0].plan.total and ckpt.flops > rows[0].flops  # saves memory, costs time
+    assert by[("model.mode", "full")].flops > rows[0].flops
+    console = Console(record=True, width=200)
+    console.print(knobs_table(rows, budget=16 << 30))
+    text = console.export_text()
+    assert "train.activation_offload" in text and "×1.00" in text and "fits" in text
+    cpu = {(r.knob, r.setting) for r in alternatives(shape, {**base, "device": "cpu", "precision": "fp32"}, "cpu")}
+    assert not any(k in ("model.liger", "train.activation_offload") for k, _ in cpu)

@@ -18,7 +18,8 @@ import inspect
 import json
 import logging
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -54,6 +55,9 @@ class Family:
     # LoRA goes on the language model only by default: the vision encoder stays frozen (and some vision blocks reuse
     # the same leaf names, e.g. Qwen2.5-VL's MLP). The projector and vision scopes say where the other parts sit.
     language_model_scope: ClassVar[str]
+    # Where the vision→text projector and the vision tower sit (module path prefixes). model.train:
+    # language+projector / all adapt every Linear under them (found in the model itself: PEFT refuses a match on a
+    # non-Linear module such as an activation).
     projector_scope: ClassVar[str]
     vision_scope: ClassVar[str]
     default_image_size: ClassVar[int]
@@ -94,10 +98,36 @@ class Family:
         patches = (side // patch) ** 2
         return patches // merge**2 + 2, patches  # + vision start/end tokens
 
-    def lora_target(self, names: Sequence[str] | None = None) -> str:
-        """A PEFT `target_modules` regex: these leaf module names inside the language model only."""
+    def lora_target(self, names: Sequence[str] | None = None, train: str = "language",
+                    linears: Iterable[str] | None = None) -> str:
+        """A PEFT `target_modules` regex: these leaf module names inside the language model, plus every Linear under
+        the projector (`train` language+projector) and the vision tower too (`train` all). Those are found in the
+        model: `linears` are the names of its Linear modules (nn.Linear, 4-bit ones included)."""
         leaves = "|".join(names or self.default_target_modules)
-        return rf"^(?:.*\.)?{self.language_model_scope}\..*\.(?:{leaves})$"
+        language = rf"{self.language_model_scope}\..*\.(?:{leaves})"
+        scopes = {"language": [], "language+projector": [self.projector_scope],
+                  "all": [self.projector_scope, self.vision_scope]}
+        if train not in scopes:
+            raise ModelError(f"model.train is {train!r}; use one of {', '.join(scopes)}")
+        if not scopes[train]:
+            return rf"^(?:.*\.)?{language}$"
+        if linears is None:
+            raise ModelError(f"{self.name}: model.train = {train} adapts the Linears under "
+                             f"{', '.join(scopes[train])}; pass the model's Linear module names (linears=)")
+        lang = re.compile(rf"(?:.*\.)?{language}")
+        picked = []
+        for scope in scopes[train]:
+            under = re.compile(rf"(?:.*\.)?{scope}\.")
+            found = [n for n in linears if under.match(n) and not lang.fullmatch(n) and n not in picked]
+            if not found and scope == self.projector_scope and train == "language+projector":
+                # Gemma 3's projector is a plain weight matrix, no Linear: LoRA has nothing to wrap there.
+                raise ModelError(f"{self.name}: its projector ({scope}) has no Linear layer for LoRA to adapt; use "
+                                 "model.train: language, or all (which adapts the vision tower)")
+            picked += found
+        if not picked:
+            raise ModelError(f"{self.name}: model.train = {train}: no Linear module under {', '.join(scopes[train])} "
+                             f"in this checkpoint; check model.family (is it a {self.name} model?)")
+        return rf"^(?:.*\.)?(?:{language}|{'|'.join(map(re.escape, picked))})$"
 
     # --------------------------------------------------------------------------------------------- prompts
     def messages(self, question: str, answer: str | None = None) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.config import ModelConfig, TrainConfig
+from pipeline.errors import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ class TrainSettings:
     quantize: bool
     reason: str
     num_processes: int = 1  # data-parallel processes, each with micro_batch × grad_accum samples per step
+    optimizer: str = "adamw"  # train.optimizer resolved (resolve_optimizer)
+    activation_offload: bool = False  # train.activation_offload, False on the CPU (a no-op there)
+    liger: bool = False  # model.liger resolved: never on the CPU
 
     @property
     def effective_batch(self) -> int:
@@ -116,6 +120,26 @@ def detect_hardware() -> Hardware:
     return Hardware("cuda" if gpus else "cpu", gpus, cpus, int(vm.total), int(vm.available))
 
 
+CPU_MMAP_THRESHOLD = 64 << 10  # bytes: allocations from this size on get their own mapping, returned when freed
+
+
+def bound_cpu_allocator(threshold: int = CPU_MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold for CPU training; True when set.
+
+    glibc raises the threshold to the size of each large block freed (up to 32 MiB), after which tensors of that
+    size come from its heap, and freed ones stay resident there for reuse. A checkpointed step frees every layer's
+    activations as it goes, so the process kept ~0.4 GB more resident than its live tensors on the SmolVLM-256M
+    shape (benchmarks/memory.py). With the threshold fixed, a freed tensor's pages go back to the OS at once: the
+    resident size tracks the live tensors, which is what the memory planner counts (and no slower here)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, int(threshold)))  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to fix
+        return False
+
+
 def resolve_num_processes(value: int | str, hw: Hardware) -> int:
     """`train.num_processes`: auto → one process per visible GPU (1 on a CPU-only machine); an integer is checked
     against the GPUs there are (on a CPU any count runs, as gloo processes sharing the cores)."""
@@ -140,6 +164,44 @@ def choose_precision(train_cfg: TrainConfig, model_cfg: ModelConfig, hw: Hardwar
     if hw.device != "cuda":
         return "fp32"
     return "bf16" if hw.bf16_supported else "fp16"
+
+
+def resolve_optimizer(train_cfg: TrainConfig, model_cfg: ModelConfig, hw: Hardware) -> str:
+    """train.optimizer: auto → adamw_8bit for full training (fp32 Adam moments are 8 bytes per parameter, 8-bit
+    ones ~2), paged_adamw for qlora on CUDA (the QLoRA recipe's paged optimizer), adamw otherwise (a LoRA's state
+    is a few MB, and paging is a CUDA feature)."""
+    if train_cfg.optimizer != "auto":
+        return train_cfg.optimizer
+    if model_cfg.mode == "full":
+        return "adamw_8bit"
+    return "paged_adamw" if model_cfg.mode == "qlora" and hw.device == "cuda" else "adamw"
+
+
+def resolve_activation_offload(train_cfg: TrainConfig, hw: Hardware) -> bool:
+    """train.activation_offload on CUDA only: on the CPU activations already sit in host memory (a no-op, logged)."""
+    if train_cfg.activation_offload and hw.device != "cuda":
+        log.info("train.activation_offload is a no-op on the CPU: activations already live in host memory")
+        return False
+    return train_cfg.activation_offload
+
+
+def resolve_liger(model_cfg: ModelConfig, hw: Hardware) -> tuple[bool, str]:
+    """(apply Liger's kernels?, why). Never on the CPU: they are Triton GPU kernels."""
+    if model_cfg.liger is False:
+        return False, "model.liger is false"
+    if hw.device != "cuda":
+        if model_cfg.liger is True:
+            log.warning("model.liger is true but training runs on the CPU: Liger's Triton kernels need a CUDA GPU, "
+                        "so the model is left unpatched")
+        return False, "not applied on the CPU (Liger's kernels need CUDA)"
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        if model_cfg.liger is True:
+            raise ModelError("model.liger is true but liger_kernel does not import; install the extra "
+                             "(pip install 'tamis[liger]') or set model.liger: auto") from None
+        return False, "liger_kernel is not installed (pip install 'tamis[liger]')"
+    return True, "CUDA and liger_kernel present" + (" (model.liger: auto)" if model_cfg.liger == "auto" else "")
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
@@ -224,6 +286,9 @@ def choose_train_settings(
     """
     precision = choose_precision(train_cfg, model_cfg, hw)
     quantize = model_cfg.mode == "qlora"
+    optimizer = resolve_optimizer(train_cfg, model_cfg, hw)
+    offload = resolve_activation_offload(train_cfg, hw)
+    liger = resolve_liger(model_cfg, hw)[0]
     nproc = max(1, num_processes)
     effective = -(-train_cfg.effective_batch_size // nproc)
     if effective * nproc != train_cfg.effective_batch_size:
@@ -241,14 +306,15 @@ def choose_train_settings(
         return plan(shape, mode=model_cfg.mode, batch=micro, seq_len=seq_len, image_size=image_size,
                     gpu_memory_bytes=budget, lora_r=model_cfg.lora_r, target_modules=model_cfg.target_modules,
                     checkpointing=ckpt, precision=precision, device=hw.device, lora_dropout=model_cfg.lora_dropout,
-                    attention=attention, margin=SAFETY, processes=nproc)
+                    attention=attention, margin=SAFETY, processes=nproc, optimizer=optimizer,
+                    activation_offload=offload, train=model_cfg.train, liger=liger)
 
     where = f"{hw.device} with {budget / GiB:.1f} GiB free" + (f" per process ({nproc} processes)" if nproc > 1 else "")
 
     def settings(micro: int, accum: int, ckpt: bool, reason: str) -> TrainSettings:
         if nproc > 1:
             reason += f"; × {nproc} processes = effective batch {micro * accum * nproc}"
-        return TrainSettings(micro, accum, ckpt, precision, quantize, reason, nproc)
+        return TrainSettings(micro, accum, ckpt, precision, quantize, reason, nproc, optimizer, offload, liger)
     if isinstance(train_cfg.batch_size, int):
         micro = train_cfg.batch_size
         if nproc > 1 and micro > effective:

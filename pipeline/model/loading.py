@@ -92,12 +92,19 @@ def build_bnb_config(model_cfg: ModelConfig, hw: Any = None) -> Any:
     )
 
 
-def build_lora_config(model_cfg: ModelConfig, family: Family) -> Any:
-    """LoRA from the config. Default targets: the family's projections inside the language model only; an explicit
-    `model.target_modules` list is passed to PEFT as given (names match anywhere, the vision encoder too)."""
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """Names of the model's Linear modules (bitsandbytes' 4-bit and 8-bit Linears subclass nn.Linear)."""
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def build_lora_config(model_cfg: ModelConfig, family: Family, linears: Any = None) -> Any:
+    """LoRA from the config. Default targets: the family's projections inside the language model, plus the
+    projector's and the vision tower's Linears as `model.train` asks; an explicit `model.target_modules` list is
+    passed to PEFT as given (names match anywhere, the vision encoder too)."""
     from peft import LoraConfig
 
-    targets: Any = list(model_cfg.target_modules) if model_cfg.target_modules else family.lora_target()
+    targets: Any = (list(model_cfg.target_modules) if model_cfg.target_modules
+                    else family.lora_target(train=model_cfg.train, linears=linears))
     return LoraConfig(
         r=model_cfg.lora_r,
         lora_alpha=model_cfg.lora_alpha,
@@ -156,6 +163,45 @@ def resolve_family(model_cfg: ModelConfig, source: str | None = None) -> Family:
     return get_family(model_cfg.family or detected)
 
 
+def apply_liger(model: Any) -> str:
+    """Patch a loaded model's RMSNorm, RoPE, SwiGLU and loss with Liger's kernels, by its model_type (smolvlm,
+    qwen2_vl, qwen2_5_vl, ... as liger_kernel maps them); returns the patch's name."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = model.config.model_type
+    # SmolVLM v1 checkpoints are idefics3 configs; Liger's smolvlm patch covers the same classes.
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type) or MODEL_TYPE_TO_APPLY_LIGER_FN.get(
+        {"idefics3": "smolvlm"}.get(model_type, ""))
+    if fn is None:
+        raise ModelError(f"model.liger: liger_kernel has no patch for model_type {model_type!r}; set model.liger: "
+                         "false")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    fn(model=base)
+    return fn.__name__
+
+
+def release_checkpoint_map(model: torch.nn.Module) -> int:
+    """Copy the CPU parameters and buffers that still point into the memory-mapped checkpoint into memory of their
+    own; returns the bytes copied.
+
+    A 4-bit load reads every quantized weight through safetensors' memory map, and the map stays open as long as any
+    unquantized tensor (embeddings, norms) is a view of it: the pages of the already-quantized fp32 weights then stay
+    resident, ~0.75 GB of RSS on the SmolVLM-256M shape for nothing. Owning copies let the map close."""
+    copied, done = 0, set()
+    with torch.no_grad():
+        for mod in model.modules():
+            for _name, p in list(mod.named_parameters(recurse=False)):
+                # A tied weight is one Parameter in two modules: copied once, and still tied.
+                if p.device.type == "cpu" and type(p).__name__ != "Params4bit" and id(p) not in done:
+                    done.add(id(p))
+                    p.data = p.data.clone()
+                    copied += p.numel() * p.element_size()
+            for name, b in list(mod.named_buffers(recurse=False)):
+                if b is not None and b.device.type == "cpu":
+                    mod._buffers[name] = b.clone()
+    return copied
+
+
 def _weights_dtype(mode: str, compute: torch.dtype) -> torch.dtype:
     # Full training keeps fp32 master weights unless bf16 (fp16 weights cannot be trained with a grad scaler).
     if mode == "full" and compute == torch.float16:
@@ -205,6 +251,8 @@ def load_model(
         where = "the folder" if local else "the hub (offline machines need a local folder)"
         raise ModelError(f"{source}: cannot load the model from {where}: {exc}") from None
 
+    if bnb is not None:
+        release_checkpoint_map(model)
     if trainable and model_cfg.mode == "qlora":
         from peft import prepare_model_for_kbit_training
 
@@ -221,12 +269,16 @@ def load_model(
     elif trainable and model_cfg.mode in ("qlora", "lora"):
         from peft import get_peft_model
 
-        model = get_peft_model(model, build_lora_config(model_cfg, family))
+        model = get_peft_model(model, build_lora_config(model_cfg, family, linear_names(model)))
     elif trainable:
         model.requires_grad_(True)
     if not trainable:
         # Inference (scoring, evaluation) needs no gradients; frozen weights keep autograd out of the way.
         model.requires_grad_(False)
+    from pipeline.model.hardware import resolve_liger
+
+    liger, liger_why = resolve_liger(model_cfg, hw) if trainable else (False, "inference")
+    liger_patch = apply_liger(model) if liger else None
     model.eval()
 
     n_train, n_total = count_parameters(model)
@@ -240,6 +292,8 @@ def load_model(
         "weights_dtype": str(dtype).removeprefix("torch."),
         "quantized": bnb is not None,
         "attn_implementation": attn,
+        "liger": {"applied": liger_patch is not None, "patch": liger_patch, "reason": liger_why},
+        "train": model_cfg.train if model_cfg.mode != "full" else "all (full)",
         "trainable_params": n_train,
         "total_params": n_total,
         "trainable_percent": round(100 * n_train / max(n_total, 1), 4),

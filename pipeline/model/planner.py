@@ -108,10 +108,21 @@ class Plan:
     trainable_params: int
     total_params: int
     processes: int = 1           # data-parallel processes, one per device: every figure here is per device
+    optimizer: str = "adamw"
+    activation_offload: bool = False
+    # Which phase of the step peaks: "backward" (activations, logits alive) or "optimizer step" (its transients).
+    phase: str = "backward"
+    # Bytes that live in host memory instead of the device's (paged optimizer state, offloaded activations on CUDA).
+    host_terms: dict[str, int] = field(default_factory=dict)
+    liger: bool = False
 
     @property
     def total(self) -> int:
         return sum(self.terms.values())
+
+    @property
+    def optimizer_state(self) -> int:
+        return self.terms.get("optimizer", 0) + self.host_terms.get("optimizer_paged", 0)
 
     @property
     def weights(self) -> int:
@@ -133,7 +144,8 @@ class Plan:
             "terms_mb": {k: round(v / MiB, 1) for k, v in self.terms.items()}, "total_mb": round(self.total / MiB, 1),
             "gpu_memory_mb": None if self.gpu_memory_bytes is None else round(self.gpu_memory_bytes / MiB),
             "fits": self.fits, "trainable_params": self.trainable_params, "total_params": self.total_params,
-            "processes": self.processes,
+            "processes": self.processes, "optimizer": self.optimizer, "activation_offload": self.activation_offload,
+            "phase": self.phase, "host_mb": {k: round(v / MiB, 1) for k, v in self.host_terms.items()},
         }
 
 
@@ -274,18 +286,57 @@ def image_token_counts(shape: ModelShape, image_size: int) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------------ LoRA targets
-def lora_targets(shape: ModelShape, target_modules: Sequence[str] | str | None) -> list[Linear]:
+def lora_targets(shape: ModelShape, target_modules: Sequence[str] | str | None,
+                 train: str = "language") -> list[Linear]:
     """The Linear layers PEFT wraps, as pipeline.model.loading configures it: a regex (fullmatch), or names that match
-    anywhere (the vision encoder too), or None for the family's default (language model projections only)."""
+    anywhere (the vision encoder too), or None for the family's default for `train` (model.train)."""
     if target_modules is None and shape.family is not None:
         from pipeline.model.families import get_family
 
-        target_modules = get_family(shape.family).lora_target()
+        target_modules = get_family(shape.family).lora_target(train=train, linears=[lin.name for lin in shape.linears])
     if isinstance(target_modules, str):
         pattern = re.compile(target_modules)
         return [lin for lin in shape.linears if pattern.fullmatch(lin.name)]
     names = list(target_modules or ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     return [lin for lin in shape.linears if any(lin.name == n or lin.name.endswith(f".{n}") for n in names)]
+
+
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit")
+MIN_8BIT_SIZE = 4096   # bitsandbytes keeps fp32 state for tensors with fewer values
+STATE_BLOCK = 256      # its block-wise 8-bit state: one fp32 absmax per 256 values
+
+
+def optimizer_state_bytes(optimizer: str, tensors: Sequence[int], value_bytes: int) -> int:
+    """Adam's two moments for trained tensors of these sizes: torch's AdamW keeps them in the parameters' dtype
+    (`value_bytes`); bitsandbytes' 32-bit (paged) ones in fp32; its 8-bit ones in uint8 plus one fp32 absmax per
+    256 values each, and its two shared 256-entry quantization maps (fp32 state under 4,096 values)."""
+    if optimizer == "adamw":
+        return sum(2 * n * value_bytes for n in tensors)
+    if optimizer == "paged_adamw":
+        return sum(8 * n for n in tensors)
+    total = 2 * 256 * 4
+    for n in tensors:
+        total += 2 * (n + 4 * math.ceil(n / STATE_BLOCK)) if n >= MIN_8BIT_SIZE else 8 * n
+    return total
+
+
+def optimizer_step_bytes(optimizer: str, tensors: Sequence[int], value_bytes: int, device: str) -> int:
+    """Transient memory of one optimizer step, from the update's code.
+
+    torch AdamW: on the CPU one tensor at a time, `(exp_avg_sq.sqrt() / c).add_(eps)` holds two temporaries of the
+    largest tensor; on CUDA the foreach path takes the square root of every state at once (one copy of all of
+    them). bitsandbytes on CUDA: fused kernels, no temporaries. bitsandbytes on the CPU: one tensor at a time, both
+    moments dequantized to fp32 (8-bit) plus the scaled gradient and the two denominator temporaries, all fp32."""
+    if not tensors:
+        return 0
+    big = max(tensors)
+    if optimizer == "adamw":
+        return 2 * big * value_bytes if device == "cpu" else sum(tensors) * value_bytes
+    if device == "cuda":
+        return 0
+    if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+        return (2 + 1 + 2) * 4 * big
+    return (1 + 2) * 4 * big
 
 
 def _is_vision(name: str) -> bool:
@@ -359,6 +410,10 @@ def plan(
     double_quant: bool = True,
     margin: float = 0.85,
     processes: int = 1,
+    optimizer: str = "adamw",
+    activation_offload: bool = False,
+    train: str = "language",
+    liger: bool = False,
 ) -> Plan:
     """Estimated peak memory of one training step (forward, backward, optimizer step), term by term.
 
@@ -388,17 +443,30 @@ def plan(
     wp = 4 if full and precision == "fp16" else p
     terms = _weights(shape, mode, wp, skip, double_quant)
 
+    if optimizer not in OPTIMIZERS:
+        raise ModelError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    host: dict[str, int] = {}
     if full:
         trainable = shape.params
+        tensors = [lin.numel for lin in shape.linears] + [lin.out_features for lin in shape.linears if lin.bias] + [
+            n for _, n in shape.other_param_names]
+        sp = wp  # bytes of one trained value: the weights' dtype
         terms["gradients"] = trainable * wp
-        terms["optimizer"] = 2 * trainable * wp
         adapted: list[Linear] = []
     else:
-        adapted = lora_targets(shape, target_modules)
-        trainable = sum(lora_r * (lin.in_features + lin.out_features) for lin in adapted)
+        adapted = lora_targets(shape, target_modules, train)
+        tensors = [n for lin in adapted for n in (lora_r * lin.in_features, lora_r * lin.out_features)]
+        trainable = sum(tensors)
+        sp = 4  # PEFT keeps adapters in fp32
         terms["lora_params"] = trainable * 4
         terms["gradients"] = trainable * 4
-        terms["optimizer"] = trainable * 8
+    state = optimizer_state_bytes(optimizer, tensors, sp)
+    if optimizer.startswith("paged") and device == "cuda":
+        # CUDA unified memory: the driver moves it to host memory when the device runs short, so it never
+        # makes a step run out of memory (and torch's allocator does not count it).
+        host["optimizer_paged"] = state
+    else:
+        terms["optimizer"] = state
 
     vision_trained = full or any(_is_vision(lin.name) for lin in adapted)
     text_trained = full or any(not _is_vision(lin.name) for lin in adapted)
@@ -439,17 +507,40 @@ def plan(
     acts += tokens * text.hidden * rp * 2
     if vision is not None and not vision_trained:
         acts += _working_set(vision, p, vtokens, vis_tokens, attention)
+    if activation_offload and device == "cuda":
+        # The tensors autograd saves outside checkpointed layers go to pinned host memory; two layers' worth stay
+        # on the device (the one being computed or differentiated, and the next one in transfer).
+        layer = max(tokens * (per_text + lora_tok / max(text.layers, 1)),
+                    vtokens * (per_vis + lora_vtok / max(vision.layers if vision else 1, 1)))
+        kept_on_device = acts if checkpointing else 2 * layer + tokens * text.hidden * rp * 2
+        host["activations_offloaded"] = int(max(0.0, acts - kept_on_device))
+        acts = min(acts, kept_on_device)
     terms["activations"] = int(acts)
-    # Logits in compute dtype, their fp32 upcast for the loss, log-softmax output, and the gradient in backward.
-    terms["logits"] = int(tokens * shape.vocab * 16)
+    if liger and device == "cuda":
+        # Liger's fused linear cross-entropy never holds all the logits: it computes them in chunks of
+        # 2^ceil(log2(tokens / ceil(vocab / hidden))) rows (fp32 logits and their gradient) and the hidden
+        # states' gradient (fp32) in the forward pass.
+        rows = 2 ** math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(shape.vocab / text.hidden)))))
+        terms["logits"] = int(min(rows, tokens) * shape.vocab * 4 * 2 + tokens * text.hidden * 4)
+    else:
+        # Logits in compute dtype, their fp32 upcast for the loss, log-softmax output, and the gradient.
+        terms["logits"] = int(tokens * shape.vocab * 16)
     if mode == "qlora":  # backward dequantizes one weight at a time
         terms["dequant_buffer"] = max((lin.numel for lin in shape.linears if _quantized(lin.name, skip)), default=0) * p
     if processes > 1:  # the gradients are copied into one buffer for the all-reduce, next to their originals
         terms["gradient_allreduce"] = terms["gradients"]
     dynamic = terms["activations"] + terms["logits"]
     terms["runtime"] = RUNTIME_BYTES[device] + int(FRAGMENTATION * dynamic)
+    # The optimizer step runs after backward, when activations and logits are gone, with transients of its own.
+    step_terms = {k: v for k, v in terms.items() if k not in ("activations", "logits", "dequant_buffer")}
+    step_terms["runtime"] = RUNTIME_BYTES[device]
+    step_terms["optimizer_step"] = optimizer_step_bytes(optimizer, tensors, sp, device)
+    phase = "backward"
+    if sum(step_terms.values()) > sum(terms.values()):
+        terms, phase = step_terms, "optimizer step"
     return Plan(mode, batch, seq_len, image_size, img_tokens, vis_tokens, checkpointing, precision, device,
-                terms, gpu_memory_bytes, margin, trainable, shape.params, processes)
+                terms, gpu_memory_bytes, margin, trainable, shape.params, processes, optimizer,
+                activation_offload and device == "cuda", phase, host, liger and device == "cuda")
 
 
 def plan_grid(
@@ -501,10 +592,13 @@ def plan_table(model_config: Any, **kwargs: Any) -> Any:
     for col in ("mode", "ckpt", "batch", "weights", "trainable+opt", "activations", "logits", "total", "fits"):
         t.add_column(col, justify="right" if col not in ("mode", "ckpt", "fits") else "left")
     for p in plans:
-        train = p.terms.get("lora_params", 0) + p.terms["gradients"] + p.terms["optimizer"]
+        train = p.terms.get("lora_params", 0) + p.terms["gradients"] + p.terms.get("optimizer", 0)
         fits = {None: "-", True: "[green]yes[/]", False: "[red]no[/]"}[p.fits]
         t.add_row(p.mode, "on" if p.checkpointing else "off", str(p.batch), _gib(p.weights), _gib(train),
-                  _gib(p.terms["activations"]), _gib(p.terms["logits"]), _gib(p.total), fits)
+                  _gib(p.terms.get("activations", 0)), _gib(p.terms.get("logits", 0)),
+                  _gib(p.total) + ("*" if p.phase != "backward" else ""), fits)
+    if any(p.phase != "backward" for p in plans):
+        t.caption = "* the optimizer step peaks (its temporaries outweigh the backward pass's activations)"
     return t
 
 

@@ -32,6 +32,7 @@ from pipeline.config import ProjectConfig
 from pipeline.errors import DataError, ModelError
 from pipeline.model.distributed import Comm, Rank, init_rank, launch, launched_rank, shard
 from pipeline.model.loading import Loaded, load_model
+from pipeline.model.optim import build_optimizer, optimizer_state, optimizer_state_bytes, optimizer_tensors
 from pipeline.store import (
     Manifest,
     atomic_dir,
@@ -137,27 +138,6 @@ def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split an optimizer state dict into tensors (safetensors) and plain data (JSON): no pickle on disk."""
-    sd = opt.state_dict()
-    tensors, scalars = {}, {}
-    for idx, state in sd["state"].items():
-        for k, v in state.items():
-            if torch.is_tensor(v):
-                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
-            else:
-                scalars[f"{idx}.{k}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    for key, v in [*tensors.items(), *meta["scalars"].items()]:
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = v
-    return {"state": state, "param_groups": meta["param_groups"]}
-
-
 def _checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
     root = out_dir / "checkpoints"
     if not root.is_dir():
@@ -195,7 +175,7 @@ def _save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, opt: torc
     path = out_dir / "checkpoints" / f"step-{step}"
     with atomic_dir(path) as tmp:
         save_file({n: p.detach().cpu().contiguous() for n, p in _trainable(model).items()}, tmp / "trainable.safetensors")
-        tensors, meta = _optimizer_tensors(opt)
+        tensors, meta = optimizer_tensors(opt)
         save_file(tensors, tmp / "optimizer.safetensors")
         save_file(rng, tmp / "rng.safetensors")
         atomic_write_json(tmp / "optimizer.json", meta)
@@ -223,7 +203,8 @@ def _load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimi
         for name, tensor in saved.items():
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))
     meta = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
-    opt.load_state_dict(_optimizer_state(load_file(path / "optimizer.safetensors"), meta))
+    devices = [p.device for g in opt.param_groups for p in g["params"]]
+    opt.load_state_dict(optimizer_state(load_file(path / "optimizer.safetensors"), meta, devices))
     sched.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
@@ -338,6 +319,15 @@ def _autocast(device: str, precision: str) -> Any:
     if precision == "fp32":
         return torch.autocast(device_type=device, enabled=False)
     return torch.autocast(device_type=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def _offload(on: bool) -> Any:
+    """Activation offload: every tensor autograd saves in the forward (outside checkpointed layers, whose own hooks
+    win) goes to pinned host memory and comes back for backward. Only the forward is wrapped: the recomputation
+    of checkpointed layers in backward stays on the GPU. The caller passes False on the CPU (nothing to move)."""
+    import contextlib
+
+    return torch.autograd.graph.save_on_cpu(pin_memory=True) if on else contextlib.nullcontext()
 
 
 def _to(enc: Any, device: torch.device) -> dict[str, Any]:
@@ -498,6 +488,10 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
     total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * n / effective))
     fingerprint = _fingerprint(cfg, job.rows_digest, job.init_digest)
 
+    if hw.device == "cpu":
+        from pipeline.model.hardware import bound_cpu_allocator
+
+        bound_cpu_allocator()  # resident memory = live tensors, as planned (see its docstring)
     torch.manual_seed(cfg.seed)  # the LoRA initialisation
     loaded: Loaded = load_model(cfg.model, adapter=job.init, trainable=True, hw=hw)
     model, processor, family = loaded.model, loaded.processor, loaded.family
@@ -514,7 +508,7 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
         raise ModelError(f"model.mode={cfg.model.mode}: nothing to train (no parameter requires a gradient)")
     if comm is not None:
         comm.broadcast_(params)
-    opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
+    opt = build_optimizer(settings.optimizer, params, cfg.train.learning_rate, cfg.train.weight_decay)
     warmup = math.ceil(cfg.train.warmup_ratio * total_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.scheduler, warmup, total_steps))
     scaler = torch.amp.GradScaler(hw.device) if settings.precision == "fp16" and hw.device == "cuda" else None
@@ -524,7 +518,8 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
     if ckpts:
         last_step, last = ckpts[-1]
         meta = json.loads((last / "state.json").read_text(encoding="utf-8"))
-        same = meta.get("fingerprint") == fingerprint and meta.get("effective_batch", effective) == effective
+        same = (meta.get("fingerprint") == fingerprint and meta.get("effective_batch", effective) == effective
+                and meta.get("optimizer", "adamw") == settings.optimizer)
         if not same:
             if comm is not None:
                 comm.barrier()  # every rank has read the state before rank 0 removes it
@@ -540,9 +535,10 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
             log.info("resuming training from %s (step %d of %d)", last, step, total_steps)
 
     log.info("training %s (%s) on %d rows: %d steps × %d samples (micro-batch %d × accumulation %d%s), %s, "
-             "gradient checkpointing %s", family.name, cfg.model.mode, n, total_steps, effective, micro, accum,
-             f" × {world} processes" if world > 1 else "", settings.precision,
-             "on" if settings.gradient_checkpointing else "off")
+             "gradient checkpointing %s, optimizer %s, activation offload %s", family.name, cfg.model.mode, n,
+             total_steps, effective, micro, accum, f" × {world} processes" if world > 1 else "", settings.precision,
+             "on" if settings.gradient_checkpointing else "off", settings.optimizer,
+             "on" if settings.activation_offload else "off")
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total_steps, initial=step, disable=not (job.progress and main), desc="train", unit="step")
@@ -558,7 +554,7 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
             try:
                 loss = _optimizer_step(model, processor, family, rows, idx, micro, device, hw.device,
                                        settings.precision, opt, scaler, cfg.train.max_grad_norm, step, job.oom_hook,
-                                       comm=comm)
+                                       comm=comm, offload=settings.activation_offload)
             except torch.cuda.OutOfMemoryError as exc:
                 opt.zero_grad(set_to_none=True)
                 if hw.device == "cuda":
@@ -583,7 +579,7 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
                 _save_checkpoint(out_dir, step, model, opt, sched, scaler,
                                  {"fingerprint": fingerprint, "losses": losses, "ooms": ooms, "micro_batch": micro,
                                   "grad_accum": accum, "total_steps": total_steps, "num_processes": world,
-                                  "effective_batch": effective}, comm)
+                                  "effective_batch": effective, "optimizer": settings.optimizer}, comm)
     bar.close()
     model.eval()
     util = watch.summary()
@@ -594,7 +590,7 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
         "steps": step, "total_steps": total_steps, "losses": losses, "settings": settings_info, "ooms": ooms,
         "utilisation": util, "rows": n, "effective_batch": effective, "warmup_steps": warmup,
         "seconds": round(time.monotonic() - started, 2), "model": loaded.info, "num_processes": world,
-        "resumed_from_step": resumed_from,
+        "resumed_from_step": resumed_from, "optimizer_state_mb": round(optimizer_state_bytes(opt) / 2**20, 2),
     }
     if step < total_steps:
         log.info("stopped after %d of %d steps (stop_after_steps); the last checkpoint can be resumed", step,
@@ -630,7 +626,7 @@ def _per_process(util: dict[str, Any], comm: Comm) -> dict[str, Any]:
 def _optimizer_step(model: torch.nn.Module, processor: Any, family: Any, rows: Sequence[dict[str, Any]],
                     idx: list[int], micro: int, device: torch.device, device_type: str, precision: str,
                     opt: torch.optim.Optimizer, scaler: Any, max_grad_norm: float, step: int,
-                    oom_hook: OomHook | None, comm: Comm | None = None) -> float:
+                    oom_hook: OomHook | None, comm: Comm | None = None, offload: bool = False) -> float:
     """One optimizer step over rows `idx` in micro-batches; returns the step's mean answer-token loss.
 
     With `comm` (several ranks) `idx` is this rank's share: the token count that weighs each micro-batch and the
@@ -655,7 +651,7 @@ def _optimizer_step(model: torch.nn.Module, processor: Any, family: Any, rows: S
         for enc, count in zip(batches, counts, strict=True):
             if oom_hook is not None:
                 oom_hook(step, micro)
-            with _autocast(device_type, precision):
+            with _autocast(device_type, precision), _offload(offload and device_type == "cuda"):
                 out = model(**_to(enc, device))
             loss = out.loss.float() * (count / total)
             (scaler.scale(loss) if scaler is not None else loss).backward()

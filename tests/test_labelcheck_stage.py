@@ -6,6 +6,11 @@ the parameters itself): the scenarios below were run through the old `label_chec
 `run_stage` replaced by a function returning its keyword arguments and `flows.select.embeddings_ref` by one
 returning SPACE_REF, then `flows.stages.stage_cache_key(stage, LABELCHECK_VERSION, params)` was recorded with the
 folders. The artifacts folder is the relative path "art" (the test runs in tmp_path), so the digests are fixed.
+
+Those literals held through the move. Issues 25 and 26 then added fields on purpose to the sections every label
+check is keyed on (model.end_token, model.train, model.liger, train.optimizer, train.activation_offload), so each
+key moved once: the literals were recomputed from the plan at that merge (5197e7d). Move them again only with a
+change that means to recompute label checks, and say so in its message.
 """
 
 from pathlib import Path
@@ -40,40 +45,40 @@ RELABEL_CASES = {"relabel": {}, "relabel-open": {"data": {"answers": None}}}
 TRAINED_IDS = '{"sample_id": "s0"}\n{"sample_id": "s1"}\n{"sample_id": "s2"}\n'
 EXPECTED = {
     "kfold-model": {
-        "key": "labelcheck-1-b35651cec781f2209e8b57f90194bfd0f10d1f758a7caf249a47145b3249ff9f",
-        "oos_dir": "art/labelcheck/oos/35757c1b69acd1e4",
-        "out_dir": "art/labelcheck/5a52c45950660758",
-        "trained_ids_path": None,
+        "key": "labelcheck-1-0563eda5a8010832b34a3e1c0ead3397dd17c0498e638dcc1ccbdb793d27f32e",
+        "oos_dir": "art/labelcheck/oos/6e3413c202fe313f",
+        "out_dir": "art/labelcheck/3dee06ad82fc1aeb",
+        "trained_ids_path": None
     },
     "kfold-pixels-space": {
-        "key": "labelcheck-1-5f7536dbbda5b262379890cc0047460bc90c99c89a1c85a67b892b53f90e651c",
-        "oos_dir": "art/labelcheck/oos/35757c1b69acd1e4",
-        "out_dir": "art/labelcheck/4a898d779d511301",
-        "trained_ids_path": None,
+        "key": "labelcheck-1-9b5042aec38da655d30b3668ceceb1792e9ab5b2954ca0f3d6630fee2af20d41",
+        "oos_dir": "art/labelcheck/oos/6e3413c202fe313f",
+        "out_dir": "art/labelcheck/94e151d084866f03",
+        "trained_ids_path": None
     },
     "kfold-pixels-no-prepared": {
-        "key": "labelcheck-1-5219c1ec0c0e12a0acb247d5f901360a1ffcfa4af90ddeadb6d1d52b81bdf66a",
-        "oos_dir": "art/labelcheck/oos/35757c1b69acd1e4",
-        "out_dir": "art/labelcheck/84a7323d2510b71e",
-        "trained_ids_path": None,
+        "key": "labelcheck-1-097791cd5b61746abe0754115d9b4a4d103a5e79751a5e7643391c085b6d4312",
+        "oos_dir": "art/labelcheck/oos/6e3413c202fe313f",
+        "out_dir": "art/labelcheck/96c7706b4597663f",
+        "trained_ids_path": None
     },
     "kfold-pixels-knn0": {
-        "key": "labelcheck-1-7af10d778caebcd19228fa55dd9528fd4d5fe3c8d05cebaaba736d5a3b21079c",
-        "oos_dir": "art/labelcheck/oos/35757c1b69acd1e4",
-        "out_dir": "art/labelcheck/571c9d4b7b18f42a",
-        "trained_ids_path": None,
+        "key": "labelcheck-1-6de6e899d911364cc3789892f5b682b5c3608fd428d46ba69d5259400faae9f0",
+        "oos_dir": "art/labelcheck/oos/6e3413c202fe313f",
+        "out_dir": "art/labelcheck/c7ba863cb05ea956",
+        "trained_ids_path": None
     },
     "heldout-pixels": {
-        "key": "labelcheck-1-6b9568a15ef00c66e8c4fcb28733cbd2d0ae877b8ccc2a384ee53db23f0aeefb",
-        "oos_dir": "art/labelcheck/oos/8f74e37722b06f42",
-        "out_dir": "art/labelcheck/63b855a3316ad38d",
-        "trained_ids_path": "art/rounds/002/labelcheck_trained_ids.jsonl",
+        "key": "labelcheck-1-2cdff5467da460922a682f6a3869dc34da174f47f9e415e32b23faadbd6b881c",
+        "oos_dir": "art/labelcheck/oos/43a3a3d7057a1109",
+        "out_dir": "art/labelcheck/064d4464885d7187",
+        "trained_ids_path": "art/rounds/002/labelcheck_trained_ids.jsonl"
     },
     "open-kfold-pixels": {
-        "key": "labelcheck-1-96fe96a96ee9e1066ba8243962c11f64b4e200f131a5f2aae9372cb0ea07f0e6",
-        "oos_dir": "art/labelcheck/oos/39d2ac1186331f08",
-        "out_dir": "art/labelcheck/339ea3c27b70efac",
-        "trained_ids_path": None,
+        "key": "labelcheck-1-845132fe959c378f22a9cd803f006ed94f7820fd2b368978a690ef7c322abadb",
+        "oos_dir": "art/labelcheck/oos/ea48a950fc33a2a2",
+        "out_dir": "art/labelcheck/a041e657ab98f241",
+        "trained_ids_path": None
     },
     "off": None,
     "heldout-first": None,
@@ -81,13 +86,19 @@ EXPECTED = {
     "relabel": {
         "key": "relabel-1-fa3648af0cc63b7d29bbfd5ddb77e970f66fdcc0bd79fbd16b10772cade77d31",
         "out_dir": "art/rounds/003/relabel",
-        "already_queued": ["s4", "s9"],
+        "already_queued": [
+            "s4",
+            "s9"
+        ]
     },
     "relabel-open": {
         "key": "relabel-1-3cccca5803bc0ce197b89c989e0cb9b0b9da52602929e12297894d5d8737a3c2",
         "out_dir": "art/rounds/003/relabel",
-        "already_queued": ["s4", "s9"],
-    },
+        "already_queued": [
+            "s4",
+            "s9"
+        ]
+    }
 }
 
 
@@ -195,12 +206,13 @@ def test_the_tasks_take_exactly_the_planned_parameters(art):
 
 
 @pytest.mark.parametrize(("over", "digest"), [
-    ({}, "ff1f71cec2f69225318f3cd9a6d24c3fba1acd31ce85984c0a9e078b09e94646"),
-    ({"labelcheck": {"max_steps": 1}}, "a2c22db3ddecb245e9a57cd25b9bafe48e0f21cd851c121d0c164d847400a069"),
+    ({}, "fa52cdf86ea06992d74fd78094639937646fdb336b527c50ede5ede81f4169de"),
+    ({"labelcheck": {"max_steps": 1}}, "797520089500418ea2db241cf2d15fde60c14ca1992b180b7d00e54ab0296a6a"),
 ])
 def test_fold_scores_keep_their_manifest_config(over, digest):
     """Inside the task, fold scores under oos_dir are reused when their manifest's config matches: it must not move
-    either (digests computed once from main's `_score_config(cfg, answers)`, for the same configs)."""
+    either (digests computed from main's `_score_config(cfg, answers)`, for the same configs; recomputed with the
+    keys above when issues 25 and 26 added model and train fields)."""
     from pipeline.labelcheck.out_of_sample import _score_config
     from pipeline.store import digest_json
 

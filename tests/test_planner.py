@@ -357,7 +357,6 @@ def test_planned_targets_are_what_peft_wraps(family, train):
     from peft.tuners.lora import LoraLayer
 
     from pipeline.model.families import get_family
-
     from pipeline.model.loading import linear_names
 
     config = tiny_config(family)

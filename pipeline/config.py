@@ -6,6 +6,7 @@ load time, so that later stages never depend on the working directory.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -477,8 +478,10 @@ class StageConfig:
         raise AttributeError(name)
 
     def section(self, name: str) -> dict[str, Any]:
+        """A fresh copy each call, as ProjectConfig.section gives: callers edit what they get (train.py pops the
+        settings a checkpoint's fingerprint ignores), and a shared dict would change the stage's recorded config."""
         getattr(self, name)  # the error above for a section not given
-        return {"seed": self._values["seed"]} if name == "seed" else self._dumps[name]
+        return {"seed": self._values["seed"]} if name == "seed" else copy.deepcopy(self._dumps[name])
 
     @property
     def artifacts(self) -> Path:

@@ -36,7 +36,8 @@ def run_demo(project: Path) -> tuple[list[dict], float]:
     if done.returncode != 0:
         raise SystemExit(f"tamis demo failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     rounds = sorted((project / "artifacts" / "rounds").glob("[0-9][0-9][0-9]/round.json"))
-    return [{k: json.loads(p.read_text())[k] for k in KEYS} for p in rounds], time.monotonic() - t0
+    states = [json.loads(p.read_text()) for p in rounds]
+    return [{k: s.get(k) for k in KEYS} for s in states], time.monotonic() - t0
 
 
 def main() -> None:

@@ -39,12 +39,18 @@ def _ci(values: np.ndarray) -> list[float | None]:
     return [round(float(lo), 3) if np.isfinite(lo) else None, round(float(hi), 3) if np.isfinite(hi) else None]
 
 
+# An interval drawn from fewer than half of the resamples describes the few seed draws where random happens to reach
+# the target, not the ratio: it is dropped (None, None), and the share left out says why.
+MAX_UNDEFINED_SHARE = 0.5
+
+
 def bootstrap_ratio(acc: np.ndarray, base: np.ndarray, full: np.ndarray, labels: np.ndarray, pct: int, n: int,
                     seed: int = 0) -> tuple[list[float | None], float]:
     """Paired bootstrap over seeds of labels-to-pct % (strategy) / labels-to-pct % (random): each resample draws
     seeds with replacement and takes the strategy's, random's and the full-data run's values of the same seeds.
     A resample where the strategy never reaches the target counts as an infinite ratio; one where random never
-    reaches it has no ratio and is left out (the fraction left out is returned)."""
+    reaches it has no ratio and is left out (the fraction left out is returned); when more than
+    MAX_UNDEFINED_SHARE of them are left out, there is no interval."""
     rng = np.random.default_rng(seed)
     s = len(acc)
     ratios, undefined = [], 0
@@ -56,9 +62,10 @@ def bootstrap_ratio(acc: np.ndarray, base: np.ndarray, full: np.ndarray, labels:
             continue
         ls = labels_to(list(labels), list(acc[idx].mean(0)), target)
         ratios.append(np.inf if ls is None else ls / lb)
-    if not ratios:
-        return [None, None], 1.0
-    return _ci(np.array(ratios)), round(undefined / n, 3)
+    share = round(undefined / n, 3)
+    if not ratios or share > MAX_UNDEFINED_SHARE:
+        return [None, None], share
+    return _ci(np.array(ratios)), share
 
 
 def bootstrap_ratio_to_final(acc: np.ndarray, base: np.ndarray, labels: np.ndarray, n: int,

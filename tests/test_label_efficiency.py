@@ -117,6 +117,20 @@ def test_bootstrap_ratio_is_paired_and_counts_never_reached():
     assert undefined == ([None, None], 1.0)
 
 
+def test_an_interval_resting_on_a_few_resamples_is_dropped():
+    # Random reaches 95 % of full data in one seed of four: a resample's mean curve gets there only when it draws
+    # that seed four times (0.4 % of resamples), so the "interval" would describe those few draws.
+    labels = np.array([10.0, 20.0, 30.0])
+    base = np.array([[0.2, 0.5, 1.0]] + [[0.2, 0.3, 0.3]] * 3)
+    ci, share = curves.bootstrap_ratio(np.ones((4, 3)), base, np.ones(4), labels, 95, 2000)
+    assert share > curves.MAX_UNDEFINED_SHARE
+    assert ci == [None, None]
+    # One seed of four just short of the target: only resamples drawing it twice or more miss it, the interval stays.
+    base3 = np.array([[0.2, 0.5, 1.0]] * 3 + [[0.2, 0.9, 0.9]])
+    ci3, share3 = curves.bootstrap_ratio(np.ones((4, 3)), base3, np.ones(4), labels, 95, 2000)
+    assert share3 < curves.MAX_UNDEFINED_SHARE and ci3[0] is not None
+
+
 def test_longtail_pool_decays_geometrically_with_a_seeded_order():
     answers = [str(i) for i in range(10)]
     pool = [f"s{c}-{i}" for c in range(10) for i in range(100)]

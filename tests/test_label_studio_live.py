@@ -118,12 +118,9 @@ class Server:
         return json.loads(raw) if raw and r.headers.get_content_type() == "application/json" else raw
 
 
-@pytest.fixture(scope="module")
-def label_studio(tmp_path_factory):
-    exe = _ensure_installed()
-    root = tmp_path_factory.mktemp("ls-project")
-    (root / "artifacts").mkdir()
-    server = Server(exe, tmp_path_factory.mktemp("ls-server"), root / "artifacts")
+def start_server(workdir: Path, document_root: Path) -> Server:
+    """The pinned Label Studio on a copy of the cached migrated database (made on the first start)."""
+    server = Server(_ensure_installed(), workdir, document_root)
     cached = (LS_DB_CACHE / "label_studio.sqlite3").is_file()
     if cached:
         shutil.copytree(LS_DB_CACHE, server.data)
@@ -133,6 +130,18 @@ def label_studio(tmp_path_factory):
         shutil.rmtree(LS_DB_CACHE, ignore_errors=True)
         shutil.copytree(server.data, LS_DB_CACHE, ignore=shutil.ignore_patterns("media", "export"))
         server.start()
+    return server
+
+
+def ls_site_packages() -> Path | None:
+    return next((LS_VENV / "lib").glob("python*/site-packages"), None)
+
+
+@pytest.fixture(scope="module")
+def label_studio(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ls-project")
+    (root / "artifacts").mkdir()
+    server = start_server(tmp_path_factory.mktemp("ls-server"), root / "artifacts")
     yield server, root
     server.stop()
 
@@ -143,7 +152,7 @@ def label_studio_sdk(monkeypatch):
     try:
         import label_studio_sdk  # noqa: F401
     except ImportError:
-        site = next((LS_VENV / "lib").glob("python*/site-packages"), None)
+        site = ls_site_packages()
         if site is None:
             _unavailable(f"label-studio-sdk is not installed (pip install 'tamis[labelstudio]') nor in {LS_VENV}")
         monkeypatch.setattr(sys, "path", [*sys.path, str(site)])

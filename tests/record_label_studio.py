@@ -29,8 +29,8 @@ def record_exchange(server: Any, root: Path) -> tuple[dict[str, Any], dict[str, 
     """(the recording, each scenario's results) of the scenarios run against `server` in folders under `root` (inside
     the server's local-files document root)."""
     import label_studio_sdk
-    from label_studio_sdk.client import LabelStudio
     from label_studio_exchange import TOKEN_ENV, Recorder, run_scenarios, signature_record
+    from label_studio_sdk.client import LabelStudio
     from test_label_studio_live import LS_VERSION, TOKEN
 
     os.environ[TOKEN_ENV] = TOKEN
@@ -66,7 +66,6 @@ def main() -> None:
     from label_studio_exchange import EXCHANGE
     from test_label_studio_live import ls_site_packages, start_server
 
-    site = ls_site_packages()
     with tempfile.TemporaryDirectory(prefix="tamis-ls-record-") as tmp:
         root = Path(tmp) / "artifacts"
         root.mkdir()
@@ -75,7 +74,7 @@ def main() -> None:
             try:
                 import label_studio_sdk  # noqa: F401
             except ImportError:
-                sys.path.append(str(ls_site_packages() or site))
+                sys.path.append(str(ls_site_packages()))  # the SDK Label Studio itself ships
             exchange, _ = record_exchange(server, root)
         finally:
             server.stop()

@@ -32,6 +32,7 @@ EXCHANGE = Path(__file__).parent / "data" / "label_studio_exchange.json"
 ROOT = "{root}"
 DIGITS = [str(i) for i in range(10)]
 TOKEN_ENV = "TAMIS_TEST_LS_TOKEN"
+SCENARIO_TITLE = "tamis recorded "  # every scenario's project title starts so
 
 
 class ExchangeMismatch(AssertionError):
@@ -87,7 +88,10 @@ def call_shape(call: dict[str, Any]) -> dict[str, Any]:
     """A recorded call without its server-assigned IDs: the method, its exact arguments but IDs, the response's
     skeleton."""
     kwargs = {k: ("<id>" if k in ("id", "project") else v) for k, v in call["kwargs"].items()}
-    return {"method": call["method"], "kwargs": kwargs, "response": skeleton(call["response"])}
+    response = call["response"]
+    if call["method"] == "projects.list":  # other tests' projects on the same server are none of the scenario's
+        response = [p for p in response if str(p.get("title", "")).startswith(SCENARIO_TITLE)]
+    return {"method": call["method"], "kwargs": kwargs, "response": skeleton(response)}
 
 
 # -------------------------------------------------------------------------------------------------- recorder
@@ -245,7 +249,7 @@ def round_trip(root: Path, client: Any, annotate: Annotate) -> dict[str, Any]:
     from pipeline.annotation.label_studio import pull_labels, push_batch
     from pipeline.annotation.ledger import Ledger, ledger_path
 
-    cfg, known = make_project(root, "tamis recorded round trip")
+    cfg, known = make_project(root, SCENARIO_TITLE + "round trip")
     batch = export_dir(cfg.artifacts, 0)
     out: dict[str, Any] = {"cfg": cfg, "known": known}
     out["push"] = push_batch(cfg, batch, client=client)
@@ -284,7 +288,7 @@ def inline(root: Path, client: Any, annotate: Annotate) -> dict[str, Any]:
     from pipeline.annotation.export import export_dir
     from pipeline.annotation.label_studio import push_batch
 
-    cfg, _ = make_project(root, "tamis recorded inline", n_selected=2, images="inline")
+    cfg, _ = make_project(root, SCENARIO_TITLE + "inline", n_selected=2, images="inline")
     return {"cfg": cfg, "push": push_batch(cfg, export_dir(cfg.artifacts, 0), client=client)}
 
 
@@ -317,7 +321,7 @@ def interrupted_push(root: Path, client: Any, annotate: Annotate) -> dict[str, A
     from pipeline.annotation.export import export_dir
     from pipeline.annotation.label_studio import push_batch
 
-    cfg, _ = make_project(root, "tamis recorded interrupted push")
+    cfg, _ = make_project(root, SCENARIO_TITLE + "interrupted push")
     batch, chunk = export_dir(cfg.artifacts, 0), label_studio.IMPORT_CHUNK
     label_studio.IMPORT_CHUNK = 2
     try:

@@ -4,6 +4,10 @@ through Label Studio's API, and the next round pulls them into the ledger; a re-
 Label Studio is installed (as a user would, with pip) into its own cached virtual environment, TAMIS_LS_VENV or
 ~/.cache/tamis-ls-venv, when missing; its migrated empty database is cached beside it so later runs start in seconds.
 The test skips, saying why, only when Label Studio cannot be installed or started.
+
+The same server also checks that tests/data/label_studio_exchange.json (the recording the fast connector tests
+replay) is still what the pinned SDK and server do, and that a push and a pull SIGKILLed mid-way and re-run leave
+what an uninterrupted run leaves.
 """
 
 from __future__ import annotations
@@ -150,13 +154,19 @@ def label_studio(tmp_path_factory):
 
 @pytest.fixture
 def label_studio_sdk(monkeypatch):
-    """The SDK from Label Studio's own environment, after this one's packages (tamis[labelstudio] installs it)."""
+    """The SDK from Label Studio's own environment, after this one's packages (tamis[labelstudio] installs it).
+
+    Its folder stays on sys.path for each test that uses it, also once imported: the SDK reads its own version
+    from its package metadata lazily."""
+    site = ls_site_packages()
     try:
-        import label_studio_sdk  # noqa: F401
+        import label_studio_sdk
+        from_ls_venv = site is not None and Path(label_studio_sdk.__file__).resolve().is_relative_to(site.resolve())
     except ImportError:
-        site = ls_site_packages()
         if site is None:
             _unavailable(f"label-studio-sdk is not installed (pip install 'tamis[labelstudio]') nor in {LS_VENV}")
+        from_ls_venv = True
+    if from_ls_venv:
         monkeypatch.setattr(sys, "path", [*sys.path, str(site)])
 
 

@@ -146,7 +146,8 @@ class LabelStudioProject:
         """Import an exported task set's tasks (with predictions) the project does not have yet.
 
         Idempotent by (sample_id, task set): each task carries `data.tamis_set` (e.g. "001/export", "001/relabel"),
-        so a re-label task for a sample labeled before is a new task. Returns {"project", "pushed", "already"}.
+        so a re-label task for a sample labeled before is a new task. Tasks go in requests of IMPORT_CHUNK, so a push
+        that dies part-way is finished by the next one. Returns {"project", "pushed", "already"}.
         """
         export_dir = Path(export_dir)
         tasks = json.loads((export_dir / TASKS_FILE).read_text(encoding="utf-8"))

@@ -131,7 +131,7 @@ class Strict(dict):
         try:
             return self[name]
         except KeyError:
-            raise AttributeError(f"the recorded {self.get('_kind', 'response')} has no field {name!r} "
+            raise AttributeError(f"the recorded response has no field {name!r} "
                                  f"(it has {', '.join(sorted(self))})") from None
 
     def model_dump(self, mode: str = "python") -> dict[str, Any]:

@@ -33,7 +33,8 @@ def record_exchange(server: Any, root: Path) -> tuple[dict[str, Any], dict[str, 
     from label_studio_sdk.client import LabelStudio
     from test_label_studio_live import LS_VERSION, TOKEN
 
-    os.environ[TOKEN_ENV] = TOKEN
+    before = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = TOKEN  # the scenarios' configs name this variable; put back below
     calls: dict[str, list[dict[str, Any]]] = {}
     sigs: dict[str, Any] = {"LabelStudio": signature_record(LabelStudio, "__init__")}
 
@@ -53,7 +54,13 @@ def record_exchange(server: Any, root: Path) -> tuple[dict[str, Any], dict[str, 
                     body["lead_time"] = seconds
                 server.api("POST", f"/api/tasks/{t['id']}/annotations/", body)
 
-    results = run_scenarios(root, client_for, annotate)
+    try:
+        results = run_scenarios(root, client_for, annotate)
+    finally:
+        if before is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = before
     exchange = {"label_studio": LS_VERSION, "label_studio_sdk": label_studio_sdk.__version__,
                 "signatures": dict(sorted(sigs.items())), "scenarios": calls}
     text = json.dumps(exchange)

@@ -37,8 +37,9 @@ def token(monkeypatch):
     monkeypatch.setenv("TAMIS_TEST_LS_TOKEN", TOKEN)
 
 
-def assert_round_trip(out):
-    """What the round-trip scenario must leave, replayed here and run against the real server in the live test."""
+def assert_round_trip(out, token=TOKEN):
+    """What the round-trip scenario must leave, replayed here and run against the real server in the live test
+    (whose API token is `token`)."""
     cfg = out["cfg"]
     pid = out["push"]["project"]
     assert out["push"] == {"project": pid, "pushed": 4, "already": 0}
@@ -63,7 +64,7 @@ def assert_round_trip(out):
         ("s000", 7.0), ("s000", 14.0), ("s001", 9.5), ("s003", 3.25)]
     for p in cfg.artifacts.rglob("*"):
         if p.is_file():
-            assert TOKEN.encode() not in p.read_bytes(), p
+            assert token.encode() not in p.read_bytes(), p
 
 
 def recorded_project_id(scenario):

@@ -304,7 +304,7 @@ def test_recorded_exchange_is_what_the_pinned_sdk_and_server_do(label_studio, la
 
     server, root = label_studio
     fresh, results = record_exchange(server, root / "artifacts" / "recorded")
-    assert_round_trip(results["round_trip"])  # the same checks the fast test makes on the replay
+    assert_round_trip(results["round_trip"], token=TOKEN)  # the same checks the fast test makes on the replay
     committed = json.loads(EXCHANGE.read_text(encoding="utf-8"))
     again = "re-record it (python tests/record_label_studio.py), review the diff and commit it"
     assert (fresh["label_studio"], fresh["label_studio_sdk"]) == (

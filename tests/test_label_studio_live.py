@@ -4,6 +4,10 @@ through Label Studio's API, and the next round pulls them into the ledger; a re-
 Label Studio is installed (as a user would, with pip) into its own cached virtual environment, TAMIS_LS_VENV or
 ~/.cache/tamis-ls-venv, when missing; its migrated empty database is cached beside it so later runs start in seconds.
 The test skips, saying why, only when Label Studio cannot be installed or started.
+
+The same server also checks that tests/data/label_studio_exchange.json (the recording the fast connector tests
+replay) is still what the pinned SDK and server do, and that a push and a pull SIGKILLed mid-way and re-run leave
+what an uninterrupted run leaves.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from benchmarks import _round_driver as driver
 
 pytestmark = pytest.mark.slow
 
@@ -118,12 +124,9 @@ class Server:
         return json.loads(raw) if raw and r.headers.get_content_type() == "application/json" else raw
 
 
-@pytest.fixture(scope="module")
-def label_studio(tmp_path_factory):
-    exe = _ensure_installed()
-    root = tmp_path_factory.mktemp("ls-project")
-    (root / "artifacts").mkdir()
-    server = Server(exe, tmp_path_factory.mktemp("ls-server"), root / "artifacts")
+def start_server(workdir: Path, document_root: Path) -> Server:
+    """The pinned Label Studio on a copy of the cached migrated database (made on the first start)."""
+    server = Server(_ensure_installed(), workdir, document_root)
     cached = (LS_DB_CACHE / "label_studio.sqlite3").is_file()
     if cached:
         shutil.copytree(LS_DB_CACHE, server.data)
@@ -133,19 +136,37 @@ def label_studio(tmp_path_factory):
         shutil.rmtree(LS_DB_CACHE, ignore_errors=True)
         shutil.copytree(server.data, LS_DB_CACHE, ignore=shutil.ignore_patterns("media", "export"))
         server.start()
+    return server
+
+
+def ls_site_packages() -> Path | None:
+    return next((LS_VENV / "lib").glob("python*/site-packages"), None)
+
+
+@pytest.fixture(scope="module")
+def label_studio(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ls-project")
+    (root / "artifacts").mkdir()
+    server = start_server(tmp_path_factory.mktemp("ls-server"), root / "artifacts")
     yield server, root
     server.stop()
 
 
 @pytest.fixture
 def label_studio_sdk(monkeypatch):
-    """The SDK from Label Studio's own environment, after this one's packages (tamis[labelstudio] installs it)."""
+    """The SDK from Label Studio's own environment, after this one's packages (tamis[labelstudio] installs it).
+
+    Its folder stays on sys.path for each test that uses it, also once imported: the SDK reads its own version
+    from its package metadata lazily."""
+    site = ls_site_packages()
     try:
-        import label_studio_sdk  # noqa: F401
+        import label_studio_sdk
+        from_ls_venv = site is not None and Path(label_studio_sdk.__file__).resolve().is_relative_to(site.resolve())
     except ImportError:
-        site = next((LS_VENV / "lib").glob("python*/site-packages"), None)
         if site is None:
             _unavailable(f"label-studio-sdk is not installed (pip install 'tamis[labelstudio]') nor in {LS_VENV}")
+        from_ls_venv = True
+    if from_ls_venv:
         monkeypatch.setattr(sys, "path", [*sys.path, str(site)])
 
 
@@ -270,3 +291,159 @@ def test_open_answer_round_exports_a_text_area_that_label_studio_accepts(label_s
             assert p["result"][0]["value"]["text"] == w["result"][0]["value"]["text"]
             checked += 1
     assert checked >= 1  # the tiny model generated a non-empty answer for some of them
+
+
+# ------------------------------------------------------------------------------------ the recorded exchange
+def test_recorded_exchange_is_what_the_pinned_sdk_and_server_do(label_studio, label_studio_sdk):
+    """The fast tests replay tests/data/label_studio_exchange.json; this runs the same scenarios against the real SDK
+    and server and fails when the SDK's surface (its version, the signatures of the methods the connector calls,
+    the calls the connector makes and the shape of every response) differs from the recording."""
+    from label_studio_exchange import EXCHANGE, call_shape
+    from record_label_studio import record_exchange
+    from test_label_studio_connector import assert_round_trip
+
+    server, root = label_studio
+    fresh, results = record_exchange(server, root / "artifacts" / "recorded")
+    assert_round_trip(results["round_trip"], token=TOKEN)  # the same checks the fast test makes on the replay
+    committed = json.loads(EXCHANGE.read_text(encoding="utf-8"))
+    again = "re-record it (python tests/record_label_studio.py), review the diff and commit it"
+    assert (fresh["label_studio"], fresh["label_studio_sdk"]) == (
+        committed["label_studio"], committed["label_studio_sdk"]), f"the recording is of other versions: {again}"
+    assert fresh["signatures"] == committed["signatures"], f"the SDK's signatures moved: {again}"
+    assert set(fresh["scenarios"]) == set(committed["scenarios"]), again
+    for name, calls in committed["scenarios"].items():
+        assert [call_shape(c) for c in fresh["scenarios"][name]] == [call_shape(c) for c in calls], (
+            f"scenario {name!r}: the calls or the responses' shape differ from the recording: {again}")
+
+
+# ----------------------------------------------------------------------------------------------- kill points
+KILL_CHILD = r"""
+import fnmatch, json, os, signal, sys
+from pipeline.annotation import label_studio
+from pipeline.config import parse_config
+
+mode, config, arg = sys.argv[1:4]
+cfg = parse_config(json.loads(open(config).read()))
+def die(): os.kill(os.getpid(), signal.SIGKILL)
+if mode == "push":  # killed right after the first import request went through
+    from label_studio_sdk.client import LabelStudio
+    label_studio.IMPORT_CHUNK = 2
+    client = LabelStudio(base_url=cfg.annotate.label_studio.url, api_key=os.environ[cfg.annotate.label_studio.token_env])
+    first = client.projects.import_tasks
+    def import_then_die(**kw):
+        first(**kw)
+        die()
+    client.projects.import_tasks = import_then_die
+    label_studio.push_batch(cfg, arg, client=client)
+else:  # killed when it opens a file matching `arg` for writing, or renames a file onto one
+    def hook(event, args):
+        if event == "open" and fnmatch.fnmatch(str(args[0]), arg) and (
+                (args[1] is None and args[2] & (os.O_WRONLY | os.O_RDWR)) or any(c in str(args[1]) for c in "wax+")):
+            die()
+        if event == "os.rename" and fnmatch.fnmatch(str(args[1]), arg):
+            die()
+    sys.addaudithook(hook)
+    from pipeline.annotation.labels import project_index
+    label_studio.pull_labels(cfg, known_ids=project_index(cfg.artifacts), round_index=1)
+sys.exit(3)  # the kill point was never reached
+"""
+
+
+def _kill_run(mode: str, config: Path, arg: str) -> None:
+    site = ls_site_packages()  # after this environment's own packages, as the label_studio_sdk fixture does
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[1]), str(Path(__file__).parent), *sys.path, *([str(site)] if site else [])])}
+    proc = subprocess.run([sys.executable, "-c", KILL_CHILD, mode, str(config), arg], env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, (mode, arg, proc.returncode, proc.stderr[-3000:])
+
+
+def _server_tasks(server: Server, pid: int) -> list[dict]:
+    """A project's tasks as tamis sent them (data, meta, predictions), in Label Studio's order; no IDs or times."""
+    tasks = server.api("GET", f"/api/tasks?project={pid}&page_size=1000&fields=all")
+    tasks = tasks["tasks"] if isinstance(tasks, dict) else tasks
+    return [{"data": t["data"], "meta": t["meta"], "predictions": [
+        {k: p[k] for k in ("model_version", "result", "score")} for p in t["predictions"]]}
+        for t in sorted(tasks, key=lambda t: t["id"])]
+
+
+def _pull_outputs(art: Path) -> dict:
+    from pipeline.annotation.ledger import Ledger, ledger_path
+
+    ledger = Ledger(ledger_path(art))
+    state = art / "label_studio"
+    return {
+        # pulled.json and the pull files byte for byte (a killed atomic write's temp file is no output: nothing
+        # reads it, see test_fault_injection)
+        "files": {p.relative_to(art).as_posix(): p.read_bytes() for p in sorted(state.rglob("*"))
+                  if p.is_file() and not driver.is_temp_name(p.name)},
+        # the ledger without its wall-clock field (and the entry ID digested from it)
+        "ledger": [{k: v for k, v in e.items() if k not in ("time", "entry_id")} for e in ledger.entries()],
+        "times": sorted(json.dumps(t, sort_keys=True) for t in ledger.times()),
+        "rejections": sorted(p.name for p in (art / "rejections").glob("*")),
+    }
+
+
+def test_push_and_pull_killed_midway_end_as_an_uninterrupted_run(label_studio, label_studio_sdk, monkeypatch):
+    """SIGKILL a push after its first chunk of tasks is on the server, and a pull twice mid-import (after the
+    annotation times, before the ledger; after the ledger, before pulled.json): after a re-run the project's tasks
+    equal an uninterrupted push's (no duplicates), and the ledger, its times and pulled.json an uninterrupted pull's."""
+    from label_studio_exchange import TOKEN_ENV as FAST_TOKEN_ENV
+    from label_studio_exchange import make_project
+
+    from pipeline.annotation import label_studio as connector
+    from pipeline.annotation.export import export_dir
+    from pipeline.annotation.labels import project_index
+    from pipeline.annotation.ledger import Ledger, ledger_path
+
+    server, root = label_studio
+    monkeypatch.setenv(FAST_TOKEN_ENV, TOKEN)
+    monkeypatch.setattr(connector, "IMPORT_CHUNK", 2)
+    made = {}
+    for name in ("reference", "killed"):
+        folder = root / "artifacts" / "kill" / name
+        cfg, _ = make_project(folder, f"tamis kill {name}", n_selected=6, url=server.url)
+        config = folder / "config.json"
+        config.write_text(json.dumps({"paths": {"artifacts": str(cfg.artifacts)}, "data": {"answers": cfg.data.answers},
+                                      "annotate": {"label_studio": cfg.annotate.label_studio.model_dump(mode="json")}}))
+        made[name] = cfg, config, export_dir(cfg.artifacts, 0)
+    (ref_cfg, _, ref_batch), (cfg, config, batch) = made["reference"], made["killed"]
+    assert (ref_batch / "label_studio_tasks.json").read_bytes() == (batch / "label_studio_tasks.json").read_bytes()
+
+    # push: uninterrupted vs killed after its first chunk and re-run
+    ref = connector.push_batch(ref_cfg, ref_batch)
+    assert ref["pushed"] == 6, ref
+    _kill_run("push", config, str(batch))
+    pid = connector.LabelStudioProject(cfg).project_id()
+    assert len(_server_tasks(server, pid)) == 2  # the first chunk landed before the kill
+    assert connector.push_batch(cfg, batch) == {"project": pid, "pushed": 4, "already": 2}
+    assert _server_tasks(server, pid) == _server_tasks(server, ref["project"])  # same tasks, same order, once each
+
+    # pull: uninterrupted vs killed twice mid-import and re-run, from the same state in the same folder
+    tasks = server.api("GET", f"/api/tasks?project={pid}&page_size=1000")
+    tasks = tasks["tasks"] if isinstance(tasks, dict) else tasks
+    posted = {}
+    for i, t in enumerate(sorted(tasks, key=lambda t: t["id"])):
+        posted[t["data"]["sample_id"]] = lead = 2.0 + 1.5 * i
+        server.api("POST", f"/api/tasks/{t['id']}/annotations/", {"result": [
+            {"from_name": "answer", "to_name": "image", "type": "choices", "value": {"choices": [str(i)]}}],
+            "was_cancelled": False, "lead_time": lead})
+    before = cfg.artifacts.with_name("art-before-pull")
+    shutil.copytree(cfg.artifacts, before)
+    [rec] = connector.pull_labels(cfg, known_ids=project_index(cfg.artifacts), round_index=1)
+    assert rec["accepted"] == 6, rec
+    uninterrupted = _pull_outputs(cfg.artifacts)
+    shutil.rmtree(cfg.artifacts)
+    shutil.copytree(before, cfg.artifacts)
+
+    _kill_run("pull", config, "*/labels.jsonl")  # the times are appended, the ledger not yet
+    assert not Ledger(ledger_path(cfg.artifacts)).entries()
+    _kill_run("pull", config, f"*/{connector.PULLED_FILE}")  # the ledger is written, pulled.json not yet
+    assert len(Ledger(ledger_path(cfg.artifacts)).entries()) == 6
+    [rec] = connector.pull_labels(cfg, known_ids=project_index(cfg.artifacts), round_index=1)
+    assert rec["already_imported"]  # the pull file was imported by the killed run: it is only marked pulled now
+    assert connector.pull_labels(cfg, known_ids=project_index(cfg.artifacts), round_index=1) == []
+    resumed = _pull_outputs(cfg.artifacts)
+    assert resumed == uninterrupted
+    # Label Studio's lead_time came through into the annotation-time log, once per annotation.
+    assert {t["sample_id"]: t["seconds"] for t in Ledger(ledger_path(cfg.artifacts)).times()} == posted

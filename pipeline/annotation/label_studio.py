@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 STATE_DIR = "label_studio"
 STORAGE_TITLE = "tamis exports"
 PULLED_FILE = "pulled.json"  # annotation keys already pulled into the ledger
+IMPORT_CHUNK = 100  # tasks per import request
 
 
 class LabelStudioError(TamisError):
@@ -145,7 +146,8 @@ class LabelStudioProject:
         """Import an exported task set's tasks (with predictions) the project does not have yet.
 
         Idempotent by (sample_id, task set): each task carries `data.tamis_set` (e.g. "001/export", "001/relabel"),
-        so a re-label task for a sample labeled before is a new task. Returns {"project", "pushed", "already"}.
+        so a re-label task for a sample labeled before is a new task. Tasks go in requests of IMPORT_CHUNK, so a push
+        that dies part-way is finished by the next one. Returns {"project", "pushed", "already"}.
         """
         export_dir = Path(export_dir)
         tasks = json.loads((export_dir / TASKS_FILE).read_text(encoding="utf-8"))
@@ -162,9 +164,14 @@ class LabelStudioProject:
             new = [_inline(t, export_dir) for t in new]
         elif new:
             self._ensure_storage(pid, export_dir)
-        if new:
-            self._call(f"importing {len(new)} tasks into project {pid}", self.client.projects.import_tasks,
-                       id=pid, request=new)
+        # In chunks, in export order: a push killed or failing part-way leaves whole chunks on the server, and the
+        # next push (which skips tasks already there) sends the rest, so the project ends as one uninterrupted push
+        # leaves it. One request per chunk also stays far below Label Studio's 200 MB request limit with inline
+        # images.
+        for start in range(0, len(new), IMPORT_CHUNK):
+            chunk = new[start:start + IMPORT_CHUNK]
+            self._call(f"importing tasks {start + 1}-{start + len(chunk)} of {len(new)} into project {pid}",
+                       self.client.projects.import_tasks, id=pid, request=chunk)
         log.info("Label Studio: project %s ← %d new tasks from %s (%d already there)", pid, len(new), export_dir,
                  len(tasks) - len(new))
         return {"project": pid, "pushed": len(new), "already": len(tasks) - len(new)}

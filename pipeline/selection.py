@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.codeversion import stage_version
 from pipeline.config import SelectConfig
 from pipeline.errors import SelectionError
 from pipeline.store import atomic_write_jsonl, digest_file, digest_json, read_jsonl, write_manifest
 from pipeline.strategies import get_heuristic, get_selector, select_batch
 from pipeline.strategies.schedule import Phase, choose_phase, newest_label_accuracy
 
-SELECT_VERSION = "3"
+SELECT_VERSION = stage_version("3", "pipeline.selection")
 UNCERTAINTY_FILE = "uncertainty.json"
 OUTLIERS_FILE = "outliers.jsonl"
 SELECTION_FILE = "selection.jsonl"

@@ -16,7 +16,8 @@ numbers anyway).
 What a closure follows: `import pipeline.a.b` and `from pipeline.a import b` (b a submodule) depend on pipeline.a.b;
 `from pipeline.a import name` depends on pipeline/a/__init__.py and whatever it imports. A submodule import does not
 pull in its parent package's `__init__` (those are re-export lists here, as tests/test_architecture.py reads them).
-Imports built from strings at run time (importlib) are not seen; tamis has none.
+Imports built from strings at run time (importlib) are not seen; tamis has none. This module is in no closure: it
+shapes keys, not outputs, and every stage module imports it.
 
 Installed without sources (a wheel of .pyc files only): the digest cannot be taken, and the version falls back to
 `"1+v<tamis version>"`, so an upgrade of the package still moves every key once, but an edit inside one release does
@@ -24,7 +25,8 @@ not; say so in the bug report if you hit it.
 
 Cost: parsing all of pipeline/ takes about half a second on a small CPU, so each file's parse is cached on disk by the
 sha256 of its bytes (and the Python version) in `$TAMIS_CODE_CACHE` or `~/.cache/tamis/code-digests.json`; a warm run
-reads and hashes each file once, a few milliseconds. The cache holds no code and is rebuilt if unreadable.
+reads and hashes the files of each closure (tens of milliseconds for all stages). The cache holds no code and
+is rebuilt if unreadable.
 """
 
 from __future__ import annotations
@@ -56,15 +58,16 @@ def package_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
-def module_files(root: Path, package: str = PACKAGE) -> dict[str, Path]:
-    """Dotted module name -> source file, for every .py under root/package (os.walk: pathlib's rglob is 5x slower)."""
+def module_files(root: Path, package: str = PACKAGE) -> dict[str, str]:
+    """Dotted module name -> source file, for every .py under root/package (plain strings and os.walk: pathlib's
+    objects were most of a warm run's time)."""
     out = {}
-    for folder, dirs, files in os.walk(root / package):
+    for folder, dirs, files in os.walk(os.path.join(root, package)):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         prefix = os.path.relpath(folder, root).replace(os.sep, ".")
         for f in files:
             if f.endswith(".py"):
-                out[prefix if f == "__init__.py" else f"{prefix}.{f[:-3]}"] = Path(folder, f)
+                out[prefix if f == "__init__.py" else f"{prefix}.{f[:-3]}"] = os.path.join(folder, f)
     return out
 
 
@@ -126,19 +129,20 @@ def _save_cache() -> None:
     _dirty = False
 
 
-def _parse(path: Path) -> tuple[str, list]:
+def _parse(path: str) -> tuple[str, list]:
     global _dirty
-    data = path.read_bytes()
+    with open(path, "rb") as f:
+        data = f.read()
     key = f"{_PY}:{hashlib.sha256(data).hexdigest()}"
     cache = _load_cache()
     if key not in cache:
-        cache[key] = list(normalise(data, str(path)))
+        cache[key] = list(normalise(data, path))
         _dirty = True
     return cache[key][0], cache[key][1]
 
 
-def _targets(name: str, path: Path, imports: Iterable[list], known: dict[str, Path]) -> set[str]:
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+def _targets(name: str, path: str, imports: Iterable[list], known: dict[str, str]) -> set[str]:
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     out = set()
     for module, level, names in imports:
         if level:
@@ -153,30 +157,34 @@ def _targets(name: str, path: Path, imports: Iterable[list], known: dict[str, Pa
     return out
 
 
-def code_closure(module: str, root: Path | None = None, package: str = PACKAGE) -> dict[str, Path]:
-    """Module name -> file of `module` and every `package.*` module it imports, transitively (sorted by name)."""
+def _closure(module: str, root: Path | None, package: str) -> dict[str, tuple[str, str]]:
     root = package_root() if root is None else Path(root)
     known = module_files(root, package)
     if module not in known:
         raise KeyError(f"{module}: no source file under {root / package}; pass a module of the {package!r} package")
-    seen: dict[str, Path] = {}
+    seen: dict[str, tuple[str, str]] = {}
     todo = [module]
     while todo:
         name = todo.pop()
         if name in seen:
             continue
-        seen[name] = known[name]
-        _, imports = _parse(known[name])
-        todo += sorted(_targets(name, known[name], imports, known) - seen.keys())
+        digest, imports = _parse(known[name])  # each file read and hashed once per call
+        seen[name] = (known[name], digest)
+        todo += sorted(_targets(name, known[name], imports, known) - seen.keys() - {__name__})
     _save_cache()
     return dict(sorted(seen.items()))
+
+
+def code_closure(module: str, root: Path | None = None, package: str = PACKAGE) -> dict[str, Path]:
+    """Module name -> file of `module` and every `package.*` module it imports, transitively (sorted by name)."""
+    return {name: Path(path) for name, (path, _) in _closure(module, root, package).items()}
 
 
 def code_digest(module: str, root: Path | None = None, package: str = PACKAGE) -> str:
     """First DIGEST_CHARS hex of the sha256 over (name, normalised code digest) of each module of the closure."""
     h = hashlib.sha256()
-    for name, path in code_closure(module, root, package).items():
-        h.update(f"{name}\0{_parse(path)[0]}\n".encode())
+    for name, (_, digest) in _closure(module, root, package).items():
+        h.update(f"{name}\0{digest}\n".encode())
     return h.hexdigest()[:DIGEST_CHARS]
 
 

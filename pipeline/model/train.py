@@ -359,7 +359,7 @@ def _fingerprint(cfg: ProjectConfig, rows_digest: str, init_digest: str) -> str:
     for k in ("checkpoint_every", "batch_size", "gradient_checkpointing", "num_processes"):
         train.pop(k, None)
     return digest_json({"rows": rows_digest, "model": cfg.section("model"), "train": train, "seed": cfg.seed,
-                        "init": init_digest})
+                        "init": init_digest, "version": TRAIN_VERSION})  # another code's checkpoints: start over
 
 
 def train_adapter(

@@ -65,7 +65,7 @@ def score_pool_flow(artifacts: str, model: dict[str, Any], scoring: dict[str, An
     refs = []
     for i, (fut, params) in enumerate(zip(futures, shards, strict=True), 1):
         ref = fut.result()
-        if not ref_is_valid(ref):  # the cached ref names a shard folder deleted or damaged since: score it again
+        if not ref_is_valid(ref, SCORE_VERSION):  # its shard folder was deleted, damaged or rescored since
             ref = score_shard_task.with_options(refresh_cache=True).submit(**params).result()
         refs.append(ref)
         if i == len(futures) or i % max(1, len(futures) // 20) == 0:

@@ -1,9 +1,11 @@
 """Stage tasks: a library call wrapped as a Prefect task whose cache key is its inputs' content.
 
 Prefect's default cache policy includes the run ID, so every run would redo everything. Here the key is the stage
-name + version + the task's parameters, and parameters are references (paths with content digests) and config
-sections, never big objects. The stage version is bumped when the library code of a stage changes meaningfully,
-since Prefect's TASK_SOURCE policy cannot see edits inside `pipeline/`.
+name + version + the task's parameters, and parameters are references (paths with content or key digests) and config
+sections, never big objects. The version is the library's code-aware constant (`pipeline/codeversion.py`:
+`"<hand-bumped marker>+<digest of the stage module's code closure>"`), the same string the library's own manifest
+keys and folder names use, so an edit inside `pipeline/` (which Prefect's TASK_SOURCE policy cannot see) moves both
+together. docs/architecture.md, "What invalidates what", lists every cause.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from pipeline.store import digest_json, read_manifest, record_execution
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# stage name -> its code-aware version, filled as the flow modules define their tasks (import flows.round for all)
+STAGES: dict[str, str] = {}
+
 
 def stage_cache_key(stage: str, version: str, params: dict[str, Any]) -> str:
     # Prefect's cache keys are global across tasks and flows, so the stage name is part of the key.
@@ -32,37 +37,45 @@ def stage_task(stage: str, version: str, *, artifacts_param: str = "artifacts", 
     `ref` is a small dict that names the stage's output folder under key "dir" (its manifest is verified on reuse).
     """
 
+    STAGES[stage] = version
+
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def body(**params: Any) -> Any:
-            record_execution(params[artifacts_param], stage, stage_cache_key(stage, version, params))
+            record_execution(params[artifacts_param], stage, stage_cache_key(stage, version, params), version=version)
             return fn(**params)
 
-        return task(
+        wrapped = task(
             name=stage,
             cache_key_fn=lambda _ctx, params: stage_cache_key(stage, version, params),
             cache_expiration=None,
             persist_result=True,
             **task_options,
         )(body)
+        wrapped.stage_version = version  # what run_stage checks a cached ref's folder against
+        return wrapped
 
     return decorate
 
 
-def ref_is_valid(ref: Any) -> bool:
-    """A cached reference is usable only if its folder's manifest still verifies (files may have been deleted)."""
+def ref_is_valid(ref: Any, version: str | None = None) -> bool:
+    """A cached reference is usable only if its folder's manifest still verifies (files may have been deleted) and,
+    given `version`, was written by that version of the stage's code: folders that are not named by key (a round's
+    selection/, a score shard) are rewritten in place by newer code, and a cached ref of older code (after checking
+    out an older revision) would otherwise hand on the newer outputs under the older key."""
     if not isinstance(ref, dict) or "dir" not in ref:
         return True
     try:
-        read_manifest(Path(ref["dir"]))
+        m = read_manifest(Path(ref["dir"]))
     except ArtifactError:
         return False
-    return True
+    return version is None or m.stage_version == version
 
 
 def run_stage(stage_fn: Any, **params: Any) -> Any:
-    """Call a stage task; if its cached result points at outputs that no longer verify, run it again."""
+    """Call a stage task; if its cached result points at outputs that no longer verify (or that another version of
+    the stage's code wrote since), run it again."""
     ref = stage_fn(**params)
-    if not ref_is_valid(ref):
+    if not ref_is_valid(ref, getattr(stage_fn, "stage_version", None)):
         ref = stage_fn.with_options(refresh_cache=True)(**params)
     return ref

@@ -22,6 +22,7 @@ import albumentations as A
 import cv2
 import numpy as np
 
+from pipeline.codeversion import stage_version
 from pipeline.config import AugmentConfig, ImageAugmentConfig, TextAugmentConfig
 from pipeline.errors import DataError
 from pipeline.preprocess import decode_prepared, encode_png
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STAGE = "augment"
-AUGMENT_VERSION = "1"
+AUGMENT_VERSION = stage_version("1", "pipeline.augment")
 # Where a system WordNet lives when it is not in an nltk_data folder (Debian/Ubuntu: apt-get install wordnet-base).
 WORDNET_DIRS = (Path("/usr/share/wordnet"),)
 WORDNET_HELP = (

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from pipeline.codeversion import stage_version
 from pipeline.config import EmbeddingsConfig, ModelConfig, PoolEncoderConfig, ProjectConfig, SelectConfig
 from pipeline.errors import ArtifactError, ConfigError, DataError
 from pipeline.preprocess import decode_prepared
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 STAGE = "embeddings"
 # Bump when the vectors change for the same inputs and config.
-EMBEDDINGS_VERSION = "1"
+EMBEDDINGS_VERSION = stage_version("1", "pipeline.embeddings")
 EMBEDDINGS_FILE = "embeddings.npy"
 IDS_FILE = "ids.json"
 CHUNK = 256  # rows decoded at a time: prepared images can be large, so the pool is never decoded all at once

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline.codeversion import stage_version
 from pipeline.errors import DataError
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -118,7 +119,7 @@ def evaluate_model(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequ
     }
 
 
-EVAL_VERSION = "1"
+EVAL_VERSION = stage_version("1", "pipeline.evaluate")
 
 
 def evaluate_stage(artifacts: str, prepared: dict, adapter: dict, model: dict, answers: list[str] | None,

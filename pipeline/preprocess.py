@@ -22,6 +22,7 @@ import cv2
 import numpy as np
 from PIL import Image, ImageOps
 
+from pipeline.codeversion import stage_version
 from pipeline.config import ModelConfig, PreprocessConfig
 from pipeline.data.images import ImageRejected, open_image
 from pipeline.errors import ArtifactError, ConfigError, DataError
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 STAGE = "preprocess"
 # Bump when prepared pixels change for the same inputs (Prefect cannot see edits in pipeline/).
-PREPROCESS_VERSION = "1"
+PREPROCESS_VERSION = stage_version("1", "pipeline.preprocess")
 
 # Longest side per model family when preprocess.size is not set: a multiple of the family's patch grid, so its
 # processor neither stretches nor crops. Idefics3/SmolVLM: SigLIP 512-px tiles; Qwen2(.5)-VL: 14-px patches merged

@@ -19,6 +19,7 @@ import cv2
 import faiss
 import numpy as np
 
+from pipeline.codeversion import stage_version
 from pipeline.config import QualityConfig
 from pipeline.errors import ArtifactError, DataError
 from pipeline.preprocess import decode_prepared
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STAGE = "quality"
-QUALITY_VERSION = "1"
+QUALITY_VERSION = stage_version("1", "pipeline.quality")
 FLAGS = ("blurry", "exact_duplicate", "near_duplicate", "low_information")
 TABLE = "quality.jsonl"
 

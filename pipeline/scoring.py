@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from pipeline.codeversion import stage_version
 from pipeline.store import (
     Manifest,
     atomic_write_bytes,
@@ -39,7 +40,7 @@ from pipeline.store import (
 )
 
 log = logging.getLogger(__name__)
-SCORE_VERSION = "1"
+SCORE_VERSION = stage_version("1", "pipeline.scoring")
 
 
 @dataclass

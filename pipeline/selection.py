@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.codeversion import stage_version
 from pipeline.config import SelectConfig
 from pipeline.errors import SelectionError
 from pipeline.store import atomic_write_jsonl, digest_file, digest_json, read_jsonl, write_manifest
 from pipeline.strategies import get_heuristic, get_selector, select_batch
 from pipeline.strategies.schedule import Phase, choose_phase, newest_label_accuracy
 
-SELECT_VERSION = "3"
+SELECT_VERSION = stage_version("3", "pipeline.selection")
 UNCERTAINTY_FILE = "uncertainty.json"
 OUTLIERS_FILE = "outliers.jsonl"
 SELECTION_FILE = "selection.jsonl"
@@ -217,7 +218,9 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
         previous = [read_jsonl(f) for d in history_dirs if (f := Path(d) / "selection" / SELECTION_FILE).is_file()]
         phase = round_phase(cfg.select, labels=labels, n_classes=len(cfg.data.answers) if cfg.data.answers else None,
                             previous_selections=previous).as_dict()
+    # The candidates travel as a file: their digest is what keys the stage on them (a cold start has no score refs).
     params = dict(artifacts=str(cfg.artifacts), select=cfg.section("select"), answers=cfg.data.answers,
+                  candidates_digest=digest_json(candidates),
                   exclude_digest=digest_json(exclude_rows), exclude_path=str(exclude_path),
                   labeled_path=str(labeled_path), pool_path=str(pool_path),
                   history=uncertainty_history(list(history_dirs)), cold_start=adapter is None, phase=phase,
@@ -227,7 +230,7 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
 
 
 def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[str, Any], answers: list[str] | None,
-                 exclude_digest: str, exclude_path: str, labeled_path: str, pool_path: str,
+                 candidates_digest: str, exclude_digest: str, exclude_path: str, labeled_path: str, pool_path: str,
                  history: list[dict[str, str]], cold_start: bool, phase: dict[str, str] | None,
                  space: dict[str, Any] | None, adapter_digest: str | None, seed: int, out_dir: str) -> dict[str, Any]:
     """The select stage: the round's batch from its scores (and selection space) into `out_dir`."""
@@ -256,6 +259,7 @@ def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[
     atomic_write_jsonl(out / SELECTION_FILE, [{**r, "adapter_digest": adapter_digest} for r in result.rows])
     m = write_manifest(out, stage="select", stage_version=SELECT_VERSION,
                        inputs={"scores": digest_json([r["digest"] for r in shard_refs]), "exclude": exclude_digest,
+                               "candidates": candidates_digest,
                                "labeled": digest_json(labeled), "space": (space or {}).get("digest", "model"),
                                "history": digest_json([h["digest"] for h in history])},
                        config={**select, "phase": phase}, outputs=outputs, info={**result.info, "phase": phase})

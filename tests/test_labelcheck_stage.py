@@ -11,6 +11,11 @@ Those literals held through the move. Issues 25 and 26 then added fields on purp
 check is keyed on (model.end_token, model.train, model.liger, train.optimizer, train.activation_offload), so each
 key moved once: the literals were recomputed from the plan at that merge (5197e7d). Move them again only with a
 change that means to recompute label checks, and say so in its message.
+
+Issue 24 made the version code-aware (`"1+<digest of the labelcheck package's code closure>"`, which moves with every
+code edit), so the literals now pin the parameters' digest, the part of the key that held them at 5197e7d (the
+key's tail then, the same hex); the key is checked to be stage, version and that digest, and the version to be the
+hand-kept marker "1" plus the closure digest, recomputed independently from the files in tests/test_code_keys.py.
 """
 
 from pathlib import Path
@@ -19,8 +24,10 @@ import pytest
 
 import flows.labelcheck
 from flows.stages import stage_cache_key
+from pipeline.codeversion import code_digest
 from pipeline.config import ProjectConfig
 from pipeline.labelcheck import LABELCHECK_VERSION, plan_label_check, plan_relabel
+from pipeline.store import digest_json
 
 DIGITS = [str(d) for d in range(10)]
 LABELED = {"dir": "art/rounds/002/labeled", "dataset": "art/rounds/002/labeled/dataset", "digest": "d" * 64}
@@ -45,37 +52,37 @@ RELABEL_CASES = {"relabel": {}, "relabel-open": {"data": {"answers": None}}}
 TRAINED_IDS = '{"sample_id": "s0"}\n{"sample_id": "s1"}\n{"sample_id": "s2"}\n'
 EXPECTED = {
     "kfold-model": {
-        "key": "labelcheck-1-0563eda5a8010832b34a3e1c0ead3397dd17c0498e638dcc1ccbdb793d27f32e",
+        "params": "0563eda5a8010832b34a3e1c0ead3397dd17c0498e638dcc1ccbdb793d27f32e",
         "oos_dir": "art/labelcheck/oos/6e3413c202fe313f",
         "out_dir": "art/labelcheck/3dee06ad82fc1aeb",
         "trained_ids_path": None
     },
     "kfold-pixels-space": {
-        "key": "labelcheck-1-9b5042aec38da655d30b3668ceceb1792e9ab5b2954ca0f3d6630fee2af20d41",
+        "params": "9b5042aec38da655d30b3668ceceb1792e9ab5b2954ca0f3d6630fee2af20d41",
         "oos_dir": "art/labelcheck/oos/6e3413c202fe313f",
         "out_dir": "art/labelcheck/94e151d084866f03",
         "trained_ids_path": None
     },
     "kfold-pixels-no-prepared": {
-        "key": "labelcheck-1-097791cd5b61746abe0754115d9b4a4d103a5e79751a5e7643391c085b6d4312",
+        "params": "097791cd5b61746abe0754115d9b4a4d103a5e79751a5e7643391c085b6d4312",
         "oos_dir": "art/labelcheck/oos/6e3413c202fe313f",
         "out_dir": "art/labelcheck/96c7706b4597663f",
         "trained_ids_path": None
     },
     "kfold-pixels-knn0": {
-        "key": "labelcheck-1-6de6e899d911364cc3789892f5b682b5c3608fd428d46ba69d5259400faae9f0",
+        "params": "6de6e899d911364cc3789892f5b682b5c3608fd428d46ba69d5259400faae9f0",
         "oos_dir": "art/labelcheck/oos/6e3413c202fe313f",
         "out_dir": "art/labelcheck/c7ba863cb05ea956",
         "trained_ids_path": None
     },
     "heldout-pixels": {
-        "key": "labelcheck-1-2cdff5467da460922a682f6a3869dc34da174f47f9e415e32b23faadbd6b881c",
+        "params": "2cdff5467da460922a682f6a3869dc34da174f47f9e415e32b23faadbd6b881c",
         "oos_dir": "art/labelcheck/oos/43a3a3d7057a1109",
         "out_dir": "art/labelcheck/064d4464885d7187",
         "trained_ids_path": "art/rounds/002/labelcheck_trained_ids.jsonl"
     },
     "open-kfold-pixels": {
-        "key": "labelcheck-1-845132fe959c378f22a9cd803f006ed94f7820fd2b368978a690ef7c322abadb",
+        "params": "845132fe959c378f22a9cd803f006ed94f7820fd2b368978a690ef7c322abadb",
         "oos_dir": "art/labelcheck/oos/ea48a950fc33a2a2",
         "out_dir": "art/labelcheck/a041e657ab98f241",
         "trained_ids_path": None
@@ -84,7 +91,7 @@ EXPECTED = {
     "heldout-first": None,
     "heldout-no-adapter": None,
     "relabel": {
-        "key": "relabel-1-fa3648af0cc63b7d29bbfd5ddb77e970f66fdcc0bd79fbd16b10772cade77d31",
+        "params": "fa3648af0cc63b7d29bbfd5ddb77e970f66fdcc0bd79fbd16b10772cade77d31",
         "out_dir": "art/rounds/003/relabel",
         "already_queued": [
             "s4",
@@ -92,7 +99,7 @@ EXPECTED = {
         ]
     },
     "relabel-open": {
-        "key": "relabel-1-3cccca5803bc0ce197b89c989e0cb9b0b9da52602929e12297894d5d8737a3c2",
+        "params": "3cccca5803bc0ce197b89c989e0cb9b0b9da52602929e12297894d5d8737a3c2",
         "out_dir": "art/rounds/003/relabel",
         "already_queued": [
             "s4",
@@ -148,11 +155,17 @@ def _plan(cfg: ProjectConfig, previous, prepared, calls: list) -> dict | None:
 def _seen(stage: str, params: dict | None) -> dict | None:
     if params is None:
         return None
+    # The key is the stage, its version and these parameters' digest, and nothing else.
+    assert stage_cache_key(stage, LABELCHECK_VERSION, params) == f"{stage}-{LABELCHECK_VERSION}-{digest_json(params)}"
     if stage == "relabel":
-        return {"key": stage_cache_key(stage, LABELCHECK_VERSION, params), "out_dir": params["out_dir"],
-                "already_queued": params["already_queued"]}
-    return {"key": stage_cache_key(stage, LABELCHECK_VERSION, params), "oos_dir": params["oos_dir"],
-            "out_dir": params["out_dir"], "trained_ids_path": params["trained_ids_path"]}
+        return {"params": digest_json(params), "out_dir": params["out_dir"], "already_queued": params["already_queued"]}
+    return {"params": digest_json(params), "oos_dir": params["oos_dir"], "out_dir": params["out_dir"],
+            "trained_ids_path": params["trained_ids_path"]}
+
+
+def test_the_version_in_every_label_check_key_is_the_marker_and_the_package_code():
+    # Both label-check stages (and the fold scores) version the whole package: a change to any part reruns them.
+    assert LABELCHECK_VERSION == f"1+{code_digest('pipeline.labelcheck')}"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -212,10 +225,11 @@ def test_the_tasks_take_exactly_the_planned_parameters(art):
 def test_fold_scores_keep_their_manifest_config(over, digest):
     """Inside the task, fold scores under oos_dir are reused when their manifest's config matches: it must not move
     either (digests computed from main's `_score_config(cfg, answers)`, for the same configs; recomputed with the
-    keys above when issues 25 and 26 added model and train fields)."""
+    keys above when issues 25 and 26 added model and train fields). Its version field is the code-aware version
+    since issue 24 (it moves with the package's code); the digests hold with the marker "1" it had then."""
     from pipeline.labelcheck.out_of_sample import _score_config
-    from pipeline.store import digest_json
 
     cfg = _cfg(**over)
     config = _score_config(cfg.model, cfg.train, cfg.select, cfg.labelcheck, cfg.seed, list(cfg.data.answers))
-    assert digest_json(config) == digest
+    assert config["labelcheck_version"] == LABELCHECK_VERSION
+    assert digest_json({**config, "labelcheck_version": "1"}) == digest

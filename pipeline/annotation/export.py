@@ -20,13 +20,14 @@ from typing import Any, ClassVar
 
 from PIL import Image
 
+from pipeline.codeversion import stage_version
 from pipeline.config import ProjectConfig
 from pipeline.errors import TamisError
 from pipeline.store import Manifest, atomic_dir, atomic_write_text, digest_bytes, digest_json, write_manifest
 
 log = logging.getLogger(__name__)
 
-EXPORT_VERSION = "1"
+EXPORT_VERSION = stage_version("1", "pipeline.annotation.export")
 TASKS_FILE = "label_studio_tasks.json"
 LABEL_CONFIG_FILE = "label_config.xml"
 CSV_FILE = "annotate.csv"

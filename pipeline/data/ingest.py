@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.codeversion import stage_version
 from pipeline.config import DataConfig, ProjectConfig, StageConfig
 from pipeline.data.images import ImageRejected, open_image
 from pipeline.data.readers import READERS, RawRow, Rejected
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 STAGE = "ingest"
 # Bump when the library's ingestion output changes for the same inputs (Prefect cannot see edits in pipeline/).
-INGEST_VERSION = "2"  # 2: the external_id column, warnings.jsonl
+INGEST_VERSION = stage_version("2", "pipeline.data.ingest")  # 2: the external_id column, warnings.jsonl
 _BATCH = 256
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from pipeline.codeversion import stage_version
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError, ModelError
 from pipeline.model.distributed import Comm, Rank, init_rank, launch, launched_rank, shard
@@ -46,7 +47,7 @@ from pipeline.store import (
 )
 
 log = logging.getLogger(__name__)
-TRAIN_VERSION = "1"
+TRAIN_VERSION = stage_version("1", "pipeline.model.train_stage")
 KEEP_CHECKPOINTS = 2
 LOW_UTILISATION = 70.0
 
@@ -358,7 +359,7 @@ def _fingerprint(cfg: ProjectConfig, rows_digest: str, init_digest: str) -> str:
     for k in ("checkpoint_every", "batch_size", "gradient_checkpointing", "num_processes"):
         train.pop(k, None)
     return digest_json({"rows": rows_digest, "model": cfg.section("model"), "train": train, "seed": cfg.seed,
-                        "init": init_digest})
+                        "init": init_digest, "version": TRAIN_VERSION})  # another code's checkpoints: start over
 
 
 def train_adapter(

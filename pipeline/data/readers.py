@@ -189,32 +189,81 @@ class FolderReader(Reader):
 
     def rows(self, source: SourceConfig, cfg: DataConfig, files: FileIndex | None = None) -> Iterator[Item]:
         root = _require_source(source, folder=True)
+        real_root = root.resolve()
         ext = source.sidecar_ext.lower()
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            here = Path(dirpath)
-            for d in list(dirnames):
-                if (here / d).is_symlink():
-                    dirnames.remove(d)
-                    yield Rejected(str(here / d), "symlinked folder is not followed; copy its images into "
-                                   f"{root} instead", str(here / d))
-            names = sorted(f for f in filenames if not f.startswith("."))
-            for name in names:
-                p = here / name
-                if ext and p.suffix.lower() == ext:
+        question = source.question or cfg.question
+        for here, rel_dir, dirs, entries in _scan(root, ()):
+            for d in dirs:
+                if d.is_symlink():
+                    yield Rejected(str(here / d.name), "symlinked folder is not followed; copy its images into "
+                                   f"{root} instead", str(here / d.name))
+            names = {e.name for e in entries}
+            real_here, here_s = real_root.joinpath(*rel_dir), str(here)
+            answer = rel_dir[0] if rel_dir else None
+            for entry in entries:
+                name = entry.name
+                stem, suffix = os.path.splitext(name)
+                if ext and suffix.lower() == ext:
                     continue
-                rel = p.relative_to(root)
-                answer = rel.parts[0] if len(rel.parts) > 1 else None
-                row = read_image_file(str(rel), root, cfg, str(p), files)
-                question = source.question or cfg.question
-                sidecar = p.with_suffix(source.sidecar_ext) if ext else None
-                if isinstance(row, RawRow) and sidecar is not None and sidecar.is_file():
+                where = os.path.join(here_s, name)
+                row = _folder_file(entry, real_here, cfg, where, files)
+                if row is None:  # a symlink or no regular file: the full checks and their messages
+                    row = read_image_file(os.path.join(*rel_dir, name), root, cfg, where, files)
+                q = question
+                # Path objects only where a sidecar may exist: building them per file is a good part of a walk's cost.
+                sidecar = here / name if ext and (stem + source.sidecar_ext in names or
+                                                  name + source.sidecar_ext in names) else None
+                sidecar = sidecar.with_suffix(source.sidecar_ext) if sidecar is not None else None
+                if isinstance(row, RawRow) and sidecar is not None and sidecar.name in names and sidecar.is_file():
                     try:
-                        question = _text(sidecar.read_text(encoding="utf-8-sig")) or question
+                        q = _text(sidecar.read_text(encoding="utf-8-sig")) or question
                     except (UnicodeDecodeError, OSError) as exc:
-                        yield Rejected(str(p), f"sidecar {sidecar} unreadable ({exc}); save it as UTF-8 text", str(p))
+                        yield Rejected(where, f"sidecar {sidecar} unreadable ({exc}); save it as UTF-8 text", where)
                         continue
-                yield _with_text(row, question, answer, source.default_split)
+                yield _with_text(row, q, answer, source.default_split)
+
+
+def _scan(here: Path, rel: tuple[str, ...]) -> Iterator[tuple[Path, tuple[str, ...], list[os.DirEntry],
+                                                                list[os.DirEntry]]]:
+    """os.walk's top-down order (a folder's files, then its sub-folders, names sorted, hidden ones skipped) with the
+    DirEntry objects kept: their cached type and stat spare the per-file path resolution and extra stats, which is
+    most of what an unchanged pool costs. Symlinked folders are listed, never entered."""
+    with os.scandir(here) as it:
+        found = [e for e in it if not e.name.startswith(".")]
+    dirs, entries = [], []
+    for e in found:
+        try:
+            (dirs if e.is_dir() else entries).append(e)
+        except OSError:
+            entries.append(e)
+    dirs.sort(key=lambda e: e.name)
+    entries.sort(key=lambda e: e.name)
+    yield here, rel, dirs, entries
+    for d in dirs:
+        if not d.is_symlink():
+            yield from _scan(here / d.name, (*rel, d.name))
+
+
+def _folder_file(entry: os.DirEntry, real_here: Path, cfg: DataConfig, source: str,
+                 files: FileIndex | None) -> RawRow | Rejected | None:
+    """A plain regular file met by the folder walk: inside the root by construction (no symlink on the way), so it
+    needs no resolution; None for anything else (read_image_file then checks it)."""
+    try:
+        if entry.is_symlink():
+            return None
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    resolved = os.path.join(real_here, entry.name)
+    try:
+        if files is not None:
+            return RawRow(b"", resolved, "", None, None, source, digest=files.digest(resolved, st))
+        with open(resolved, "rb") as f:
+            return RawRow(f.read(), resolved, "", None, None, source)
+    except OSError as exc:
+        return Rejected(source, f"cannot read {source}: {exc.strerror}; check its permissions", source)
 
 
 class JsonlReader(Reader):

@@ -233,3 +233,39 @@ def test_index_digest_is_the_sha256_of_the_file(tmp_path, verify):
     p = tmp_path / "x.bin"
     p.write_bytes(b"abc" * 1000)
     assert FileIndex(None, verify).digest(str(p)) == digest_bytes(p.read_bytes())
+
+
+def test_adding_files_prepares_only_the_new_shard_and_gives_the_rows_of_a_whole_run(tmp_path):
+    from pipeline import preprocess as prep
+    from pipeline.data.ingest import ingest_dir, ingest_key_config, ingest_stage
+    pool = tmp_path / "pool"
+    write_pool(pool, range(30))
+    cfg = parse_config({"data": {"sources": [{"kind": "folder", "path": str(pool)}],
+                                 "answers": [str(d) for d in range(10)]},
+                        "preprocess": {"size": 16, "pad": "square"}, "paths": {"artifacts": str(tmp_path / "art")}})
+
+    def prepare():
+        key = source_digest(cfg.data, cfg.artifacts)
+        data_config = ingest_key_config(cfg.section("data"))
+        ref = ingest_stage(str(cfg.artifacts), key, data_config, str(ingest_dir(cfg.artifacts, key, data_config)))
+        params = prep.preprocess_params(cfg.artifacts, ref, cfg.preprocess, cfg.model, cfg.data.max_image_pixels)
+        return ref, prep.preprocess_stage(**params)
+
+    def shard_runs(ref):
+        return [s["dir"] for s in json.loads((Path(ref["dir"]) / "shards.json").read_text()) if s["prepared"]]
+
+    _, first = prepare()
+    assert len(shard_runs(first)) == 1 and first["info"]["rows"] == 30
+    write_pool(pool, range(30, 42))
+    ref, second = prepare()
+    assert shard_runs(second) not in ([], shard_runs(first))  # the old shard was re-used, only the new one prepared
+    assert second["info"]["shards"] == 2 and second["info"]["shards_prepared"] == 1
+    stamp = (Path(second["dir"]) / "manifest.json").stat().st_mtime_ns
+    assert prepare()[1] == second  # nothing new: the verified stage folder is re-used, nothing written
+    assert (Path(second["dir"]) / "manifest.json").stat().st_mtime_ns == stamp
+
+    # The same rows, in the same order, as preparing the whole ingested dataset at once.
+    whole = prep.preprocess_dataset(load_ingested(ref["dir"]), cfg.preprocess, tmp_path / "whole", size=16,
+                                    max_pixels=cfg.data.max_image_pixels)
+    a, b = prep.load_prepared(second["dir"]), prep.load_prepared(tmp_path / "whole")
+    assert whole.info["rows"] == 42 and a["sample_id"] == b["sample_id"] and a["prepared"] == b["prepared"]

@@ -18,7 +18,7 @@ from pipeline.config import DataConfig, ProjectConfig, SourceConfig, StageConfig
 from pipeline.data.file_index import FileIndex, open_index
 from pipeline.data.images import ImageRejected, open_image
 from pipeline.data.readers import READERS, RawRow, Rejected
-from pipeline.data.shards import Shard, ShardWriter, assemble, reusable_shards, save_lineage
+from pipeline.data.shards import SHARDS_FILE, Shard, ShardWriter, assemble, reusable_shards, save_lineage
 from pipeline.errors import DataError
 from pipeline.schema import INGEST_COLUMNS, SPLITS, sample_id_for
 from pipeline.store import (
@@ -284,7 +284,7 @@ def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> M
     shards = reused + writer.finish(lambda sid: acc.kept[sid]["sources"], columns)
     save_lineage(cfg.artifacts, data, shards)
     assemble(shards, out_dir / "dataset", features, columns)
-    atomic_write_json(out_dir / "shards.json", [s.ref() for s in shards])
+    atomic_write_json(out_dir / SHARDS_FILE, [s.ref() for s in shards])
     atomic_write_jsonl(out_dir / "quarantine.jsonl", acc.quarantine)
     atomic_write_jsonl(out_dir / "duplicates.jsonl", acc.duplicates)
     atomic_write_jsonl(out_dir / "warnings.jsonl", acc.warnings)
@@ -310,7 +310,7 @@ def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> M
         stage_version=INGEST_VERSION,
         inputs={"sources": digest},
         config=ingest_key_config(cfg.section("data")),
-        outputs={"dataset": "dataset", "shards": "shards.json", "quarantine": "quarantine.jsonl",
+        outputs={"dataset": "dataset", "shards": SHARDS_FILE, "quarantine": "quarantine.jsonl",
                  "duplicates": "duplicates.jsonl", "warnings": "warnings.jsonl"},
         info={"counts": counts, "splits": {s: splits.get(s, 0) for s in SPLITS}, "duplicate_conflicts": conflicts,
               "warnings": len(acc.warnings), "rows_read": fresh, "shards": len(shards),

@@ -195,29 +195,54 @@ class ShardWriter:
         return out
 
 
-def assemble(shards: list[Shard], dest: Path, features: datasets.Features, columns: list[str]) -> None:
-    """`dest` = one saved dataset whose data files are hard links to the shards' Arrow files, in shard order (a copy
-    where the filesystem has no hard links). `datasets.load_from_disk(dest)` reads the concatenation."""
-    import datasets
-
+def link_datasets(parts: list[tuple[str, Path]], dest: Path, empty: Callable[[Path], None]) -> None:
+    """`dest` = one saved dataset whose data files are hard links to the Arrow files of the saved datasets in
+    `parts` ((tag, folder), in order; a copy where the filesystem has no hard links). `datasets.load_from_disk(dest)`
+    reads their concatenation; no row is copied. `empty(tmp)` writes the dataset when `parts` is empty."""
     with atomic_dir(dest) as tmp:
-        files = []
-        for i, shard in enumerate(s for s in shards if s.rows):
-            src = shard.folder / "dataset"
+        files, state = [], None
+        for i, (tag, src) in enumerate(parts):
             state = json.loads((src / "state.json").read_text(encoding="utf-8"))
             for f in state["_data_files"]:
-                name = f"{i:05d}-{shard.key[:16]}-{f['filename']}"
+                name = f"{i:05d}-{tag}-{f['filename']}"
                 try:
                     os.link(src / f["filename"], tmp / name)
                 except OSError:
                     shutil.copyfile(src / f["filename"], tmp / name)
                 files.append({"filename": name})
-        if not files:
-            datasets.Dataset.from_dict({c: [] for c in columns}, features=features).select_columns(
-                columns).save_to_disk(str(tmp), num_shards=1)
+        if state is None:
+            empty(tmp)
             return
-        first = next(s for s in shards if s.rows).folder / "dataset"
-        shutil.copyfile(first / "dataset_info.json", tmp / "dataset_info.json")
+        shutil.copyfile(parts[0][1] / "dataset_info.json", tmp / "dataset_info.json")
         state["_data_files"] = files
-        state["_fingerprint"] = digest_json([s.key for s in shards])[:16]
+        state["_fingerprint"] = digest_json([tag for tag, _ in parts])[:16]
         (tmp / "state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+
+
+def assemble(shards: list[Shard], dest: Path, features: datasets.Features, columns: list[str]) -> None:
+    """The ingested dataset at `dest`: the non-empty shards' rows, in shard order, linked (see link_datasets)."""
+    import datasets
+
+    def empty(tmp: Path) -> None:
+        # An empty dataset otherwise saves as zero files, which load_from_disk cannot read back.
+        datasets.Dataset.from_dict({c: [] for c in columns}, features=features).select_columns(
+            columns).save_to_disk(str(tmp), num_shards=1)
+
+    link_datasets([(s.key[:16], s.folder / "dataset") for s in shards if s.rows], dest, empty)
+
+
+SHARDS_FILE = "shards.json"  # beside an ingested dataset: the shards it is the concatenation of
+
+
+def dataset_shards(dataset: str | os.PathLike[str]) -> list[tuple[str, Path, str]] | None:
+    """(shard key, dataset folder, content digest) of each shard an ingested `dataset` folder concatenates, in order;
+    None for a dataset that is not made of shards (ingested by an older tamis, or any other saved dataset)."""
+    listing = Path(dataset).parent / SHARDS_FILE
+    if Path(dataset).name != "dataset" or not listing.is_file():
+        return None
+    out = []
+    for ref in json.loads(listing.read_text(encoding="utf-8")):
+        folder = Path(ref["dir"])
+        m = read_manifest(folder, verify=False)  # verified when the ingest that lists it ran or was re-used
+        out.append((ref["key"], folder / m.outputs["dataset"].path, m.outputs["dataset"].digest))
+    return out

@@ -180,7 +180,14 @@ def test_a_deleted_file_leaves_the_pool_and_its_shard_is_rebuilt_from_the_rest(t
     m = ingest(cfg, tmp_path / "out2")
     assert m.info["shards_reused"] == 0 and m.info["rows_read"] == 11
     assert m.info["counts"]["ingested"] == 11
-    assert gone_id not in load_ingested(tmp_path / "out2")["sample_id"]
+    ds = load_ingested(tmp_path / "out2")
+    assert gone_id not in ds["sample_id"]
+    # A label the ledger holds for the deleted sample stays there, but no round trains on it any more.
+    from pipeline.rounds import PoolData, round_labels
+
+    kept_id = ds["sample_id"][0]
+    labels = round_labels(PoolData.of(ds), {gone_id: "4", kept_id: "9"})
+    assert gone_id not in labels and labels[kept_id] == "9"
     # Its index entry is dropped with it.
     index = json.loads((cfg.artifacts / "ingest" / "file_index.json").read_text())["entries"]
     assert str(gone.resolve()) not in index and len(index) == 11

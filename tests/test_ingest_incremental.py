@@ -276,3 +276,21 @@ def test_adding_files_prepares_only_the_new_shard_and_gives_the_rows_of_a_whole_
                                     max_pixels=cfg.data.max_image_pixels)
     a, b = prep.load_prepared(second["dir"]), prep.load_prepared(tmp_path / "whole")
     assert whole.info["rows"] == 42 and a["sample_id"] == b["sample_id"] and a["prepared"] == b["prepared"]
+
+
+def test_a_saved_dataset_source_adds_rows_incrementally(tmp_path):
+    import datasets
+
+    def save(n):
+        datasets.Dataset.from_dict({"image": [digit_png(i) for i in range(n)],
+                                    "answer": [str(DIGITS.target[i]) for i in range(n)]}).save_to_disk(
+            str(tmp_path / "hf"))
+
+    save(8)
+    cfg = project(tmp_path, sources=[{"kind": "hf", "path": str(tmp_path / "hf")}])
+    first = ingest(cfg, tmp_path / "out1")
+    save(11)  # rewritten with three more rows: the first eight keep their descriptions
+    m = ingest(cfg, tmp_path / "out2")
+    assert first.info["rows_read"] == 8 and m.info["rows_read"] == 3 and m.info["shards_reused"] == 1
+    ds = load_ingested(tmp_path / "out2")
+    assert ds["image"] == [digit_png(i) for i in range(11)]

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import albumentations as A
 import cv2
 import numpy as np
 from PIL import Image, ImageOps
@@ -194,6 +193,10 @@ class ImagePreparer:
     """Encoded bytes → prepared RGB array and the content box (x, y, w, h) inside it (the rest is padding)."""
 
     def __init__(self, cfg: PreprocessConfig, *, size: int, max_pixels: int):
+        # Imported here: albumentations pulls in torch (~10 s on a loaded 2-core machine), which a round whose stages
+        # all come from the cache never needs (flows import this module for load_prepared and the stage wrappers).
+        import albumentations as A
+
         self.size, self.max_pixels, self.background = size, max_pixels, tuple(cfg.background)
         # Shrinking ≥ 2×: area averaging (antialiased). Shrinking < 2× (what is left after a reduced JPEG decode):
         # bilinear weights already reach every source pixel, so it matches area within rounding at a quarter of

@@ -363,7 +363,8 @@ def _preprocess_shards(artifacts: str | os.PathLike[str], dataset: str, shards: 
         sm = reuse_or_compute(shard_out, key, compute)
         rows += sm.info["rows"]
         quarantine += read_jsonl(shard_out / "quarantine.jsonl")
-        listing.append({"dir": str(shard_out), "rows": sm.info["rows"], "prepared": shard_out.name in ran})
+        listing.append({"key": sm.key, "dir": str(shard_out), "rows": sm.info["rows"],
+                        "prepared": shard_out.name in ran})
         if sm.info["rows"]:
             parts.append((shard_out.name, shard_out / sm.outputs["dataset"].path))
     log.info("preprocess: %d of %d shards prepared, %d re-used", len(ran), len(shards), len(shards) - len(ran))

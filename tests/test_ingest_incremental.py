@@ -242,7 +242,7 @@ def test_index_digest_is_the_sha256_of_the_file(tmp_path, verify):
     assert FileIndex(None, verify).digest(str(p)) == digest_bytes(p.read_bytes())
 
 
-def test_adding_files_prepares_only_the_new_shard_and_gives_the_rows_of_a_whole_run(tmp_path):
+def test_adding_files_prepares_and_assesses_only_the_new_shard_as_a_whole_run_would(tmp_path):
     from pipeline import preprocess as prep
     from pipeline.data.ingest import ingest_dir, ingest_key_config, ingest_stage
     pool = tmp_path / "pool"
@@ -276,6 +276,19 @@ def test_adding_files_prepares_only_the_new_shard_and_gives_the_rows_of_a_whole_
                                     max_pixels=cfg.data.max_image_pixels)
     a, b = prep.load_prepared(second["dir"]), prep.load_prepared(tmp_path / "whole")
     assert whole.info["rows"] == 42 and a["sample_id"] == b["sample_id"] and a["prepared"] == b["prepared"]
+
+    # Quality: features only for the new shard, flags over all rows (duplicates of old rows found), as a whole run.
+    from pipeline import quality as qual
+
+    def assess(prepared):
+        return qual.quality_stage(**qual.quality_params(cfg.artifacts, prepared, cfg.quality))
+
+    assess(first)
+    q = assess(second)
+    assert q["info"]["shards"] == 2 and q["info"]["shards_computed"] == 1
+    qual.assess_quality(b, cfg.quality, tmp_path / "whole-quality")
+    assert qual.load_quality(q["dir"]) == qual.load_quality(tmp_path / "whole-quality")
+    assert any("near_duplicate" in r["flags"] for r in qual.load_quality(q["dir"])[30:])  # new rows vs old ones
 
 
 def test_a_saved_dataset_source_adds_rows_incrementally(tmp_path):

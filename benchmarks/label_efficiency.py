@@ -128,7 +128,7 @@ def prepare_data(cfg: ProjectConfig, bench: Bench) -> Data:
     import datasets
 
     from pipeline import quality as qual
-    from pipeline.data.ingest import INGEST_VERSION, ingest, load_ingested, source_digest
+    from pipeline.data.ingest import INGEST_VERSION, ingest, ingest_key_config, load_ingested, source_digest
     from pipeline.preprocess import PREPROCESS_VERSION, load_prepared, preprocess_dataset, resolve_size
 
     src = cfg.data.sources[0]
@@ -138,9 +138,10 @@ def prepare_data(cfg: ProjectConfig, bench: Bench) -> Data:
         log.info("building the digits demo data set in %s", src.path.parent)
         write_digits(src.path.parent, open_answers=not cfg.data.answers)
     art = cfg.artifacts
-    sd = source_digest(cfg.data)
+    sd = source_digest(cfg.data, art)
     ing = art / "ingest" / sd[:16]
-    m = find_valid_manifest(ing, stage_key("ingest", INGEST_VERSION, {"sources": sd}, cfg.section("data")))
+    m = find_valid_manifest(ing, stage_key("ingest", INGEST_VERSION, {"sources": sd},
+                                           ingest_key_config(cfg.section("data"))))
     m = m or ingest(cfg, ing, digest=sd)
     size = resolve_size(cfg.preprocess, cfg.model)
     pconf = {**cfg.section("preprocess"), "size": size, "max_pixels": cfg.data.max_image_pixels}

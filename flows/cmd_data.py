@@ -17,7 +17,8 @@ def ingest_cmd(config: ConfigOpt = None) -> None:
     from pipeline.data.ingest import source_digest
 
     # Reading the sources first reports an unreadable source as a plain user error, before Prefect starts.
-    digest = source_digest(load(config).data)
+    cfg = load(config)
+    digest = source_digest(cfg.data, cfg.artifacts)
     from flows.ingest import ingest_flow
 
     ref = ingest_flow(str(config) if config else None, digest)

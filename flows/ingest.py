@@ -8,7 +8,15 @@ from prefect import flow
 
 from flows.stages import run_stage, stage_task
 from pipeline.config import ProjectConfig, load_config
-from pipeline.data.ingest import INGEST_VERSION, STAGE, ingest_dir, ingest_stage, record_latest, source_digest
+from pipeline.data.ingest import (
+    INGEST_VERSION,
+    STAGE,
+    ingest_dir,
+    ingest_key_config,
+    ingest_stage,
+    record_latest,
+    source_digest,
+)
 
 
 @stage_task(STAGE, INGEST_VERSION)
@@ -19,10 +27,10 @@ def ingest_task(artifacts: str, source_digest: str, data_config: dict[str, Any],
 def ingest_ref(cfg: ProjectConfig, digest: str | None = None) -> dict[str, Any]:
     """Run (or reuse) ingestion for `cfg`; call it from inside a flow. Returns {"dir", "digest", "counts"}.
 
-    `digest` is `source_digest(cfg.data)` if the caller computed it already (it reads every source image).
+    `digest` is `source_digest(cfg.data, cfg.artifacts)` if the caller computed it already.
     """
-    digest = digest or source_digest(cfg.data)
-    data_config = cfg.section("data")
+    digest = digest or source_digest(cfg.data, cfg.artifacts)
+    data_config = ingest_key_config(cfg.section("data"))
     ref = run_stage(ingest_task, artifacts=str(cfg.artifacts), source_digest=digest, data_config=data_config,
                     out_dir=str(ingest_dir(cfg.artifacts, digest, data_config)))
     record_latest(cfg.artifacts, ref)

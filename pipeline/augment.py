@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import albumentations as A
 import cv2
 import numpy as np
 
@@ -39,6 +38,7 @@ from pipeline.store import (
 )
 
 if TYPE_CHECKING:
+    import albumentations as A
     import datasets
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,10 @@ WORDNET_HELP = (
 
 # --------------------------------------------------------------------------------------------------- image
 def build_image_pipeline(cfg: ImageAugmentConfig, seed: int) -> A.Compose:
+    # Imported here: albumentations pulls in torch (~10 s on a loaded 2-core machine), which a round whose stages all
+    # come from the cache never needs.
+    import albumentations as A
+
     """Photometric + small geometric changes that keep the label true (no crops that could cut the object out)."""
     blur_max = cfg.blur_limit if cfg.blur_limit % 2 else cfg.blur_limit + 1  # Gaussian kernels are odd
     return A.Compose(

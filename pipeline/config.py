@@ -61,6 +61,11 @@ class DataConfig(Section):
     allowed_roots: list[Path] = Field(default_factory=list)
     # Simulated annotator: a JSONL of held-back answers (sample_id / image → answer).
     ground_truth: Path | None = None
+    verify: Literal["stat", "content"] = Field(
+        default="stat",
+        description="How ingest learns which image files changed: 'stat' trusts a file's size, mtime and inode as "
+        "recorded in artifacts/ingest/file_index.json (one stat per unchanged file); 'content' re-reads every file, "
+        "for filesystems whose mtimes cannot be trusted. Both give the same cache key.")
 
     @field_validator("answers")
     @classmethod

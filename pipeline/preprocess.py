@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import albumentations as A
 import cv2
 import numpy as np
 from PIL import Image, ImageOps
@@ -25,6 +24,7 @@ from PIL import Image, ImageOps
 from pipeline.codeversion import stage_version
 from pipeline.config import ModelConfig, PreprocessConfig
 from pipeline.data.images import ImageRejected, open_image
+from pipeline.data.shards import dataset_shards, link_datasets
 from pipeline.errors import ArtifactError, ConfigError, DataError
 from pipeline.store import (
     Manifest,
@@ -32,6 +32,7 @@ from pipeline.store import (
     atomic_write_json,
     atomic_write_jsonl,
     load_stage_dataset,
+    read_jsonl,
     reuse_or_compute,
     stage_dataset,
     stage_key,
@@ -193,6 +194,10 @@ class ImagePreparer:
     """Encoded bytes → prepared RGB array and the content box (x, y, w, h) inside it (the rest is padding)."""
 
     def __init__(self, cfg: PreprocessConfig, *, size: int, max_pixels: int):
+        # Imported here: albumentations pulls in torch (~10 s on a loaded 2-core machine), which a round whose stages
+        # all come from the cache never needs (flows import this module for load_prepared and the stage wrappers).
+        import albumentations as A
+
         self.size, self.max_pixels, self.background = size, max_pixels, tuple(cfg.background)
         # Shrinking ≥ 2×: area averaging (antialiased). Shrinking < 2× (what is left after a reduced JPEG decode):
         # bilinear weights already reach every source pixel, so it matches area within rounding at a quarter of
@@ -321,10 +326,65 @@ def preprocess_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_di
     inputs = {"dataset": dataset_digest}
     key = stage_key(STAGE, PREPROCESS_VERSION, inputs, {**preprocess, "size": size, "max_pixels": max_pixels})
     out = Path(artifacts) / "prepare" / key[:16]
-    m = reuse_or_compute(out, key, lambda: preprocess_dataset(
-        datasets.load_from_disk(dataset), PreprocessConfig(**preprocess), out, size=size, max_pixels=max_pixels,
-        inputs=inputs))
+    shards = dataset_shards(dataset)
+    if shards is None:  # a dataset not made of ingest shards: prepared whole
+        m = reuse_or_compute(out, key, lambda: preprocess_dataset(
+            datasets.load_from_disk(dataset), PreprocessConfig(**preprocess), out, size=size, max_pixels=max_pixels,
+            inputs=inputs))
+    else:
+        m = reuse_or_compute(out, key, lambda: _preprocess_shards(
+            artifacts, dataset, shards, PreprocessConfig(**preprocess), out, size=size, max_pixels=max_pixels,
+            inputs=inputs))
     return stage_ref(out, m, "dataset")
+
+
+def _preprocess_shards(artifacts: str | os.PathLike[str], dataset: str, shards: list[tuple[str, Path, str]],
+                       cfg: PreprocessConfig, out_dir: Path, *, size: int, max_pixels: int,
+                       inputs: Mapping[str, str]) -> Manifest:
+    """Prepare an ingested dataset shard by shard: each shard's prepared rows are keyed by that shard's content (and
+    the settings), so adding images to a pool prepares only the new shards (`shards.json` in the stage folder says
+    which were prepared and which re-used). The stage's dataset links the prepared shards in the ingest's order
+    (pipeline/data/shards.py), so it holds the rows a whole-dataset run gives, in the same order."""
+    import datasets
+
+    config = {**cfg.model_dump(mode="json"), "size": size, "max_pixels": max_pixels}
+    parts, quarantine, rows, ran, listing = [], [], 0, [], []
+    for _, folder, digest in shards:
+        shard_inputs = {"dataset": digest}
+        # preprocess_dataset's manifest is keyed as the stage's; the shard differs only in where it lives.
+        key = stage_key(STAGE, PREPROCESS_VERSION, shard_inputs, config)
+        shard_out = Path(artifacts) / "prepare" / "shards" / key[:16]
+
+        def compute(folder: Path = folder, shard_out: Path = shard_out,
+                    shard_inputs: dict[str, str] = shard_inputs) -> Manifest:
+            ran.append(shard_out.name)
+            return preprocess_dataset(datasets.load_from_disk(str(folder)), cfg, shard_out, size=size,
+                                      max_pixels=max_pixels, inputs=shard_inputs)
+
+        sm = reuse_or_compute(shard_out, key, compute)
+        rows += sm.info["rows"]
+        quarantine += read_jsonl(shard_out / "quarantine.jsonl")
+        listing.append({"key": sm.key, "dir": str(shard_out), "rows": sm.info["rows"],
+                        "prepared": shard_out.name in ran})
+        if sm.info["rows"]:
+            parts.append((shard_out.name, shard_out / sm.outputs["dataset"].path))
+    log.info("preprocess: %d of %d shards prepared, %d re-used", len(ran), len(shards), len(shards) - len(ran))
+
+    def empty(tmp: Path) -> None:
+        feats = prepared_features(datasets.load_from_disk(dataset).features)
+        datasets.Dataset.from_dict({c: [] for c in feats}, features=feats).remove_columns("prep_error").save_to_disk(
+            str(tmp), num_shards=1)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    link_datasets(parts, out_dir / "dataset", empty)
+    atomic_write_jsonl(out_dir / "quarantine.jsonl", quarantine)
+    atomic_write_json(out_dir / "shards.json", listing)
+    return write_manifest(
+        out_dir, stage=STAGE, stage_version=PREPROCESS_VERSION, inputs=inputs, config=config,
+        outputs={"dataset": "dataset", "quarantine": "quarantine.jsonl", "shards": "shards.json"},
+        info={"rows": rows, "quarantined": len(quarantine), "size": size, "shards": len(shards),
+              "shards_prepared": len(ran)},
+    )
 
 
 LATEST = "latest.json"  # artifacts/prepare/latest.json: the refs of the last prepare run

@@ -21,6 +21,7 @@ import numpy as np
 
 from pipeline.codeversion import stage_version
 from pipeline.config import QualityConfig
+from pipeline.data.shards import dataset_shards
 from pipeline.errors import ArtifactError, DataError
 from pipeline.preprocess import decode_prepared
 from pipeline.store import (
@@ -153,20 +154,66 @@ def assess_quality(
     missing = {"sample_id", "prepared", "question"} - set(ds.column_names)
     if missing:
         raise DataError(f"dataset lacks column(s) {sorted(missing)}; pass the prepared dataset (run preprocess first)")
+    return _write_table(_features(ds, batch_size), cfg, Path(out_dir), inputs)
+
+
+def _features(ds: datasets.Dataset, batch_size: int = 256) -> list[dict[str, Any]]:
     cols = ["sample_id", "question", "prepared"] + (["prep_box"] if "prep_box" in ds.column_names else [])
     rows = []
     for batch in ds.select_columns(cols).iter(batch_size=batch_size):
         for k, sid in enumerate(batch["sample_id"]):
             feats = image_features(batch["prepared"][k], batch["prep_box"][k] if "prep_box" in batch else None)
             rows.append({"sample_id": sid, "question": batch["question"][k], **feats})
+    return rows
+
+
+def _write_table(rows: list[dict[str, Any]], cfg: QualityConfig, out_dir: Path,
+                 inputs: Mapping[str, str] | None, extra: Mapping[str, Any] | None = None) -> Manifest:
     table = flag_rows(rows, cfg)
-    out_dir = Path(out_dir)
     atomic_write_jsonl(out_dir / TABLE, table)
     counts = Counter(f for r in table for f in r["flags"])
     info = {"rows": len(table), "excluded": sum(r["excluded"] for r in table), "counts": {f: counts[f] for f in FLAGS}}
     log.info("quality: %s", info)
     return write_manifest(out_dir, stage=STAGE, stage_version=QUALITY_VERSION, inputs=inputs or {},
-                          config=cfg.model_dump(mode="json"), outputs={"table": TABLE}, info=info)
+                          config=cfg.model_dump(mode="json"), outputs={"table": TABLE}, info={**info, **(extra or {})})
+
+
+FEATURES_STAGE = "quality-features"
+FEATURES = "features.jsonl"
+
+
+def _shard_features(artifacts: str | os.PathLike[str], folder: Path, digest: str,
+                    done: list[str]) -> list[dict[str, Any]]:
+    """A prepared shard's per-image features (blur, pixel std, dHash, pixel digest), keyed by the shard's content:
+    what costs a decode per image. Flags compare rows across the whole dataset and are recomputed from these."""
+    import datasets
+
+    inputs = {"dataset": digest}
+    key = stage_key(FEATURES_STAGE, QUALITY_VERSION, inputs, {})
+    out = Path(artifacts) / "quality" / "features" / key[:16]
+
+    def compute() -> Manifest:
+        done.append(out.name)
+        rows = _features(datasets.load_from_disk(str(folder)))
+        atomic_write_jsonl(out / FEATURES, [{**r, "dhash": r["dhash"].tobytes().hex()} for r in rows])
+        return write_manifest(out, stage=FEATURES_STAGE, stage_version=QUALITY_VERSION, inputs=inputs, config={},
+                              outputs={"features": FEATURES}, info={"rows": len(rows)})
+
+    reuse_or_compute(out, key, compute)
+    # JSON keeps floats exactly (shortest repr), so the flags equal those of a whole-dataset run.
+    return [{**r, "dhash": np.frombuffer(bytes.fromhex(r["dhash"]), np.uint8)} for r in read_jsonl(out / FEATURES)]
+
+
+def _assess_shards(artifacts: str | os.PathLike[str], shards: list[tuple[str, Path, str]], cfg: QualityConfig,
+                   out_dir: Path, inputs: Mapping[str, str]) -> Manifest:
+    """Quality for a prepared dataset made of shards: features per shard (only new shards decode their images), then
+    the flags over every row in dataset order, so near and exact duplicates of a new image are found among all the
+    rows already there, and the table equals a whole-dataset run's."""
+    done: list[str] = []
+    rows = [r for _, folder, digest in shards for r in _shard_features(artifacts, folder, digest, done)]
+    log.info("quality: features of %d of %d shards computed, %d re-used", len(done), len(shards),
+             len(shards) - len(done))
+    return _write_table(rows, cfg, out_dir, inputs, {"shards": len(shards), "shards_computed": len(done)})
 
 
 def load_quality(quality_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -217,8 +264,13 @@ def quality_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_diges
     inputs = {"dataset": dataset_digest}
     key = stage_key(STAGE, QUALITY_VERSION, inputs, quality)
     out = Path(artifacts) / "quality" / key[:16]
-    m = reuse_or_compute(out, key, lambda: assess_quality(datasets.load_from_disk(dataset), QualityConfig(**quality),
-                                                          out, inputs=inputs))
+    shards = dataset_shards(dataset)
+    if shards is None:
+        m = reuse_or_compute(out, key, lambda: assess_quality(datasets.load_from_disk(dataset),
+                                                              QualityConfig(**quality), out, inputs=inputs))
+    else:
+        m = reuse_or_compute(out, key, lambda: _assess_shards(artifacts, shards, QualityConfig(**quality), out,
+                                                              inputs))
     return stage_ref(out, m, "table")
 
 

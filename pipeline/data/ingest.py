@@ -10,21 +10,23 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.codeversion import stage_version
-from pipeline.config import DataConfig, ProjectConfig, StageConfig
+from pipeline.config import DataConfig, ProjectConfig, SourceConfig, StageConfig
+from pipeline.data.file_index import FileIndex, open_index
 from pipeline.data.images import ImageRejected, open_image
 from pipeline.data.readers import READERS, RawRow, Rejected
+from pipeline.data.shards import SHARDS_FILE, Shard, ShardWriter, assemble, reusable_shards, save_lineage
 from pipeline.errors import DataError
 from pipeline.schema import INGEST_COLUMNS, SPLITS, sample_id_for
 from pipeline.store import (
     Manifest,
-    atomic_dir,
+    atomic_write_json,
     atomic_write_jsonl,
     canonical_json,
-    digest_bytes,
     digest_json,
     digest_path,
     load_stage_dataset,
@@ -41,7 +43,6 @@ log = logging.getLogger(__name__)
 STAGE = "ingest"
 # Bump when the library's ingestion output changes for the same inputs (Prefect cannot see edits in pipeline/).
 INGEST_VERSION = stage_version("2", "pipeline.data.ingest")  # 2: the external_id column, warnings.jsonl
-_BATCH = 256
 
 
 def ingest_features() -> datasets.Features:
@@ -55,26 +56,59 @@ def ingest_features() -> datasets.Features:
     })
 
 
-def source_digest(cfg: DataConfig) -> str:
+def ingest_key_config(data_config: dict[str, Any]) -> dict[str, Any]:
+    """The `data` section as the ingest stage is keyed on it: `verify` only says how changes are found (both modes
+    give the same digests), so it is left out and switching it re-uses every output."""
+    return {k: v for k, v in data_config.items() if k != "verify"}
+
+
+def _row_key(item: RawRow | Rejected) -> list[Any]:
+    if isinstance(item, RawRow):
+        return [item.source, item.image_path, item.image_digest, item.question, item.answer, item.split,
+                item.external_id]
+    return [item.source, item.path, item.reason]
+
+
+def _walk(cfg: DataConfig, files: FileIndex) -> list[tuple[SourceConfig, list[RawRow | Rejected]]]:
+    """Every source's rows located through `files`: image files are stat'ed (read only when new or changed), so the
+    rows carry digests, not bytes. Bytes a source holds itself (saved datasets) are dropped once digested."""
+    parts = []
+    for src in cfg.sources:
+        items = []
+        for item in READERS[src.kind]().rows(src, cfg, files):
+            if isinstance(item, RawRow) and item.image:
+                item = replace(item, image=b"", digest=item.image_digest)
+            items.append(item)
+        parts.append((src, items))
+    return parts
+
+
+def _digest_parts(parts: list[tuple[SourceConfig, list[RawRow | Rejected]]]) -> str:
+    out = []
+    for src, items in parts:
+        # Manifests are small and always read; a folder or saved dataset is fully covered by its rows' content.
+        file = digest_path(src.path) if src.kind in ("jsonl", "csv", "label_studio") else None
+        out.append({"kind": src.kind, "path": str(src.path), "file": file,
+                    "rows": sorted((_row_key(i) for i in items), key=canonical_json)})
+    return digest_json(out)
+
+
+def source_digest(cfg: DataConfig, artifacts: str | os.PathLike[str] | None = None) -> str:
     """Content digest of every source file and every image (and text) its rows reference: the ingest cache input.
 
-    It reads every source, so a source that cannot be read at all fails here, before any flow starts.
+    With `artifacts`, image digests come from the project's file index (artifacts/ingest/file_index.json): under
+    `data.verify: stat` an unchanged file costs a stat, not a read; `content` re-reads every file. The digest is the
+    same either way (and the same as without an index, which reads everything). A source that cannot be read at all
+    fails here, before any flow starts.
     """
     if not cfg.sources:
         raise DataError("data.sources is empty; add at least one source (kind + path) to the config")
-    parts = []
-    for src in cfg.sources:
-        rows = []
-        for item in READERS[src.kind]().rows(src, cfg):
-            if isinstance(item, RawRow):
-                rows.append([item.source, item.image_path, digest_bytes(item.image), item.question, item.answer,
-                             item.split, item.external_id])
-            else:
-                rows.append([item.source, item.path, item.reason])
-        # Manifests are small; a folder or saved dataset is fully covered by its rows' content.
-        file = digest_path(src.path) if src.kind in ("jsonl", "csv", "label_studio") else None
-        parts.append({"kind": src.kind, "path": str(src.path), "file": file, "rows": sorted(rows, key=canonical_json)})
-    return digest_json(parts)
+    files = open_index(artifacts, cfg.verify)
+    parts = _walk(cfg, files)
+    files.save()
+    log.info("ingest: %d image files looked up, %d read (new, changed or verify=%s), %d answered by the file index",
+             files.hits + files.reads, files.reads, cfg.verify, files.hits)
+    return _digest_parts(parts)
 
 
 class _Accounting:
@@ -143,61 +177,115 @@ def _dedupe(rec: dict[str, Any], acc: _Accounting) -> bool:
     return False
 
 
-def _read_all(cfg: DataConfig, acc: _Accounting, arrow_path: Path) -> None:
-    import pyarrow as pa
+def _desc(item: RawRow) -> str:
+    """A row's identity for shard records: everything the source says about it, with the image as its digest."""
+    return digest_json(_row_key(item))[:32]
 
-    schema = ingest_features().arrow_schema
-    batch: list[dict[str, Any]] = []
-    with pa.OSFile(str(arrow_path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        def flush() -> None:
-            if batch:
-                writer.write_batch(pa.RecordBatch.from_pylist(batch, schema=schema))
-                batch.clear()
 
-        for src in cfg.sources:
-            log.info("ingest: reading %s source %s", src.kind, src.path)
+def _embedded_bytes(cfg: DataConfig, parts: list[tuple[SourceConfig, list[RawRow | Rejected]]],
+                    needed: set[str]) -> dict[str, bytes]:
+    """Image bytes held inside a source (saved datasets), for the rows in `needed` (by location) only."""
+    out: dict[str, bytes] = {}
+    for src, items in parts:
+        if any(isinstance(i, RawRow) and i.source in needed for i in items):
             for item in READERS[src.kind]().rows(src, cfg):
-                acc.read += 1
-                if isinstance(item, Rejected):
-                    acc.reject(item.source, item.reason, item.path)
-                else:
-                    rec = _validate(item, cfg, acc)
-                    if rec is not None and item.note:
-                        acc.warnings.append({"source": item.source, "path": item.image_path, "warning": item.note})
-                    if rec is not None and _dedupe(rec, acc):
-                        batch.append({**rec, "sources": []})  # filled in at the end, once all duplicates are known
-                        if len(batch) >= _BATCH:
-                            flush()
-                if acc.read % 1000 == 0:
-                    log.info("ingest: %d rows read, %d kept, %d quarantined", acc.read, len(acc.kept),
-                             len(acc.quarantine))
-        flush()
+                if isinstance(item, RawRow) and item.source in needed and not item.image_path:
+                    out[item.source] = item.image
+    return out
+
+
+def _read_new(item: RawRow, embedded: dict[str, bytes]) -> RawRow | Rejected:
+    """The row with its image bytes, for validation; the walk only stat'ed the file."""
+    if not item.image_path:
+        return replace(item, image=embedded[item.source], digest=None)
+    try:
+        data = Path(item.image_path).read_bytes()
+    except OSError as exc:
+        return Rejected(item.source, f"cannot read {item.image_path}: {exc.strerror}; fix the file and ingest again",
+                        item.image_path)
+    return replace(item, image=data, digest=None)
+
+
+def _judge(cfg: DataConfig, parts: list[tuple[SourceConfig, list[RawRow | Rejected]]], acc: _Accounting,
+           reused: list[Shard], writer: ShardWriter) -> int:
+    """Account for every row read, in source order; rows no re-used shard knows are read, validated, de-duplicated
+    (against everything kept so far, re-used rows first: the first ingested wins) and written to new shards.
+    Returns how many rows were read from disk."""
+    known: dict[str, dict[str, Any]] = {}
+    for shard in reused:
+        for r in shard.records:
+            known[r["desc"]] = r
+            if r["outcome"] == "kept":
+                acc.kept[r["sample_id"]] = {**r["kept"], "sources": []}
+    reused_ids = set(acc.kept)
+    new = [i for _, items in parts for i in items if isinstance(i, RawRow) and _desc(i) not in known]
+    embedded = _embedded_bytes(cfg, parts, {i.source for i in new if not i.image_path})
+    fresh = 0
+    for _, items in parts:
+        for item in items:
+            acc.read += 1
+            if isinstance(item, Rejected):
+                acc.reject(item.source, item.reason, item.path)
+                continue
+            desc = _desc(item)
+            r = known.get(desc)
+            if r is not None and (r["outcome"] == "quarantined" or r["sample_id"] in reused_ids):
+                if r["outcome"] == "quarantined":
+                    acc.quarantine.append(r["entry"])
+                elif r["outcome"] == "duplicate":
+                    acc.duplicates.append(r["entry"])
+                if r["outcome"] != "quarantined" and item.note:
+                    acc.warnings.append({"source": item.source, "path": item.image_path, "warning": item.note})
+                continue
+            fresh += 1
+            full = _read_new(item, embedded)
+            if isinstance(full, Rejected):  # vanished or unreadable since the walk: not judged, not recorded
+                acc.reject(full.source, full.reason, full.path)
+                continue
+            before = len(acc.quarantine)
+            rec = _validate(full, cfg, acc)
+            if rec is None:
+                writer.record(desc, "quarantined", entry=acc.quarantine[before])
+                continue
+            if item.note:
+                acc.warnings.append({"source": item.source, "path": item.image_path, "warning": item.note})
+            if _dedupe(rec, acc):
+                writer.keep(desc, rec, {k: rec[k] for k in ("source", "answer", "split")})
+            else:
+                writer.record(desc, "duplicate", sample_id=rec["sample_id"], entry=acc.duplicates[-1])
+            if fresh % 1000 == 0:
+                log.info("ingest: %d new rows read, %d kept in all, %d quarantined", fresh, len(acc.kept),
+                         len(acc.quarantine))
+    return fresh
 
 
 def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> Manifest:
-    """Read every source of `cfg.data` into `out_dir` (dataset/, quarantine.jsonl, duplicates.jsonl, manifest.json).
+    """Read every source of `cfg.data` into `out_dir` (dataset/, shards.json, quarantine.jsonl, duplicates.jsonl,
+    warnings.jsonl, manifest.json).
 
-    `digest` is `source_digest(cfg.data)` when the caller already computed it (the flow does, for its cache key).
+    Rows already ingested by the previous run (same answer set and pixel guard) come from its shards without being
+    read; only new or changed rows are read, validated and written to new shards (pipeline/data/shards.py). `digest`
+    is `source_digest(cfg.data, artifacts)` when the caller already computed it (the flow does, for its cache key).
     """
-    import datasets
-
     data = cfg.data
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    digest = digest or source_digest(data)
+    files = open_index(cfg.artifacts, data.verify)
+    if not data.sources:
+        raise DataError("data.sources is empty; add at least one source (kind + path) to the config")
+    parts = _walk(data, files)
+    files.save()
+    digest = digest or _digest_parts(parts)
+    present = {_desc(i) for _, items in parts for i in items if isinstance(i, RawRow)}
+    reused = reusable_shards(cfg.artifacts, data, present)
     acc = _Accounting()
-    arrow_path = out_dir / f".rows-{os.getpid()}.arrow"
-    try:
-        _read_all(data, acc, arrow_path)
-        with atomic_dir(out_dir / "dataset") as tmp:
-            ds = datasets.Dataset.from_file(str(arrow_path))
-            sources = [acc.kept[sid]["sources"] for sid in ds["sample_id"]]
-            ds = ds.remove_columns("sources").add_column("sources", sources, feature=ingest_features()["sources"])
-            # An empty dataset otherwise saves as zero shards, which load_from_disk cannot read back.
-            ds.select_columns(list(INGEST_COLUMNS)).save_to_disk(str(tmp), num_shards=None if len(ds) else 1)
-            del ds
-    finally:
-        arrow_path.unlink(missing_ok=True)
+    features, columns = ingest_features(), list(INGEST_COLUMNS)
+    writer = ShardWriter(cfg.artifacts, data, features, out_dir, reused)
+    fresh = _judge(data, parts, acc, reused, writer)
+    shards = reused + writer.finish(lambda sid: acc.kept[sid]["sources"], columns)
+    save_lineage(cfg.artifacts, data, shards)
+    assemble(shards, out_dir / "dataset", features, columns)
+    atomic_write_json(out_dir / SHARDS_FILE, [s.ref() for s in shards])
     atomic_write_jsonl(out_dir / "quarantine.jsonl", acc.quarantine)
     atomic_write_jsonl(out_dir / "duplicates.jsonl", acc.duplicates)
     atomic_write_jsonl(out_dir / "warnings.jsonl", acc.warnings)
@@ -215,17 +303,19 @@ def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> M
                     out_dir / "quarantine.jsonl")
     if not counts["ingested"]:
         log.warning("ingest: no usable rows in %d read; later stages have nothing to work on", counts["read"])
-    log.info("ingest: %s", counts)
+    log.info("ingest: %s; %d rows read from disk, %d shards re-used, %d new", counts, fresh, len(reused),
+             len(shards) - len(reused))
     return write_manifest(
         out_dir,
         stage=STAGE,
         stage_version=INGEST_VERSION,
         inputs={"sources": digest},
-        config=cfg.section("data"),
-        outputs={"dataset": "dataset", "quarantine": "quarantine.jsonl", "duplicates": "duplicates.jsonl",
-                 "warnings": "warnings.jsonl"},
+        config=ingest_key_config(cfg.section("data")),
+        outputs={"dataset": "dataset", "shards": SHARDS_FILE, "quarantine": "quarantine.jsonl",
+                 "duplicates": "duplicates.jsonl", "warnings": "warnings.jsonl"},
         info={"counts": counts, "splits": {s: splits.get(s, 0) for s in SPLITS}, "duplicate_conflicts": conflicts,
-              "warnings": len(acc.warnings)},
+              "warnings": len(acc.warnings), "rows_read": fresh, "shards": len(shards),
+              "shards_reused": len(reused)},
     )
 
 
@@ -235,16 +325,20 @@ def load_ingested(folder: str | os.PathLike[str]) -> datasets.Dataset:
 
 
 def ingest_dir(artifacts: str | os.PathLike[str], digest: str, data_config: dict[str, Any]) -> Path:
-    key = stage_key(STAGE, INGEST_VERSION, {"sources": digest}, data_config)
+    key = stage_key(STAGE, INGEST_VERSION, {"sources": digest}, ingest_key_config(data_config))
     return Path(artifacts) / STAGE / key[:16]
 
 
 def ingest_stage(artifacts: str | os.PathLike[str], source_digest: str, data_config: dict[str, Any],
                  out_dir: str) -> dict[str, Any]:
     """The ingest stage: the sources of `data_config` ingested into `out_dir` (or the verified folder already
-    there). Returns {"dir", "digest", "counts"}."""
+    there). Returns {"dir", "digest", "counts"}.
+
+    `data_config` may leave out `verify`: the caller computed `source_digest` (with the configured mode) just before,
+    which refreshed the file index, so the body's own walk trusts it (stat)."""
+    data_config = ingest_key_config(data_config)
     key = stage_key(STAGE, INGEST_VERSION, {"sources": source_digest}, data_config)
-    cfg = StageConfig({"data": data_config}, artifacts=artifacts)
+    cfg = StageConfig({"data": {**data_config, "verify": "stat"}}, artifacts=artifacts)
     m = reuse_or_compute(out_dir, key, lambda: ingest(cfg, Path(out_dir), digest=source_digest))
     return {"dir": str(out_dir), "digest": m.key, "counts": m.info["counts"]}
 

@@ -3,6 +3,10 @@
 A reader only locates and reads bytes; decoding, IDs, splits and de-duplication happen once, in `ingest`.
 Image paths in a manifest are relative to the manifest's folder and must stay inside it (or inside
 `data.allowed_roots`): a path that escapes is rejected before anything is read from it.
+
+Given a `FileIndex` (`files=`), a reader locates image files without reading them: each row carries the file's
+content digest from the index (one `stat` per unchanged file) and empty `image` bytes. Manifests, sidecars and saved
+datasets are still read: they are small, or hold the bytes themselves.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
 from pipeline.config import DataConfig, SourceConfig
+from pipeline.data.file_index import FileIndex
 from pipeline.errors import DataError
+from pipeline.store import digest_bytes
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,12 @@ class RawRow:
     source: str  # "<file>:<line>" (manifests), "<file>:<row>" (datasets, exports) or the image file (folders)
     external_id: str | None = None  # the source's own ID of the row (its `id_column`), kept for importing labels
     note: str | None = None  # something a person should know about the row that did not stop it (a warning)
+    # sha256 of the image file, from a FileIndex, when the bytes were not read (`image` is then b""); see image_digest
+    digest: str | None = None
+
+    @property
+    def image_digest(self) -> str:
+        return self.digest if self.digest is not None else digest_bytes(self.image)
 
 
 @dataclass(frozen=True)
@@ -76,10 +88,12 @@ def _inside(path: Path, roots: list[Path]) -> bool:
     return any(path.is_relative_to(r) for r in roots)
 
 
-def read_image_file(ref: str, base: Path, cfg: DataConfig, source: str) -> RawRow | Rejected:
+def read_image_file(ref: str, base: Path, cfg: DataConfig, source: str,
+                    files: FileIndex | None = None) -> RawRow | Rejected:
     """Resolve `ref` against `base`, refuse escapes, read the bytes; every failure is a Rejected a person can act on.
 
-    The returned RawRow carries only image, image_path and source; callers fill in the text fields.
+    The returned RawRow carries only image, image_path and source (and digest); callers fill in the text fields.
+    With `files`, the bytes are not read: the row carries the file's digest from the index instead.
     """
     if "\x00" in ref:  # the OS refuses such a path with ValueError, which is no reason a person can act on
         return Rejected(source, f"image path {ref!r} contains a NUL byte; fix the path in the source")
@@ -109,6 +123,12 @@ def read_image_file(ref: str, base: Path, cfg: DataConfig, source: str) -> RawRo
                         str(candidate))
     if not stat.S_ISREG(st.st_mode):
         return Rejected(source, f"{candidate} is not a regular file (device, pipe or socket)", str(candidate))
+    if files is not None:
+        try:
+            return RawRow(b"", str(resolved), "", None, None, source, digest=files.digest(resolved, st))
+        except OSError as exc:
+            return Rejected(source, f"cannot read {candidate}: {exc.strerror}; check its permissions",
+                            str(candidate))
     try:
         data = resolved.read_bytes()
     except OSError as exc:
@@ -120,7 +140,7 @@ def _with_text(row: RawRow | Rejected, question: str, answer: str | None, split:
                external_id: str | None = None, note: str | None = None) -> Item:
     if isinstance(row, Rejected):
         return row
-    return RawRow(row.image, row.image_path, question, answer, split, row.source, external_id, note)
+    return RawRow(row.image, row.image_path, question, answer, split, row.source, external_id, note, row.digest)
 
 
 def _require_source(source: SourceConfig, *, folder: bool) -> Path:
@@ -155,7 +175,8 @@ def _check_columns(source: SourceConfig, found: list[str], where: str) -> None:
 class Reader:
     """Yields one RawRow or Rejected per sample of a source; raises DataError when the whole source is unusable."""
 
-    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+    def rows(self, source: SourceConfig, cfg: DataConfig, files: FileIndex | None = None) -> Iterator[Item]:
+        """`files`: locate image files through this index instead of reading them (see the module docstring)."""
         raise NotImplementedError
 
 
@@ -166,38 +187,87 @@ class FolderReader(Reader):
     Symlinked folders are not followed (loops, escapes); each is reported as one rejected row.
     """
 
-    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+    def rows(self, source: SourceConfig, cfg: DataConfig, files: FileIndex | None = None) -> Iterator[Item]:
         root = _require_source(source, folder=True)
+        real_root = root.resolve()
         ext = source.sidecar_ext.lower()
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            here = Path(dirpath)
-            for d in list(dirnames):
-                if (here / d).is_symlink():
-                    dirnames.remove(d)
-                    yield Rejected(str(here / d), "symlinked folder is not followed; copy its images into "
-                                   f"{root} instead", str(here / d))
-            names = sorted(f for f in filenames if not f.startswith("."))
-            for name in names:
-                p = here / name
-                if ext and p.suffix.lower() == ext:
+        question = source.question or cfg.question
+        for here, rel_dir, dirs, entries in _scan(root, ()):
+            for d in dirs:
+                if d.is_symlink():
+                    yield Rejected(str(here / d.name), "symlinked folder is not followed; copy its images into "
+                                   f"{root} instead", str(here / d.name))
+            names = {e.name for e in entries}
+            real_here, here_s = real_root.joinpath(*rel_dir), str(here)
+            answer = rel_dir[0] if rel_dir else None
+            for entry in entries:
+                name = entry.name
+                stem, suffix = os.path.splitext(name)
+                if ext and suffix.lower() == ext:
                     continue
-                rel = p.relative_to(root)
-                answer = rel.parts[0] if len(rel.parts) > 1 else None
-                row = read_image_file(str(rel), root, cfg, str(p))
-                question = source.question or cfg.question
-                sidecar = p.with_suffix(source.sidecar_ext) if ext else None
-                if isinstance(row, RawRow) and sidecar is not None and sidecar.is_file():
+                where = os.path.join(here_s, name)
+                row = _folder_file(entry, real_here, cfg, where, files)
+                if row is None:  # a symlink or no regular file: the full checks and their messages
+                    row = read_image_file(os.path.join(*rel_dir, name), root, cfg, where, files)
+                q = question
+                # Path objects only where a sidecar may exist: building them per file is a good part of a walk's cost.
+                sidecar = here / name if ext and (stem + source.sidecar_ext in names or
+                                                  name + source.sidecar_ext in names) else None
+                sidecar = sidecar.with_suffix(source.sidecar_ext) if sidecar is not None else None
+                if isinstance(row, RawRow) and sidecar is not None and sidecar.name in names and sidecar.is_file():
                     try:
-                        question = _text(sidecar.read_text(encoding="utf-8-sig")) or question
+                        q = _text(sidecar.read_text(encoding="utf-8-sig")) or question
                     except (UnicodeDecodeError, OSError) as exc:
-                        yield Rejected(str(p), f"sidecar {sidecar} unreadable ({exc}); save it as UTF-8 text", str(p))
+                        yield Rejected(where, f"sidecar {sidecar} unreadable ({exc}); save it as UTF-8 text", where)
                         continue
-                yield _with_text(row, question, answer, source.default_split)
+                yield _with_text(row, q, answer, source.default_split)
+
+
+def _scan(here: Path, rel: tuple[str, ...]) -> Iterator[tuple[Path, tuple[str, ...], list[os.DirEntry],
+                                                                list[os.DirEntry]]]:
+    """os.walk's top-down order (a folder's files, then its sub-folders, names sorted, hidden ones skipped) with the
+    DirEntry objects kept: their cached type and stat spare the per-file path resolution and extra stats, which is
+    most of what an unchanged pool costs. Symlinked folders are listed, never entered."""
+    with os.scandir(here) as it:
+        found = [e for e in it if not e.name.startswith(".")]
+    dirs, entries = [], []
+    for e in found:
+        try:
+            (dirs if e.is_dir() else entries).append(e)
+        except OSError:
+            entries.append(e)
+    dirs.sort(key=lambda e: e.name)
+    entries.sort(key=lambda e: e.name)
+    yield here, rel, dirs, entries
+    for d in dirs:
+        if not d.is_symlink():
+            yield from _scan(here / d.name, (*rel, d.name))
+
+
+def _folder_file(entry: os.DirEntry, real_here: Path, cfg: DataConfig, source: str,
+                 files: FileIndex | None) -> RawRow | Rejected | None:
+    """A plain regular file met by the folder walk: inside the root by construction (no symlink on the way), so it
+    needs no resolution; None for anything else (read_image_file then checks it)."""
+    try:
+        if entry.is_symlink():
+            return None
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    resolved = os.path.join(real_here, entry.name)
+    try:
+        if files is not None:
+            return RawRow(b"", resolved, "", None, None, source, digest=files.digest(resolved, st))
+        with open(resolved, "rb") as f:
+            return RawRow(f.read(), resolved, "", None, None, source)
+    except OSError as exc:
+        return Rejected(source, f"cannot read {source}: {exc.strerror}; check its permissions", source)
 
 
 class JsonlReader(Reader):
-    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+    def rows(self, source: SourceConfig, cfg: DataConfig, files: FileIndex | None = None) -> Iterator[Item]:
         path = _require_source(source, folder=False)
         base = path.resolve().parent
         with open(path, "rb") as f:
@@ -217,7 +287,7 @@ class JsonlReader(Reader):
                     yield Rejected(where, f"line is a JSON {type(rec).__name__}, expected an object with "
                                    f"{source.image_column!r}")
                     continue
-                yield _manifest_row(rec, where, base, source, cfg)
+                yield _manifest_row(rec, where, base, source, cfg, files=files)
 
 
 def json_problem(exc: json.JSONDecodeError) -> str:
@@ -226,7 +296,7 @@ def json_problem(exc: json.JSONDecodeError) -> str:
 
 
 def _manifest_row(rec: dict[str, Any], where: str, base: Path, source: SourceConfig, cfg: DataConfig, *,
-                  has_question_column: bool = False) -> Item:
+                  has_question_column: bool = False, files: FileIndex | None = None) -> Item:
     key = source.image_column
     value = rec.get(key)
     if key not in rec:
@@ -239,7 +309,7 @@ def _manifest_row(rec: dict[str, Any], where: str, base: Path, source: SourceCon
         # A number or list is no path a person wrote: reading it as a file name only hides the mistake.
         return Rejected(where, f"field {key!r} holds a {type(value).__name__} ({value!r}), not an image path; give "
                         "the image's path as a string")
-    row = read_image_file(value.strip(), base, cfg, where)
+    row = read_image_file(value.strip(), base, cfg, where, files)
     return _with_text(
         row,
         _question(rec.get(source.question_column), source, cfg),
@@ -253,7 +323,7 @@ def _manifest_row(rec: dict[str, Any], where: str, base: Path, source: SourceCon
 class CsvReader(Reader):
     """CSV with a header row; a BOM and quoted multi-line cells are fine. Locations give the record's first line."""
 
-    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+    def rows(self, source: SourceConfig, cfg: DataConfig, files: FileIndex | None = None) -> Iterator[Item]:
         path = _require_source(source, folder=False)
         data = path.read_bytes()
         try:
@@ -287,7 +357,7 @@ class CsvReader(Reader):
                                    "with commas")
                     continue
                 yield _manifest_row(rec, where, base, source, cfg,
-                                    has_question_column=source.question_column in found)
+                                    has_question_column=source.question_column in found, files=files)
         except csv.Error as exc:
             # The reader cannot resync after a malformed record, so the rest of the file is unreadable.
             raise DataError(f"{path}:{start}: not valid CSV ({exc}); fix the record that starts on that line (an "
@@ -297,7 +367,7 @@ class CsvReader(Reader):
 class HFReader(Reader):
     """A dataset saved with `save_to_disk`; the image column holds bytes, an Image feature or file paths."""
 
-    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+    def rows(self, source: SourceConfig, cfg: DataConfig, files: FileIndex | None = None) -> Iterator[Item]:
         import datasets
 
         path = _require_source(source, folder=True)
@@ -342,7 +412,7 @@ class HFReader(Reader):
             if data:
                 yield RawRow(bytes(data), "", *text[:3], where, *text[3:])
             elif ref:
-                yield _with_text(read_image_file(ref, base, cfg, where), *text)
+                yield _with_text(read_image_file(ref, base, cfg, where, files), *text)
             else:
                 yield Rejected(where, f"column {source.image_column!r} is empty (no bytes and no path)")
 
@@ -350,7 +420,7 @@ class HFReader(Reader):
 class LabelStudioReader(Reader):
     """A Label Studio JSON export: tasks with data.<image key> and data.<text key>, annotations when present."""
 
-    def rows(self, source: SourceConfig, cfg: DataConfig) -> Iterator[Item]:
+    def rows(self, source: SourceConfig, cfg: DataConfig, files: FileIndex | None = None) -> Iterator[Item]:
         path = _require_source(source, folder=False)
         try:
             tasks = json.loads(path.read_text(encoding="utf-8-sig"))
@@ -377,7 +447,7 @@ class LabelStudioReader(Reader):
                                "not fetched offline); export with local files or copy the image next to the export")
                 continue
             yield _with_text(
-                read_image_file(local, base, cfg, where),
+                read_image_file(local, base, cfg, where, files),
                 _question(data.get(source.data_text_key), source, cfg),
                 _annotation_answer(task.get("annotations") or []),
                 _text(data.get(source.split_column)) or source.default_split,

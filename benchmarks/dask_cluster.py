@@ -71,6 +71,15 @@ def slope(ys: list[float]) -> float | None:
     return float(np.polyfit(np.arange(len(ys), dtype=float), np.asarray(ys, dtype=float), 1)[0])
 
 
+def _object_counts() -> dict[str, int]:
+    """Live objects by type in the process this runs in (the scheduler, through run_on_scheduler)."""
+    import gc
+    from collections import Counter
+
+    gc.collect()
+    return dict(Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects()))
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import psutil
 
@@ -108,7 +117,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 procs = [c for w in cluster.workers for c in psutil.Process(w.pid).children(recursive=True)]
                 return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
 
-            rounds, rss0 = [], sched.memory_info().rss / 2**20
+            rounds, rss0, counts = [], sched.memory_info().rss / 2**20, []
             for r in range(args.rounds):
                 cfg = parse_config({
                     "seed": r,  # part of every shard's key: each round scores its whole pool again
@@ -128,6 +137,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 rounds.append({"round": r, "wall_s": round(wall, 2), "shards": shards, "shards_executed": ran,
                                "scheduler_rss_mb": round(sched.memory_info().rss / 2**20, 1),
                                "scheduler_tasks_held": held, "workers_rss_mb": round(workers_rss_mb(), 1)})
+                if args.probe:
+                    counts.append(client.run_on_scheduler(_object_counts))
                 print(rounds[-1], flush=True)
             listening = sorted({ip for socks in cluster.listening().values() for ip, _ in socks})
             # The scheduler unpickles each task it is sent: what that made it import, and so what it must have.
@@ -137,6 +148,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     workers_mb = [x["workers_rss_mb"] for x in rounds]
     tasks_per_round = rounds[0]["shards"] if rounds else 0
     growth = slope(sched_mb[1:])
+    probe = {}
+    if len(counts) >= 2:  # what the scheduler holds more of after the last round than after the first
+        diff = {k: counts[-1].get(k, 0) - counts[0].get(k, 0) for k in counts[-1]}
+        probe = {"scheduler_objects_growth_first_to_last_round": dict(sorted(
+            ((k, v) for k, v in diff.items() if v > 0), key=lambda kv: -kv[1])[:15])}
     return {
         "rounds": len(rounds), "pool": args.pool, "shard_size": args.shard_size, "workers": args.workers,
         "tasks_per_round": tasks_per_round, "tasks_total": sum(x["shards_executed"] for x in rounds),
@@ -153,6 +169,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "every_shard_scored_each_round": all(x["shards_executed"] == x["shards"] for x in rounds),
         "cluster_listens_on": listening,
         "scheduler_imported": imported,
+        **probe,
         "per_round": rounds,
     }
 
@@ -163,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--pool", type=int, default=128)
     p.add_argument("--shard-size", type=int, default=4)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--probe", action="store_true",
+                   help="count the scheduler's live objects by type after each round (gc; slower)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     started = time.time()

@@ -11,6 +11,10 @@ all micro-batches, in one flat buffer. For LoRA that buffer is a few MB; doing i
 DDP's per-backward hooks keeps gradient accumulation, an OOM retry on one rank and non-reentrant activation
 checkpointing free of DDP's no_sync / find_unused_parameters / static-graph caveats, and makes the arithmetic the
 one-process loop's: each rank weighs its micro-batch losses by the step's global answer-token count.
+
+Pool scoring on Dask lives below the training part: the local cluster `select.runner: dask` starts (one pinned worker
+per GPU, or CPU workers), and `process_cluster`, a scheduler and workers as separate `dask` processes on 127.0.0.1,
+which is how the tests and benchmarks stand in for a real cluster.
 """
 
 from __future__ import annotations

@@ -343,6 +343,14 @@ def _stop_group(proc: Any, grace_s: float) -> None:
         pass
 
 
+def _scheduler_address(path: Path) -> str | None:
+    """The address in a scheduler file, or None while it is missing or half-written (Dask writes it in place)."""
+    try:
+        return json.loads(path.read_text())["address"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _dask_command() -> list[str]:
     """The `dask` command of this interpreter's environment, so workers run the same packages as the flow."""
     beside = Path(sys.executable).with_name("dask")
@@ -382,12 +390,11 @@ def process_cluster(folder: str | os.PathLike[str], *, n_workers: int = 2, env: 
         scheduler = start(["scheduler", *loopback, "--port", "0", "--scheduler-file", str(sched_file)],
                           "scheduler.log")
         deadline = time.monotonic() + timeout_s
-        while not sched_file.is_file():
+        while (address := _scheduler_address(sched_file)) is None:
             if scheduler.poll() is not None or time.monotonic() > deadline:
                 raise ModelError(f"dask scheduler did not start within {timeout_s:.0f} s (exit code "
                                  f"{scheduler.poll()}); see {root / 'scheduler.log'}")
             time.sleep(0.1)
-        address = json.loads(sched_file.read_text())["address"]
         workers = [start(["worker", address, *loopback, "--nthreads", "1", "--nworkers", "1",
                           "--name", f"w{i}", "--local-directory", str(root / f"w{i}")],
                          f"worker-{i}.log") for i in range(n_workers)]

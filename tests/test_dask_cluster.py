@@ -78,6 +78,19 @@ def test_an_existing_cluster_is_named_by_a_dask_address():
 
 
 # ------------------------------------------------------------------------------------------- a real cluster
+def test_a_process_cluster_leaves_no_process_behind_when_its_body_raises(tmp_path):
+    """One scheduler and one worker (nanny + worker process), all on loopback, all gone after an error inside."""
+    with pytest.raises(RuntimeError, match="inside"), process_cluster(tmp_path, n_workers=1) as cluster:
+        procs = [psutil.Process(p.pid) for p in (cluster.scheduler, *cluster.workers)]
+        procs += [c for p in list(procs) for c in p.children(recursive=True)]
+        assert len(procs) >= 3  # scheduler, nanny, worker process
+        with cluster.client() as client:
+            workers = list(client.scheduler_info()["workers"])
+        assert len(workers) == 1 and workers[0].startswith("tcp://127.0.0.1:")
+        raise RuntimeError("a failure inside the body")
+    assert not [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
 class KillFirstShard(threading.Thread):
     """SIGKILL the first cluster worker process that starts a score shard, while the shard runs.
 

@@ -20,6 +20,7 @@ from pipeline.config import ProjectConfig
 from pipeline.embeddings import EMBEDDINGS_VERSION, embeddings_params, embeddings_stage
 from pipeline.scoring import (
     SCORE_VERSION,
+    pool_shard_size,
     read_pool_file,
     score_config,
     score_shard,
@@ -79,7 +80,8 @@ def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[st
     """Score the pool in shards with the task runner `select.runner` asks for (also under a deployment's worker)."""
     parts = dict(model=cfg.section("model"), scoring=score_config(cfg), adapter=adapter, prepared=prepared)
     pool_file = write_pool_file(round_dir, pool_ids)
-    shards = shard_params(cfg.artifacts, **parts, pool_ids=sorted(pool_ids), shard_size=cfg.select.shard_size)
+    size = pool_shard_size(len(pool_ids), cfg.select.shard_size, cfg.select.max_tasks)
+    shards = shard_params(cfg.artifacts, **parts, pool_ids=sorted(pool_ids), shard_size=size)
     if (refs := scored_on_disk(shards)) is not None:
         # A subflow of cached tasks would only cost API round trips (about a second per 20 shards).
         log.info("pool scoring: all %d shards already scored (outputs verified); nothing to run", len(refs))
@@ -88,7 +90,7 @@ def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[st
                                                flow_run_name=f"round-{round_dir.name}-score-pool")
     # A plain copy: the subflow's own result, passed on to the select task, would make the Task Runs tab list nothing.
     return detach(runner_flow(artifacts=str(cfg.artifacts), **parts, pool_file=pool_file,
-                              shard_size=cfg.select.shard_size))
+                              shard_size=size))
 
 
 def embeddings_ref(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, Any] | None:

@@ -253,6 +253,9 @@ class ScheduleConfig(Section):
     patience: int = Field(default=1, ge=1)
 
 
+# The protocols a Dask scheduler address can name (distributed.comm's registry).
+DASK_PROTOCOLS = ("tcp", "tls", "ws", "wss", "ucx", "inproc")
+
 Diversity = Literal["top_k", "k_center", "cluster_margin", "stratified", "typiclust", "probcover", "maxherding"]
 
 
@@ -269,10 +272,15 @@ class SelectConfig(Section):
     embeddings: EmbeddingsConfig = Field(default_factory=EmbeddingsConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     shard_size: int = Field(default=256, ge=1)
+    # At most this many score-shard tasks per round: a pool above shard_size × max_tasks gets shards of the next
+    # power of two ≥ pool / max_tasks (a Dask scheduler keeps ~16 KiB per task), smaller pools keep shard_size.
+    max_tasks: int = Field(default=2000, ge=1)
     score_batch_size: int = Field(default=16, ge=1)
     mc_dropout_passes: int = Field(default=0, ge=0)
     length_normalize: bool = True
     runner: Literal["local", "dask"] = "local"
+    # An existing Dask scheduler (tcp://host:port, or tls://… with Dask's distributed.comm.tls.* settings), used
+    # when runner is dask; None starts a local cluster on 127.0.0.1 for the round.
     dask_address: str | None = None
     # The local Dask cluster (no dask_address): on a GPU machine one worker process per visible GPU, each pinned to
     # its device (auto), or this many over the GPUs in turn; on a CPU-only machine this many CPU workers (auto: 2).
@@ -290,6 +298,22 @@ class SelectConfig(Section):
     def _embeddings_shorthand(cls, v: Any) -> Any:
         # `select.embeddings: pool` is short for `select.embeddings: {source: pool}`.
         return {"source": v} if isinstance(v, str) else v
+
+    @field_validator("dask_address")
+    @classmethod
+    def _dask_address(cls, v: str | None) -> str | None:
+        # A bare host:port would reach Dask as tcp://, silently unencrypted where tls:// was meant: name the protocol.
+        if v is not None and v.split("://", 1)[0] not in DASK_PROTOCOLS:
+            raise ValueError(f"dask_address {v!r} names no Dask protocol; write tcp://host:8786 (a scheduler on a "
+                             f"private address) or tls://host:8786 (with distributed.comm.tls.* set)")
+        return v
+
+    @model_validator(mode="after")
+    def _address_needs_dask(self) -> SelectConfig:
+        if self.dask_address and self.runner != "dask":
+            raise ValueError(f"select.dask_address is {self.dask_address!r} but select.runner is {self.runner!r}: "
+                             f"set runner: dask to score on that cluster, or drop dask_address")
+        return self
 
 
 class LabelStudioConfig(Section):

@@ -392,6 +392,18 @@ def concat_scores(parts: Sequence[ScoreResult]) -> ScoreResult:
     )
 
 
+def pool_shard_size(pool_size: int, shard_size: int, max_tasks: int) -> int:
+    """The shard size for a pool of `pool_size`: `shard_size` while the pool fits in `max_tasks` shards of it (so
+    every shard and its cache key stay as they were), else the next power of two ≥ pool / max_tasks.
+
+    A power of two, not the exact quotient, so the size steps only when the pool doubles (a growing pool does not
+    re-shard on every round) and any pool stays within max_tasks: 10⁷ with max_tasks 2000 is 1,221 shards of 8,192."""
+    if pool_size <= shard_size * max_tasks:
+        return shard_size
+    need = -(-pool_size // max_tasks)  # ceil
+    return 1 << (need - 1).bit_length()
+
+
 def plan_shards(sample_ids: Sequence[str], shard_size: int) -> list[list[str]]:
     """Fixed-size shards in sorted-ID order, so the same pool always gives the same shards (and cache keys)."""
     ids = sorted(sample_ids)

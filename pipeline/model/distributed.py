@@ -11,15 +11,27 @@ all micro-batches, in one flat buffer. For LoRA that buffer is a few MB; doing i
 DDP's per-backward hooks keeps gradient accumulation, an OOM retry on one rank and non-reentrant activation
 checkpointing free of DDP's no_sync / find_unused_parameters / static-graph caveats, and makes the arithmetic the
 one-process loop's: each rank weighs its micro-batch losses by the step's global answer-token count.
+
+Pool scoring on Dask lives below the training part: the local cluster `select.runner: dask` starts (one pinned worker
+per GPU, or CPU workers), and `process_cluster`, a scheduler and workers as separate `dask` processes on 127.0.0.1,
+which is how the tests and benchmarks stand in for a real cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import shutil
+import signal
 import socket
-from collections.abc import Callable, Sequence
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -225,8 +237,6 @@ def launch(fn: Callable[..., Any], args: tuple, num_processes: int, *, what: str
 
 
 def _describe(exc: Exception) -> str:
-    import signal
-
     sig = getattr(exc, "signal_name", None) or (
         signal.Signals(-exc.exit_code).name if getattr(exc, "exit_code", 0) and exc.exit_code < 0 else None)
     if sig:
@@ -284,3 +294,114 @@ def dask_runner_options(select: Any, hw: Any) -> dict[str, Any]:
         return {"cluster_class": device_cluster, "cluster_kwargs": {"devices": devices, **local}}
     workers = 2 if select.dask_workers == "auto" else select.dask_workers
     return {"cluster_kwargs": {"n_workers": workers, "threads_per_worker": 1, "processes": True, **local}}
+
+
+# ------------------------------------------------------------------------------ a cluster of separate processes
+@dataclass
+class ProcessCluster:
+    """A Dask scheduler and its workers running as separate `dask` CLI processes on this machine (what a real
+    cluster is, minus the network): `address` for `select.dask_address`, the processes to watch or kill."""
+
+    address: str
+    scheduler: Any  # subprocess.Popen of `dask scheduler`
+    workers: list[Any]  # subprocess.Popen of each `dask worker` (its nanny; the worker process is a child)
+    folder: str
+
+    def client(self, **kwargs: Any) -> Any:
+        from distributed import Client
+
+        return Client(self.address, **kwargs)
+
+    def listening(self) -> dict[str, list[tuple[str, int]]]:
+        """Every (ip, port) each process of the cluster listens on (scheduler, nannies, workers): where it can be
+        reached from."""
+        import psutil
+
+        out = {}
+        for name, p in [("scheduler", self.scheduler), *((f"worker-{i}", w) for i, w in enumerate(self.workers))]:
+            for proc in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]:
+                out[f"{name}:{proc.pid}"] = sorted((c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
+                                                   if c.status == psutil.CONN_LISTEN)
+        return out
+
+
+def _stop_group(proc: Any, grace_s: float) -> None:
+    """End a process started in its own session and everything it spawned (a nanny's worker, its spawned helpers)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            continue
+    # The group leader is gone; a child it left behind in the group still gets the signal.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _scheduler_address(path: Path) -> str | None:
+    """The address in a scheduler file, or None while it is missing or half-written (Dask writes it in place)."""
+    try:
+        return json.loads(path.read_text())["address"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _dask_command() -> list[str]:
+    """The `dask` command of this interpreter's environment, so workers run the same packages as the flow."""
+    beside = Path(sys.executable).with_name("dask")
+    found = str(beside) if beside.is_file() else shutil.which("dask")
+    if found is None:
+        raise ModelError(f"no `dask` command beside {sys.executable} or on PATH; install distributed")
+    return [found]
+
+
+@contextlib.contextmanager
+def process_cluster(folder: str | os.PathLike[str], *, n_workers: int = 2, env: dict[str, str] | None = None,
+                    cwd: str | os.PathLike[str] | None = None, timeout_s: float = 180.0) -> Iterator[ProcessCluster]:
+    """Start `dask scheduler` and `n_workers` `dask worker --nthreads 1` processes, all on 127.0.0.1 with no
+    dashboard, and yield a ProcessCluster once every worker has joined; every process group is ended on exit.
+
+    Each process runs in its own session, so ending its group also ends the worker process its nanny spawned;
+    nothing is left behind, also when the body raises. Processes get `env` on top of this one's environment
+    (PYTHONPATH: where `pipeline` and `flows` import from); logs go to `folder`."""
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    sched_file = root / "scheduler.json"
+    sched_file.unlink(missing_ok=True)
+    base_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    procs: list[subprocess.Popen] = []
+
+    def start(args: list[str], log_name: str) -> subprocess.Popen:
+        with open(root / log_name, "ab") as out:
+            p = subprocess.Popen([*_dask_command(), *args], cwd=cwd, env=base_env, stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(p)
+        return p
+
+    try:
+        # --no-dashboard still serves Dask's HTTP routes (health, metrics) on the dashboard address, which is every
+        # interface by default: pin it to loopback too.
+        loopback = ["--host", "127.0.0.1", "--no-dashboard", "--dashboard-address", "127.0.0.1:0"]
+        scheduler = start(["scheduler", *loopback, "--port", "0", "--scheduler-file", str(sched_file)],
+                          "scheduler.log")
+        deadline = time.monotonic() + timeout_s
+        while (address := _scheduler_address(sched_file)) is None:
+            if scheduler.poll() is not None or time.monotonic() > deadline:
+                raise ModelError(f"dask scheduler did not start within {timeout_s:.0f} s (exit code "
+                                 f"{scheduler.poll()}); see {root / 'scheduler.log'}")
+            time.sleep(0.1)
+        workers = [start(["worker", address, *loopback, "--nthreads", "1", "--nworkers", "1",
+                          "--name", f"w{i}", "--local-directory", str(root / f"w{i}")],
+                         f"worker-{i}.log") for i in range(n_workers)]
+        cluster = ProcessCluster(address, scheduler, workers, str(root))
+        with cluster.client(timeout=f"{int(timeout_s)}s") as client:
+            client.wait_for_workers(n_workers, timeout=max(1.0, deadline - time.monotonic()))
+        yield cluster
+    finally:
+        for p in reversed(procs):
+            _stop_group(p, grace_s=10.0)

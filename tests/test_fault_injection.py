@@ -368,9 +368,17 @@ def _stage_folders(artifacts: Path) -> Counter:
 
 
 def _contents(artifacts: Path, pattern: str) -> list[bytes]:
-    """The files matching a glob, sorted, with the project's own artifacts path taken out."""
-    found = [p for p in artifacts.glob(pattern) if not any(driver.is_temp_name(s) for s in p.parts)]
-    return sorted(p.read_bytes().replace(str(artifacts).encode(), b"<artifacts>") for p in found)
+    """The files matching a glob, sorted, with the project's own artifacts path taken out; an .npz by its arrays
+    (np.savez stamps each member with the time it was written)."""
+    import numpy as np
+
+    def content(p: Path) -> bytes:
+        if p.suffix == ".npz":
+            with np.load(p, allow_pickle=False) as z:
+                return repr([(k, z[k].dtype.str, z[k].shape, z[k].tobytes()) for k in sorted(z.files)]).encode()
+        return p.read_bytes().replace(str(artifacts).encode(), b"<artifacts>")
+
+    return sorted(content(p) for p in artifacts.glob(pattern) if not any(driver.is_temp_name(s) for s in p.parts))
 
 
 def _resumed_from(run) -> list[str]:
@@ -465,9 +473,12 @@ def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_pat
                 "rounds/001/relabel/label_studio_tasks.json", "rounds/001/relabel/relabel.jsonl"):
         assert (art / rel).read_bytes() == (ref / rel).read_bytes(), f"{rel} differs from the uninterrupted run's"
     # Stage folders named by digests of paths: compared by content. The report's issues name the inbox file.
-    for pattern in ("embeddings/*/embeddings.npy", "embeddings/*/ids.json", "labelcheck/*/verdict.json",
-                    "labelcheck/*/agreement.json", "labelcheck/*/issues.jsonl", "labelcheck/oos/*/fold-*/oos/*.npy"):
-        assert _contents(art, pattern) == _contents(ref, pattern), f"{pattern} differs from the uninterrupted run's"
+    for pattern, n in (("embeddings/*/embeddings.npy", 1), ("embeddings/*/ids.json", 1),
+                       ("labelcheck/*/verdict.json", 1), ("labelcheck/*/agreement.json", 1),
+                       ("labelcheck/*/issues.jsonl", 1), ("labelcheck/*/oos_probs.npz", 1),
+                       ("labelcheck/oos/*/fold-*/oos/*.npz", 2)):
+        found = _contents(art, pattern)
+        assert len(found) == n and found == _contents(ref, pattern), f"{pattern} differs from the uninterrupted run's"
     assert _contents(art, "labelcheck/*/issues.jsonl") != [b""]  # the check judged: it has issues to compare
     assert [{k: v for k, v in m.items() if k != "time"} for m in read_jsonl(art / "metrics.jsonl")] == [
         {k: v for k, v in m.items() if k != "time"} for m in read_jsonl(ref / "metrics.jsonl")]

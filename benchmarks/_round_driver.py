@@ -207,11 +207,12 @@ def _executions(artifacts: Path, pid: int) -> list[dict[str, Any]]:
 
 
 def run_round(config: Path, *, api_url: str | None, kill: Kill | None = None, simulate: bool | None = None,
-              disk_full: str | None = None, timeout_s: float = 1200, log_dir: Path | None = None,
-              poll_s: float = 0.02) -> RoundRun:
+              disk_full: str | None = None, labelcheck_oracle: Path | None = None, timeout_s: float = 1200,
+              log_dir: Path | None = None, poll_s: float = 0.02) -> RoundRun:
     """Run flows.round.labeling_round(config) in a fresh Python process, killed as `kill` says (or not).
 
     `disk_full`: a glob (relative to artifacts); opening a matching file for writing fails with ENOSPC in the child.
+    `labelcheck_oracle`: a ground-truth JSONL (sample_id, answer); see _oracle_label_check.
     A run that exits with an error (not killed) returns with `error` set to the tail of its log."""
     from pipeline.config import load_config
 
@@ -224,7 +225,8 @@ def run_round(config: Path, *, api_url: str | None, kill: Kill | None = None, si
                                    log_dir / f"run-{n:02d}.log")
     leftovers = [str(p) for p in temp_leftovers(artifacts)]
     spec = {"config": str(config), "simulate": simulate, "artifacts": str(artifacts), "result": str(result_path),
-            "watch": leftovers, "disk_full": disk_full, "kill": kill.__dict__ if kill and (kill.on_replace or kill.on_open) else None}
+            "watch": leftovers, "disk_full": disk_full,
+            "labelcheck_oracle": labelcheck_oracle and str(labelcheck_oracle), "kill": kill.__dict__ if kill and (kill.on_replace or kill.on_open) else None}
     spec_path.write_text(json.dumps(spec))
     before = {str(p) for p in artifacts.glob(kill.path)} if kill and kill.path else set()
 
@@ -272,6 +274,29 @@ def random_delay(rng: random.Random, hi: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------- child
+def _oracle_label_check(ground_truth: str) -> None:
+    """In this child only: the label check's out-of-sample probabilities put 0.9 on each sample's true answer. The
+    fold adapters are still trained and score their held-out folds (every file of the stage is written, and can be
+    killed), but a fold adapter of a few steps is at chance and the check abstains, so without an accurate model
+    standing in the relabel queue would never be exported, nor killed mid-export."""
+    import dataclasses
+
+    import numpy as np
+
+    import pipeline.labelcheck.check as check
+
+    truth = {r["sample_id"]: r["answer"] for r in map(json.loads, Path(ground_truth).open(encoding="utf-8"))}
+    measured = check.out_of_sample_probs
+
+    def oracle(rows: Any, work_dir: Any, *, answers: list[str], **kw: Any) -> Any:
+        oos = measured(rows, work_dir, answers=answers, **kw)
+        probs = np.full(oos.probs.shape, 0.1 / (len(answers) - 1), dtype=np.float32)
+        probs[np.arange(len(oos.sample_ids)), [answers.index(truth[s]) for s in oos.sample_ids]] = 0.9
+        return dataclasses.replace(oos, probs=probs)
+
+    check.out_of_sample_probs = oracle  # check_labels looks it up in its own module
+
+
 def _child(spec_path: str) -> None:
     import logging
 
@@ -320,6 +345,9 @@ def _child(spec_path: str) -> None:
             real_replace(src, dst, **kw)
 
         os.replace = replace  # type: ignore[assignment]
+
+    if spec.get("labelcheck_oracle"):
+        _oracle_label_check(spec["labelcheck_oracle"])
 
     # Prefect's console handler prints them; the resume messages ("resuming training from …") are what we read.
     logging.getLogger("pipeline").setLevel(logging.INFO)

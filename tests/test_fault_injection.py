@@ -367,6 +367,20 @@ def _stage_folders(artifacts: Path) -> Counter:
     return Counter(r.as_posix() if r.parts[0] == "rounds" else r.parts[0] for r in rels)
 
 
+def _contents(artifacts: Path, pattern: str) -> list[bytes]:
+    """The files matching a glob, sorted, with the project's own artifacts path taken out; an .npz by its arrays
+    (np.savez stamps each member with the time it was written)."""
+    import numpy as np
+
+    def content(p: Path) -> bytes:
+        if p.suffix == ".npz":
+            with np.load(p, allow_pickle=False) as z:
+                return repr([(k, z[k].dtype.str, z[k].shape, z[k].tobytes()) for k in sorted(z.files)]).encode()
+        return p.read_bytes().replace(str(artifacts).encode(), b"<artifacts>")
+
+    return sorted(content(p) for p in artifacts.glob(pattern) if not any(driver.is_temp_name(s) for s in p.parts))
+
+
 def _resumed_from(run) -> list[str]:
     return [line.split("resuming training from ", 1)[1] for line in run.log.read_text(errors="replace").splitlines()
             if "resuming training from " in line]
@@ -381,22 +395,34 @@ def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_pat
     model = tmp_path / "model"
     shutil.copytree(tiny_models["idefics3"], model)
     digits = write_digits(tmp_path / "digits", limit=60)
-    # Both projects read the same model and data folders, so every digest (adapter included) can match.
-    ref_cfg = driver.write_project(tmp_path / "reference", model_dir=model, digits_dir=digits)
-    cfg = driver.write_project(tmp_path / "faulted", model_dir=model, digits_dir=digits)
+    # Both projects read the same model and data folders, so every digest (adapter included) can match. The round
+    # runs every stage that writes: a pixels embeddings stage (selection and the kNN signal), a 2-fold label check
+    # and its relabel export; 2 of round 0's 6 answers are wrong, and an oracle stands in for an accurate model in
+    # the check (its fold adapters still train and score), which then sends the wrong labels back (the relabel).
+    stages = {"select": {"embeddings": {"source": "pixels", "pca_dim": 8}}, "rounds": {"simulate_noise": 0.34},
+              "labelcheck": {"kfold": 2, "relabel_top_n": 2, "min_oos_accuracy": 0.5, "min_confidence": 0.4}}
+    ref_cfg = driver.write_project(tmp_path / "reference", model_dir=model, digits_dir=digits, **stages)
+    cfg = driver.write_project(tmp_path / "faulted", model_dir=model, digits_dir=digits, **stages)
     ref, art = tmp_path / "reference" / "artifacts", tmp_path / "faulted" / "artifacts"
+    oracle = digits / "ground_truth.jsonl"
 
     # Round 1 leaves the inbox alone (no simulated answers), so that running it again below is a re-run.
     for r in (0, 1):
-        run = driver.run_round(ref_cfg, api_url=api_url, simulate=None if r == 0 else False)
+        run = driver.run_round(ref_cfg, api_url=api_url, simulate=None if r == 0 else False, labelcheck_oracle=oracle)
         assert run.state and run.state["round"] == r and not run.error, run.error
+    assert run.state["relabel"] >= 1 and not run.state["labelcheck"]["abstained"], run.state  # a relabel export
+    assert len(list(ref.glob("embeddings/*/manifest.json"))) == 1
+    assert len(list(ref.glob("labelcheck/oos/*/fold-1/oos/manifest.json"))) == 1
 
     K = driver.Kill
     plan = [  # (round being run, where to kill it)
-        # Inside ingest, its dataset written but not in place: a random delay after ingest starts could land after
-        # it on a quiet machine, and then the next run has no preprocess left to be killed in.
+        # Inside ingest, inside preprocess (its dataset written but not in place) and inside the embeddings stage
+        # (embeddings.npy in place, ids.json not, no manifest): a random delay after a stage starts can land after it
+        # on a quiet machine (preprocess to the first score shard takes 0.8 s), and the next kill would find no
+        # stage left to be killed in.
         (0, K(on_replace="ingest/*/dataset")),
-        (0, K(stage="preprocess", delay=driver.random_delay(rng, 1.5))),
+        (0, K(on_replace="prepare/*/dataset")),
+        (0, K(on_replace="embeddings/*/ids.json")),
         (0, K(path="scores/*/manifest.json", delay=driver.random_delay(rng, 0.3))),
         (0, K(on_replace="rounds/000/round.json")),  # exported, the round's state not yet written
         (0, None),
@@ -404,14 +430,20 @@ def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_pat
         (1, K(path="train/*/checkpoints/step-2")),  # between checkpoints
         (1, K(on_replace="train/*/checkpoints/.step-4.*/state.json")),  # during one: half a checkpoint folder
         (1, K(on_replace="train/*/adapter")),  # the adapter written, not yet in place; no manifest
+        # Inside the label check: fold 0 trained and scored, fold 1's adapter not yet in place; then its report
+        # half written (issues, probabilities and agreement in place, not the verdict nor the manifest).
+        (1, K(on_replace="labelcheck/oos/*/fold-1/adapter")),
+        (1, K(on_replace="labelcheck/*/verdict.json")),
         (1, K(path="scores/*/manifest.json", delay=driver.random_delay(rng, 0.3))),
         (1, K(on_replace="rounds/001/export/label_studio_tasks.json")),
+        (1, K(on_replace="rounds/001/relabel/relabel.jsonl")),  # the relabel tasks written, not its table
         (1, None),
     ]
     runs = []
     for r, kill in plan:
         done_before, outputs_before = _completed_keys(art), _manifest_times(art)
-        run = driver.run_round(cfg, api_url=api_url, kill=kill, simulate=None if r == 0 else False)
+        run = driver.run_round(cfg, api_url=api_url, kill=kill, simulate=None if r == 0 else False,
+                               labelcheck_oracle=oracle)
         runs.append(run)
         where = f"run {len(runs) - 1} (round {r}, kill {run.kill}, seed {SEED}); log {run.log}"
         assert not run.error, f"{where} failed:\n{run.error}"
@@ -426,17 +458,28 @@ def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_pat
         if kill is None:
             assert run.state["round"] == r, where
 
-    # Training resumed from its last whole checkpoint each time, never from the half-written one.
+    # Training resumed from its last whole checkpoint each time, never from the half-written one; so did the label
+    # check's fold 1, killed with its adapter written (its checkpoints at steps 2 and 4 whole).
     ck = next(art.glob("train/*")) / "checkpoints"
-    assert [_resumed_from(run) for run in runs[7:10]] == [[f"{ck / 'step-2'} (step 2 of 6)"]] * 2 + [
-        [f"{ck / 'step-4'} (step 4 of 6)"]]
+    fold_ck = next(art.glob("labelcheck/oos/*/fold-1")) / "checkpoints"
+    assert [_resumed_from(run) for run in runs[8:12]] == [[f"{ck / 'step-2'} (step 2 of 6)"]] * 2 + [
+        [f"{ck / 'step-4'} (step 4 of 6)"], [f"{fold_ck / 'step-4'} (step 4 of 6)"]]
     assert [s["round"] for s in completed_rounds(art)] == [0, 1]
     assert not (art / "round.lock").exists()
     assert _stage_folders(art) == _stage_folders(ref)  # the same stage outputs as the uninterrupted run, all whole
 
     for rel in ("rounds/000/selection/selection.jsonl", "rounds/001/selection/selection.jsonl",
-                "rounds/000/export/label_studio_tasks.json", "rounds/001/export/label_studio_tasks.json"):
+                "rounds/000/export/label_studio_tasks.json", "rounds/001/export/label_studio_tasks.json",
+                "rounds/001/relabel/label_studio_tasks.json", "rounds/001/relabel/relabel.jsonl"):
         assert (art / rel).read_bytes() == (ref / rel).read_bytes(), f"{rel} differs from the uninterrupted run's"
+    # Stage folders named by digests of paths: compared by content. The report's issues name the inbox file.
+    for pattern, n in (("embeddings/*/embeddings.npy", 1), ("embeddings/*/ids.json", 1),
+                       ("labelcheck/*/verdict.json", 1), ("labelcheck/*/agreement.json", 1),
+                       ("labelcheck/*/issues.jsonl", 1), ("labelcheck/*/oos_probs.npz", 1),
+                       ("labelcheck/oos/*/fold-*/oos/*.npz", 2)):
+        found = _contents(art, pattern)
+        assert len(found) == n and found == _contents(ref, pattern), f"{pattern} differs from the uninterrupted run's"
+    assert _contents(art, "labelcheck/*/issues.jsonl") != [b""]  # the check judged: it has issues to compare
     assert [{k: v for k, v in m.items() if k != "time"} for m in read_jsonl(art / "metrics.jsonl")] == [
         {k: v for k, v in m.items() if k != "time"} for m in read_jsonl(ref / "metrics.jsonl")]
     adapter = {p: read_manifest(p.parent).outputs["adapter"].digest for p in (*art.glob("train/*/adapter"),
@@ -447,7 +490,8 @@ def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_pat
         return [(e["sample_id"], e["label"], e["kind"], e["source_digest"]) for e in Ledger(ledger_path(a)).entries()]
 
     assert ledger_rows(art) == ledger_rows(ref) and len(ledger_rows(art)) == 6  # each accepted label once
-    assert {p.name for p in (art / "train").glob("*/checkpoints")} == set()  # finished training keeps no checkpoint
+    # Finished training keeps no checkpoint (the round's adapter nor the label check's folds).
+    assert not list(art.glob("train/*/checkpoints")) and not list(art.glob("labelcheck/oos/*/fold-*/checkpoints"))
     leftovers = driver.temp_leftovers(art)
     assert all(driver.is_temp_name(p.name) for p in leftovers)
     assert not set(inbox_files(art / "inbox")) & set(leftovers)
@@ -455,16 +499,17 @@ def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_pat
     # A full disk when the finished round re-writes its state: a clear error, the previous state intact.
     state_file = art / "rounds" / "001" / "round.json"
     before = state_file.read_bytes()
-    full = driver.run_round(cfg, api_url=api_url, simulate=False, disk_full="rounds/001/.round.json.*.tmp")
+    full = driver.run_round(cfg, api_url=api_url, simulate=False, disk_full="rounds/001/.round.json.*.tmp",
+                            labelcheck_oracle=oracle)
     assert full.error and "ArtifactError" in full.error and f"{state_file}: disk full" in full.error, full.error
     assert state_file.read_bytes() == before and not full.executed  # nothing redone on the way there
-    again = driver.run_round(cfg, api_url=api_url, simulate=False)
+    again = driver.run_round(cfg, api_url=api_url, simulate=False, labelcheck_oracle=oracle)
     assert again.state["round"] == 1 and not again.executed and not again.error
 
     # Prefect's cache gone (a new PREFECT_HOME): the bodies run, find their verified outputs and redo nothing heavy.
     shutil.rmtree(art / "prefect" / "results")
     outputs_before = _manifest_times(art)
-    fresh = driver.run_round(cfg, api_url=api_url, simulate=False)
+    fresh = driver.run_round(cfg, api_url=api_url, simulate=False, labelcheck_oracle=oracle)
     assert fresh.state["round"] == 1 and not fresh.error and "train" in fresh.stages
     assert "score_shard" not in fresh.stages  # every shard verifies on disk: the scoring subflow is not even started
     assert not _rewritten(outputs_before, art), _rewritten(outputs_before, art)

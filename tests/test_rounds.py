@@ -160,3 +160,57 @@ def test_a_round_that_exported_nothing_is_not_answered(tmp_path):
     art = tmp_path / "artifacts"
     answer_round(art, {"round": 0, "stopped": "pool exhausted"}, ground_truth=None, noise=0.0, seed=0)
     assert not (art / "inbox").exists()
+
+
+def _queue(art, round_index, ids, *, finished=True):
+    """A relabel queue as the relabel stage leaves it: relabel.jsonl, then (when the export finished) its manifest."""
+    from pipeline.labelcheck.relabel import RELABEL_TABLE, relabel_dir
+    from pipeline.store import atomic_write_jsonl, write_manifest
+
+    folder = relabel_dir(art, round_index)
+    atomic_write_jsonl(folder / RELABEL_TABLE, [{"sample_id": s} for s in ids])
+    if finished:
+        write_manifest(folder, stage="relabel", stage_version="1", inputs={}, config={},
+                       outputs={RELABEL_TABLE: RELABEL_TABLE}, info={"round": round_index, "count": len(ids)})
+
+
+def test_the_label_budget_counts_re_label_tasks_sent_back(tmp_path):
+    """rounds.label_budget pays for an annotator's time: 8 labels plus 2 re-label tasks spend a budget of 10, from
+    the round after the queue went out; a queue whose export never finished was never handed out and costs nothing."""
+    from pipeline.labelcheck import labels_spent
+
+    c = cfg(tmp_path, rounds={"max_rounds": 10, "label_budget": 10})
+    art = c.artifacts
+    _queue(art, 0, ["s03", "s04"])
+    assert stop_reason(c, 0, labels_spent(8, art, before_round=0), [], 5) is None  # its own queue: counted later
+    assert stop_reason(c, 1, labels_spent(8, art, before_round=1), [], 5) == (
+        "label budget spent: 10 labels ≥ rounds.label_budget = 10")
+    assert stop_reason(c, 1, 8, [], 5) is None  # the labels alone are within the budget
+    _queue(art, 1, ["s05", "s06", "s07"], finished=False)  # killed mid-export: no manifest
+    assert labels_spent(7, art, before_round=2) == 9
+    assert stop_reason(c, 2, labels_spent(7, art, before_round=2), [], 5) is None
+
+
+def test_the_last_round_trains_on_its_new_labels_and_selects_nothing(tmp_path, pool):
+    """At rounds.max_rounds the round still imports and trains on the labels of the previous batch (a new labeled
+    set: a new round, a new training job warm-started from the previous adapter), then stops: no selection, nothing
+    for the annotator; run again with the same labels it is the same stopped round, not one more."""
+    c = cfg(tmp_path, rounds={"max_rounds": 2}, train={"init": "warm"})
+    art = c.artifacts
+    finish(art, plan_round(art, round_labels(pool, {})), adapter={"adapter_digest": "a0", "adapter_dir": "x0"},
+           selected=3)
+    last = plan_round(art, round_labels(pool, {"s03": "5", "s04": "6"}))
+    assert last.index == 1 and last.rerun is None and len(last.labels) == 4  # 2 seed labels + the batch
+    refs = dict(prepared={"digest": "p", "dir": "d"}, labeled={"dataset": "l", "digest": "l"}, augmented=None)
+    job = train_params(c, last, **refs)
+    assert job["out_dir"].startswith(str(art / "train")) and job["init_adapter"]["adapter_digest"] == "a0"
+    ids, _ = eligible_pool(art, pool, last, set())
+    reason = stop_reason(c, last.index, len(last.labels), [{"round": 1, "metric": "accuracy", "value": 0.4}], len(ids))
+    assert ids and reason == "rounds.max_rounds = 2 reached (this is round 1)"  # the pool is not what stops it
+    finish(art, last, adapter={"adapter_digest": "a1", "adapter_dir": "x1"}, stopped=reason)
+    answer_round(art, {"round": 1, "stopped": reason}, ground_truth=None, noise=0.0, seed=0)
+    assert not (art / "inbox").exists()
+    again = plan_round(art, round_labels(pool, {"s03": "5", "s04": "6"}))
+    assert again.index == 1 and again.rerun["stopped"] == reason and again.rerun["adapter"]["adapter_digest"] == "a1"
+    # The same training job (warm from round 0's adapter, never its own): a cached re-run trains nothing.
+    assert train_params(c, again, **refs) == job

@@ -206,6 +206,11 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
     are too long to be parameters), and decides the round's phase from earlier rounds' selections."""
     labeled_ids = sorted(labels) if adapter is not None else []
     candidates = sorted(set(pool_ids) | set(labeled_ids))
+    restricted = None
+    if adapter is not None and cfg.select.candidates.method != "all":
+        # Only rounds that score are restricted: a cold start in a selection space scores nothing and picks from it all.
+        restricted = restrict_candidates(cfg, pool_ids=pool_ids, labeled_ids=labeled_ids, space=space)
+        candidates = sorted(set(restricted.ids) | set(labeled_ids))
     pool_path, exclude_path, labeled_path = (round_dir / "candidates.jsonl", round_dir / "exclude.jsonl",
                                              round_dir / "labeled_ids.jsonl")
     atomic_write_jsonl(pool_path, [{"sample_id": s} for s in candidates])
@@ -223,14 +228,33 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
                   history=uncertainty_history(list(history_dirs)), cold_start=adapter is None, phase=phase,
                   space=space, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
                   out_dir=str(round_dir / "selection"))
+    if restricted is not None:  # only then: a project that scores every eligible sample keeps its select key
+        params["candidates"] = {**restricted.info, "scored": len(candidates)}
     return SelectionPlan(candidates, adapter is not None or space is None, params)
+
+
+def restrict_candidates(cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Sequence[str],
+                        space: dict[str, Any] | None) -> Any:
+    """The round's candidates under `select.candidates: restrict`, from the selection-embeddings stage `space`
+    (pipeline.strategies.candidates); its k-means labels are cached under artifacts/candidates/."""
+    from pipeline.embeddings import load_selection_embeddings
+    from pipeline.strategies.candidates import round_candidates
+
+    if space is None:
+        raise SelectionError("select.candidates: restrict needs the selection-embeddings stage; set select.embeddings "
+                             "to pool, pixels, vision_tower or file")
+    ids, emb = load_selection_embeddings(space["dir"])
+    return round_candidates(cfg.select, pool_ids=pool_ids, labeled_ids=labeled_ids, space_ids=ids, space_emb=emb,
+                            seed=cfg.seed, cache_dir=Path(cfg.artifacts) / "candidates", space_digest=space["digest"])
 
 
 def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[str, Any], answers: list[str] | None,
                  exclude_digest: str, exclude_path: str, labeled_path: str, pool_path: str,
                  history: list[dict[str, str]], cold_start: bool, phase: dict[str, str] | None,
-                 space: dict[str, Any] | None, adapter_digest: str | None, seed: int, out_dir: str) -> dict[str, Any]:
-    """The select stage: the round's batch from its scores (and selection space) into `out_dir`."""
+                 space: dict[str, Any] | None, adapter_digest: str | None, seed: int, out_dir: str,
+                 candidates: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The select stage: the round's batch from its scores (and selection space) into `out_dir`. `candidates`: how
+    a restricted round's candidates were chosen (recorded in the manifest and the returned ref), None = all."""
     from pipeline.embeddings import load_selection_embeddings
     from pipeline.scoring import concat_scores, load_scores
     from pipeline.strategies.outliers import read_uncertainty_history, write_uncertainty
@@ -245,6 +269,8 @@ def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[
         history=read_uncertainty_history([h["path"] for h in history]), cold_start=cold_start, seed=seed,
         phase=phase,
     )
+    if candidates is not None:
+        result.info["candidates"] = candidates
     out = Path(out_dir)
     outputs = {"selection": SELECTION_FILE}
     if result.uncertainty is not None:

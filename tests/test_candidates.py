@@ -221,3 +221,17 @@ def test_a_restricted_round_scores_only_its_candidates_and_records_how(tmp_path,
     assert info["method"] == "restrict" and info["candidates"] == 12 and info["eligible"] == 42
     assert info["scored"] == 18 and sum(info["sources"].values()) == 12 and "seed" in info
     assert ref["candidates"] == info
+
+
+def test_the_benchmark_section_keeps_the_files_other_keys_and_has_its_own_provenance(tmp_path, capsys):
+    import json
+
+    from benchmarks._efficiency_candidates import merge_into
+
+    path = tmp_path / "label_efficiency.json"
+    path.write_text(json.dumps({"benchmark": "label_efficiency", "best_ratio_95": 0.622}))
+    out = merge_into(path, {"strategy": "margin", "ratio_candidates": 0.7}, config={"c": 1}, started=None)
+    back = json.loads(path.read_text())
+    assert back == out and back["best_ratio_95"] == 0.622 and "commit" not in back
+    assert back["candidates_check"]["strategy"] == "margin"
+    assert {"commit", "dirty", "config_digest", "machine"} <= set(back["candidates_check"]["provenance"])

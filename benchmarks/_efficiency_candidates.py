@@ -24,25 +24,28 @@ import numpy as np
 
 from benchmarks._results import provenance
 from pipeline.config import CandidatesConfig, SelectConfig
-from pipeline.selection import Space
+from pipeline.selection import Space, coverage_picker
 from pipeline.store import atomic_write_json, digest_json
 from pipeline.strategies.candidates import round_candidates
 
 KEY = "candidates_check"
 
 
-def restrictor(sel_cfg: SelectConfig, *, pool: Sequence[str], space: Space, seed: int,
-               cache_dir: Path) -> Callable[[list[str]], list[str]]:
-    """`restrict(labeled) -> candidate IDs` for a probe run: the eligible pool is `pool` minus the labeled set; the
-    k-means labels are fitted once per space (cached in `cache_dir`, keyed by the embeddings' bytes)."""
+def restrictor(sel_cfg: SelectConfig, *, pool: Sequence[str], space: Space, seed: int, cache_dir: Path,
+               n_classes: int | None) -> Callable[[list[str], Any], list[str]]:
+    """`restrict(labeled, phase) -> candidate IDs` for a probe run, as a project's round chooses them
+    (pipeline.selection.coverage_picker in a coverage phase, else the sources of select.candidates.shares): the
+    eligible pool is `pool` minus the labeled set; the k-means labels are fitted once per space (cached in
+    `cache_dir`, keyed by the embeddings' bytes)."""
     digest = digest_json({"ids": space.ids, "emb": hashlib.sha256(np.ascontiguousarray(space.emb).tobytes())
                           .hexdigest()})
 
-    def restrict(labeled: list[str]) -> list[str]:
+    def restrict(labeled: list[str], phase: Any) -> list[str]:
         done = set(labeled)
+        coverage = coverage_picker(phase.strategy, phase.diversity, space=space, labeled=labeled, n_classes=n_classes)
         return round_candidates(sel_cfg, pool_ids=[s for s in pool if s not in done], labeled_ids=labeled,
                                 space_ids=space.ids, space_emb=space.emb, seed=seed, cache_dir=cache_dir,
-                                space_digest=digest).ids
+                                space_digest=digest, coverage=coverage).ids
 
     return restrict
 

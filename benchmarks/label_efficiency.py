@@ -367,7 +367,7 @@ class Probe:
 def run_probe(spec: StrategySpec, cfg: ProjectConfig, bench: Bench, data: Data, pool: list[str],
               space: Space, restrict: Any = None) -> dict[str, Any]:
     """The same protocol with the probe as the model (labels straight from the ground truth), its phases and
-    batches chosen by pipeline.selection from the probe's class probabilities. `restrict(labeled) -> ids`: the
+    batches chosen by pipeline.selection from the probe's class probabilities. `restrict(labeled, phase) -> ids`: the
     round's candidates (select.candidates, benchmarks/_efficiency_candidates.py): only they are scored and
     selected from; None scores the whole pool."""
     answers, n_classes = list(cfg.data.answers), len(cfg.data.answers)
@@ -388,12 +388,12 @@ def run_probe(spec: StrategySpec, cfg: ProjectConfig, bench: Bench, data: Data, 
         labels_curve.append(len(labeled))
         if r == bench.rounds:
             break
-        scored = pool if restrict is None else restrict(labeled)
+        phase = round_phase(sel_cfg, labels={s: data.truth[s] for s in labeled}, n_classes=n_classes,
+                            previous_selections=previous)
+        scored = pool if restrict is None else restrict(labeled, phase)
         at_scored = at if restrict is None else {s: i for i, s in enumerate(scored)}
         probs = probe.proba(pool_x if restrict is None else space.rows(scored))
         scored_n.append(len(scored))
-        phase = round_phase(sel_cfg, labels={s: data.truth[s] for s in labeled}, n_classes=n_classes,
-                            previous_selections=previous)
         sel = select_step(scored, k=bench.batch, strategy=phase.strategy, diversity=phase.diversity,
                           seed=cfg.seed * 1000 + r + 1, labeled=labeled, space=space,
                           probs=None if get_heuristic(phase.strategy).input == "none" else probs,
@@ -576,7 +576,8 @@ def candidates_check(cfg: ProjectConfig, bench: Bench, names: list[str], *, seed
         for name in names:
             spec = bench.strategies[name]
             sel_cfg = ec.with_candidates(select_config(cfg_s, spec, bench.batch), cand)
-            restrict = ec.restrictor(sel_cfg, pool=data.pool, space=space, seed=seed, cache_dir=work.art / "candidates")
+            restrict = ec.restrictor(sel_cfg, pool=data.pool, space=space, seed=seed, cache_dir=work.art / "candidates",
+                                     n_classes=len(cfg.data.answers))
             runs.setdefault(name, []).append(run_probe(spec, cfg_s, bench, data, data.pool, space))
             runs.setdefault(f"{name}+candidates", []).append(
                 run_probe(spec, cfg_s, bench, data, data.pool, space, restrict=restrict))
@@ -589,7 +590,9 @@ def candidates_check(cfg: ProjectConfig, bench: Bench, names: list[str], *, seed
             "learner": "reference probe: logistic regression (C=10) on the selection embeddings, labels from the "
                        "ground truth (the tiny VLM is too slow for enough seeds on 2 shared cores)",
             "protocol": f"{bench.initial} + {bench.rounds} × {bench.batch} labels; each strategy's own cold start on "
-                        "the whole pool, then every round restricted (candidates) or not (all)",
+                        "the whole pool, then every round restricted (candidates) or not (all); a coverage phase's "
+                        "candidates are its selector's own first picks over the whole pool (pipeline.selection."
+                        "coverage_picker), other rounds' the select.candidates.shares sources",
             "full_data_accuracy": round(float(np.mean(full)), 4), "wall_seconds": round(time.monotonic() - t0, 1),
             "timings": work.timer.summary(), "cache_code_versions": dict(sorted(work.timer.versions.items()))}
 

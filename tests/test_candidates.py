@@ -235,3 +235,23 @@ def test_the_benchmark_section_keeps_the_files_other_keys_and_has_its_own_proven
     assert back == out and back["best_ratio_95"] == 0.622 and "commit" not in back
     assert back["candidates_check"]["strategy"] == "margin"
     assert {"commit", "dirty", "config_digest", "machine"} <= set(back["candidates_check"]["provenance"])
+
+
+def test_a_coverage_phase_takes_its_own_selectors_first_picks_over_the_whole_pool():
+    from pipeline.strategies.candidates import picks_by_space, round_candidates
+
+    assert picks_by_space("random", "maxherding") and not picks_by_space("margin", "top_k")
+    assert not picks_by_space("random", "top_k")
+    x = blobs(300)
+    ids = [f"p{i:04d}" for i in range(300)]
+    space = sel.Space(ids, x, "pixels")
+    labeled, eligible = ids[:10], ids[10:]
+    cfg = parse_config({"select": {"candidates": {"method": "restrict", "size": 30}, "embeddings": "pixels",
+                                   "batch_size": 5}}).select
+    picker = sel.coverage_picker("random", "maxherding", space=space, labeled=labeled, n_classes=None)
+    assert sel.coverage_picker("margin", "top_k", space=space, labeled=labeled, n_classes=None) is None
+    got = round_candidates(cfg, pool_ids=eligible, labeled_ids=labeled, space_ids=ids, space_emb=x, seed=0,
+                           cache_dir=None, space_digest="s", coverage=picker)
+    want = sel.select_step(eligible, k=30, strategy="random", diversity="maxherding", seed=got.info["seed"],
+                           labeled=labeled, space=space).ids
+    assert got.ids == sorted(want) and got.info["sources"] == {"maxherding (coverage phase)": 30}

@@ -10,23 +10,24 @@ only a candidate set chosen without the model, from the selection embeddings, in
 | `random` | a seeded uniform draw of what is left | keeps every eligible sample reachable; it fills whatever the other sources could not (no labels yet, fewer eligible samples than asked) |
 
 Sources fill in the table's order and never pick a sample twice. With fewer eligible samples than the size, every
-eligible sample is a candidate. Exact search throughout (faiss flat); the labeled set and a round's candidates are
-small, the pool is read once per source.
+eligible sample is a candidate. The neighbours are searched through pipeline.strategies.index: exact up to its
+stated size (EXACT_MAX rows), an IVF index above, whose recall against exact search benchmarks/index_recall.py
+measures.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import faiss
 import numpy as np
 
 from pipeline.errors import SelectionError
-from pipeline.strategies.base import faiss_threads, kmeans_labels
+from pipeline.strategies.base import kmeans_labels
+from pipeline.strategies.index import NeighborIndex
 
 CANDIDATES_VERSION = "1"
 CLUSTERS_FILE = "clusters.npy"
@@ -61,11 +62,12 @@ class Neighbors(CandidateSource):
         total = len(pool.emb)
         if n <= 0 or not len(pool.labeled) or not total:
             return np.zeros(0, dtype=np.int64)
-        # Each labeled sample's k nearest, k grown until the union (minus taken rows) fills n.
+        # Each labeled sample's k nearest, k grown until the union (minus taken rows) fills n; exact search up to
+        # the index's stated size, IVF above (pipeline.strategies.index).
+        index = NeighborIndex(pool.emb, seed=seed)
         k = min(total, max(1, math.ceil(2 * n / len(pool.labeled))))
         while True:
-            with faiss_threads(1 if total * len(pool.labeled) < 1_000_000 else None):
-                _, idx = faiss.knn(pool.labeled, pool.emb, k)
+            _, idx = index.search(pool.labeled, k)
             order = idx.T.reshape(-1)  # rank-major: every labeled sample's 1st neighbour, then every 2nd, …
             order = order[order >= 0]
             _, first = np.unique(order, return_index=True)
@@ -196,16 +198,38 @@ def cluster_labels(ids: Sequence[str], emb: np.ndarray, *, n_clusters: int, seed
     return labels
 
 
+def picks_by_space(strategy: str, diversity: str) -> bool:
+    """Whether a round's choice reads the selection space alone (a coverage phase: a heuristic without input and a
+    selector that needs no scores), so its own selector can choose its candidates without the model."""
+    from pipeline.strategies.registry import get_heuristic, get_selector
+
+    return get_heuristic(strategy).input == "none" and not get_selector(diversity).needs_scores
+
+
 def round_candidates(sel_cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Collection[str], space_ids: Sequence[str],
-                     space_emb: np.ndarray, seed: int, cache_dir: Path | None, space_digest: str) -> Candidates:
+                     space_emb: np.ndarray, seed: int, cache_dir: Path | None, space_digest: str,
+                     coverage: tuple[str, Callable[[list[str], int, int], list[str]]] | None = None) -> Candidates:
     """A round's candidates from its selection space (`space_ids` → rows of `space_emb`), under `sel_cfg`
-    (SelectConfig). The random fill's seed moves with the labeled set's size, so successive rounds draw afresh."""
+    (SelectConfig). The random fill's seed moves with the labeled set's size, so successive rounds draw afresh.
+
+    `coverage` = (selector name, pick(eligible, k, seed) -> IDs) in a coverage phase (`picks_by_space`): its
+    candidates are that selector's own first `size` picks over the whole eligible pool, since the labeled set's
+    neighbours are the regions a coverage selector avoids (restricting MaxHerding + margin's coverage rounds to the
+    sources above cost labels on the digits: benchmarks/results/label_efficiency.json, candidates_check)."""
     from pipeline.embeddings import lookup
 
     cand = sel_cfg.candidates
     at = {s: i for i, s in enumerate(space_ids)}
     labeled = sorted(s for s in labeled_ids if s in at)
     eligible = sorted(pool_ids)
+    round_seed = seed * 100_003 + len(labeled)
+    size = cand.size_for(sel_cfg.batch_size)
+    if coverage is not None and len(eligible) > size:
+        name, pick = coverage
+        chosen = sorted(pick(eligible, size, round_seed))
+        return Candidates(chosen, {"method": cand.method, "size": size, "eligible": len(eligible), "seed": round_seed,
+                                   "labeled": len(labeled), "candidates": len(chosen),
+                                   "sources": {f"{name} (coverage phase)": len(chosen)}, "clusters": None})
     clusters = labeled_clusters = None
     if cand.shares.get("clusters", 0) > 0:
         all_labels = cluster_labels(space_ids, space_emb, n_clusters=cand.clusters, seed=seed, cache_dir=cache_dir,
@@ -214,6 +238,6 @@ def round_candidates(sel_cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Coll
         labeled_clusters = all_labels[[at[s] for s in labeled]] if labeled else all_labels[:0]
     out = pick_candidates(cand, eligible=eligible, eligible_emb=lookup(space_ids, space_emb, eligible),
                           labeled_emb=lookup(space_ids, space_emb, labeled), batch_size=sel_cfg.batch_size,
-                          seed=seed * 100_003 + len(labeled), clusters=clusters, labeled_clusters=labeled_clusters)
+                          seed=round_seed, clusters=clusters, labeled_clusters=labeled_clusters)
     out.info["clusters"] = cand.clusters if clusters is not None else None
     return out

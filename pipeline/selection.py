@@ -236,7 +236,7 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
 def coverage_picker(strategy: str, diversity: str, *, space: Space, labeled: Collection[str],
                     n_classes: int | None) -> tuple[str, Any] | None:
     """In a coverage phase, (selector name, pick(eligible, k, seed)): that phase's selector over the whole eligible
-    pool, which is what a coverage phase's candidates are (pipeline.strategies.candidates); None otherwise."""
+    pool, whose batch is a coverage phase's candidates (pipeline.strategies.candidates); None otherwise."""
     from pipeline.strategies.candidates import picks_by_space
 
     if not picks_by_space(strategy, diversity):

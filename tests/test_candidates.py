@@ -237,7 +237,7 @@ def test_the_benchmark_section_keeps_the_files_other_keys_and_has_its_own_proven
     assert {"commit", "dirty", "config_digest", "machine"} <= set(back["candidates_check"]["provenance"])
 
 
-def test_a_coverage_phase_takes_its_own_selectors_first_picks_over_the_whole_pool():
+def test_a_coverage_phase_takes_its_own_selectors_batch_over_the_whole_pool():
     from pipeline.strategies.candidates import picks_by_space, round_candidates
 
     assert picks_by_space("random", "maxherding") and not picks_by_space("margin", "top_k")
@@ -252,6 +252,7 @@ def test_a_coverage_phase_takes_its_own_selectors_first_picks_over_the_whole_poo
     assert sel.coverage_picker("margin", "top_k", space=space, labeled=labeled, n_classes=None) is None
     got = round_candidates(cfg, pool_ids=eligible, labeled_ids=labeled, space_ids=ids, space_emb=x, seed=0,
                            cache_dir=None, space_digest="s", coverage=picker)
-    want = sel.select_step(eligible, k=30, strategy="random", diversity="maxherding", seed=got.info["seed"],
+    # Its batch (5), picked over the whole eligible pool: restriction changes nothing a coverage phase picks.
+    want = sel.select_step(eligible, k=5, strategy="random", diversity="maxherding", seed=got.info["seed"],
                            labeled=labeled, space=space).ids
-    assert got.ids == sorted(want) and got.info["sources"] == {"maxherding (coverage phase)": 30}
+    assert got.ids == sorted(want) and got.info["sources"] == {"maxherding (coverage phase)": 5}

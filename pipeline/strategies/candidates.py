@@ -213,9 +213,11 @@ def round_candidates(sel_cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Coll
     (SelectConfig). The random fill's seed moves with the labeled set's size, so successive rounds draw afresh.
 
     `coverage` = (selector name, pick(eligible, k, seed) -> IDs) in a coverage phase (`picks_by_space`): its
-    candidates are that selector's own first `size` picks over the whole eligible pool, since the labeled set's
-    neighbours are the regions a coverage selector avoids (restricting MaxHerding + margin's coverage rounds to the
-    sources above cost labels on the digits: benchmarks/results/label_efficiency.json, candidates_check)."""
+    candidates are that selector's own batch picked over the whole eligible pool (it needs no forward), so only the
+    batch is scored, for its pre-annotations. A coverage selector measures coverage over the set it is given: the
+    labeled set's neighbours are the regions it avoids, and even its own first `size` picks as candidates change what
+    it picks from them (both cost MaxHerding + margin labels on the digits, benchmarks/results/label_efficiency.json
+    at commits 6b530bb and the one after 2c4ce5f)."""
     from pipeline.embeddings import lookup
 
     cand = sel_cfg.candidates
@@ -226,7 +228,7 @@ def round_candidates(sel_cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Coll
     size = cand.size_for(sel_cfg.batch_size)
     if coverage is not None and len(eligible) > size:
         name, pick = coverage
-        chosen = sorted(pick(eligible, size, round_seed))
+        chosen = sorted(pick(eligible, min(sel_cfg.batch_size, len(eligible)), round_seed))
         return Candidates(chosen, {"method": cand.method, "size": size, "eligible": len(eligible), "seed": round_seed,
                                    "labeled": len(labeled), "candidates": len(chosen),
                                    "sources": {f"{name} (coverage phase)": len(chosen)}, "clusters": None})

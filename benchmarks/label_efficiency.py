@@ -366,9 +366,11 @@ class Probe:
 
 
 def run_probe(spec: StrategySpec, cfg: ProjectConfig, bench: Bench, data: Data, pool: list[str],
-              space: Space) -> dict[str, Any]:
+              space: Space, restrict: Any = None) -> dict[str, Any]:
     """The same protocol with the probe as the model (labels straight from the ground truth), its phases and
-    batches chosen by pipeline.selection from the probe's class probabilities."""
+    batches chosen by pipeline.selection from the probe's class probabilities. `restrict(labeled, phase) -> ids`: the
+    round's candidates (select.candidates, benchmarks/_efficiency_candidates.py): only they are scored and
+    selected from; None scores the whole pool."""
     answers, n_classes = list(cfg.data.answers), len(cfg.data.answers)
     sel_cfg = select_config(cfg, spec, bench.batch)
     test_x = space.rows([r["sample_id"] for r in data.test])
@@ -377,7 +379,7 @@ def run_probe(spec: StrategySpec, cfg: ProjectConfig, bench: Bench, data: Data, 
     sel = cold_batch(spec, pool=pool, k=bench.initial, seed=cfg.seed, space=space, base_emb=None,
                      n_classes=n_classes)
     labeled: list[str] = list(sel.ids)
-    labels_curve, acc, recall, previous = [], [], [], []
+    labels_curve, acc, recall, previous, scored_n = [], [], [], [], []
     at = {s: i for i, s in enumerate(pool)}
     for r in range(bench.rounds + 1):
         probe = Probe(answers).fit(space.rows(labeled), [data.truth[s] for s in labeled])
@@ -387,19 +389,24 @@ def run_probe(spec: StrategySpec, cfg: ProjectConfig, bench: Bench, data: Data, 
         labels_curve.append(len(labeled))
         if r == bench.rounds:
             break
-        probs = probe.proba(pool_x)
         phase = round_phase(sel_cfg, labels={s: data.truth[s] for s in labeled}, n_classes=n_classes,
                             previous_selections=previous)
-        sel = select_step(pool, k=bench.batch, strategy=phase.strategy, diversity=phase.diversity,
+        scored = pool if restrict is None else restrict(labeled, phase)
+        at_scored = at if restrict is None else {s: i for i, s in enumerate(scored)}
+        probs = probe.proba(pool_x if restrict is None else space.rows(scored))
+        scored_n.append(len(scored))
+        sel = select_step(scored, k=bench.batch, strategy=phase.strategy, diversity=phase.diversity,
                           seed=cfg.seed * 1000 + r + 1, labeled=labeled, space=space,
                           probs=None if get_heuristic(phase.strategy).input == "none" else probs,
                           predicted=probs.argmax(1),
                           n_classes=n_classes, options=spec.options)
         # The probe's answers on the batch before it is labeled: the newest-labels accuracy a schedule reads.
-        previous.append([{"sample_id": s, "prediction": answers[int(probs[at[s]].argmax())]} for s in sel.ids])
+        previous.append([{"sample_id": s, "prediction": answers[int(probs[at_scored[s]].argmax())]}
+                         for s in sel.ids])
         labeled += sel.ids
     return {"labels": labels_curve, "accuracy": acc, "recall": recall, "seconds": 0.0,
-            "class_counts": dict(Counter(data.truth[s] for s in labeled))}
+            "class_counts": dict(Counter(data.truth[s] for s in labeled)),
+            **({} if restrict is None else {"scored_per_round": scored_n})}
 
 
 def probe_full(cfg: ProjectConfig, data: Data, pool: list[str], space: Space) -> dict[str, Any]:
@@ -539,6 +546,58 @@ def run(cfg: ProjectConfig, bench: Bench, *, quick: bool, seeds: list[int] | Non
     return result
 
 
+def candidates_check(cfg: ProjectConfig, bench: Bench, names: list[str], *, seeds: list[int] | None = None,
+                     candidates: Any = None) -> dict[str, Any]:
+    """Each strategy of `names` with select.candidates: restrict (`candidates`, default 10 × the batch) beside the
+    same strategy scoring the whole pool, and the random baseline, on the reference probe over paired seeds
+    (benchmarks/_efficiency_candidates.py). The first name is the headline row; the others go under `others`."""
+    from benchmarks import _efficiency_candidates as ec
+    from pipeline.config import CandidatesConfig
+
+    t0 = time.monotonic()
+    cand = candidates or CandidatesConfig(method="restrict")
+    missing = [n for n in names if n not in bench.strategies]
+    if missing:
+        raise ConfigError(f"--candidates-check names {missing}, which benchmark.strategies does not define "
+                          f"({sorted(bench.strategies)})")
+    data = prepare_data(cfg, bench)
+    work = Work(cfg, data)
+    seeds = seeds or bench.seeds
+    runs: dict[str, list[dict[str, Any]]] = {bench.baseline: []}
+    full, pools = [], []
+    for seed in seeds:
+        cfg_s = seeded(cfg, seed)
+        space, _ = selection_space(cfg_s, data, data.pool, work)
+        if space is None:
+            raise ConfigError("--candidates-check: select.candidates needs selection embeddings; set "
+                              "project.select.embeddings to pool, pixels, vision_tower or file")
+        full.append(probe_full(cfg_s, data, data.pool, space)["accuracy"])
+        pools.append(len(data.pool))
+        runs[bench.baseline].append(run_probe(bench.strategies[bench.baseline], cfg_s, bench, data, data.pool, space))
+        for name in names:
+            spec = bench.strategies[name]
+            sel_cfg = ec.with_candidates(select_config(cfg_s, spec, bench.batch), cand)
+            restrict = ec.restrictor(sel_cfg, pool=data.pool, space=space, seed=seed, cache_dir=work.art / "candidates",
+                                     n_classes=len(cfg.data.answers))
+            runs.setdefault(name, []).append(run_probe(spec, cfg_s, bench, data, data.pool, space))
+            runs.setdefault(f"{name}+candidates", []).append(
+                run_probe(spec, cfg_s, bench, data, data.pool, space, restrict=restrict))
+        log.info("candidates check seed %d done (%.0f s)", seed, time.monotonic() - t0)
+    summary = summarize(runs, full, bench.baseline, bootstrap=bench.bootstrap)
+    rows = [ec.check_row(n, summary, restricted=f"{n}+candidates", baseline=bench.baseline, candidates=cand,
+                         batch=bench.batch, scored=[r["scored_per_round"] for r in runs[f"{n}+candidates"]],
+                         pool_sizes=pools, seeds=seeds) for n in names]
+    return {**rows[0], "others": rows[1:],
+            "learner": "reference probe: logistic regression (C=10) on the selection embeddings, labels from the "
+                       "ground truth (the tiny VLM is too slow for enough seeds on 2 shared cores)",
+            "protocol": f"{bench.initial} + {bench.rounds} × {bench.batch} labels; each strategy's own cold start on "
+                        "the whole pool, then every round restricted (candidates) or not (all); a coverage phase's "
+                        "candidates are its selector's own first picks over the whole pool (pipeline.selection."
+                        "coverage_picker), other rounds' the select.candidates.shares sources",
+            "full_data_accuracy": round(float(np.mean(full)), 4), "wall_seconds": round(time.monotonic() - t0, 1),
+            "timings": work.timer.summary(), "cache_code_versions": dict(sorted(work.timer.versions.items()))}
+
+
 def reused_seconds(timings: dict[str, Any]) -> float:
     """Seconds of earlier work this run took from the cache (what those entries recorded when they were made)."""
     return round(sum(t.get("reused_recorded_seconds", 0.0) for t in timings.values()), 1)
@@ -564,6 +623,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: the tiny model's ops are too small to split, and extra threads "
                          "spin-wait on a busy machine, ~10x the CPU time per step here)")
+    ap.add_argument("--candidates-check", type=str, default=None, metavar="STRATEGIES",
+                    help="only the candidates_check: these strategies (comma-separated, the first is the headline) "
+                         "with select.candidates: restrict beside all, on the probe; written into --json-out under "
+                         "candidates_check, the file's other keys kept")
     ap.add_argument("-v", "--verbose", action="store_true", help="also show the library's INFO logs")
     args = ap.parse_args(argv)
     import torch
@@ -586,6 +649,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     if set(variants) - set(VARIANTS):
         raise ConfigError(f"--variants must name {' and/or '.join(VARIANTS)}, got {args.variants!r}")
+    if args.candidates_check:
+        from benchmarks._efficiency_candidates import merge_into
+
+        names = [n.strip() for n in args.candidates_check.split(",") if n.strip()]
+        section = candidates_check(cfg, bench, names, seeds=seeds)
+        return merge_into(args.json_out or cfg.artifacts / "candidates_check.json", section, started=started,
+                          config=config_digest_input(cfg, bench, section["seeds"], ("candidates_check", *names)),
+                          code_versions=list(section["cache_code_versions"]))
     result = run(cfg, bench, quick=args.quick, seeds=seeds, variants=variants)
     src = args.config.resolve()
     result["config"]["file"] = str(src.relative_to(ROOT) if src.is_relative_to(ROOT) else args.config)

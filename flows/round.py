@@ -81,6 +81,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
                      phase=sel.get("phase"), embeddings=sel.get("embeddings"))
         if sel.get("phase"):
             state["strategy"] = phase_label(sel["phase"])
+        if sel.get("candidates"):
+            state["candidates"] = sel["candidates"]
         if check is not None and cfg.labelcheck.relabel_top_n:
             rel = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=plan.index)
             state["relabel"] = rel["count"]

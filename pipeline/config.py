@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from pipeline.errors import ConfigError
 
@@ -259,6 +267,39 @@ DASK_PROTOCOLS = ("tcp", "tls", "ws", "wss", "ucx", "inproc")
 Diversity = Literal["top_k", "k_center", "cluster_margin", "stratified", "typiclust", "probcover", "maxherding"]
 
 
+class CandidatesConfig(Section):
+    """Candidate restriction before scoring (pipeline.strategies.candidates): which eligible samples a round scores.
+
+    all: every eligible sample (the cost of a round's scoring is the pool × a forward); restrict: at most `size`
+    samples chosen without the model from the selection embeddings: the nearest unlabeled neighbours of the labeled
+    set (SEALS, Coleman et al. 2022), representatives of k-means clusters no label covers yet, and a seeded random
+    fill, in the proportions of `shares`. Needs select.embeddings other than `model` (the model's embeddings only
+    exist once the pool is scored).
+    """
+
+    method: Literal["all", "restrict"] = Field(default="all", description="all = score every eligible sample; "
+                                               "restrict = score only the candidates")
+    size: int | None = Field(default=None, ge=1, description="candidates per round; None = per_batch × "
+                             "select.batch_size")
+    per_batch: int = Field(default=10, ge=1, description="the default size as a multiple of select.batch_size")
+    shares: dict[Literal["neighbors", "clusters", "random"], float] = Field(
+        default_factory=lambda: {"neighbors": 0.5, "clusters": 0.3, "random": 0.2},
+        description="fraction of the candidates from each source; what a source cannot fill goes to the random fill")
+    clusters: int = Field(default=100, ge=2, description="k-means clusters on the selection embeddings (fitted once "
+                          "per embeddings, cached)")
+
+    @field_validator("shares")
+    @classmethod
+    def _shares(cls, v: dict[str, float]) -> dict[str, float]:
+        if any(x < 0 for x in v.values()) or not 0.999 <= sum(v.values()) <= 1.001:
+            raise ValueError(f"shares must be ≥ 0 and sum to 1, got {v} (sum {sum(v.values()):g}); e.g. "
+                             "{neighbors: 0.5, clusters: 0.3, random: 0.2}")
+        return v
+
+    def size_for(self, batch_size: int) -> int:
+        return self.size if self.size is not None else self.per_batch * batch_size
+
+
 class SelectConfig(Section):
     batch_size: int = Field(default=32, ge=1)
     # Heuristic name, one of pipeline.strategies.HEURISTICS.
@@ -292,6 +333,30 @@ class SelectConfig(Section):
     outlier_z: float = Field(default=3.5, gt=0)
     outlier_weight: float = Field(default=0.5, ge=0, le=1)
     uncertain_rounds: int = Field(default=3, ge=2)
+    candidates: CandidatesConfig = Field(default_factory=CandidatesConfig)
+
+    @field_validator("candidates", mode="before")
+    @classmethod
+    def _candidates_shorthand(cls, v: Any) -> Any:
+        # `select.candidates: restrict` is short for `select.candidates: {method: restrict}`.
+        return {"method": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _candidates_need_a_space(self) -> SelectConfig:
+        if self.candidates.method != "all" and self.embeddings.source == "model":
+            raise ValueError("select.candidates: restrict picks candidates before any forward, from the selection "
+                             "embeddings, and select.embeddings.source 'model' has none before scoring; set "
+                             "select.embeddings to pool, pixels, vision_tower or file, or select.candidates: all")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        # A config that does not restrict candidates dumps as it did before the field existed, so every stage keyed
+        # on the select section keeps its cache key.
+        data = handler(self)
+        if self.candidates.method == "all" and isinstance(data, dict):
+            data.pop("candidates", None)
+        return data
 
     @field_validator("embeddings", mode="before")
     @classmethod

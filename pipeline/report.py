@@ -83,6 +83,14 @@ def curve_table(metrics_rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def candidates_line(c: Mapping[str, Any]) -> str:
+    """What a restricted round scored: "scored N candidates of M eligible (...)"."""
+    parts = ", ".join(f"{n} {name}" for name, n in c["sources"].items())
+    extra = c["scored"] - c["candidates"]
+    return (f"scored {c['candidates']} candidates of {c['eligible']} eligible ({parts}; select.candidates)"
+            + (f" and the {extra} labeled samples" if extra else ""))
+
+
 def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[str, Any]], label_report: str = "",
                      *, curve_uri: str | None = None, curve_path: str | os.PathLike[str] | None = None) -> str:
     """The round-summary artifact (also artifacts/rounds/NNN/summary.md): counts, metrics, the learning curve as a
@@ -92,6 +100,8 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
              f"{state.get('labels_spent', state['labeled'])})",
              f"- pool (eligible): {state['pool']}", f"- selected: {state.get('selected', 0)}",
              f"- strategy: {state['strategy']}"]
+    if c := state.get("candidates"):
+        lines.append(f"- {candidates_line(c)}")
     if state.get("phase"):
         lines.append(f"- selection phase: **{state['phase']['phase']}** — {state['phase']['reason']}")
     if state.get("embeddings") and state["embeddings"] != "model":

@@ -207,17 +207,22 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
     are too long to be parameters), and decides the round's phase from earlier rounds' selections."""
     labeled_ids = sorted(labels) if adapter is not None else []
     candidates = sorted(set(pool_ids) | set(labeled_ids))
+    phase = None
+    if adapter is not None:
+        previous = [read_jsonl(f) for d in history_dirs if (f := Path(d) / "selection" / SELECTION_FILE).is_file()]
+        phase = round_phase(cfg.select, labels=labels, n_classes=len(cfg.data.answers) if cfg.data.answers else None,
+                            previous_selections=previous).as_dict()
+    restricted = None
+    if adapter is not None and cfg.select.candidates.method != "all":
+        # Only rounds that score are restricted: a cold start in a selection space scores nothing and picks from it all.
+        restricted = restrict_candidates(cfg, pool_ids=pool_ids, labeled_ids=labeled_ids, space=space, phase=phase)
+        candidates = sorted(set(restricted.ids) | set(labeled_ids))
     pool_path, exclude_path, labeled_path = (round_dir / "candidates.jsonl", round_dir / "exclude.jsonl",
                                              round_dir / "labeled_ids.jsonl")
     atomic_write_jsonl(pool_path, [{"sample_id": s} for s in candidates])
     exclude_rows = [{"sample_id": s} for s in sorted(set(exclude) | set(labeled_ids))]
     atomic_write_jsonl(exclude_path, exclude_rows)
     atomic_write_jsonl(labeled_path, [{"sample_id": s} for s in labeled_ids])
-    phase = None
-    if adapter is not None:
-        previous = [read_jsonl(f) for d in history_dirs if (f := Path(d) / "selection" / SELECTION_FILE).is_file()]
-        phase = round_phase(cfg.select, labels=labels, n_classes=len(cfg.data.answers) if cfg.data.answers else None,
-                            previous_selections=previous).as_dict()
     # The candidates travel as a file: their digest is what keys the stage on them (a cold start has no score refs).
     params = dict(artifacts=str(cfg.artifacts), select=cfg.section("select"), answers=cfg.data.answers,
                   candidates_digest=digest_json(candidates),
@@ -226,14 +231,54 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
                   history=uncertainty_history(list(history_dirs)), cold_start=adapter is None, phase=phase,
                   space=space, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
                   out_dir=str(round_dir / "selection"))
+    if restricted is not None:  # only then: a project that scores every eligible sample keeps its select key
+        params["candidates"] = {**restricted.info, "scored": len(candidates)}
     return SelectionPlan(candidates, adapter is not None or space is None, params)
+
+
+def coverage_picker(strategy: str, diversity: str, *, space: Space, labeled: Collection[str],
+                    n_classes: int | None) -> tuple[str, Any] | None:
+    """In a coverage phase, (selector name, pick(eligible, k, seed)): that phase's selector over the whole eligible
+    pool, whose batch is a coverage phase's candidates (pipeline.strategies.candidates); None otherwise."""
+    from pipeline.strategies.candidates import picks_by_space
+
+    if not picks_by_space(strategy, diversity):
+        return None
+
+    def pick(eligible: list[str], k: int, seed: int) -> list[str]:
+        return select_step(eligible, k=k, strategy=strategy, diversity=diversity, seed=seed, labeled=labeled,
+                           space=space, n_classes=n_classes).ids
+
+    return diversity, pick
+
+
+def restrict_candidates(cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Sequence[str],
+                        space: dict[str, Any] | None, phase: Mapping[str, str] | None = None) -> Any:
+    """The round's candidates under `select.candidates: restrict`, from the selection-embeddings stage `space`
+    (pipeline.strategies.candidates); its k-means labels are cached under artifacts/candidates/."""
+    from pipeline.embeddings import load_selection_embeddings
+    from pipeline.strategies.candidates import round_candidates
+
+    if space is None:
+        raise SelectionError("select.candidates: restrict needs the selection-embeddings stage; set select.embeddings "
+                             "to pool, pixels, vision_tower or file")
+    ids, emb = load_selection_embeddings(space["dir"])
+    coverage = coverage_picker((phase or {}).get("strategy", cfg.select.strategy),
+                               (phase or {}).get("diversity", cfg.select.diversity),
+                               space=Space(ids, emb, cfg.select.embeddings.source), labeled=labeled_ids,
+                               n_classes=len(cfg.data.answers) if cfg.data.answers else None)
+    return round_candidates(cfg.select, pool_ids=pool_ids, labeled_ids=labeled_ids, space_ids=ids, space_emb=emb,
+                            seed=cfg.seed, cache_dir=Path(cfg.artifacts) / "candidates", space_digest=space["digest"],
+                            coverage=coverage)
 
 
 def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[str, Any], answers: list[str] | None,
                  candidates_digest: str, exclude_digest: str, exclude_path: str, labeled_path: str, pool_path: str,
                  history: list[dict[str, str]], cold_start: bool, phase: dict[str, str] | None,
-                 space: dict[str, Any] | None, adapter_digest: str | None, seed: int, out_dir: str) -> dict[str, Any]:
-    """The select stage: the round's batch from its scores (and selection space) into `out_dir`."""
+                 space: dict[str, Any] | None, adapter_digest: str | None, seed: int, out_dir: str,
+                 candidates: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The select stage: the round's batch from its scores (and selection space) into `out_dir`. `candidates`: how
+    a restricted round's candidates were chosen (recorded in the manifest and the returned ref), None = all."""
     from pipeline.embeddings import load_selection_embeddings
     from pipeline.scoring import concat_scores, load_scores
     from pipeline.strategies.outliers import read_uncertainty_history, write_uncertainty
@@ -248,6 +293,8 @@ def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[
         history=read_uncertainty_history([h["path"] for h in history]), cold_start=cold_start, seed=seed,
         phase=phase,
     )
+    if candidates is not None:
+        result.info["candidates"] = candidates
     out = Path(out_dir)
     outputs = {"selection": SELECTION_FILE}
     if result.uncertainty is not None:

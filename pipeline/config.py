@@ -339,10 +339,11 @@ class AnnotateConfig(Section):
     )
     # Optional live connection (pip install 'tamis[labelstudio]'); None = files only.
     label_studio: LabelStudioConfig | None = None
-    consensus: Literal["majority", "dawid_skene"] = Field(
+    consensus: Literal["majority", "dawid_skene", "one_coin"] = Field(
         default="majority",
         description="How several annotators' votes become one label (pipeline/annotation/consensus.py): majority "
-                    "(a tie is rejected) or dawid_skene (each annotator's confusion estimated, refit over every vote).")
+                    "(a tie is rejected), dawid_skene (each annotator's confusion matrix estimated, refit over every "
+                    "vote) or one_coin (Dawid–Skene with one accuracy per annotator: better with few votes).")
     consensus_model_rater: bool = Field(
         default=False, description="Count each round's exported predictions as one more rater named 'model'.")
     redundancy: RedundancyRule | None = Field(

@@ -12,6 +12,8 @@ Methods (`annotate.consensus`), one small class each in CONSENSUS:
 | `majority`    | most votes wins, a tie is no label (today's rule)        | per import file, as the votes arrive       |
 | `dawid_skene` | Dawid–Skene (1979) EM via crowd-kit: each annotator's     | refit over every raw vote of the project    |
 |               | confusion matrix and the class priors → a posterior      | after each import                          |
+| `one_coin`    | Dawid–Skene with one accuracy per annotator (crowd-kit's  | as dawid_skene                             |
+|               | OneCoinDawidSkene): few parameters, for few votes        |                                            |
 
 The confidence of a decision is the share of votes for the winner (majority) or its posterior probability
 (Dawid–Skene); a sample below `annotate.redundancy.threshold` goes to another annotator in the next export.
@@ -130,15 +132,19 @@ class DawidSkene(Consensus):
     def __init__(self) -> None:
         self._fit: Any = None
 
+    def _model(self) -> Any:
+        from crowdkit.aggregation import DawidSkene as _DS
+
+        return _DS(n_iter=self.n_iter)
+
     def decide(self, votes: Mapping[str, Sequence[Vote]]) -> dict[str, Decision]:
         import pandas as pd
-        from crowdkit.aggregation import DawidSkene as _DS
 
         rows = [(v.sample_id, v.annotator, v.label) for vs in votes.values() for v in vs]
         if not rows:
             return {}
         df = pd.DataFrame(rows, columns=["task", "worker", "label"])
-        self._fit = _DS(n_iter=self.n_iter).fit(df)
+        self._fit = self._model().fit(df)
         probas = self._fit.probas_
         out = {}
         for sid, vs in votes.items():
@@ -160,11 +166,33 @@ class DawidSkene(Consensus):
             m = errors.loc[name]  # rows: the label given, columns: the true label; each column sums to 1
             q.confusion = {str(given): {str(t): round(float(m.loc[given, t]), 4) for t in m.columns}
                            for given in m.index}
-            q.accuracy = float(sum(priors[t] * (m.loc[t, t] if t in m.index else 0.0) for t in m.columns))
+            q.accuracy = self._accuracy(name, m, priors)
         return out
 
+    def _accuracy(self, name: str, confusion: Any, priors: Any) -> float:
+        """P(the annotator gives the true label) = Σ_k prior_k · P(gives k | true k)."""
+        return float(sum(priors[t] * (confusion.loc[t, t] if t in confusion.index else 0.0)
+                         for t in confusion.columns))
 
-CONSENSUS: dict[str, type[Consensus]] = {"majority": Majority, "dawid_skene": DawidSkene}
+
+class OneCoinDawidSkene(DawidSkene):
+    """Dawid–Skene with one accuracy per annotator and wrong answers spread evenly (crowd-kit's OneCoinDawidSkene):
+    one parameter per annotator instead of a K×K matrix, so it estimates well from few votes per annotator and
+    class, where the full model overfits (two labels per sample, ten classes)."""
+
+    name = "one_coin"
+
+    def _model(self) -> Any:
+        from crowdkit.aggregation import OneCoinDawidSkene as _OneCoin
+
+        return _OneCoin(n_iter=self.n_iter)
+
+    def _accuracy(self, name: str, confusion: Any, priors: Any) -> float:
+        return float(self._fit.skills_[name])
+
+
+CONSENSUS: dict[str, type[Consensus]] = {"majority": Majority, "dawid_skene": DawidSkene,
+                                          "one_coin": OneCoinDawidSkene}
 
 
 # ------------------------------------------------------------------------------------------------ the votes
@@ -267,23 +295,18 @@ def read_consensus(artifacts: str | os.PathLike[str]) -> ConsensusRecord | None:
     return ConsensusRecord.from_dict(json.loads(p.read_text(encoding="utf-8"))) if p.is_file() else None
 
 
-def apply_consensus(artifacts: str | os.PathLike[str], annotate: Any, *, answers: Sequence[str] | None,
-                    round_index: int, requeued: set[str] = frozenset()) -> ConsensusRecord | None:
-    """Derive the consensus from every raw vote, record it in consensus.json, and append a ledger entry for each
-    sample whose label it changes (kind label/correction, `consensus: {method, confidence}`); None without votes.
-
-    A per-file method (majority) already wrote its labels at import: only samples sent out for another vote
-    (`requeued`, the redundancy queue) are decided again over all their votes, so a third opinion settles a tie
-    instead of the newest vote winning. A fitted method (dawid_skene) may change any sample. Reads
-    annotate.consensus and annotate.consensus_model_rater. Idempotent: with no new vote it appends nothing.
-    """
+def derive_consensus(artifacts: str | os.PathLike[str], annotate: Any, *, answers: Sequence[str] | None,
+                     round_index: int, requeued: set[str] = frozenset()
+                     ) -> tuple[ConsensusRecord | None, list[dict[str, Any]]]:
+    """(the consensus of every raw vote, the ledger entries it would append), writing nothing; (None, []) without
+    votes. See apply_consensus."""
     from pipeline.annotation.ledger import Ledger, ledger_path, make_entry
     from pipeline.evaluate import normalize_answer
-    from pipeline.store import atomic_write_json, digest_json
+    from pipeline.store import digest_json
 
     votes = read_votes(artifacts)
     if not votes:
-        return None
+        return None, []
     same = (lambda x: x) if answers else normalize_answer
     if not answers:
         votes = _spelled(votes, same)
@@ -316,8 +339,28 @@ def apply_consensus(artifacts: str | os.PathLike[str], annotate: Any, *, answers
         e["entry_id"] = digest_json(e)[:16]
         entries.append(e)
     record.annotators = part.annotators(votes, record.samples)
+    return record, entries
+
+
+def apply_consensus(artifacts: str | os.PathLike[str], annotate: Any, *, answers: Sequence[str] | None,
+                    round_index: int, requeued: set[str] = frozenset()) -> ConsensusRecord | None:
+    """Derive the consensus from every raw vote, record it in consensus.json, and append a ledger entry for each
+    sample whose label it changes (kind label/correction, `consensus: {method, confidence}`); None without votes.
+
+    A per-file method (majority) already wrote its labels at import: only samples sent out for another vote
+    (`requeued`, the redundancy queue) are decided again over all their votes, so a third opinion settles a tie
+    instead of the newest vote winning. A fitted method (dawid_skene) may change any sample. Reads
+    annotate.consensus and annotate.consensus_model_rater. Idempotent: with no new vote it appends nothing.
+    """
+    from pipeline.annotation.ledger import Ledger, ledger_path
+    from pipeline.store import atomic_write_json
+
+    record, entries = derive_consensus(artifacts, annotate, answers=answers, round_index=round_index,
+                                       requeued=requeued)
+    if record is None:
+        return None
     if entries:
-        ledger.append(entries)
+        Ledger(ledger_path(artifacts)).append(entries)
     atomic_write_json(consensus_path(artifacts), record.to_dict())
     return record
 

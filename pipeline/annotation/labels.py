@@ -319,6 +319,10 @@ def _apply(
             rep.conflicts.append(Conflict(sid, decision.votes, decision.outcome, decision.label))
             if not one_annotator:
                 rep.votes += [_vote_row(sid, r, round_index, lf.digest) for r in rows]
+                if tie:  # rejected as a label, still a vote that cost its annotator the time (accepted ones below)
+                    rep.times += [{"sample_id": sid, "annotator": r.annotator, "seconds": r.seconds,
+                                   "round": round_index, "source_digest": lf.digest}
+                                  for r in rows if r.seconds is not None]
             if tie:
                 for r in rows:
                     reject(r, f"conflicting answers for {sid} from {rows[0].annotator}: {decision.votes}; keep one "

@@ -128,6 +128,7 @@ def _one_seed(seed: int, ds: Any, truth: dict[str, str], pool: list[str], test: 
     out["majority_ties_rejected"] = {
         "coverage": len(imported) / len(pool),
         "accuracy_of_labeled": float(np.mean([imported[s] == truth[s] for s in imported])),
+        "accuracy_over_all": float(np.mean([imported.get(s) == truth[s] for s in pool])),
         "model_accuracy": _probe_accuracy(imported, emb, test, truth)}
     for method in METHODS:
         t0 = time.time()
@@ -198,7 +199,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 for n, _ in CROWD}
 
     rejected = {k: round(float(np.mean([r["majority_ties_rejected"][k] for r in per_seed])), 4)
-                for k in ("coverage", "accuracy_of_labeled", "model_accuracy")}
+                for k in ("coverage", "accuracy_of_labeled", "accuracy_over_all", "model_accuracy")}
     return {
         "crowd": {n: a for n, a in CROWD}, "labels_per_sample": LABELS_PER_SAMPLE, "pool": len(pool),
         "test": len(test), "seeds": seeds, "quick": quick,

@@ -235,3 +235,51 @@ def test_cli_labels_annotators(tmp_path, make_vqa):
         "votes"] == 60
     assert data["pending_ledger_changes"] > 0  # the ties one_coin would label
     assert ledger_path(cfg.artifacts).read_bytes() == before  # the command only reads
+
+
+@pytest.mark.slow
+def test_rounds_with_a_crowd_dawid_skene_and_redundancy(tmp_path, tiny_models, prefect_harness):
+    """Two rounds end to end: the crowd answers round 0 with 2 labels per sample, round 1 derives the consensus
+    before it plans its labeled set, reports the annotators and sends the unsure samples out again, counted."""
+    from flows.round import labeling_round
+    from pipeline.config import load_config
+    from tests.test_round_flow import write_project
+
+    crowd = [{"name": "ann", "accuracy": 1.0, "seconds": 10}, {"name": "bob", "accuracy": 0.9, "seconds": 20},
+             {"name": "cat", "accuracy": 0.3, "seconds": {"base": 5, "per": "detail", "scale": 30}}]
+    import yaml
+
+    config = write_project(tmp_path, tiny_models, rounds={"simulate_annotators": crowd, "simulate_redundancy": 2})
+    raw = yaml.safe_load(config.read_text())
+    raw["annotate"] = {"consensus": "dawid_skene", "redundancy": {"threshold": 0.9, "max_labels": 3}}
+    config.write_text(yaml.safe_dump(raw))
+    art = load_config(config).artifacts
+    first = labeling_round(str(config))
+    assert "consensus" not in first  # no votes yet
+    second = labeling_round(str(config))
+    assert second["labeled"] == 6 and second["consensus"]["method"] == "dawid_skene"
+    assert {r["annotator"] for r in second["consensus"]["annotators"]} <= {"ann", "bob", "cat"}
+    summary = (art / "rounds/001/summary.md").read_text()
+    assert "### Annotators (consensus: dawid_skene)" in summary
+    assert read_consensus(art).method == "dawid_skene" and len(read_votes(art)) == 6
+    if second.get("consensus_dir"):  # the unsure ones went out again, and the budget knows
+        n = second["consensus_requeued"]
+        assert n == len(redundancy_queued(art)[1]) and redundancy_spent(art, before_round=2) == n
+        assert (art / "inbox/simulated-consensus-001.json").is_file()
+    third = labeling_round(str(config), simulate=False)
+    assert third["labels_spent"] == third["labeled"] + second.get("consensus_requeued", 0)
+
+
+def test_a_tie_before_a_labeled_sample_in_one_file_imports(tmp_path):
+    """The tie check once reused the name of the label comparison: the next sample with a current label crashed."""
+    led = Ledger(ledger_path(tmp_path))
+    first, second = tmp_path / "a.csv", tmp_path / "b.csv"
+    first.write_text("sample_id,label,annotator\nx1,4,ann\n")
+    second.write_text("sample_id,label,annotator\nx0,1,ann\nx0,2,bob\nx1,4,bob\nx1,4,cat\n")
+    for f in (first, second):
+        rep = import_labels(f, known_ids={"x0", "x1"}, answers=DIGITS, ledger=led, round_index=0,
+                            rejections_dir=tmp_path / "rej")
+    assert [c.outcome for c in rep.conflicts] == ["tie"] and rep.unchanged == ["x1"]
+    assert led.labels() == {"x1": "4"}
+    assert sorted((v.annotator, v.label) for v in read_votes(tmp_path)["x0"]) == [("ann", "1"), ("bob", "2")]
+    assert len(read_votes(tmp_path)["x1"]) == 3  # a vote that repeats the current label is still a raw vote

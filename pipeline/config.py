@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from pipeline.errors import ConfigError
 
@@ -349,6 +357,17 @@ class AnnotateConfig(Section):
     redundancy: RedundancyRule | None = Field(
         default=None, description="Send a sample whose consensus confidence is below `threshold` to another "
                                   "annotator with the next export, up to `max_labels` votes; None = never.")
+
+    @model_serializer(mode="wrap")
+    def _consensus_defaults_left_out(self, handler: Any) -> Any:
+        # The export and relabel stages key their caches on this whole section, and the consensus fields change
+        # neither: at their defaults they stay out of the dump, so an existing project keeps its cache keys.
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in ("consensus", "consensus_model_rater", "redundancy"):
+                if name in data and getattr(self, name) == type(self).model_fields[name].default:
+                    del data[name]
+        return data
 
 
 class LabelCheckConfig(Section):

@@ -283,3 +283,18 @@ def test_a_tie_before_a_labeled_sample_in_one_file_imports(tmp_path):
     assert led.labels() == {"x1": "4"}
     assert sorted((v.annotator, v.label) for v in read_votes(tmp_path)["x0"]) == [("ann", "1"), ("bob", "2")]
     assert len(read_votes(tmp_path)["x1"]) == 3  # a vote that repeats the current label is still a raw vote
+
+
+def test_consensus_settings_leave_the_export_cache_keys_of_existing_projects_alone():
+    """The export and relabel stages key on the whole annotate section: the consensus fields at their defaults stay
+    out of its dump (an existing project keeps its keys); set, they are in it and survive a YAML round trip."""
+    import yaml
+
+    default = parse_config({}).section("annotate")
+    assert not {"consensus", "consensus_model_rater", "redundancy"} & set(default)
+    cfg = parse_config({"annotate": {"consensus": "one_coin", "consensus_model_rater": True,
+                                     "redundancy": {"threshold": 0.7}}})
+    section = cfg.section("annotate")
+    assert section["consensus"] == "one_coin" and section["redundancy"] == {"threshold": 0.7, "max_labels": 3}
+    again = parse_config(yaml.safe_load(cfg.to_yaml())).annotate
+    assert again == cfg.annotate

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from flows.cli_common import ConfigOpt, out_console
+from flows.cmd_annotators import labels_annotators
 
 LOCK_NAME = "round.lock"
 
@@ -191,5 +192,6 @@ def register(app: typer.Typer) -> None:
     labels_app.command("import")(labels_import)
     labels_app.command("history")(labels_history)
     labels_app.command("issues")(labels_issues)
+    labels_app.command("annotators")(labels_annotators)
     app.add_typer(labels_app, name="labels")
     app.command("simulate-annotator")(simulate)

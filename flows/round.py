@@ -24,6 +24,7 @@ from pipeline.annotation.inbox import import_inbox, receive_labels
 from pipeline.annotation.label_files import LabelKeys
 from pipeline.annotation.label_studio import pull_labels, push_batch
 from pipeline.annotation.ledger import Ledger, ledger_path
+from pipeline.annotation.redundancy import queue_redundancy, settle_votes
 from pipeline.config import ProjectConfig, load_config
 from pipeline.labelcheck import check_report_markdown, labels_spent
 from pipeline.lock import ProjectLock
@@ -51,6 +52,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
     imports = pull_labels(cfg, known_ids=pool.index, round_index=start) + import_inbox(
         art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg))
+    agreed = settle_votes(art, cfg.annotate, answers=cfg.data.answers, round_index=start)
     plan = rounds.plan_round(art, rounds.round_labels(pool, Ledger(ledger_path(art)).labels()))
     state = {**plan.state(imports), "annotation_time": annotation_time(art, next_batch=cfg.select.batch_size)}
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
@@ -63,7 +65,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
 
     pool_ids, exclude = rounds.eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
                                              stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
-    state.update(pool=len(pool_ids), strategy=rounds.round_strategy(cfg, cold=adapter is None),
+    state.update(agreed, pool=len(pool_ids), strategy=rounds.round_strategy(cfg, cold=adapter is None),
                  labels_spent=labels_spent(len(plan.labels), art, before_round=plan.index))
     state["stopped"] = rounds.stop_reason(cfg, plan.index, state["labels_spent"], read_metrics(art), len(pool_ids),
                                           state.get("stability"))
@@ -90,6 +92,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
                 state["relabel_dir"] = rel["dir"]
                 if cfg.annotate.label_studio is not None:
                     state["label_studio_relabel"] = push_batch(cfg, rel["dir"])
+        state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.answers,
+                                      prepared_dir=prep["prepare"]["dir"], round_index=plan.index))
 
     state["adapter"] = adapter
     metrics_rows = read_metrics(art)
@@ -99,7 +103,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     rounds.write_round(plan, state, report.summary_markdown(state, metrics_rows, label_report, curve_path=curve))
     if cfg.rounds.simulate_annotator if simulate is None else simulate:
         rounds.answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
-                            seed=cfg.seed)
+                            seed=cfg.seed, crowd=cfg.rounds)
     publish_round(cfg.artifacts, state, metrics_rows, label_report, curve,
                   waiting=waiting.waits_for_labels(cfg, state))
     progress.complete(report.state_message(state))

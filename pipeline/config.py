@@ -412,6 +412,16 @@ class LabelStudioConfig(Section):
         return v.rstrip("/")
 
 
+class RedundancyRule(Section):
+    """annotate.redundancy: when a sample needs another annotator's vote."""
+
+    # The consensus confidence (majority: share of votes for the winner, a tie included; dawid_skene: posterior
+    # probability) below which a sample goes out again.
+    threshold: float = Field(default=0.8, gt=0, le=1)
+    # Votes a sample may collect in all; at this count it is not sent again, however unsure.
+    max_labels: int = Field(default=3, ge=2)
+
+
 class AnnotateConfig(Section):
     # Label Studio serves local files as /data/local-files/?d=<path relative to its document root>.
     image_url_prefix: str = "/data/local-files/?d="
@@ -423,6 +433,27 @@ class AnnotateConfig(Section):
     )
     # Optional live connection (pip install 'tamis[labelstudio]'); None = files only.
     label_studio: LabelStudioConfig | None = None
+    consensus: Literal["majority", "dawid_skene", "one_coin"] = Field(
+        default="majority",
+        description="How several annotators' votes become one label (pipeline/annotation/consensus.py): majority "
+                    "(a tie is rejected), dawid_skene (each annotator's confusion matrix estimated, refit over every "
+                    "vote) or one_coin (Dawid–Skene with one accuracy per annotator: better with few votes).")
+    consensus_model_rater: bool = Field(
+        default=False, description="Count each round's exported predictions as one more rater named 'model'.")
+    redundancy: RedundancyRule | None = Field(
+        default=None, description="Send a sample whose consensus confidence is below `threshold` to another "
+                                  "annotator with the next export, up to `max_labels` votes; None = never.")
+
+    @model_serializer(mode="wrap")
+    def _consensus_defaults_left_out(self, handler: Any) -> Any:
+        # The export and relabel stages key their caches on this whole section, and the consensus fields change
+        # neither: at their defaults they stay out of the dump, so an existing project keeps its cache keys.
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in ("consensus", "consensus_model_rater", "redundancy"):
+                if name in data and getattr(self, name) == type(self).model_fields[name].default:
+                    del data[name]
+        return data
 
 
 class LabelCheckConfig(Section):
@@ -459,6 +490,26 @@ class StableRule(Section):
     window: int = Field(default=3, ge=1)
 
 
+class SecondsModel(Section):
+    """A simulated annotator's seconds per label: base + scale × the sample's `per` property, times a seeded
+    per-sample noise factor exp(noise · z), z ~ N(0, 1). Properties: detail = mean absolute gradient of the
+    exported image in grey levels on a 0–1 scale; pixels = megapixels of the exported image; question_length =
+    words of the question."""
+
+    base: float = Field(default=10.0, ge=0)
+    per: Literal["detail", "pixels", "question_length"] = "detail"
+    scale: float = Field(default=0.0, ge=0)
+    noise: float = Field(default=0.2, ge=0)
+
+
+class SimulatedAnnotator(Section):
+    """One simulated annotator of rounds.simulate_annotators."""
+
+    name: str = Field(min_length=1)
+    accuracy: float = Field(default=1.0, ge=0, le=1)  # chance of the true answer; otherwise a uniform wrong one
+    seconds: float | SecondsModel = 30.0  # a fixed number of seconds per label, or a model of the sample
+
+
 class RoundsConfig(Section):
     max_rounds: int = Field(default=5, ge=1)
     label_budget: int | None = Field(default=None, ge=1)
@@ -467,6 +518,11 @@ class RoundsConfig(Section):
     simulate_annotator: bool = False
     # Fraction of the simulated annotator's answers flipped to a wrong answer (to see the label checks at work).
     simulate_noise: float = Field(default=0.0, ge=0, le=1)
+    # A simulated crowd instead of the one simulated annotator (used where the round's annotators are simulated):
+    # each exported sample gets `simulate_redundancy` of them, chosen per sample (seeded), with their accuracy and
+    # time. None = the single annotator above.
+    simulate_annotators: list[SimulatedAnnotator] | None = None
+    simulate_redundancy: int = Field(default=1, ge=1)  # labels per exported sample from the simulated crowd
     cron: str = "0 6 * * 1"
     # A deployed round suspends after its export until the annotators' labels are in (resumed from the Prefect UI or
     # `tamis resume`), then imports them and runs the next round in the same flow run.

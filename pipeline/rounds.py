@@ -235,25 +235,46 @@ def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: Round
 
 # --------------------------------------------------------------------------------------------- the end
 def write_round(plan: RoundPlan, state: Mapping[str, Any], summary: str) -> None:
-    """summary.md, then round.json last: round.json is what marks the round finished."""
+    """summary.md, then round.json last: round.json is what marks the round finished. With several annotators per
+    sample (state["consensus"]) the summary ends with their table."""
+    if state.get("consensus"):
+        from pipeline.annotation.consensus import annotators_markdown
+
+        summary = f"{summary}\n\n{annotators_markdown(state['consensus'])}"
+    if state.get("consensus_dir"):
+        summary += (f"\n\nRedundancy tasks (consensus below annotate.redundancy.threshold, "
+                    f"{state['consensus_requeued']} samples): `{state['consensus_dir']}`")
     atomic_write_text(plan.dir / SUMMARY_FILE, summary + "\n")
     atomic_write_json(plan.dir / ROUND_FILE, dict(state))
 
 
 def answer_round(artifacts: str | os.PathLike[str], state: Mapping[str, Any], *, ground_truth: Any, noise: float,
-                 seed: int) -> None:
-    """The simulated annotator answers a finished round's export (and its re-label queue) into the inbox.
+                 seed: int, crowd: Any = None) -> None:
+    """The simulated annotator answers a finished round's export (and its re-label queue) into the inbox; with a
+    crowd (the rounds section's simulate_annotators, read from `crowd`) the crowd does, rounds.simulate_redundancy
+    of them per sample, and it also answers the redundancy queue, each sample by someone who has not labeled it.
 
     Only a finished round is answered: with its labels in the inbox before round.json, a crash in between made the
     re-run import them into this round (a cold-start round trained, its export replaced, rounds renumbered).
     """
     from pipeline.annotation.inbox import inbox_dir
-    from pipeline.annotation.simulate import simulate_annotator
+    from pipeline.annotation.simulate import simulate_annotator, simulate_annotators
 
     if not state.get("export_dir"):
         return
-    simulate_annotator(state["export_dir"], ground_truth, inbox_dir(artifacts), round_index=state["round"],
-                       noise=noise, seed=seed)
+    annotators = getattr(crowd, "simulate_annotators", None)
+    if annotators:
+        from pipeline.annotation.consensus import read_votes
+
+        simulate_annotators(state["export_dir"], ground_truth, inbox_dir(artifacts), annotators=annotators,
+                            round_index=state["round"], redundancy=crowd.simulate_redundancy, seed=seed)
+        if state.get("consensus_dir"):
+            voted = {sid: {v.annotator for v in vs} for sid, vs in read_votes(artifacts).items()}
+            simulate_annotators(state["consensus_dir"], ground_truth, inbox_dir(artifacts), annotators=annotators,
+                                round_index=state["round"], seed=seed, kind="consensus", exclude=voted)
+    else:
+        simulate_annotator(state["export_dir"], ground_truth, inbox_dir(artifacts), round_index=state["round"],
+                           noise=noise, seed=seed)
     if state.get("relabel_dir"):
         # The reviewer of likely errors is careful: answers from the ground truth, never flipped.
         simulate_annotator(state["relabel_dir"], ground_truth, inbox_dir(artifacts), round_index=state["round"],

@@ -111,3 +111,73 @@ def test_cli_simulate_annotator(tmp_path, make_vqa):
     assert res.exit_code == 0, res.output
     labels = json.loads((tmp_path / "artifacts" / "inbox" / "simulated-round-002.json").read_text())
     assert [t["annotations"][0]["result"][0]["value"]["choices"] for t in labels] == [["0"], ["3"]]
+
+
+# ------------------------------------------------------------------------------------------ a simulated crowd
+def _crowd(**seconds):
+    from pipeline.config import SimulatedAnnotator
+
+    return [SimulatedAnnotator(name="ann", accuracy=1.0, seconds=seconds or 12.0),
+            SimulatedAnnotator(name="bob", accuracy=0.0, seconds=seconds or 20.0),
+            SimulatedAnnotator(name="cat", accuracy=1.0, seconds=seconds or 5.0)]
+
+
+def test_crowd_gives_distinct_annotators_their_accuracy_and_times_through_the_import(tmp_path, make_vqa):
+    from pipeline.annotation.simulate import simulate_annotators
+
+    ds, gt = make_vqa()
+    ids = [f"s{i:03d}" for i in range(12)]
+    cfg, out = _project(tmp_path, ds, ids)
+    inbox = cfg.artifacts / "inbox"
+    path = simulate_annotators(out, gt, inbox, annotators=_crowd(), redundancy=2, round_index=1, seed=4)
+    tasks = json.loads(path.read_text())
+    truth = _truth(gt)
+    for t in tasks:
+        anns = t["annotations"]
+        assert len({a["completed_by"] for a in anns}) == 2
+        for a in anns:
+            given = a["result"][0]["value"]["choices"][0]
+            assert (given == truth[t["data"]["sample_id"]]) == (a["completed_by"] != "bob")
+            assert a["lead_time"] == {"ann": 12.0, "bob": 20.0, "cat": 5.0}[a["completed_by"]]
+    first = path.read_bytes()
+    assert simulate_annotators(out, gt, inbox, annotators=_crowd(), redundancy=2, round_index=1,
+                               seed=4).read_bytes() == first  # deterministic
+    led, [rep] = _import(cfg, ids)
+    times = led.times()
+    assert len(times) == 24 and sum(t["seconds"] for t in times) == sum(
+        a["lead_time"] for t in tasks for a in t["annotations"])
+
+
+def test_crowd_excludes_who_labeled_before_and_refuses_too_few_annotators(tmp_path, make_vqa):
+    from pipeline.annotation.simulate import simulate_annotators
+
+    ds, gt = make_vqa(n=6)
+    ids = [f"s{i:03d}" for i in range(6)]
+    _, out = _project(tmp_path, ds, ids)
+    done = {s: {"ann", "bob"} for s in ids}
+    path = simulate_annotators(out, gt, tmp_path / "in", annotators=_crowd(), round_index=1, exclude=done)
+    assert {a["completed_by"] for t in json.loads(path.read_text()) for a in t["annotations"]} == {"cat"}
+    with pytest.raises(DataError, match="simulate_redundancy = 4"):
+        simulate_annotators(out, gt, tmp_path / "in", annotators=_crowd(), redundancy=4, round_index=1)
+
+
+def test_time_model_depends_on_the_stated_property_with_seeded_noise(tmp_path):
+    from PIL import Image
+
+    from pipeline.annotation.simulate import annotator_seconds, sample_property
+    from pipeline.config import SecondsModel, SimulatedAnnotator
+
+    flat, busy = tmp_path / "flat.png", tmp_path / "busy.png"
+    Image.new("L", (16, 16), 128).save(flat)
+    Image.frombytes("L", (16, 16), bytes((255 if (x + y) % 2 else 0) for y in range(16) for x in range(16))).save(busy)
+    assert sample_property("detail", image=flat, question="") == 0.0
+    assert sample_property("detail", image=busy, question="") == pytest.approx(1.0)
+    assert sample_property("pixels", image=busy, question="") == pytest.approx(256 / 1e6)
+    assert sample_property("question_length", image=None, question="Which digit is shown?") == 4
+    exact = SimulatedAnnotator(name="a", seconds=SecondsModel(base=10, per="detail", scale=40, noise=0.0))
+    assert annotator_seconds(exact, sample_id="x", seed=0, image=flat, question="") == 10.0
+    assert annotator_seconds(exact, sample_id="x", seed=0, image=busy, question="") == 50.0
+    noisy = SimulatedAnnotator(name="a", seconds=SecondsModel(base=10, per="detail", scale=40, noise=0.3))
+    s = [annotator_seconds(noisy, sample_id=f"x{i}", seed=0, image=busy, question="") for i in range(50)]
+    assert s == [annotator_seconds(noisy, sample_id=f"x{i}", seed=0, image=busy, question="") for i in range(50)]
+    assert len(set(s)) == 50 and 35 < sorted(s)[25] < 70  # spread around 50 s, median near it

@@ -25,11 +25,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
+from pipeline.annotation.consensus import Majority, votes_path
 from pipeline.annotation.label_files import LabelFile, LabelKeys, LabelRow, read_label_file
 from pipeline.annotation.ledger import Ledger, make_entry
 from pipeline.errors import LabelImportError
 from pipeline.evaluate import normalize_answer
-from pipeline.store import atomic_write_jsonl, digest_bytes
+from pipeline.store import append_jsonl, atomic_write_jsonl, digest_bytes
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class ImportReport:
     dry_run: bool = False
     matched_by: dict[str, int] = field(default_factory=dict)  # key kind → label rows it matched
     times: list[dict[str, Any]] = field(default_factory=list)  # annotation-time rows (accepted votes with a time)
+    votes: list[dict[str, Any]] = field(default_factory=list)  # raw-vote rows for the consensus log (ties included)
 
     @property
     def accounted(self) -> bool:
@@ -250,6 +252,10 @@ def _open_key(label: str) -> str:
     return normalize_answer(label)
 
 
+def _vote_row(sid: str, r: LabelRow, round_index: int, digest: str) -> dict[str, Any]:
+    return {"sample_id": sid, "annotator": r.annotator, "label": r.label, "round": round_index, "source_digest": digest}
+
+
 def _apply(
     lf: LabelFile,
     *,
@@ -304,18 +310,28 @@ def _apply(
             spelled = Counter(r.label for r in rows)
             for r in rows:
                 r.label = max((a for a in spelled if same(a) == same(r.label)), key=lambda a: (spelled[a], a))
-        counts = Counter(r.label for r in rows)
-        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-        if len(ranked) > 1:
-            tie = ranked[0][1] == ranked[1][1]
-            rep.conflicts.append(Conflict(sid, dict(ranked), "tie" if tie else "majority", None if tie else ranked[0][0]))
+        # The file's own decision is the majority part's (consensus.py): a fitted method, when configured, is
+        # derived afterwards from every raw vote (apply_consensus), and these votes go to its log either way.
+        decision = Majority.decide_one([r.label for r in rows])
+        one_annotator = len({r.annotator for r in rows}) == 1
+        if decision.outcome != "agreed":
+            tie = decision.label is None
+            rep.conflicts.append(Conflict(sid, decision.votes, decision.outcome, decision.label))
+            if not one_annotator:
+                rep.votes += [_vote_row(sid, r, round_index, lf.digest) for r in rows]
+                if tie:  # rejected as a label, still a vote that cost its annotator the time (accepted ones below)
+                    rep.times += [{"sample_id": sid, "annotator": r.annotator, "seconds": r.seconds,
+                                   "round": round_index, "source_digest": lf.digest}
+                                  for r in rows if r.seconds is not None]
             if tie:
-                same = len({r.annotator for r in rows}) == 1
                 for r in rows:
-                    reject(r, f"conflicting answers for {sid} from {rows[0].annotator}: {dict(ranked)}; keep one row"
-                           if same else f"annotators tie on {sid}: {dict(ranked)}; add a deciding annotation")
+                    reject(r, f"conflicting answers for {sid} from {rows[0].annotator}: {decision.votes}; keep one "
+                           "row" if one_annotator else
+                           f"annotators tie on {sid}: {decision.votes}; add a deciding annotation")
                 continue
-        winner = ranked[0][0]
+        else:
+            rep.votes += [_vote_row(sid, r, round_index, lf.digest) for r in rows]
+        winner = decision.label
         rep.accepted_rows += len(rows)
         for r in rows:
             rep.matched_by[r.matched_by or "sample_id"] = rep.matched_by.get(r.matched_by or "sample_id", 0) + 1
@@ -358,8 +374,10 @@ def _apply(
                 f"{name}: {len(rep.rejected)} of {rep.rows_read} label rows rejected, nothing imported (strict):\n"
                 f"{first_rows}{more}\nfull list: {out}"
             )
-    # Times first: a crash before the ledger write re-imports the file, and the time log drops repeated rows.
+    # Times and votes first: a crash before the ledger write re-imports the file, and both logs drop repeated rows.
     ledger.append_times(rep.times)
+    if rep.votes:
+        append_jsonl(votes_path(ledger.path.parent), rep.votes)
     ledger.append(rep.accepted)
     return rep  # the caller reports rep.summary() once: the CLI prints it, the round logs it
 

@@ -1,5 +1,7 @@
 """A simulated annotator: answers an exported round from held-back ground truth and drops a *Label Studio export*
-into the inbox, so benchmarks and the demo go through the same import path as people do.
+into the inbox, so benchmarks and the demo go through the same import path as people do. A simulated crowd
+(`simulate_annotators`, rounds.simulate_annotators) does the same with several annotators, each with an accuracy
+and a time model, several of them per sample: their lead_time is what the ledger's time log records.
 
 Deterministic (seeded, no timestamps): simulating the same round twice writes the same bytes, which the importer
 then recognises as already imported.
@@ -9,9 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -162,4 +166,115 @@ def simulate_annotator(
                     len(tasks) - len(answered), len(tasks))
     log.info("Simulated annotator answered %d tasks of round %d (%d flipped) → %s",
              len(answered), round_index, n_flip, out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ a crowd
+def sample_property(per: str, *, image: Path | None, question: str) -> float:
+    """The sample property a SecondsModel reads (see pipeline.config.SecondsModel): detail (mean absolute grey-level
+    gradient, 0–1), pixels (megapixels) or question_length (words)."""
+    if per == "question_length":
+        return float(len(question.split()))
+    if image is None or not image.is_file():
+        raise ArtifactError(f"{image}: the exported image a simulated annotator's time depends on ({per}) is missing; "
+                            "export with annotate.formats including images, or use per: question_length")
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(image) as im:
+        if per == "pixels":
+            return im.width * im.height / 1e6
+        g = np.asarray(im.convert("L"), dtype=np.float32) / 255.0
+    dx = np.abs(np.diff(g, axis=1)).mean() if g.shape[1] > 1 else 0.0
+    dy = np.abs(np.diff(g, axis=0)).mean() if g.shape[0] > 1 else 0.0
+    return float((dx + dy) / 2)
+
+
+def annotator_seconds(spec: Any, *, sample_id: str, seed: int, image: Path | None, question: str) -> float:
+    """Seconds one simulated annotator spends on one sample: a fixed number, or base + scale × property times
+    exp(noise · z), z a standard normal seeded by (seed, annotator, sample), so reruns give the same times."""
+    seconds = spec.seconds
+    if isinstance(seconds, (int, float)):
+        return float(seconds)
+    z = random.Random(f"tamis-seconds:{seed}:{spec.name}:{sample_id}").gauss(0.0, 1.0)
+    value = sample_property(seconds.per, image=image, question=question) if seconds.scale else 0.0
+    return round((seconds.base + seconds.scale * value) * math.exp(seconds.noise * z), 3)
+
+
+def simulate_annotators(
+    export_dir: str | os.PathLike[str],
+    ground_truth_path: str | os.PathLike[str],
+    inbox_dir: str | os.PathLike[str],
+    *,
+    annotators: Sequence[Any],
+    round_index: int,
+    redundancy: int = 1,
+    seed: int = 0,
+    kind: str = "round",
+    exclude: Mapping[str, set[str]] | None = None,
+) -> Path:
+    """A simulated crowd answers every task of an export: each task gets `redundancy` distinct annotators (chosen per
+    sample, seeded; never one named in `exclude[sample_id]`, who labeled it before), each answering right with their
+    `accuracy` (else a uniformly drawn wrong answer) and taking `annotator_seconds`. Written as one Label Studio JSON
+    export with one annotation per annotator (their name in completed_by, their time in lead_time), so the votes
+    and times go through the real import. Deterministic: the same inputs write the same bytes.
+    """
+    names = [a.name for a in annotators]
+    if not annotators or len(set(names)) != len(names):
+        raise DataError(f"rounds.simulate_annotators: needs at least one annotator with distinct names, got {names}")
+    if redundancy > len(annotators):
+        raise DataError(f"rounds.simulate_redundancy = {redundancy} labels per sample, but only {len(annotators)} "
+                        f"simulated annotators ({', '.join(names)}); add annotators or lower it")
+    export_dir = Path(export_dir)
+    tasks_path = export_dir / TASKS_FILE
+    if not tasks_path.is_file():
+        raise ArtifactError(f"{tasks_path}: no Label Studio tasks for round {round_index}; export the round first")
+    tasks = json.loads(tasks_path.read_text(encoding="utf-8"))
+    by_id, by_image = load_ground_truth(ground_truth_path)
+    choices = _choices(export_dir)
+    pool = choices or sorted(set(by_id.values()) | set(by_image.values()))
+    exclude = exclude or {}
+    out_tasks, given_rows = [], []
+    for i, t in enumerate(tasks):
+        data = t.get("data", {})
+        sid = data.get("sample_id") or t.get("meta", {}).get("sample_id")
+        truth = by_id.get(sid) if sid else None
+        if truth is None:
+            truth = by_image.get(data.get("original_image", "")) or by_image.get(_image_name(data.get("image")))
+        rng = random.Random(f"tamis-crowd:{seed}:{round_index}:{kind}:{sid}")
+        free = [a for a in annotators if a.name not in exclude.get(sid or "", set())]
+        chosen = sorted(rng.sample(free, min(redundancy, len(free))), key=lambda a: names.index(a.name))
+        image = export_dir / "images" / _image_name(data.get("image")) if data.get("image") else None
+        anns = []
+        for j, a in enumerate(chosen):
+            arng = random.Random(f"tamis-crowd:{seed}:{round_index}:{kind}:{sid}:{a.name}")
+            if truth is None:
+                ans = None
+            elif arng.random() < a.accuracy or len(pool) < 2:
+                ans = truth
+            else:
+                ans = arng.choice([x for x in pool if x != truth])
+            value = {"choices": [ans]} if choices else {"text": [ans]}
+            anns.append({
+                "id": i * len(annotators) + j + 1,
+                "completed_by": a.name,
+                "result": [] if ans is None else [{"from_name": FROM_NAME, "to_name": TO_NAME,
+                                                   "type": "choices" if choices else "textarea", "value": value,
+                                                   "origin": "manual", "id": f"sim{i}-{j}"}],
+                "was_cancelled": ans is None,
+                "ground_truth": False,
+                "lead_time": annotator_seconds(a, sample_id=sid or str(i), seed=seed, image=image,
+                                               question=str(data.get("text") or "")),
+            })
+            given_rows.append({"sample_id": sid, "annotator": a.name, "true": truth, "given": ans})
+        out_tasks.append({"id": i + 1, "data": data, "meta": t.get("meta", {}), "annotations": anns,
+                          "predictions": []})
+    out = simulated_file(inbox_dir, round_index, kind)
+    atomic_write_json(sidecar_path(out), {"round": round_index, "seed": seed, "tasks": len(tasks),
+                                          "annotators": [a.model_dump(mode="json") for a in annotators],
+                                          "redundancy": redundancy, "given": given_rows})
+    atomic_write_text(out, json.dumps(out_tasks, sort_keys=True, indent=2, ensure_ascii=False) + "\n")
+    wrong = sum(r["given"] is not None and r["given"] != r["true"] for r in given_rows)
+    log.info("Simulated crowd (%s) answered %d tasks of round %d with %d labels (%d wrong) → %s",
+             ", ".join(names), len(tasks), round_index, len(given_rows), wrong, out)
     return out

@@ -18,6 +18,7 @@ from pipeline.annotation.export import (
     _document_relpath,
     build_items,
 )
+from pipeline.annotation.redundancy import redundancy_spent
 from pipeline.config import AnnotateConfig, StageConfig
 from pipeline.errors import ArtifactError
 from pipeline.labelcheck.base import LABELCHECK_VERSION
@@ -60,8 +61,10 @@ def relabel_queued(artifacts: str | os.PathLike[str], before_round: int) -> dict
 
 def labels_spent(n_labeled: int, artifacts: str | os.PathLike[str], before_round: int) -> int:
     """Labels paid for before round `before_round`: the labeled samples plus every re-label task sent back (a
-    re-label costs an annotator's time whether it changes the label or confirms it); rounds.label_budget counts this."""
-    return n_labeled + sum(len(ids) for ids in relabel_queued(artifacts, before_round).values())
+    re-label costs an annotator's time whether it changes the label or confirms it), and every task the consensus's
+    redundancy queue sent to another annotator; rounds.label_budget counts this."""
+    return (n_labeled + sum(len(ids) for ids in relabel_queued(artifacts, before_round).values())
+            + redundancy_spent(artifacts, before_round))
 
 
 def issues_from_report(report_dir: str | os.PathLike[str]) -> list[Issue]:

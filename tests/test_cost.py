@@ -145,3 +145,16 @@ def test_labeled_seconds_are_the_median_per_labeled_sample(tmp_path):
     ref = labeled_seconds(art, tmp_path, ["s1", "s2", "s4"])
     assert seconds_per_sample(Ledger(ledger_path(art)).times())["s1"] == 30.0
     assert read_jsonl(ref["path"]) == [{"sample_id": "s1", "seconds": 30.0}, {"sample_id": "s2", "seconds": 7.0}]
+
+
+def test_the_round_summary_reports_the_cost_model_and_the_forecast():
+    from pipeline.report import summary_markdown
+
+    scores, seconds = pool_scores()
+    state = {"round": 2, "labeled": 40, "pool": 80, "strategy": "margin+top_k", "selected": 10}
+    for labeled, expect in ((scores.sample_ids[:40], "ranked by gain per predicted second"),
+                            (scores.sample_ids[:10], "cost-blind ranking: 10 timed labels < select.cost_min_timed")):
+        info = run_round("predicted", labeled, seconds, scores).info["cost"]
+        md = summary_markdown({**state, "cost": info}, [])
+        line = next(x for x in md.splitlines() if x.startswith("- cost model"))
+        assert expect in line and f"forecast for this batch of 10: {info['next_batch_hours']:.2f} h" in line

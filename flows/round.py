@@ -80,7 +80,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         if "label_studio" in exp:
             state["label_studio"] = exp["label_studio"]
         state.update(selected=sel["n"], export_dir=exp["dir"], selection_dir=sel["dir"], outliers=sel.get("outliers"),
-                     phase=sel.get("phase"), embeddings=sel.get("embeddings"))
+                     phase=sel.get("phase"), embeddings=sel.get("embeddings"), cost=sel.get("cost"))
         if sel.get("phase"):
             state["strategy"] = phase_label(sel["phase"])
         if sel.get("candidates"):

@@ -333,6 +333,12 @@ class SelectConfig(Section):
     outlier_z: float = Field(default=3.5, gt=0)
     outlier_weight: float = Field(default=0.5, ge=0, le=1)
     uncertain_rounds: int = Field(default=3, ge=2)
+    # Annotation cost (pipeline/strategies/cost.py): predicted = rank by expected gain per predicted second, with a
+    # cost model refitted each round on the labeled samples' recorded seconds; none = by gain alone.
+    cost: Literal["none", "predicted"] = "none"
+    cost_min_timed: int = Field(default=20, ge=5, description="timed labels the cost model needs; fewer = cost-blind")
+    cost_min_r2: float = Field(default=0.05, le=1, description="cross-validated R² of log-seconds the cost model "
+                               "needs to be used; below it the seconds are taken as unpredictable (cost-blind)")
     candidates: CandidatesConfig = Field(default_factory=CandidatesConfig)
 
     @field_validator("candidates", mode="before")
@@ -513,6 +519,8 @@ class SimulatedAnnotator(Section):
 class RoundsConfig(Section):
     max_rounds: int = Field(default=5, ge=1)
     label_budget: int | None = Field(default=None, ge=1)
+    # Stop once the annotators' recorded hours (the ledger's times) reach this; None = never on this rule.
+    budget_hours: float | None = Field(default=None, gt=0)
     target_metric: float | None = Field(default=None, gt=0, le=1)
     plateau_rounds: int | None = Field(default=None, ge=1)
     simulate_annotator: bool = False

@@ -121,6 +121,12 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
                      f"{t['median_s']:.0f} s, p90 {t['p90_s']:.0f} s)" + (
                          f"; next batch of {t['next_batch']} ≈ {t['next_batch_hours']:.2f} h" if t.get("next_batch")
                          else ""))
+    if c := state.get("cost"):  # select.cost: predicted (pipeline/strategies/cost.py)
+        lines.append(f"- cost model ({c['n']} timed labels): " + (
+            f"CV R² {c['cv_r2']:.3f}, MAE {c['cv_mae_s']:.1f} s (median guess {c['median_mae_s']:.1f} s); "
+            if "cv_r2" in c else "") + ("ranked by gain per predicted second" if c["status"] == "predicted" else
+                                        f"cost-blind ranking: {c['reason']}")
+                     + f"; forecast for this batch of {c['next_batch']}: {c['next_batch_hours']:.2f} h")
     for imp in state.get("imports", []):
         lines.append(f"- inbox: {imp.get('summary') or 'REJECTED ' + imp['file'] + ': ' + imp['error']}")
     if metrics_rows:

@@ -83,14 +83,19 @@ def save_labeled_set(prepared: Any, labels: Mapping[str, str], out_dir: str | os
 
 
 def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Sequence[Mapping[str, Any]],
-                pool_left: int, stability: Mapping[str, Any] | None = None) -> str | None:
-    """Why no further batch should be selected, or None: max rounds, label budget, target metric, plateau, stable
-    predictions on the stop set (`stability`, pipeline.stopping), empty pool."""
+                pool_left: int, stability: Mapping[str, Any] | None = None, hours: float | None = None) -> str | None:
+    """Why no further batch should be selected, or None: max rounds, label budget, hours budget, target metric,
+    plateau, stable predictions on the stop set (`stability`, pipeline.stopping), empty pool. `hours`: annotator
+    hours recorded so far (default: summed from the ledger's times)."""
     rc = cfg.rounds
     if round_index + 1 >= rc.max_rounds:
         return f"rounds.max_rounds = {rc.max_rounds} reached (this is round {round_index})"
     if rc.label_budget is not None and n_labels >= rc.label_budget:
         return f"label budget spent: {n_labels} labels ≥ rounds.label_budget = {rc.label_budget}"
+    if rc.budget_hours is not None:
+        spent = recorded_hours(cfg.artifacts) if hours is None else hours
+        if spent >= rc.budget_hours:
+            return f"hours budget spent: {spent:.2f} annotator-hours recorded ≥ rounds.budget_hours = {rc.budget_hours}"
     main = "accuracy" if cfg.data.answers else "token_f1"
     curve = [m["value"] for m in sorted(metrics, key=lambda m: m["round"]) if m["metric"] == main]
     if rc.target_metric is not None and curve and curve[-1] >= rc.target_metric:
@@ -106,6 +111,13 @@ def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Se
     if pool_left == 0:
         return "pool exhausted: no unlabeled samples left to select"
     return None
+
+
+def recorded_hours(artifacts: str | os.PathLike[str]) -> float:
+    """Annotator-hours recorded in the ledger's times (every timed annotation, re-labels included)."""
+    from pipeline.annotation.ledger import Ledger, ledger_path
+
+    return sum(float(r["seconds"]) for r in Ledger(ledger_path(artifacts)).times()) / 3600
 
 
 def should_wait(cfg: ProjectConfig, state: Mapping[str, Any], *, deployed: bool) -> bool:

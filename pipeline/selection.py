@@ -117,13 +117,15 @@ def select_round(
     cold_start: bool,
     seed: int,
     phase: Mapping[str, str] | None = None,
+    seconds: Mapping[str, float] | None = None,
 ) -> RoundSelection:
     """Pick the round's batch.
 
     `scores` (a ScoreResult, row-aligned with its own sample_ids) may be None only at a cold start, with `space`
     giving the embeddings; then `candidate_ids` are the candidates. Embeddings for diversity, coverage and outliers
     come from `space` when given, else from the scores. `phase` ({strategy, diversity}) overrides the configured
-    pair after the cold start (the schedule's choice).
+    pair after the cold start (the schedule's choice). `seconds` (recorded seconds per labeled sample) feed the
+    cost model when `select.cost` is predicted (`round_cost`).
     """
     from pipeline.strategies.outliers import find_outliers
 
@@ -161,10 +163,17 @@ def select_round(
             raise SelectionError(f"select.strategy {strategy!r} needs {heuristic.requires}; the pool was scored "
                                  f"with {sel_cfg.mc_dropout_passes} MC passes")
     predicted = scores.probs.argmax(1) if scores is not None and scores.probs is not None else None
+    costs, cost_x, cost_model = (None, None, None) if cold_start else round_cost(
+        sel_cfg, ids=ids, emb=emb, scores=scores, labeled=labeled, seconds=seconds, seed=seed)
     selection = select_step(ids, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, seed=seed,
                             labeled=labeled, exclude=exclude, probs=probs, predicted=predicted, space=space,
                             embeddings=emb, n_classes=len(answers) if answers else None, downweight=downweight,
-                            downweight_weight=sel_cfg.outlier_weight)
+                            downweight_weight=sel_cfg.outlier_weight, costs=costs)
+    if cost_model is not None:
+        from pipeline.strategies.cost import forecast_hours
+
+        out.info["cost"] = {**cost_model.report, "next_batch": len(selection.positions),
+                            "next_batch_hours": round(forecast_hours(cost_model, cost_x[selection.positions]), 4)}
     if scores is not None:
         predicted_answer, confidence = predictions(scores, answers)
     else:
@@ -178,6 +187,23 @@ def select_round(
     if getattr(selection, "info", None):
         out.info["selector"] = selection.info
     return out
+
+
+def round_cost(sel_cfg: SelectConfig, *, ids: Sequence[str], emb: np.ndarray | None, scores: Any | None,
+               labeled: Collection[str], seconds: Mapping[str, float] | None,
+               seed: int) -> tuple[np.ndarray | None, np.ndarray | None, Any]:
+    """(predicted seconds per row of `ids` or None for cost-blind, the cost features, the CostModel) when
+    `select.cost` is predicted; (None, None, None) otherwise. Features: the selection embeddings and the model's
+    confidence in its answer (max probability) where the pool was scored with class probabilities."""
+    if sel_cfg.cost != "predicted":
+        return None, None, None
+    from pipeline.strategies.cost import features, round_costs
+
+    probs = scores.probs if scores is not None and scores.probs is not None else None
+    x = features(emb, None if probs is None else probs.max(1))
+    costs, model = round_costs(ids, x, sorted(labeled), seconds or {}, min_timed=sel_cfg.cost_min_timed,
+                               min_r2=sel_cfg.cost_min_r2, seed=seed)
+    return costs, x, model
 
 
 # ------------------------------------------------------------------------------------------- the select stage
@@ -233,6 +259,8 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
                   out_dir=str(round_dir / "selection"))
     if restricted is not None:  # only then: a project that scores every eligible sample keeps its select key
         params["candidates"] = {**restricted.info, "scored": len(candidates)}
+    if cfg.select.cost == "predicted" and adapter is not None:
+        params["seconds"] = labeled_seconds(cfg.artifacts, round_dir, labeled_ids)
     return SelectionPlan(candidates, adapter is not None or space is None, params)
 
 
@@ -272,13 +300,27 @@ def restrict_candidates(cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Seque
                             coverage=coverage)
 
 
+def labeled_seconds(artifacts: Any, round_dir: Path, labeled_ids: Sequence[str]) -> dict[str, str]:
+    """The labeled samples' recorded seconds (median per sample, from the ledger's times) as the round's
+    seconds.jsonl, the cost model's training data; {path, digest} for the select stage's key."""
+    from pipeline.annotation.ledger import Ledger, ledger_path
+    from pipeline.strategies.cost import seconds_per_sample
+
+    per = seconds_per_sample(Ledger(ledger_path(artifacts)).times())
+    rows = [{"sample_id": s, "seconds": per[s]} for s in sorted(labeled_ids) if s in per]
+    path = round_dir / "seconds.jsonl"
+    atomic_write_jsonl(path, rows)
+    return {"path": str(path), "digest": digest_json(rows)}
+
+
 def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[str, Any], answers: list[str] | None,
                  candidates_digest: str, exclude_digest: str, exclude_path: str, labeled_path: str, pool_path: str,
                  history: list[dict[str, str]], cold_start: bool, phase: dict[str, str] | None,
                  space: dict[str, Any] | None, adapter_digest: str | None, seed: int, out_dir: str,
-                 candidates: dict[str, Any] | None = None) -> dict[str, Any]:
+                 candidates: dict[str, Any] | None = None, seconds: dict[str, str] | None = None) -> dict[str, Any]:
     """The select stage: the round's batch from its scores (and selection space) into `out_dir`. `candidates`: how
-    a restricted round's candidates were chosen (recorded in the manifest and the returned ref), None = all."""
+    a restricted round's candidates were chosen (recorded in the manifest and the returned ref), None = all;
+    `seconds` ({path, digest} of the labeled samples' recorded seconds) when select.cost is predicted."""
     from pipeline.embeddings import load_selection_embeddings
     from pipeline.scoring import concat_scores, load_scores
     from pipeline.strategies.outliers import read_uncertainty_history, write_uncertainty
@@ -291,7 +333,8 @@ def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[
         sel_cfg, candidate_ids=[r["sample_id"] for r in read_jsonl(pool_path)], scores=scores, space=sp,
         labeled=set(labeled), exclude={r["sample_id"] for r in read_jsonl(exclude_path)}, answers=answers,
         history=read_uncertainty_history([h["path"] for h in history]), cold_start=cold_start, seed=seed,
-        phase=phase,
+        phase=phase, seconds={r["sample_id"]: float(r["seconds"]) for r in read_jsonl(seconds["path"])} if seconds
+        else None,
     )
     if candidates is not None:
         result.info["candidates"] = candidates
@@ -308,7 +351,8 @@ def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[
                        inputs={"scores": digest_json([r["digest"] for r in shard_refs]), "exclude": exclude_digest,
                                "candidates": candidates_digest,
                                "labeled": digest_json(labeled), "space": (space or {}).get("digest", "model"),
-                               "history": digest_json([h["digest"] for h in history])},
+                               "history": digest_json([h["digest"] for h in history]),
+                               **({"seconds": seconds["digest"]} if seconds else {})},
                        config={**select, "phase": phase}, outputs=outputs, info={**result.info, "phase": phase})
     return {"dir": out_dir, "digest": m.key, **{k: v for k, v in result.info.items() if k != "selector"},
             "phase": phase}
@@ -340,6 +384,7 @@ def select_step(
     options: Mapping[str, Any] | None = None,
     downweight: Collection[str] = (),
     downweight_weight: float = 0.5,
+    costs: np.ndarray | None = None,
 ) -> Any:
     """One selection step on arrays: `k` of `candidate_ids` (minus `labeled` and `exclude`) picked by `strategy` ×
     `diversity`; `select_round` ends with it, and a caller that holds its own scores (a benchmark's learner) calls
@@ -348,7 +393,8 @@ def select_step(
     `probs` (what the heuristic reads, `heuristic_input`) and `predicted` are row-aligned with `candidate_ids`;
     embeddings are `embeddings` (row-aligned), else `space`'s rows; the labeled samples' embeddings (from `space`
     when given) seed k-center and count as covered for the coverage selectors. The round's facts a selector asks
-    for (`Selector.wants`, e.g. n_classes) are passed unless `options` sets them. Returns
+    for (`Selector.wants`, e.g. n_classes) are passed unless `options` sets them. `costs` (predicted seconds per
+    candidate, row-aligned) make it rank by gain per second (pipeline/strategies/cost.py). Returns
     pipeline.strategies.Selection.
     """
     ids = list(candidate_ids)
@@ -369,4 +415,4 @@ def select_step(
     return select_batch(ids, k=k, strategy=strategy, diversity=diversity, probs=probs, embeddings=emb,
                         predicted=predicted, exclude=set(exclude) | labeled, seed=seed,
                         labeled_embeddings=labeled_emb, downweight=downweight, downweight_weight=downweight_weight,
-                        options=opts)
+                        options=opts, costs=costs)

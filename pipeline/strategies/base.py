@@ -108,6 +108,11 @@ class Selector:
     # Facts of the round a selector's constructor takes (e.g. "n_classes"): the caller passes those it knows,
     # instead of testing the selector's name.
     wants: ClassVar[tuple[str, ...]] = ()
+    # How it spends predicted annotation seconds (select.cost, pipeline/strategies/cost.py): "scores" = it ranks by
+    # the scores it is given, so select_batch hands it gain per second; "own" = its gain is not the score (a
+    # distance, a coverage gain), its select() takes costs=[n] and divides its own gain at each greedy step;
+    # "none" = it has no gain to divide and stays cost-blind.
+    cost_use: ClassVar[str] = "scores"
     info: dict[str, Any]
 
     def __init__(self) -> None:

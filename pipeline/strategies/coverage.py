@@ -182,6 +182,7 @@ class TypiClust(Selector):
 
     name = "typiclust"
     needs_scores = False
+    cost_use = "own"  # in the cluster it visits, the member of largest typicality / ĉ_i
 
     def __init__(
         self,
@@ -200,8 +201,9 @@ class TypiClust(Selector):
         self.n_neighbors, self.max_clusters = n_neighbors, max_clusters
         self.min_cluster_size, self.niter, self.n_init = min_cluster_size, niter, n_init
 
-    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
+    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None, costs=None):
         x, n = _points(self, k, scores, embeddings, labeled_embeddings)
+        cost = np.ones(n) if costs is None else np.asarray(costs, dtype=np.float64)
         big_n = len(x)
         nc = min(big_n - n + k, self.max_clusters, big_n)
         n_init = self.n_init or (10 if min(big_n, 64 * nc) * nc <= 1_000_000 else 1)
@@ -217,7 +219,7 @@ class TypiClust(Selector):
         size = np.bincount(labels, minlength=nc)
         taken = np.bincount(labels[n:], minlength=nc)  # labeled and picked points per cluster
         # Candidates grouped by cluster, most typical first (ties: lower index).
-        pref = np.lexsort((np.arange(n), -typ[:n], labels[:n]))
+        pref = np.lexsort((np.arange(n), -typ[:n] / cost, labels[:n]))
         avail = np.bincount(labels[:n], minlength=nc)
         start = np.r_[0, np.cumsum(avail)[:-1]]
         bonus = float(big_n + 1)  # uncovered large clusters outrank every size / (1 + taken) <= N
@@ -266,6 +268,7 @@ class ProbCover(Selector):
     name = "probcover"
     wants = ("n_classes",)  # the task's class count sets the purity clusters (ProbCover's δ heuristic)
     needs_scores = False
+    cost_use = "own"  # argmax of newly covered points / ĉ_i
 
     def __init__(
         self,
@@ -318,8 +321,9 @@ class ProbCover(Selector):
             delta = float(np.sqrt(max(float((far + ssq).max()), 0.0)))
         return delta, float((d_out > delta).mean())
 
-    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
+    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None, costs=None):
         x, n = _points(self, k, scores, embeddings, labeled_embeddings)
+        cost = np.ones(n) if costs is None else np.asarray(costs, dtype=np.float64)
         big_n = len(x)
         with faiss_threads(_threads(big_n)):
             if self.radius is None:
@@ -362,7 +366,8 @@ class ProbCover(Selector):
             covered_by_labeled = float(covered.mean())
             picks: list[int] = []
             while len(picks) < k:
-                c = int(np.argmax(key))
+                ratio = np.where(key >= 1.0, key / cost, -np.inf)  # key < 1: covers nothing new
+                c = int(np.argmax(ratio))
                 if key[c] < 1.0:  # degree 0 everywhere: all covered
                     break
                 picks.append(c)
@@ -401,6 +406,7 @@ class MaxHerding(Selector):
 
     name = "maxherding"
     needs_scores = False
+    cost_use = "own"  # argmax of marginal coverage gain / ĉ_i (still lazy greedy: gains only shrink, ĉ is fixed)
 
     def __init__(
         self, bandwidth: float | None = None, n_neighbors: int = 50, bandwidth_neighbors: int = 10
@@ -414,8 +420,9 @@ class MaxHerding(Selector):
             )
         self.bandwidth, self.n_neighbors, self.bandwidth_neighbors = bandwidth, n_neighbors, bandwidth_neighbors
 
-    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
+    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None, costs=None):
         x, n = _points(self, k, scores, embeddings, labeled_embeddings)
+        cost = np.ones(n) if costs is None else np.asarray(costs, dtype=np.float64)
         big_n = len(x)
         with faiss_threads(_threads(big_n)):
             blocks = Blocks(x, seed=seed)
@@ -448,14 +455,14 @@ class MaxHerding(Selector):
                 at = np.repeat(ptr[rows] - np.r_[0, np.cumsum(lens)[:-1]], lens) + np.arange(lens.sum())
                 return np.add.reduceat(np.maximum(val[at] - cur[nbr[at]], 0.0), np.r_[0, np.cumsum(lens)[:-1]])
 
-            heap = [(-float(g), i) for i, g in enumerate(gains(np.arange(n)))]
+            heap = [(-float(g), i) for i, g in enumerate(gains(np.arange(n)) / cost)]
             heapq.heapify(heap)
             picks: list[int] = []
             evals = 0
             while len(picks) < k:
                 # Refresh the top few bounds at once; the best fresh gain wins once no stale bound exceeds it.
                 top = np.array([heapq.heappop(heap)[1] for _ in range(min(_LAZY_BATCH, len(heap)))])
-                g = gains(top)
+                g = gains(top) / cost[top]
                 evals += len(top)
                 best = int(np.lexsort((top, -g))[0])
                 won = not heap or g[best] >= -heap[0][0]

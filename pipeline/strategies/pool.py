@@ -67,6 +67,7 @@ def select_batch(
     options: Mapping[str, Any] | None = None,
     downweight: Collection[str] = (),
     downweight_weight: float = 0.5,
+    costs: np.ndarray | None = None,
 ) -> Selection:
     """Pick `k` of `candidate_ids` with heuristic `strategy` and selector `diversity`.
 
@@ -78,6 +79,8 @@ def select_batch(
     covered for the coverage selectors. Without `probs` only `random` or a selector with `needs_scores = False`
     (typical, typiclust, probcover, maxherding: a cold start) work. Scores of `downweight` IDs (outliers) shrink
     towards the lowest score by `downweight_weight` (outliers.apply_outlier_policy) before the selector sees them.
+    `costs` (predicted seconds per candidate, row-aligned; select.cost: predicted) make the pick gain per second,
+    as the selector's `cost_use` says (pipeline/strategies/cost.py); the returned scores are then per second.
     """
     try:
         heuristic = get_heuristic(strategy, seed=seed)
@@ -128,6 +131,19 @@ def select_batch(
         scores, _ = apply_outlier_policy(scores, [s in flagged for s in pos_ids], "downweight", ids=pos_ids,
                                          weight=downweight_weight)
 
+    cost_kw: dict[str, Any] = {}
+    cost_info: dict[str, Any] = {}
+    if costs is not None:
+        from pipeline.strategies.cost import check_costs, gain_per_second
+
+        c = check_costs(costs, n)[pos]
+        cost_info = {"cost_use": selector_cls.cost_use}
+        if selector_cls.cost_use == "scores":
+            scores = gain_per_second(scores, c)
+        elif selector_cls.cost_use == "own":
+            cost_kw = {"costs": c}
+        else:
+            log.info("select: diversity %r has no gain to divide by a cost; cost-blind", diversity)
     try:
         selector = selector_cls(**dict(options or {}))
     except TypeError as exc:
@@ -139,6 +155,7 @@ def select_batch(
         predicted=None if predicted is None else predicted[pos],
         seed=seed,
         labeled_embeddings=labeled_embeddings,
+        **cost_kw,
     )
     chosen = pos[picks]
     return Selection(
@@ -148,5 +165,5 @@ def select_batch(
         strategy=strategy,
         diversity=diversity,
         positions=[int(i) for i in chosen],
-        info=dict(selector.info),
+        info={**selector.info, **cost_info},
     )

@@ -150,6 +150,7 @@ class KCenter(Selector):
     """
 
     name = "k_center"
+    cost_use = "own"  # argmax d_i / ĉ_i: a weight of 1 / ĉ_i² on the squared min-distance
 
     def __init__(self, uncertainty: Literal["none", "product", "top_m"] = "none", top_m_factor: int = 10) -> None:
         super().__init__()
@@ -159,7 +160,7 @@ class KCenter(Selector):
             raise SelectionError(f"k_center: top_m_factor must be >= 1, got {top_m_factor}")
         self.uncertainty, self.top_m_factor = uncertainty, top_m_factor
 
-    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None):
+    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None, costs=None):
         s = self._scores(k, scores)
         e = check_embeddings(embeddings, len(s), self.name)
         lab = None
@@ -182,6 +183,11 @@ class KCenter(Selector):
             if s.min() < 0:
                 raise SelectionError(f"k_center: uncertainty='product' needs scores >= 0, got minimum {s.min():.4g}")
             weights = s * s  # min-distances are squared, so argmax of d^2 s^2 = argmax of d s
+        if costs is not None:
+            inv = 1.0 / np.square(np.asarray(costs, dtype=np.float64))
+            weights = inv if weights is None else weights * inv
+        if weights is not None:
+            weights = weights[idx]
         picks = k_center_greedy(e[idx], k, centers=lab, first=None if lab is not None else first, weights=weights)
         return idx[picks]
 
@@ -296,6 +302,7 @@ class Typical(Selector):
 
     name = "typical"
     needs_scores = False
+    cost_use = "none"  # one pick per k-means cluster: no gain to divide by a cost
 
     def __init__(self, n_neighbors: int = 20, max_cluster_points: int = 2000, niter: int = 20) -> None:
         super().__init__()

@@ -32,7 +32,6 @@ from pipeline.metrics import learning_curve, read_metrics
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids
 from pipeline.status import annotation_time
-from pipeline.strategies.schedule import phase_label
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +76,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         progress.skip("score pool", "select")
         progress.start("export")
         exp = export_ref(cfg, selection=sel, prepared=prep["prepare"], round_index=plan.index)
-        if "label_studio" in exp:
-            state["label_studio"] = exp["label_studio"]
-        state.update(selected=sel["n"], export_dir=exp["dir"], selection_dir=sel["dir"], outliers=sel.get("outliers"),
-                     phase=sel.get("phase"), embeddings=sel.get("embeddings"), cost=sel.get("cost"))
-        if sel.get("phase"):
-            state["strategy"] = phase_label(sel["phase"])
-        if sel.get("candidates"):
-            state["candidates"] = sel["candidates"]
+        rounds.record_selection(state, sel, exp)
         if check is not None and cfg.labelcheck.relabel_top_n:
             rel = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=plan.index)
             state["relabel"] = rel["count"]

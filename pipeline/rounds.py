@@ -291,3 +291,18 @@ def answer_round(artifacts: str | os.PathLike[str], state: Mapping[str, Any], *,
         # The reviewer of likely errors is careful: answers from the ground truth, never flipped.
         simulate_annotator(state["relabel_dir"], ground_truth, inbox_dir(artifacts), round_index=state["round"],
                            seed=seed, annotator="simulated-reviewer", kind="relabel")
+
+
+def record_selection(state: dict[str, Any], sel: Mapping[str, Any], exp: Mapping[str, Any]) -> None:
+    """The round state's fields from its select and export references: what the summary, `tamis status` and the
+    waiting form read (a phase's label replaces the configured strategy's)."""
+    from pipeline.strategies.schedule import phase_label
+
+    if "label_studio" in exp:
+        state["label_studio"] = exp["label_studio"]
+    state.update(selected=sel["n"], export_dir=exp["dir"], selection_dir=sel["dir"], outliers=sel.get("outliers"),
+                 phase=sel.get("phase"), embeddings=sel.get("embeddings"), cost=sel.get("cost"))
+    if sel.get("phase"):
+        state["strategy"] = phase_label(sel["phase"])
+    if sel.get("candidates"):
+        state["candidates"] = sel["candidates"]

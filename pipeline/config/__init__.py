@@ -1,0 +1,234 @@
+"""One project config: a pydantic model loaded once from YAML and validated up front.
+
+Relative paths in a config are resolved against the directory the command runs in (the project root), once, at
+load time, so that later stages never depend on the working directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+
+from pipeline.config.annotate import (  # noqa: F401 (re-exported: callers import sections from pipeline.config)
+    AnnotateConfig,
+    LabelCheckConfig,
+    LabelStudioConfig,
+    RedundancyRule,
+    RoundsConfig,
+    SecondsModel,
+    SimulatedAnnotator,
+    StableRule,
+)
+from pipeline.config.base import Section  # noqa: F401 (re-exported)
+from pipeline.config.sections import (  # noqa: F401 (re-exported: callers import sections from pipeline.config)
+    DASK_PROTOCOLS,
+    AugmentConfig,
+    CandidatesConfig,
+    DataConfig,
+    Diversity,
+    EmbeddingsConfig,
+    Family,
+    ImageAugmentConfig,
+    ModelConfig,
+    PoolEncoderConfig,
+    PreprocessConfig,
+    QualityConfig,
+    QualityFlag,
+    ScheduleConfig,
+    SelectConfig,
+    SourceConfig,
+    SourceKind,
+    Split,
+    TextAugmentConfig,
+    TrainConfig,
+)
+from pipeline.errors import ConfigError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "demo.yaml"
+
+
+class PathsConfig(Section):
+    artifacts: Path = Path("artifacts")
+
+
+class ProjectConfig(Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
+    quality: QualityConfig = Field(default_factory=QualityConfig)
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    select: SelectConfig = Field(default_factory=SelectConfig)
+    annotate: AnnotateConfig = Field(default_factory=AnnotateConfig)
+    labelcheck: LabelCheckConfig = Field(default_factory=LabelCheckConfig)
+    rounds: RoundsConfig = Field(default_factory=RoundsConfig)
+    seed: int = 0
+    paths: PathsConfig = Field(default_factory=PathsConfig)
+
+    def section(self, name: str) -> dict[str, Any]:
+        """A section as plain JSON data: what a stage records next to its outputs and keys its cache on."""
+        return getattr(self, name).model_dump(mode="json") if name != "seed" else {"seed": self.seed}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    @property
+    def artifacts(self) -> Path:
+        return self.paths.artifacts
+
+
+class _PartialSection:
+    """A section of which a stage was given only some fields: those read as usual, any other is an error."""
+
+    def __init__(self, name: str, model: BaseModel, given: set[str]):
+        self._name, self._model, self._given = name, model, given
+
+    def __getattr__(self, field: str) -> Any:
+        if field.startswith("_"):
+            raise AttributeError(field)
+        if field in self._given:
+            return getattr(self._model, field)
+        raise ConfigError(f"{self._name}.{field}: this stage was given only {self._name}."
+                          f"{{{', '.join(sorted(self._given))}}}, so its cache key does not cover {self._name}.{field}; "
+                          "pass that field to the stage instead of reading its default")
+
+
+class StageConfig:
+    """The config sections one stage is keyed on, and nothing else.
+
+    A stage task is cached on the sections it is given. Rebuilt into a whole ProjectConfig, every other section
+    would silently take its defaults, and a stage that read one would be cached under a key that does not know it.
+    Here such a read is an error that names the section. Complete sections are the typed section objects; a
+    section given in part (`{"data": {"answers": [...]}}`) answers only its given fields.
+    """
+
+    def __init__(self, sections: dict[str, Any], *, artifacts: str | os.PathLike[str] | None = None):
+        fields = ProjectConfig.model_fields
+        unknown = sorted(set(sections) - set(fields) - {"paths"})
+        if unknown:
+            raise ConfigError(f"stage config: unknown section(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+        self._values: dict[str, Any] = {}
+        self._dumps: dict[str, Any] = {}
+        for name, value in sections.items():
+            if name == "seed":
+                self._values[name] = int(value)
+                continue
+            model = fields[name].annotation.model_validate(value)
+            dump = model.model_dump(mode="json")
+            complete = set(value) >= set(dump)
+            self._values[name] = model if complete else _PartialSection(name, model, set(value))
+            self._dumps[name] = dump if complete else {k: dump[k] for k in value}
+        self._artifacts = None if artifacts is None else Path(artifacts)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self._values:
+            return self._values[name]
+        if name in ProjectConfig.model_fields:
+            raise ConfigError(f"config section {name!r}: this stage was given only {', '.join(self._values) or 'none'}, "
+                              f"so its cache key does not cover {name!r}; pass that section to the stage")
+        raise AttributeError(name)
+
+    def section(self, name: str) -> dict[str, Any]:
+        """A fresh copy each call, as ProjectConfig.section gives: callers edit what they get (train.py pops the
+        settings a checkpoint's fingerprint ignores), and a shared dict would change the stage's recorded config."""
+        getattr(self, name)  # the error above for a section not given
+        return {"seed": self._values["seed"]} if name == "seed" else copy.deepcopy(self._dumps[name])
+
+    @property
+    def artifacts(self) -> Path:
+        if self._artifacts is None:
+            raise ConfigError("this stage was given no artifacts folder; pass artifacts= to StageConfig")
+        return self._artifacts
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = ".".join(str(p) for p in err["loc"]) or "<top level>"
+    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind == "missing":
+        return f"{loc}: is required but missing"
+    if kind == "extra_forbidden":
+        return f"{loc}: unknown key; remove it or check its spelling"
+    bounds = {"greater_than_equal": "≥ {ge}", "greater_than": "> {gt}", "less_than_equal": "≤ {le}",
+              "less_than": "< {lt}"}
+    if kind in bounds:
+        return f"{loc}: {value!r} is not allowed; must be {bounds[kind].format(**ctx)}"
+    if kind == "literal_error":
+        return f"{loc}: {value!r} is not allowed; must be one of {ctx.get('expected')}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind == "value_error" and msg.startswith(f"{loc}:"):
+        return msg
+    return f"{loc}: {value!r} is not allowed; {msg}"
+
+
+def _absolutize(cfg: ProjectConfig, root: Path) -> ProjectConfig:
+    def fix(p: Path | None) -> Path | None:
+        return None if p is None else (p if p.is_absolute() else (root / p)).resolve()
+
+    cfg.paths.artifacts = fix(cfg.paths.artifacts)
+    for src in cfg.data.sources:
+        src.path = fix(src.path)
+    cfg.data.allowed_roots = [fix(p) for p in cfg.data.allowed_roots]
+    cfg.data.ground_truth = fix(cfg.data.ground_truth)
+    cfg.annotate.document_root = fix(cfg.annotate.document_root)
+    cfg.select.embeddings.path = fix(cfg.select.embeddings.path)
+    # A local model directory is a path; a hub ID ("org/name") is not, unless such a folder exists here.
+    mp = Path(cfg.model.name_or_path)
+    if mp.is_absolute() or (root / mp).exists() or cfg.model.build_tiny_if_missing:
+        cfg.model.name_or_path = str(fix(mp))
+    return cfg
+
+
+def parse_config(data: dict[str, Any] | None, *, origin: str = "<config>", root: Path | None = None) -> ProjectConfig:
+    """Validate a config mapping. Every error names the field, the bad value and what is allowed."""
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{origin}: the top level must be a mapping of sections, not {type(data).__name__}")
+    try:
+        cfg = ProjectConfig.model_validate(data or {})
+    except ValidationError as exc:
+        lines = "\n".join(f"  {_describe(e)}" for e in exc.errors())
+        raise ConfigError(f"{origin}: invalid config\n{lines}") from None
+    return _absolutize(cfg, (root or Path.cwd()).resolve())
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping: plain YAML silently keeps the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key_node.value!r} appears twice in the same section; keep only one",
+                        key_node.start_mark)
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
+
+
+def _safe_load(text: str) -> Any:
+    loader = _UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *, root: Path | None = None) -> ProjectConfig:
+    """Load and validate a YAML config; None loads the embedded default (configs/demo.yaml)."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found; pass an existing YAML file with --config")
+    try:
+        data = _safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return parse_config(data, origin=str(path), root=root)

@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE=1
 export HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: install demo test test-all lint clean-artifacts
+.PHONY: install demo test test-claims test-all lint clean-artifacts
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow and not gpu" -q
+
+# The slow tests that stand behind the README's claims, run by CI after `make test`: the demo end to end, a round
+# SIGKILLed at every stage, the deployment's suspend/resume, Dask against the local runner and on a real cluster,
+# data-parallel training, the open-answer kill/resume, the live Label Studio round trip (pinned server, own venv).
+CLAIMS := tests/test_demo.py tests/test_fault_injection.py tests/test_deployment.py tests/test_dask_scoring.py \
+	tests/test_dask_cluster.py tests/test_distributed_train.py tests/test_open_round.py tests/test_label_studio_live.py
+test-claims: $(STAMP)
+	$(PY) -m pytest -m "slow and not gpu" -q --durations=0 $(CLAIMS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -m "not gpu" -q

@@ -113,7 +113,7 @@ def test_demo_data_and_prepare_print_no_library_chatter(project):
     assert not LIBRARY_CHATTER.search(data.stderr), data.stderr
 
     prep = tamis("prepare", "--config", str(config), env=env)  # imports faiss and runs Prefect flows
-    assert "ingest: reading jsonl source" in prep.stderr  # tamis's own INFO lines stay
+    assert "ingest: 20 image files looked up, 20 read" in prep.stderr  # tamis's own INFO lines stay
     assert not LIBRARY_CHATTER.search(prep.stderr), prep.stderr
     assert "warn" not in prep.stderr.lower(), prep.stderr
 

@@ -123,6 +123,8 @@ def main() -> None:
         print(json.dumps(phase(args.phase, args.verify)))
         return
     started = time.time()
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
         build_s = write_pool(work / "pool", 0, args.n, args.seed)

@@ -30,6 +30,16 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
+def _checkout() -> tuple[str | None, str | None]:
+    """(HEAD, `git status` of tracked files) now."""
+    return _git("rev-parse", "HEAD"), _git("status", "--porcelain", "--untracked-files=no")
+
+
+# The checkout as the benchmark found it when it started (benchmarks import this module first): a long run during
+# which someone commits must record the code it ran, not the HEAD it ended at.
+_AT_START = _checkout()
+
+
 def code_version() -> str:
     """The commit this code runs at, "+dirty" when tracked files differ from it ("unknown" outside a git checkout):
     what a benchmark records beside each cache entry it makes, so a result read from a cache can say which code
@@ -55,11 +65,15 @@ def provenance(*, config: Any = None, started: float | None = None, reused_s: fl
     spent); `reused_s`: seconds of earlier work taken from a cache instead of recomputed; `code_versions`: the
     commits recorded by the cache entries it reused, so a result built from several code versions says so.
     """
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    commit, status = _AT_START
+    now, status_now = _checkout()
     versions = sorted(set(code_versions or []))
     return {
-        "commit": _git("rev-parse", "HEAD"),
+        "commit": commit,
         "dirty": None if status is None else bool(status),
+        # The checkout moved while it ran (a commit, or tracked files edited): the code it ran is the start's only if
+        # those changes left it alone; the reader can compare.
+        **({"checkout_moved": {"head": now, "dirty": bool(status_now)}} if (now, status_now) != (commit, status) else {}),
         "config_digest": None if config is None else digest_json(config),
         "machine": machine(),
         "wall_s": None if started is None else round(time.time() - started, 1),

@@ -36,6 +36,30 @@ def test_write_result_records_where_the_figures_came_from(tmp_path, capsys):
     assert mixed["mixed_code_versions"] is True and mixed["code_versions"] == ["abc", "def"]
 
 
+def test_a_commit_during_a_run_leaves_the_commit_it_started_at_and_says_the_checkout_moved(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (repo / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("commit", "-qm", "first")
+    first = git("rev-parse", "HEAD")
+    monkeypatch.setattr(_results, "ROOT", repo)
+    monkeypatch.setattr(_results, "_AT_START", _results._checkout())  # what importing the module does
+    assert _results.provenance()["commit"] == first and "checkout_moved" not in _results.provenance()
+    (repo / "code.py").write_text("x = 2\n")  # edited while the benchmark runs
+    assert _results.provenance()["checkout_moved"] == {"head": first, "dirty": True}
+    git("commit", "-qam", "second")
+    moved = _results.provenance()
+    assert moved["commit"] == first and moved["dirty"] is False
+    assert moved["checkout_moved"] == {"head": git("rev-parse", "HEAD"), "dirty": False} != {"head": first}
+
+
 def test_code_version_is_the_commit_and_says_dirty():
     version = _results.code_version()
     assert version.removesuffix("+dirty") == _git("rev-parse", "HEAD")[:12]

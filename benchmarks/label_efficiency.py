@@ -592,7 +592,7 @@ def candidates_check(cfg: ProjectConfig, bench: Bench, names: list[str], *, seed
                        "ground truth (the tiny VLM is too slow for enough seeds on 2 shared cores)",
             "protocol": f"{bench.initial} + {bench.rounds} × {bench.batch} labels; each strategy's own cold start on "
                         "the whole pool, then every round restricted (candidates) or not (all); a coverage phase's "
-                        "candidates are its selector's own first picks over the whole pool (pipeline.selection."
+                        "candidates are its selector's own batch, picked over the whole pool (pipeline.selection."
                         "coverage_picker), other rounds' the select.candidates.shares sources",
             "full_data_accuracy": round(float(np.mean(full)), 4), "wall_seconds": round(time.monotonic() - t0, 1),
             "timings": work.timer.summary(), "cache_code_versions": dict(sorted(work.timer.versions.items()))}

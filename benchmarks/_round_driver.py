@@ -375,3 +375,34 @@ def _child(spec_path: str) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1])
+
+
+def build_prepared_pool(out_dir: Path, n: int, *, seed: int = 0,
+                        question: str = "Which digit is shown in the image?") -> dict[str, str]:
+    """A real prepared pool of n generated images of varied sizes (preprocess_dataset at 32 px), as the select tests
+    and benchmarks/dask_cluster.py score it; returns its reference ({dir, digest})."""
+    import io
+
+    import datasets
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from pipeline.config import PreprocessConfig
+    from pipeline.preprocess import preprocess_dataset
+    from pipeline.schema import sample_id_for
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        w, h = int(rng.integers(20, 60)), int(rng.integers(20, 60))
+        im = Image.new("RGB", (w, h), tuple(int(c) for c in rng.integers(0, 256, 3)))
+        ImageDraw.Draw(im).text((w // 3, h // 4), str(i % 10), fill=(255, 255, 255))
+        buf = io.BytesIO()
+        im.save(buf, "PNG")
+        data = buf.getvalue()
+        rows.append({"sample_id": sample_id_for(data, question), "image": data, "image_path": f"/pool/{i}.png",
+                     "question": question, "answer": None, "split": "pool", "source": f"gen:{i}",
+                     "sources": [f"gen:{i}"], "width": w, "height": h, "mode": "RGB"})
+    m = preprocess_dataset(datasets.Dataset.from_list(rows), PreprocessConfig(size=32), out_dir, size=32,
+                           max_pixels=1_000_000)
+    return {"dir": str(out_dir), "digest": m.key}

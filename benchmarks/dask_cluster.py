@@ -19,7 +19,6 @@ heavy modules the scheduler process imported (it unpickles the tasks it is sent)
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 import tempfile
@@ -39,29 +38,8 @@ WATCHED_MODULES = ("prefect", "flows.select", "pipeline.scoring", "torch", "tran
 
 
 def build_pool(out_dir: Path, n: int, *, seed: int = 0) -> dict[str, str]:
-    """A prepared pool of n generated images (preprocess_dataset at 32 px), as the select tests build one."""
-    import datasets
-    from PIL import Image, ImageDraw
-
-    from pipeline.config import PreprocessConfig
-    from pipeline.preprocess import preprocess_dataset
-    from pipeline.schema import sample_id_for
-
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        w, h = int(rng.integers(20, 60)), int(rng.integers(20, 60))
-        im = Image.new("RGB", (w, h), tuple(int(c) for c in rng.integers(0, 256, 3)))
-        ImageDraw.Draw(im).text((w // 3, h // 4), str(i % 10), fill=(255, 255, 255))
-        buf = io.BytesIO()
-        im.save(buf, "PNG")
-        data = buf.getvalue()
-        rows.append({"sample_id": sample_id_for(data, QUESTION), "image": data, "image_path": f"/pool/{i}.png",
-                     "question": QUESTION, "answer": None, "split": "pool", "source": f"gen:{i}",
-                     "sources": [f"gen:{i}"], "width": w, "height": h, "mode": "RGB"})
-    m = preprocess_dataset(datasets.Dataset.from_list(rows), PreprocessConfig(size=32), out_dir, size=32,
-                           max_pixels=1_000_000)
-    return {"dir": str(out_dir), "digest": m.key}
+    """A prepared pool of n generated images, as the select tests build one."""
+    return driver.build_prepared_pool(out_dir, n, seed=seed, question=QUESTION)
 
 
 def slope(ys: list[float]) -> float | None:

@@ -6,18 +6,17 @@ is lost (only that shard runs again), and determinism (a fresh project and a res
 
 from __future__ import annotations
 
-import io
 import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image, ImageDraw
 from prefect import flow
 
+from benchmarks import _round_driver as driver
 from flows.select import make_task_runner, select_ref
-from pipeline.config import ModelConfig, PreprocessConfig, ProjectConfig, parse_config
+from pipeline.config import ModelConfig, ProjectConfig, parse_config
 from pipeline.scoring import load_scores
 from pipeline.store import atomic_dir, digest_dir, executions, read_jsonl
 
@@ -30,26 +29,7 @@ ROW_FIELDS = {"sample_id", "rank", "score", "scores", "strategy", "diversity", "
 
 def make_prepared_pool(out_dir: Path, n: int, *, seed: int = 0) -> dict[str, str]:
     """A real prepared pool (preprocess_dataset on generated images of varied sizes); returns its reference."""
-    import datasets
-
-    from pipeline.preprocess import preprocess_dataset
-    from pipeline.schema import sample_id_for
-
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        w, h = int(rng.integers(20, 60)), int(rng.integers(20, 60))
-        im = Image.new("RGB", (w, h), tuple(int(c) for c in rng.integers(0, 256, 3)))
-        ImageDraw.Draw(im).text((w // 3, h // 4), str(i % 10), fill=(255, 255, 255))
-        buf = io.BytesIO()
-        im.save(buf, "PNG")
-        data = buf.getvalue()
-        rows.append({"sample_id": sample_id_for(data, QUESTION), "image": data, "image_path": f"/pool/{i}.png",
-                     "question": QUESTION, "answer": None, "split": "pool", "source": f"gen:{i}",
-                     "sources": [f"gen:{i}"], "width": w, "height": h, "mode": "RGB"})
-    m = preprocess_dataset(datasets.Dataset.from_list(rows), PreprocessConfig(size=32), out_dir, size=32,
-                           max_pixels=1_000_000)
-    return {"dir": str(out_dir), "digest": m.key}
+    return driver.build_prepared_pool(out_dir, n, seed=seed, question=QUESTION)
 
 
 def make_adapter(model_dir: Path, out_dir: Path, *, seed: int = 0) -> dict[str, str]:

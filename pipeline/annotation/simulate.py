@@ -77,6 +77,17 @@ def _image_name(url: Any) -> str:
     return PurePosixPath(unquote(parse_qs(parsed.query).get("d", [parsed.path])[0])).name
 
 
+def _export_to_answer(export_dir: Path, ground_truth_path: str | os.PathLike[str],
+                      round_index: int) -> tuple[list[dict[str, Any]], dict[str, str], dict[str, str], list[str] | None]:
+    """An export's Label Studio tasks, the ground truth by sample ID and by image, and the export's answer choices."""
+    tasks_path = export_dir / TASKS_FILE
+    if not tasks_path.is_file():
+        raise ArtifactError(f"{tasks_path}: no Label Studio tasks for round {round_index}; export the round first")
+    tasks = json.loads(tasks_path.read_text(encoding="utf-8"))
+    by_id, by_image = load_ground_truth(ground_truth_path)
+    return tasks, by_id, by_image, _choices(export_dir)
+
+
 def simulate_annotator(
     export_dir: str | os.PathLike[str],
     ground_truth_path: str | os.PathLike[str],
@@ -97,12 +108,7 @@ def simulate_annotator(
     if not 0.0 <= noise <= 1.0:
         raise DataError(f"noise {noise} is not a fraction; use a value between 0 and 1")
     export_dir = Path(export_dir)
-    tasks_path = export_dir / TASKS_FILE
-    if not tasks_path.is_file():
-        raise ArtifactError(f"{tasks_path}: no Label Studio tasks for round {round_index}; export the round first")
-    tasks = json.loads(tasks_path.read_text(encoding="utf-8"))
-    by_id, by_image = load_ground_truth(ground_truth_path)
-    choices = _choices(export_dir)
+    tasks, by_id, by_image, choices = _export_to_answer(export_dir, ground_truth_path, round_index)
 
     truth: list[str | None] = []
     for t in tasks:
@@ -226,12 +232,7 @@ def simulate_annotators(
         raise DataError(f"rounds.simulate_redundancy = {redundancy} labels per sample, but only {len(annotators)} "
                         f"simulated annotators ({', '.join(names)}); add annotators or lower it")
     export_dir = Path(export_dir)
-    tasks_path = export_dir / TASKS_FILE
-    if not tasks_path.is_file():
-        raise ArtifactError(f"{tasks_path}: no Label Studio tasks for round {round_index}; export the round first")
-    tasks = json.loads(tasks_path.read_text(encoding="utf-8"))
-    by_id, by_image = load_ground_truth(ground_truth_path)
-    choices = _choices(export_dir)
+    tasks, by_id, by_image, choices = _export_to_answer(export_dir, ground_truth_path, round_index)
     pool = choices or sorted(set(by_id.values()) | set(by_image.values()))
     exclude = exclude or {}
     out_tasks, given_rows = [], []

@@ -94,7 +94,8 @@ def candidates_line(c: Mapping[str, Any]) -> str:
 def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[str, Any]], label_report: str = "",
                      *, curve_uri: str | None = None, curve_path: str | os.PathLike[str] | None = None) -> str:
     """The round-summary artifact (also artifacts/rounds/NNN/summary.md): counts, metrics, the learning curve as a
-    picture (`curve_uri`, a data URI, for the UI) and as a table, the hand-off and the label check."""
+    picture (`curve_uri`, a data URI, for the UI) and as a table, the hand-off, the label check and, with several
+    annotators a sample, their quality and the redundancy tasks."""
     lines = [f"# Labeling round {state['round']}", "",
              f"- labeled samples: **{state['labeled']}** (labels spent, re-labels included: "
              f"{state.get('labels_spent', state['labeled'])})",
@@ -114,7 +115,8 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
     if st := state.get("stability"):
         lines.append(f"- stop set ({st['n']} pool samples): " + (
             f"agreement with the previous adapter {st['agreement']:.4f}"
-            + (f" (κ; F-score change ≤ {st['f_change_bound']:.3f})" if "kappa" in st else "") + "; "
+            + ((f" (κ; F-score change ≤ {st['f_change_bound']:.3f})" if st.get("f_change_bound") is not None
+                else " (κ; no F-score bound at κ ≤ 0)") if "kappa" in st else "") + "; "
             if "agreement" in st else "first predictions recorded; ") + st["forecast"])
     if t := state.get("annotation_time"):
         lines.append(f"- annotator time so far: {t['hours']:.2f} h over {t['timed']} timed labels (median "
@@ -151,6 +153,13 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
                   f"`{state['selection_dir']}/outliers.jsonl`"]
     if label_report:
         lines += ["", label_report]
+    if state.get("consensus"):  # several annotators a sample: their quality, as consensus.json estimates it
+        from pipeline.annotation.consensus import annotators_markdown
+
+        lines += ["", annotators_markdown(state["consensus"])]
+    if state.get("consensus_dir"):
+        lines += ["", f"Redundancy tasks (consensus below annotate.redundancy.threshold, {state['consensus_requeued']} "
+                  f"samples): `{state['consensus_dir']}`"]
     return "\n".join(lines)
 
 

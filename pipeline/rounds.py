@@ -247,15 +247,7 @@ def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: Round
 
 # --------------------------------------------------------------------------------------------- the end
 def write_round(plan: RoundPlan, state: Mapping[str, Any], summary: str) -> None:
-    """summary.md, then round.json last: round.json is what marks the round finished. With several annotators per
-    sample (state["consensus"]) the summary ends with their table."""
-    if state.get("consensus"):
-        from pipeline.annotation.consensus import annotators_markdown
-
-        summary = f"{summary}\n\n{annotators_markdown(state['consensus'])}"
-    if state.get("consensus_dir"):
-        summary += (f"\n\nRedundancy tasks (consensus below annotate.redundancy.threshold, "
-                    f"{state['consensus_requeued']} samples): `{state['consensus_dir']}`")
+    """summary.md, then round.json last: round.json is what marks the round finished."""
     atomic_write_text(plan.dir / SUMMARY_FILE, summary + "\n")
     atomic_write_json(plan.dir / ROUND_FILE, dict(state))
 

@@ -53,8 +53,9 @@ def agreement(previous: Sequence[Any], current: Sequence[Any], *, closed: bool) 
     the share of equal normalised answers for open ones (kappa does not apply to free text)."""
     if closed:
         k = cohen_kappa(list(previous), list(current))
-        bound = 4 * (1 - k) / k if k > 0 else math.inf
-        return {"agreement": round(k, 6), "kappa": round(k, 6), "f_change_bound": round(bound, 6)}
+        # No bound at kappa <= 0 (None, not inf: round.json stays standard JSON, which has no Infinity).
+        bound = round(4 * (1 - k) / k, 6) if k > 0 else None
+        return {"agreement": round(k, 6), "kappa": round(k, 6), "f_change_bound": bound}
     same = [normalize_answer(x) == normalize_answer(y) for x, y in zip(previous, current, strict=True)]
     return {"agreement": round(float(np.mean(same)), 6)}
 

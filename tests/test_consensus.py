@@ -154,6 +154,12 @@ def test_dawid_skene_labels_the_ties_majority_rejects_and_keeps_every_raw_vote(t
     assert ledger_path(cfg.artifacts).read_bytes() == after
     state = round_record(rec)
     assert state["method"] == "dawid_skene" and {r["annotator"] for r in state["annotators"]} == {"ann", "bob", "cat"}
+    # The round summary (summary.md and the Prefect UI's round-summary artifact are one text) carries their table.
+    from pipeline.report import summary_markdown
+
+    md = summary_markdown({"round": 0, "labeled": 30, "pool": 0, "strategy": "random", "consensus": state}, [])
+    table = md[md.index("### Annotators (consensus: dawid_skene)"):].splitlines()
+    assert {row.split(" | ")[0].strip("| ") for row in table[4:7]} == {"ann", "bob", "cat"}
 
 
 def test_model_as_a_rater_votes_with_the_exported_predictions(tmp_path, make_vqa):

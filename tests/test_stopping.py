@@ -32,6 +32,9 @@ def test_agreement_closed_gives_kappa_and_the_f_change_bound_open_compares_norma
     k = cohen_kappa_score(list("1123412341"), list("1123412342"))
     assert closed["kappa"] == pytest.approx(k, abs=1e-6) and closed["f_change_bound"] == pytest.approx(4 * (1 - k) / k,
                                                                                                       abs=1e-5)
+    # Two adapters that each answer one class: kappa 0 and no bound, written as null (round.json is standard JSON).
+    flat = agreement(list("1111"), list("2222"), closed=True)
+    assert flat["kappa"] == 0 and flat["f_change_bound"] is None and "Infinity" not in json.dumps(flat)
     assert agreement(["A red bus.", "two", "cat"], ["a red bus", "Two", "dog"], closed=False) == {
         "agreement": pytest.approx(2 / 3, abs=1e-6)}
 

@@ -91,6 +91,24 @@ def candidates_line(c: Mapping[str, Any]) -> str:
             + (f" and the {extra} labeled samples" if extra else ""))
 
 
+def annotators_markdown(rec: Mapping[str, Any]) -> str:
+    """The round summary's section from pipeline.annotation.consensus.round_record(), a plain dict: each annotator's
+    votes, agreement with the consensus and (Dawid–Skene) estimated accuracy. It lives here, not beside the
+    consensus, because this module is in the training stage's code closure and must not pull the consensus (and,
+    through it, scoring) into it."""
+    def pct(x: float | None) -> str:
+        return "–" if x is None else f"{x:.1%}"
+
+    lines = [f"### Annotators (consensus: {rec['method']}{', model as a rater' if rec['model_rater'] else ''})", "",
+             "| annotator | votes | on shared samples | agreement with consensus | estimated accuracy |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['annotator']} | {r['votes']} | {r['shared']} | {pct(r['agreement'])} | {pct(r['accuracy'])} |"
+              for r in rec["annotators"]]
+    lines += ["", f"{rec['samples']} samples with votes, {rec['undecided']} undecided (ties), mean consensus "
+                  f"confidence {rec['mean_confidence']:.3f}."]
+    return "\n".join(lines)
+
+
 def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[str, Any]], label_report: str = "",
                      *, curve_uri: str | None = None, curve_path: str | os.PathLike[str] | None = None) -> str:
     """The round-summary artifact (also artifacts/rounds/NNN/summary.md): counts, metrics, the learning curve as a
@@ -154,8 +172,6 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
     if label_report:
         lines += ["", label_report]
     if state.get("consensus"):  # several annotators a sample: their quality, as consensus.json estimates it
-        from pipeline.annotation.consensus import annotators_markdown
-
         lines += ["", annotators_markdown(state["consensus"])]
     if state.get("consensus_dir"):
         lines += ["", f"Redundancy tasks (consensus below annotate.redundancy.threshold, {state['consensus_requeued']} "

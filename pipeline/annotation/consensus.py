@@ -371,22 +371,6 @@ def annotator_rows(record: ConsensusRecord) -> list[dict[str, Any]]:
              "accuracy": q.accuracy} for q in record.annotators.values()]
 
 
-def annotators_markdown(rec: Mapping[str, Any]) -> str:
-    """The round summary's section from round_record(): each annotator's votes, agreement with the consensus and
-    (Dawid–Skene) estimated accuracy."""
-    def pct(x: float | None) -> str:
-        return "–" if x is None else f"{x:.1%}"
-
-    lines = [f"### Annotators (consensus: {rec['method']}{', model as a rater' if rec['model_rater'] else ''})", "",
-             "| annotator | votes | on shared samples | agreement with consensus | estimated accuracy |",
-             "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['annotator']} | {r['votes']} | {r['shared']} | {pct(r['agreement'])} | {pct(r['accuracy'])} |"
-              for r in rec["annotators"]]
-    lines += ["", f"{rec['samples']} samples with votes, {rec['undecided']} undecided (ties), mean consensus "
-                  f"confidence {rec['mean_confidence']:.3f}."]
-    return "\n".join(lines)
-
-
 def round_record(record: ConsensusRecord | None) -> dict[str, Any] | None:
     """What round.json keeps of the consensus: method, counts and the annotator table; None while no sample has two
     votes (one annotator per sample: there is no agreement to report, and the round's files stay as they were)."""

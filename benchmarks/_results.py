@@ -43,11 +43,11 @@ _AT_START = _checkout()
 def code_version() -> str:
     """The commit this code runs at, "+dirty" when tracked files differ from it ("unknown" outside a git checkout):
     what a benchmark records beside each cache entry it makes, so a result read from a cache can say which code
-    versions it mixes."""
-    commit = _git("rev-parse", "HEAD")
+    versions it mixes. The checkout as the benchmark started (a commit made while it runs is not the code it runs)."""
+    commit, status = _AT_START
     if not commit:
         return "unknown"
-    return commit[:12] + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+    return commit[:12] + ("+dirty" if status else "")
 
 
 def machine() -> dict[str, Any]:

@@ -54,6 +54,7 @@ def test_a_commit_during_a_run_leaves_the_commit_it_started_at_and_says_the_chec
     assert _results.provenance()["commit"] == first and "checkout_moved" not in _results.provenance()
     (repo / "code.py").write_text("x = 2\n")  # edited while the benchmark runs
     assert _results.provenance()["checkout_moved"] == {"head": first, "dirty": True}
+    assert _results.code_version() == first[:12]  # what a cache entry made now records: the code that runs
     git("commit", "-qam", "second")
     moved = _results.provenance()
     assert moved["commit"] == first and moved["dirty"] is False

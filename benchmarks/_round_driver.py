@@ -406,3 +406,21 @@ def build_prepared_pool(out_dir: Path, n: int, *, seed: int = 0,
     m = preprocess_dataset(datasets.Dataset.from_list(rows), PreprocessConfig(size=32), out_dir, size=32,
                            max_pixels=1_000_000)
     return {"dir": str(out_dir), "digest": m.key}
+
+
+CLI = "import sys; from flows.cli import run; sys.argv = ['tamis', *sys.argv[1:]]; run()"
+
+
+def round_with_code(code: Path, config: Path, api_url: str | None, *args: str, artifacts: Path | None = None,
+                    env: dict[str, str] | None = None, timeout: float = 900) -> None:
+    """`tamis round --config config [args]` run by the library and flows in `code` (another revision's checkout, or
+    an edited copy) instead of this checkout's; checks first that `code` is what the child imports."""
+    full = {**child_env(artifacts or config.parent / "artifacts", api_url), "PYTHONPATH": str(code), **(env or {})}
+    where = subprocess.run([sys.executable, "-c", "import pipeline, flows; print(pipeline.__file__, flows.__file__)"],
+                           cwd=config.parent, env=full, capture_output=True, text=True, check=True).stdout.split()
+    if not all(Path(w).is_relative_to(code) for w in where):
+        raise AssertionError(f"the code in {code} is not what runs: {where}")
+    done = subprocess.run([sys.executable, "-c", CLI, "round", "--config", str(config), *args], cwd=config.parent,
+                          env=full, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise AssertionError(f"tamis round with the code in {code} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")

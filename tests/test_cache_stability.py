@@ -35,7 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # move it: run this test at the new commit's tree, check the stages it re-executes are the ones meant, set the full
 # hash here and add it to this history.
 KEYS_SINCE = "e925e556e9c66ee89ae6e01c0cf50d08ce120b81"
-CLI = "import sys; from flows.cli import run; sys.argv = ['tamis', *sys.argv[1:]]; run()"
 VERSIONS = "import json, flows.round; from flows.stages import STAGES; print(json.dumps(STAGES))"
 # stage -> the stages that read its output (directly): a stage whose output changed may rerun these, and only these.
 CONSUMERS = {
@@ -87,14 +86,8 @@ def old_checkout(dest: Path) -> Path:
 
 
 def tamis(code: Path, config: Path, api_url: str, *args: str) -> None:
-    art = yaml.safe_load(config.read_text())["paths"]["artifacts"]
-    env = {**driver.child_env(Path(art), api_url), "PYTHONPATH": str(code)}
-    where = subprocess.run([sys.executable, "-c", "import pipeline, flows; print(pipeline.__file__, flows.__file__)"],
-                           cwd=config.parent, env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert all(Path(w).is_relative_to(code) for w in where), f"the code in {code} is not what runs: {where}"
-    done = subprocess.run([sys.executable, "-c", CLI, "round", "--config", str(config), *args], cwd=config.parent,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"tamis round with the code in {code} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    driver.round_with_code(code, config, api_url, *args,
+                           artifacts=Path(yaml.safe_load(config.read_text())["paths"]["artifacts"]))
 
 
 @pytest.mark.slow

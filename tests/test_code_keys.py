@@ -12,8 +12,6 @@ import ast
 import functools
 import hashlib
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -260,20 +258,11 @@ def test_an_edit_of_the_scoring_module_moves_scoring_not_upstream_and_export_mov
 
 
 # --------------------------------------------------------------------------------- a real round, re-run
-CLI = "import sys; from flows.cli import run; sys.argv = ['tamis', *sys.argv[1:]]; run()"
-
-
 def tamis_round(code: Path, config: Path, api_url: str, *args: str) -> None:
     from benchmarks import _round_driver as driver
 
-    env = {**driver.child_env(config.parent / "artifacts", api_url), "PYTHONPATH": str(code),
-           "TAMIS_CODE_CACHE": str(config.parent / "code-cache.json")}
-    where = subprocess.run([sys.executable, "-c", "import pipeline, flows; print(pipeline.__file__, flows.__file__)"],
-                           cwd=config.parent, env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert all(Path(w).is_relative_to(code) for w in where), f"the code in {code} is not what runs: {where}"
-    done = subprocess.run([sys.executable, "-c", CLI, "round", "--config", str(config), *args], cwd=config.parent,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"tamis round with the code in {code} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    driver.round_with_code(code, config, api_url, *args,
+                           env={"TAMIS_CODE_CACHE": str(config.parent / "code-cache.json")})
 
 
 @pytest.mark.slow

@@ -7,6 +7,11 @@ Parts:
              (keys kcenter_s, cluster_margin_s; target < 5 s each on 2 cores), then the coverage selectors on the
              same embeddings as a cold start (keys typiclust_s, probcover_s, maxherding_s; target < 10 s each;
              ProbCover's purity radius uses --n-classes clusters; *_info holds what each chose).
+  select10m  10k picks from 10^7 x 128 float16 embeddings memory-mapped from disk (a seeded mixture of --big-clusters
+             clusters written once to --work-dir, 2.6 GB) by the library's KCenter and MaxHerding, each in a fresh
+             process (keys select_10m_kcenter_s, select_10m_maxherding_s, select_10m_rss_mb; targets <= 600 s each,
+             <= 8 GB), with k-center's covering radius and MaxHerding's pool coverage against a random batch
+             (benchmarks/_pool_10m.py).
   scoring    peak RSS of scoring + selecting a 10k and a 100k pool (keys rss_mb_10k, rss_mb_100k, rss_ratio;
              target ratio <= 1.2). Each pool is a real prepared dataset on disk (generated images of varied sizes
              run through preprocess_dataset; Arrow, memory-mapped), scored with the tiny 4-bit Idefics3 in a fresh
@@ -20,6 +25,7 @@ Parts:
     python benchmarks/pool_scale.py --part all --work-dir /tmp/tamis-pool-scale \\
         --json-out benchmarks/results/pool_scale.json
     python benchmarks/pool_scale.py --part scoring --pools 1000,5000     # a quick look
+    python benchmarks/pool_scale.py --part select10m --big-n 1000000 --big-k 1000 --big-clusters 100   # 10^6
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._pool_10m import child as child_10m  # noqa: E402
+from benchmarks._pool_10m import run_select_10m  # noqa: E402
 from benchmarks._results import CacheFolder, write_result  # noqa: E402
 from pipeline.strategies.coverage import MaxHerding, ProbCover, TypiClust  # noqa: E402
 from pipeline.strategies.selectors import ClusterMargin, KCenter, faiss_threads  # noqa: E402
@@ -322,6 +330,7 @@ def run_scoring(args: argparse.Namespace) -> dict[str, Any]:
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "selection": run_selection,
     "scoring": run_scoring,
+    "select10m": run_select_10m,
 }
 
 
@@ -348,10 +357,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sc.add_argument("--max-score-s", type=float, default=600.0, help="auto: longest projected scoring of one pool")
     sc.add_argument("--real-rows", type=int, default=10_000, help="rows scored for real in a precomputed pool")
     sc.add_argument("--work-dir", type=Path, default=None, help="keeps the generated pools between runs")
+    big = ap.add_argument_group("select10m part")
+    big.add_argument("--big-n", type=int, default=10_000_000, help="rows of the memory-mapped float16 mixture")
+    big.add_argument("--big-d", type=int, default=128)
+    big.add_argument("--big-k", type=int, default=10_000)
+    big.add_argument("--big-clusters", type=int, default=1000)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-10m", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(score_child(json.loads(args.child))))
+        return {}
+    if args.child_10m:
+        print(json.dumps(child_10m(json.loads(args.child_10m))))
         return {}
     started = time.time()
     # --work-dir keeps the prepared pools between runs: what this run found there counts as reused.

@@ -18,6 +18,7 @@ from pipeline.errors import SelectionError
 
 # Rows per distance block: keeps each temporary under ~50 MB at any pool size.
 BLOCK = 1024
+_FINITE_CHUNK = 262_144  # rows per finiteness check
 
 
 def available_cpus() -> int:
@@ -79,20 +80,27 @@ def kmeans_labels(
 def sqnorms(x: np.ndarray) -> np.ndarray:
     return np.einsum("ij,ij->i", x, x)
 
-def check_embeddings(emb: np.ndarray | None, n: int, who: str) -> np.ndarray:
+def check_embeddings(emb: np.ndarray | None, n: int, who: str, *, keep_float16: bool = False) -> np.ndarray:
+    """The embeddings as float32 [n, d], checked; `keep_float16`: float16 (e.g. a memory-mapped pool of 10⁷ rows,
+    2.6 GB at d = 128, where a float32 copy would double it) is returned as given, for selectors that read it in
+    blocks."""
     if emb is None:
         raise SelectionError(f"{who}: needs embeddings [n, d]; the scorer writes them next to the scores")
-    e = np.asarray(emb)
+    e = emb if isinstance(emb, np.ndarray) else np.asarray(emb)
     if e.ndim != 2 or e.shape[0] != n or e.shape[1] == 0:
         raise SelectionError(f"{who}: embeddings must have shape [{n}, d] to match {n} scores, got {e.shape}")
     if e.dtype.kind not in "fiu":
         raise SelectionError(f"{who}: embeddings must be numbers, got dtype {e.dtype}")
-    e = np.ascontiguousarray(e, dtype=np.float32)
-    if not np.isfinite(e).all():
-        rows = np.unique(np.argwhere(~np.isfinite(e))[:, 0])
-        raise SelectionError(
-            f"{who}: {len(rows)} embedding rows contain NaN/inf (first at row {int(rows[0])}); rescore or quarantine them"
-        )
+    if not (keep_float16 and e.dtype == np.float16):
+        e = np.ascontiguousarray(e, dtype=np.float32)
+    for s in range(0, n, _FINITE_CHUNK):  # in chunks: a mask of the whole pool would be n x d bytes
+        bad = ~np.isfinite(e[s : s + _FINITE_CHUNK])
+        if bad.any():
+            rows = s + np.unique(np.argwhere(bad)[:, 0])
+            total = len(rows) + sum(int((~np.isfinite(e[t : t + _FINITE_CHUNK])).any(axis=1).sum())
+                                    for t in range(s + _FINITE_CHUNK, n, _FINITE_CHUNK))
+            raise SelectionError(f"{who}: {total} embedding rows contain NaN/inf (first at row {int(rows[0])}); "
+                                 "rescore or quarantine them")
     return e
 
 class Selector:

@@ -30,6 +30,8 @@ _PROBE = 6  # blocks each block searches, itself included
 _REACH = 1.5  # ... unless they hold more than this many times `_PROBE` mean blocks' rows
 _SMALL = 2048  # points; smaller sets run faiss on one thread
 _LAZY_BATCH = 16  # MaxHerding: stale gains refreshed per step (one vectorised gather instead of 16 Python steps)
+# MaxHerding's points at most (candidates + labeled): 10k picks from 500k x 128 take ~40 s and ~3 GB here.
+MAX_HERDING_POINTS = 500_000
 
 
 def _labeled(lab: np.ndarray | None, d: int, who: str) -> np.ndarray:
@@ -402,6 +404,11 @@ class MaxHerding(Selector):
     the kernel is taken as 0 beyond), while cur is updated exactly over the pick's probe blocks (see Blocks), so a
     pick in a big dense region lowers the gains of all its points. Coverage is submodular, so gains only shrink and
     lazy greedy with a heap of stale upper bounds picks a candidate of maximal gain, as plain greedy would.
+
+    Above `max_points` candidates + labeled, C is estimated on a seeded uniform sample of the candidates (every
+    labeled point kept) and the picks come from that sample: an average over 5·10⁵ points estimates the pool's to
+    ~1e-3, while the kernel graph of 10⁷ points would not fit here. `info["sampled"]` says so; σ then adapts to the
+    sample's density. benchmarks/pool_scale.py measures the full pool's coverage against random picks at 10⁷.
     """
 
     name = "maxherding"
@@ -409,7 +416,11 @@ class MaxHerding(Selector):
     cost_use = "own"  # argmax of marginal coverage gain / ĉ_i (still lazy greedy: gains only shrink, ĉ is fixed)
 
     def __init__(
-        self, bandwidth: float | None = None, n_neighbors: int = 50, bandwidth_neighbors: int = 10
+        self,
+        bandwidth: float | None = None,
+        n_neighbors: int = 50,
+        bandwidth_neighbors: int = 10,
+        max_points: int = MAX_HERDING_POINTS,
     ) -> None:
         super().__init__()
         if bandwidth is not None and not (np.isfinite(bandwidth) and bandwidth > 0):
@@ -418,11 +429,32 @@ class MaxHerding(Selector):
             raise SelectionError(
                 f"maxherding: n_neighbors and bandwidth_neighbors must be >= 1, got {n_neighbors}, {bandwidth_neighbors}"
             )
+        if max_points < 2:
+            raise SelectionError(f"maxherding: max_points must be >= 2, got {max_points}")
         self.bandwidth, self.n_neighbors, self.bandwidth_neighbors = bandwidth, n_neighbors, bandwidth_neighbors
+        self.max_points = max_points
 
     def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None, costs=None):
-        x, n = _points(self, k, scores, embeddings, labeled_embeddings)
-        cost = np.ones(n) if costs is None else np.asarray(costs, dtype=np.float64)
+        s = self._scores(k, scores)
+        e = check_embeddings(embeddings, len(s), self.name, keep_float16=True)
+        lab = _labeled(labeled_embeddings, e.shape[1], self.name)
+        cost = np.ones(len(e)) if costs is None else np.asarray(costs, dtype=np.float64)
+        # Coverage is a pool average, so above `max_points` it is estimated on a seeded uniform sample of the
+        # candidates (the labeled points stay whole: they are covered, so they only lower the sample's gains).
+        keep = None
+        if len(e) + len(lab) > self.max_points:
+            size = min(len(e), max(k, self.max_points - len(lab)))
+            keep = np.sort(np.random.default_rng(seed).choice(len(e), size=size, replace=False))
+            e, cost = e[keep], cost[keep]
+        e = np.ascontiguousarray(e, dtype=np.float32)
+        x, n = (np.concatenate([e, lab]) if len(lab) else e), len(e)
+        picks = self._herd(x, n, k, cost, seed)
+        if keep is not None:
+            self.info["sampled"] = {"candidates": len(s), "kept": len(keep), "rate": round(len(keep) / len(s), 6)}
+            picks = keep[picks]
+        return picks
+
+    def _herd(self, x: np.ndarray, n: int, k: int, cost: np.ndarray, seed: int) -> np.ndarray:
         big_n = len(x)
         with faiss_threads(_threads(big_n)):
             blocks = Blocks(x, seed=seed)

@@ -13,6 +13,7 @@ from threadpoolctl import threadpool_limits
 
 from pipeline.errors import SelectionError
 from pipeline.strategies.base import BLOCK, Selector, check_embeddings, faiss_threads, kmeans_labels, sqnorms
+from pipeline.strategies.blocked import BLOCKED_MIN, BlockedRows
 from pipeline.strategies.heuristics import rank
 
 __all__ = ["ClusterMargin", "KCenter", "Stratified", "TopK", "Typical", "faiss_threads", "k_center_greedy",
@@ -144,6 +145,8 @@ class TopK(Selector):
 class KCenter(Selector):
     """Greedy core-set on embeddings, starting from the labeled set (or the top-scored candidate without one).
 
+    From `BLOCKED_MIN` rows (10⁶) the same greedy runs over k-means blocks with triangle bounds
+    (pipeline/strategies/blocked.py), reading float16 or memory-mapped embeddings in place.
     uncertainty="none" ignores scores after the first pick; "product" picks argmax of min-distance x score (an
     uncertain sample far from everything chosen); "top_m" runs the core-set only over the top `top_m_factor * k`
     candidates by score (Ash et al. style "filter then diversify").
@@ -162,7 +165,7 @@ class KCenter(Selector):
 
     def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None, costs=None):
         s = self._scores(k, scores)
-        e = check_embeddings(embeddings, len(s), self.name)
+        e = check_embeddings(embeddings, len(s), self.name, keep_float16=True)
         lab = None
         if labeled_embeddings is not None and len(labeled_embeddings):
             lab = np.asarray(labeled_embeddings, dtype=np.float32)
@@ -188,7 +191,13 @@ class KCenter(Selector):
             weights = inv if weights is None else weights * inv
         if weights is not None:
             weights = weights[idx]
-        picks = k_center_greedy(e[idx], k, centers=lab, first=None if lab is not None else first, weights=weights)
+        sub = e if len(idx) == len(e) else e[idx]  # no copy of the whole pool
+        first = None if lab is not None else first
+        if len(sub) >= BLOCKED_MIN:
+            with threadpool_limits(1, user_api="blas"):  # block-sized GEMMs: see k_center_greedy
+                picks, self.info = BlockedRows(sub, seed=seed).k_center(k, centers=lab, first=first, weights=weights)
+        else:
+            picks, self.info = k_center_greedy(sub, k, centers=lab, first=first, weights=weights), {}
         return idx[picks]
 
 

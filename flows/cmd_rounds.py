@@ -53,9 +53,22 @@ def round_cmd(
     config: ConfigOpt = None,
     simulate: Annotated[bool | None, typer.Option("--simulate/--no-simulate", help="Let the simulated annotator "
                                                     "label the export (default: rounds.simulate_annotator).")] = None,
+    full: Annotated[bool, typer.Option("--full", help="Run the flow even when nothing changed since the last "
+                                       "round (it replays that round from the cache).")] = False,
 ) -> None:
     """Run the next labeling round (or finish / re-run the current one: finished work comes from the cache)."""
-    load(config)
+    from pipeline.unchanged import unchanged_round
+
+    cfg = load(config)
+    last = None if full else unchanged_round(cfg, simulate=simulate)
+    if last is not None:
+        out = out_console()
+        out.print(_rounds_table([last]))
+        out.print(f"round {last['round']}: nothing changed since it ran (config, code, data, labels, inbox, model), so "
+                  "running it again would only replay it from the cache; no flow started. New labels go in "
+                  f"{cfg.artifacts / 'inbox'} or through `tamis labels import`; `tamis round --full` replays it anyway.",
+                  highlight=False)
+        return
     from flows.round import labeling_round
 
     state = labeling_round(str(config) if config else None, simulate=simulate)

@@ -19,7 +19,7 @@ from flows.prepare import prepare_refs
 from flows.select import select_ref
 from flows.train import train_round
 from flows.ui import library_logs_to_ui, name_run, progress_sink, publish_round
-from pipeline import report, rounds
+from pipeline import report, rounds, unchanged
 from pipeline.annotation.inbox import import_inbox, receive_labels
 from pipeline.annotation.label_files import LabelKeys
 from pipeline.annotation.label_studio import pull_labels, push_batch
@@ -40,6 +40,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
               progress: report.RoundProgress | None = None) -> dict[str, Any]:
     """The body of a round; ordering only, every step is a library call or a cached stage task."""
     art, progress = cfg.artifacts, progress or report.RoundProgress(lambda percent, text: None)
+    inputs = unchanged.round_inputs_now(cfg)  # what this round reads, for `tamis round` to know a replay in advance
     progress.start("ingest")
     ing = ingest_ref(cfg)
     progress.finish("ingest")
@@ -98,6 +99,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
                             seed=cfg.seed, crowd=cfg.rounds)
     publish_round(cfg.artifacts, state, metrics_rows, label_report, curve,
                   waiting=waiting.waits_for_labels(cfg, state))
+    unchanged.record_round_inputs(cfg, state, inputs)
     progress.complete(report.state_message(state))
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
              report.run_tags(plan.index, rerun=plan.rerun is not None, stopped=state["stopped"]))

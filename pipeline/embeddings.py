@@ -606,14 +606,17 @@ def compute_selection_embeddings(
 
 
 def load_selection_embeddings(folder: str | os.PathLike[str]) -> tuple[list[str], np.ndarray]:
-    """(sample IDs, float32 [n, d]) from an embeddings stage folder, after verifying its manifest's digests."""
+    """(sample IDs, float32 [n, d]) from an embeddings stage folder, after verifying its manifest's digests.
+
+    The matrix is memory-mapped read-only: a round reads the rows of its candidates, and the selectors that take a
+    whole pool (KCenter, MaxHerding from 10⁶ rows) read it in blocks, so 10⁷ × 128 is not one 5 GB load per stage."""
     folder = Path(folder)
     m = read_manifest(folder)
     if m.stage != STAGE:
         raise ArtifactError(f"{folder}: holds the output of stage {m.stage!r}, not {STAGE!r}; pass an embeddings "
                             "folder")
     ids = json.loads(m.path_of("ids", folder).read_text(encoding="utf-8"))
-    vectors = np.load(m.path_of("embeddings", folder), allow_pickle=False)
+    vectors = np.load(m.path_of("embeddings", folder), mmap_mode="r", allow_pickle=False)
     return ids, vectors
 
 

@@ -1,0 +1,134 @@
+"""Knowing, before any flow starts, that a round has nothing to do.
+
+An unchanged `tamis round` replays the last round from the cache: every stage key matches, no stage body runs, and
+the state it returns is the one already in rounds/NNN/round.json. Learning that through the flow costs Prefect's
+temporary server (7-20 s here), the imports of every stage's libraries and a walk of every stage's cache. So each
+round records a digest of everything it read that a user can change (`round_inputs`: the config, tamis' code, the
+sources through the file index — a stat per image —, the label files and the inbox, the model folder, a bring-your-own
+embeddings file, the ground truth), taken when it started and again when it ended. When the round left its inputs as
+it found them (it imported no labels, no simulated annotator answered) and they are still the same now, running it
+again could only replay it: `unchanged_round` returns its state and the CLI prints it without starting a flow.
+
+Never skipped: a live Label Studio project (its labels live on a server), a simulated annotator (answering changes
+the labels), a round that changed its own inputs (the next run is the one that sees them), outputs the round
+recorded that are gone, and `tamis round --full`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from pipeline.annotation.consensus import VOTES_NAME
+from pipeline.annotation.inbox import inbox_dir
+from pipeline.annotation.ledger import LEDGER_NAME, TIMES_NAME
+from pipeline.config import ProjectConfig
+from pipeline.errors import TamisError
+from pipeline.rounds import completed_rounds
+from pipeline.store import atomic_write_json, digest_json
+
+log = logging.getLogger(__name__)
+
+INPUTS_FILE = "round_inputs.json"  # under artifacts/rounds/
+_CODE_ROOTS = ("pipeline", "flows")
+# Append-only, written by label imports only; consensus.json and the redundancy table are derived from them by every
+# run (rewritten even when nothing changed), so they are not inputs.
+_LABEL_FILES = (LEDGER_NAME, TIMES_NAME, VOTES_NAME)
+
+
+def code_digest(root: str | os.PathLike[str] | None = None) -> str:
+    """sha256 over tamis' Python sources (pipeline/ and flows/ under `root`, default: this checkout or install)."""
+    base = Path(root) if root is not None else Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for top in _CODE_ROOTS:
+        for p in sorted((base / top).rglob("*.py")):
+            h.update(str(p.relative_to(base)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _stat(path: Path | None) -> list[Any] | None:
+    """(size, mtime_ns, inode) of a file; None when it does not exist (so its appearance changes the digest)."""
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _listing(folder: Path | None) -> list[Any] | None:
+    """Every file under `folder` with its stat, sorted; None for a missing folder."""
+    if folder is None or not folder.is_dir():
+        return None
+    return sorted([str(p.relative_to(folder)), _stat(p)] for p in folder.rglob("*") if p.is_file())
+
+
+def round_inputs(cfg: ProjectConfig) -> str:
+    """Digest of what a round reads that can change between runs (module docstring)."""
+    from pipeline.data.ingest import (
+        source_digest,  # the ingest key's own input: a stat per image under verify=stat
+    )
+
+    art = Path(cfg.artifacts)
+    model = Path(cfg.model.name_or_path)
+    parts = {
+        "config": cfg.model_dump(mode="json"),
+        "code": code_digest(),
+        "sources": source_digest(cfg.data, art),
+        "labels": {name: _stat(art / name) for name in _LABEL_FILES},
+        "inbox": _listing(inbox_dir(art)),
+        "model": _listing(model) if model.is_dir() else str(model),
+        "embeddings_file": _stat(cfg.select.embeddings.path),
+        "ground_truth": _stat(cfg.data.ground_truth),
+    }
+    return digest_json(parts)
+
+
+def _skip_reason(cfg: ProjectConfig, simulate: bool | None) -> str | None:
+    if cfg.rounds.simulate_annotator if simulate is None else simulate:
+        return "the simulated annotator answers every round"
+    if cfg.annotate.label_studio is not None:
+        return "annotate.label_studio: new labels may be waiting on the server"
+    return None
+
+
+def round_inputs_now(cfg: ProjectConfig) -> str | None:
+    """round_inputs, or None when they cannot be read now (the flow then reports why, stage by stage)."""
+    try:
+        return round_inputs(cfg)
+    except (OSError, TamisError) as exc:
+        log.debug("round inputs unreadable (%s); the next run goes through the flow", exc)
+        return None
+
+
+def record_round_inputs(cfg: ProjectConfig, state: dict[str, Any], before: str | None) -> None:
+    """After a round: what it read when it started (`before`) and what is there now, with the outputs it reports."""
+    outputs = [state.get("export_dir"), state.get("relabel_dir"), (state.get("adapter") or {}).get("adapter_dir")]
+    atomic_write_json(Path(cfg.artifacts) / "rounds" / INPUTS_FILE, {
+        "round": state["round"], "before": before, "after": round_inputs_now(cfg),
+        "outputs": [p for p in outputs if p],
+    })
+
+
+def unchanged_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, Any] | None:
+    """The last round's state when running the round again could only replay it (module docstring), else None."""
+    if _skip_reason(cfg, simulate):
+        return None
+    path = Path(cfg.artifacts) / "rounds" / INPUTS_FILE
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not rec.get("before") or rec.get("before") != rec.get("after"):
+        return None
+    states = completed_rounds(cfg.artifacts)
+    if not states or states[-1]["round"] != rec.get("round"):
+        return None
+    if not all(Path(p).exists() for p in rec.get("outputs", [])):
+        return None
+    return states[-1] if round_inputs_now(cfg) == rec["after"] else None

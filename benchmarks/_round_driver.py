@@ -184,6 +184,7 @@ class RoundRun:
     executed: list[dict[str, Any]] = field(default_factory=list)  # stage bodies this run started
     temp_reads: list[str] = field(default_factory=list)  # opens of temp leftovers that existed when it started
     error: str | None = None  # the log's tail when the round failed (neither finished nor killed)
+    rss_mb: float | None = None  # the round process's peak RSS
 
     @property
     def stages(self) -> list[str]:
@@ -198,6 +199,24 @@ def child_env(artifacts: Path, api_url: str | None) -> dict[str, str]:
     if api_url:
         env["PREFECT_API_URL"] = api_url
     return env
+
+
+def cli_round(config: Path, api_url: str | None, *extra: str) -> dict[str, Any]:
+    """`tamis round` as a user types it (a fresh process, the CLI's own start-up): wall time, whether a flow ran,
+    and the stage bodies it executed."""
+    from pipeline.store import executions
+
+    art = config.parent / "artifacts"
+    runs = len(list(executions(art)))
+    t = time.perf_counter()
+    proc = subprocess.run([str(Path(sys.executable).with_name("tamis")), "round", "--config", str(config), *extra],
+                          env=child_env(art, api_url), cwd=config.parent, capture_output=True, text=True,
+                          timeout=900, check=False)
+    wall = time.perf_counter() - t
+    if proc.returncode:
+        raise SystemExit(f"tamis round {' '.join(extra)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    return {"total_s": round(wall, 2), "flow_started": "nothing changed since it ran" not in proc.stdout,
+            "stages_executed": len(list(executions(art))) - runs}
 
 
 def _executions(artifacts: Path, pid: int) -> list[dict[str, Any]]:
@@ -264,6 +283,7 @@ def run_round(config: Path, *, api_url: str | None, kill: Kill | None = None, si
     if result_path.is_file():
         res = json.loads(result_path.read_text())
         run.import_s, run.flow_s, run.state, run.temp_reads = res["import_s"], res["flow_s"], res["state"], res["temp_reads"]
+        run.rss_mb = res.get("rss_mb")
     elif not run.killed:
         run.error = _tail(log, 80)
     return run
@@ -367,10 +387,13 @@ def _child(spec_path: str) -> None:
     t1 = time.perf_counter()
     state = labeling_round(spec["config"], simulate=spec["simulate"])
     t2 = time.perf_counter()
+    import resource
+
     from pipeline.store import atomic_write_json
 
     atomic_write_json(spec["result"], {"state": state, "import_s": round(t1 - t0, 3), "flow_s": round(t2 - t1, 3),
-                                       "temp_reads": temp_reads})
+                                       "temp_reads": temp_reads,
+                                       "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
 
 
 if __name__ == "__main__":

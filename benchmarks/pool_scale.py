@@ -12,6 +12,10 @@ Parts:
              process (keys select_10m_kcenter_s, select_10m_maxherding_s, select_10m_rss_mb; targets <= 600 s each,
              <= 8 GB), with k-center's covering radius and MaxHerding's pool coverage against a random batch
              (benchmarks/_pool_10m.py).
+  flow       rounds through the real flow on --flow-pools pools of distinct digit PNGs on disk: a first round, a
+             steady-state round, an unchanged re-run (flow and CLI), a round after adding --flow-add images; wall
+             time, executed stages and peak RSS per run (benchmarks/_pool_flow.py). Not in --part all (its pools
+             take minutes to hours to write and run).
   scoring    peak RSS of scoring + selecting a 10k and a 100k pool (keys rss_mb_10k, rss_mb_100k, rss_ratio;
              target ratio <= 1.2). Each pool is a real prepared dataset on disk (generated images of varied sizes
              run through preprocess_dataset; Arrow, memory-mapped), scored with the tiny 4-bit Idefics3 in a fresh
@@ -52,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._pool_10m import child as child_10m  # noqa: E402
 from benchmarks._pool_10m import run_select_10m  # noqa: E402
+from benchmarks._pool_flow import run_pool_flow  # noqa: E402
 from benchmarks._results import CacheFolder, write_result  # noqa: E402
 from pipeline.strategies.coverage import MaxHerding, ProbCover, TypiClust  # noqa: E402
 from pipeline.strategies.selectors import ClusterMargin, KCenter, faiss_threads  # noqa: E402
@@ -331,6 +336,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "selection": run_selection,
     "scoring": run_scoring,
     "select10m": run_select_10m,
+    "flow": run_pool_flow,
 }
 
 
@@ -362,6 +368,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     big.add_argument("--big-d", type=int, default=128)
     big.add_argument("--big-k", type=int, default=10_000)
     big.add_argument("--big-clusters", type=int, default=1000)
+    fl = ap.add_argument_group("flow part")
+    fl.add_argument("--flow-pools", default="10000,100000", help="pool sizes through the real flow, comma-separated")
+    fl.add_argument("--flow-add", type=int, default=10_000, help="images added before the last round")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-10m", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -384,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "faiss": faiss.__version__,
         "python": platform.python_version(),
     }
-    parts = list(PARTS) if args.part == "all" else [args.part]
+    parts = [p for p in PARTS if p != "flow"] if args.part == "all" else [args.part]
     with threadpool_limits(args.threads, user_api="blas"), faiss_threads(args.threads):
         for part in parts:
             try:

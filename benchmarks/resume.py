@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -87,24 +86,6 @@ def redone(killed: driver.RoundRun, rerun: driver.RoundRun) -> list[str]:
     """Stage bodies (same cache key) the killed run had started and the re-run executed again."""
     started = {e["key"] for e in killed.executed}
     return [e["stage"] for e in rerun.executed if e["key"] in started]
-
-
-def cli_round(config: Path, api_url: str | None, *extra: str) -> dict[str, Any]:
-    """`tamis round` as a user types it (a fresh process, the CLI's own start-up): wall time, whether a flow ran,
-    and the stage bodies it executed."""
-    from pipeline.store import executions
-
-    art = config.parent / "artifacts"
-    runs = len(list(executions(art)))
-    t = time.perf_counter()
-    proc = subprocess.run([str(Path(sys.executable).with_name("tamis")), "round", "--config", str(config), *extra],
-                          env=driver.child_env(art, api_url), cwd=config.parent, capture_output=True, text=True,
-                          timeout=900, check=False)
-    wall = time.perf_counter() - t
-    if proc.returncode:
-        raise SystemExit(f"tamis round {' '.join(extra)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
-    return {"total_s": round(wall, 2), "flow_started": "nothing changed since it ran" not in proc.stdout,
-            "stages_executed": len(list(executions(art))) - runs}
 
 
 def check(run: driver.RoundRun, what: str) -> driver.RoundRun:
@@ -181,8 +162,8 @@ def main() -> None:
         out["cold"], out["rerun"] = s["first"], s["rerun"]
 
         # The same unchanged round as a user runs it: the CLI knows it has nothing to do before any flow.
-        out["unchanged_cli_server"] = cli_round(work / "cold" / "tamis.yaml", api)
-        out["replay_cli_server"] = cli_round(work / "cold" / "tamis.yaml", api, "--full")
+        out["unchanged_cli_server"] = driver.cli_round(work / "cold" / "tamis.yaml", api)
+        out["replay_cli_server"] = driver.cli_round(work / "cold" / "tamis.yaml", api, "--full")
 
         killed, again, s = pair("kill-train", driver.Kill(path=f"train/*/checkpoints/step-{mid}", delay=2.0),
                                 "round killed in training")
@@ -201,7 +182,7 @@ def main() -> None:
     if not args.no_ephemeral and not args.quick:
         eph = check(driver.run_round(work / "cold" / "tamis.yaml", api_url=None), "re-run, ephemeral server")
         out["rerun_ephemeral_server"] = summary(eph)
-        out["unchanged_cli_no_server"] = cli_round(work / "cold" / "tamis.yaml", None)
+        out["unchanged_cli_no_server"] = driver.cli_round(work / "cold" / "tamis.yaml", None)
 
     ratio = out["rerun"]["flow_s"] / out["cold"]["flow_s"]
     result = {

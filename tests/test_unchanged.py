@@ -57,6 +57,16 @@ def test_an_unchanged_round_is_known_before_any_flow(tmp_path, tiny_models, pref
     assert "Starting temporary server" not in proc.stdout + proc.stderr
     assert round_json.stat().st_mtime_ns == stamp and len(list(executions(art))) == runs  # no replay ran
 
+    from prefect.settings import get_current_settings
+
+    server = {**env, "PREFECT_API_URL": str(get_current_settings().api.url)}
+    full = subprocess.run([str(TAMIS), "round", "--config", str(config), "--full"], capture_output=True, text=True,
+                          env=server, timeout=300)
+    assert full.returncode == 0, full.stdout + full.stderr
+    assert "nothing changed" not in full.stdout
+    assert round_json.stat().st_mtime_ns != stamp and len(list(executions(art))) == runs  # a replay: no stage body
+    assert unchanged_round(cfg) is not None  # and the replay left it as it found it
+
     # Anything a round reads moves it back to the flow.
     dropped = simulated_file(art / "inbox", 9)  # a label file dropped in the inbox
     dropped.write_text("[]")

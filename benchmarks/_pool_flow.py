@@ -2,7 +2,7 @@
 
 Per pool size (--flow-pools, e.g. 10000,100000 or 1000000): a folder of N distinct 28×28 PNGs (ingest_scale's
 generator: a digit upscaled, shifted and noised; the ground truth keyed by file name), the tiny 4-bit Idefics3, pixel
-selection embeddings, `select.candidates: restrict`, MaxHerding cold start, batch 100. Each round runs in a fresh
+selection embeddings, `select.candidates: restrict`, a held-out test split of 100 shipped digits, MaxHerding cold start, batch 100. Each round runs in a fresh
 process against one shared `prefect server` (benchmarks/_round_driver.py), in this order:
 
 1. first     round 0: ingest, prepare, quality, embeddings, cold-start selection, export; the simulated annotator
@@ -13,7 +13,8 @@ process against one shared `prefect server` (benchmarks/_round_driver.py), in th
 4. add       --flow-add new images (10,000) written to the folder, then a round: what it executed, and its time.
 
 Per run: wall seconds, the stage bodies it executed (artifacts/executions.jsonl, with the seconds from each body's
-start to the next one's or to the run's end) and the process's peak RSS.
+start to the next one's or to the flow's end: what runs between bodies, e.g. the summary after export, counts to
+the body before it) and the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import yaml
 
 from benchmarks import _round_driver as driver
 from benchmarks.ingest_scale import write_pool
+from pipeline.data.demo import write_digits
 
 QUESTION = "Which digit is shown in the image?"
 
@@ -54,10 +56,15 @@ def _project(root: Path, n: int, add: int, model: Path, seed: int) -> Path:
     truth.unlink(missing_ok=True)
     _ground_truth(truth, 0, n)
     shutil.rmtree(root / "artifacts", ignore_errors=True)
+    # Held-out labeled rows every round evaluates on: the test split of 400 of the shipped digits.
+    digits = write_digits(root / "digits", limit=400)
+    test = [r for r in map(json.loads, (digits / "manifest.jsonl").open()) if r["split"] == "test"]
+    (digits / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
     cfg = {
         "seed": seed,
         "paths": {"artifacts": str(root / "artifacts")},
-        "data": {"sources": [{"kind": "folder", "path": str(pool)}], "answers": [str(d) for d in range(10)],
+        "data": {"sources": [{"kind": "folder", "path": str(pool)}, {"kind": "jsonl", "path": str(digits / "test.jsonl")}],
+                 "answers": [str(d) for d in range(10)],
                  "question": QUESTION, "ground_truth": str(truth)},
         "preprocess": {"size": 32, "pad": "square", "num_proc": 1},
         "model": {"name_or_path": str(model), "family": "idefics3", "mode": "qlora"},
@@ -76,8 +83,8 @@ def _project(root: Path, n: int, add: int, model: Path, seed: int) -> Path:
 def _summary(run: driver.RoundRun) -> dict[str, Any]:
     if run.error or run.returncode:
         raise SystemExit(f"pool_scale flow: a round failed ({run.returncode}):\n{run.error}")
-    end = min(e["time"] for e in run.executed) + run.wall_s if run.executed else 0.0
-    times = [e["time"] for e in run.executed] + [max([end, *(e["time"] for e in run.executed)])]
+    # A body runs from its start to the next one's start (or to the flow's end, for the last).
+    times = [e["time"] for e in run.executed] + [run.flow_end or 0.0]
     per_stage: Counter[str] = Counter()
     for e, nxt in zip(run.executed, times[1:], strict=False):
         per_stage[e["stage"]] += nxt - e["time"]

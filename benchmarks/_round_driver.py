@@ -185,6 +185,7 @@ class RoundRun:
     temp_reads: list[str] = field(default_factory=list)  # opens of temp leftovers that existed when it started
     error: str | None = None  # the log's tail when the round failed (neither finished nor killed)
     rss_mb: float | None = None  # the round process's peak RSS
+    flow_end: float | None = None  # time.time() when labeling_round returned
 
     @property
     def stages(self) -> list[str]:
@@ -283,7 +284,7 @@ def run_round(config: Path, *, api_url: str | None, kill: Kill | None = None, si
     if result_path.is_file():
         res = json.loads(result_path.read_text())
         run.import_s, run.flow_s, run.state, run.temp_reads = res["import_s"], res["flow_s"], res["state"], res["temp_reads"]
-        run.rss_mb = res.get("rss_mb")
+        run.rss_mb, run.flow_end = res.get("rss_mb"), res.get("flow_end")
     elif not run.killed:
         run.error = _tail(log, 80)
     return run
@@ -393,7 +394,8 @@ def _child(spec_path: str) -> None:
 
     atomic_write_json(spec["result"], {"state": state, "import_s": round(t1 - t0, 3), "flow_s": round(t2 - t1, 3),
                                        "temp_reads": temp_reads,
-                                       "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
+                                       "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                                       "flow_end": time.time()})
 
 
 if __name__ == "__main__":

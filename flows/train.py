@@ -33,6 +33,7 @@ def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any]
                 progress: report.RoundProgress, pool: rounds.PoolData) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(the adapter's ref, the label check's ref or None) of a round that has labels; records its metrics, the
     stop set's agreement with the previous adapter (rounds.stop_set) and the label check in `state`."""
+    pool.check_evaluable()
     labeled = rounds.labeled_set(prep["prepare"], plan)
     aug = augment_ref(cfg, labeled) if cfg.augment.copies else None
     progress.start("train")

@@ -108,7 +108,8 @@ def evaluate_model(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequ
                    batch_size: int = 16, max_new_tokens: int = 16) -> dict[str, Any]:
     """Metrics of `loaded` on labeled rows (`prepared`, `question`, `answer`) and the per-row predictions."""
     if not rows:
-        raise ValueError("evaluation needs at least one test row with an answer (split: test)")
+        raise DataError("evaluation needs at least one test row with an answer (split: test); add a labeled held-out "
+                        "source with `split: test` to data.sources")
     preds = predict_answers(loaded, rows, answers, batch_size=batch_size, max_new_tokens=max_new_tokens)
     refs = [r["answer"] for r in rows]
     return {

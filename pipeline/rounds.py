@@ -154,6 +154,14 @@ class PoolData:
 
         return stop_set([s for s, sp in zip(self.ids, self.splits, strict=True) if sp == "pool"], size, seed)
 
+    def check_evaluable(self) -> None:
+        """A round that trains evaluates its adapter on the labeled test split: refuse before training without one."""
+        if not any(sp == "test" and a is not None for sp, a in zip(self.splits, self.answers, strict=True)):
+            raise DataError(
+                f"no labeled test rows among the {len(self.ids)} ingested samples: every round evaluates its adapter "
+                "on rows with split 'test' and an answer. Add a source of held-out labeled images with `split: test` "
+                "(e.g. a JSONL manifest with image, answer and split per row) to data.sources")
+
     def seed_labels(self) -> dict[str, str]:
         """Answers the data came with on its train split: labels before any annotator."""
         return {s: a for s, sp, a in zip(self.ids, self.splits, self.answers, strict=True)

@@ -291,3 +291,17 @@ def test_the_stop_set_is_predicted_by_each_adapter_and_never_exported(tmp_path, 
     assert not exported & set(stop)
     assert "stop set (8 pool samples): agreement with the previous adapter" in (
         art / "rounds/002/summary.md").read_text()
+
+
+def test_a_project_without_a_labeled_test_split_is_refused_before_training(tmp_path, tiny_models, prefect_harness):
+    from flows.round import labeling_round
+
+    config = write_project(tmp_path, tiny_models, limit=40)
+    manifest = tmp_path / "digits" / "manifest.jsonl"
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    # The held-out rows become seed labels: the round has labels to train on but nothing to evaluate with.
+    manifest.write_text("".join(json.dumps({**r, "split": "train"} if r["split"] == "test" else r) + "\n"
+                                for r in rows))
+    with pytest.raises(DataError, match="no labeled test rows among the 40 ingested samples.*split: test"):
+        labeling_round(str(config))
+    assert "train" not in stage_runs(load_config(config).artifacts)

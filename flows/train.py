@@ -19,13 +19,13 @@ evaluate_task = stage_task("evaluate", EVAL_VERSION)(evaluate_stage)
 
 
 @stage_task("train", TRAIN_VERSION)
-def train_task(artifacts: str, prepared: dict, labeled: dict, augmented: dict | None, model: dict, train: dict,
+def train_task(artifacts: str, labeled: dict, augmented: dict | None, model: dict, train: dict,
                seed: int, init_adapter: dict | None, out_dir: str) -> dict[str, Any]:
     def progress(total: int) -> Any:  # every ~20th of the run (each report is an API call)
         return report.StepReporter(total, progress_sink("training-progress", f"training ({total} steps)"),
                                    every=max(1, total // 20))
 
-    return train_stage(artifacts, prepared, labeled, augmented, model, train, seed, init_adapter, out_dir,
+    return train_stage(artifacts, labeled, augmented, model, train, seed, init_adapter, out_dir,
                        progress=progress)
 
 
@@ -37,8 +37,7 @@ def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any]
     labeled = rounds.labeled_set(prep["prepare"], plan)
     aug = augment_ref(cfg, labeled) if cfg.augment.copies else None
     progress.start("train")
-    adapter = run_stage(train_task, **rounds.train_params(cfg, plan, prepared=prep["prepare"], labeled=labeled,
-                                                          augmented=aug))
+    adapter = run_stage(train_task, **rounds.train_params(cfg, plan, labeled=labeled, augmented=aug))
     progress.finish("train")
     progress.start("evaluate")
     ev = run_stage(evaluate_task, **rounds.evaluate_params(cfg, prepared=prep["prepare"], adapter=adapter))

@@ -212,22 +212,26 @@ def plan_round(artifacts: str | os.PathLike[str], labels: dict[str, str]) -> Rou
 
 
 def labeled_set(prepared_ref: Mapping[str, Any], plan: RoundPlan) -> dict[str, str]:
-    """The round's labeled training set on disk (round_dir/labeled/), keyed by the prepared data and the labels."""
+    """The round's labeled training set on disk (round_dir/labeled/), keyed by its content: the labels (sample IDs,
+    which are content digests, and answers) and how the rows were prepared (the prepare stage's code version and
+    config), not the whole prepared pool's digest, so new pool images leave the training set and its adapter alone."""
     from pipeline.preprocess import load_prepared
+    from pipeline.store import read_manifest
 
+    m = read_manifest(Path(prepared_ref["dir"]))
     return save_labeled_set(load_prepared(prepared_ref["dir"]), plan.labels, plan.dir / "labeled",
-                            digest=digest_json([prepared_ref["digest"], plan.labeled_digest]))
+                            digest=digest_json([m.stage_version, m.config_digest, plan.labeled_digest]))
 
 
-def train_params(cfg: Any, plan: RoundPlan, *, prepared: dict[str, Any], labeled: dict[str, Any],
+def train_params(cfg: Any, plan: RoundPlan, *, labeled: dict[str, Any],
                  augmented: dict[str, Any] | None) -> dict[str, Any]:
-    """The train stage's parameters (its cache key) and output folder for this round."""
+    """The train stage's parameters (its cache key) and output folder for this round: the labeled set's content,
+    never the pool's (labeled_set)."""
     init = plan.warm_start(cfg.train.init)
     sections = {"model": cfg.section("model"), "train": cfg.section("train")}
-    key = digest_json({"prepared": prepared["digest"], "labeled": plan.labeled_digest, **sections,
-                       "aug": augmented and augmented["digest"], "init": init and init["adapter_digest"],
-                       "seed": cfg.seed})
-    return dict(artifacts=str(cfg.artifacts), prepared=prepared, labeled=labeled, augmented=augmented, seed=cfg.seed,
+    key = digest_json({"labeled": labeled["digest"], **sections, "aug": augmented and augmented["digest"],
+                       "init": init and init["adapter_digest"], "seed": cfg.seed})
+    return dict(artifacts=str(cfg.artifacts), labeled=labeled, augmented=augmented, seed=cfg.seed,
                 init_adapter=init, out_dir=str(Path(cfg.artifacts) / "train" / key[:16]), **sections)
 
 

@@ -305,3 +305,29 @@ def test_a_project_without_a_labeled_test_split_is_refused_before_training(tmp_p
     with pytest.raises(DataError, match="no labeled test rows among the 40 ingested samples.*split: test"):
         labeling_round(str(config))
     assert "train" not in stage_runs(load_config(config).artifacts)
+
+
+def test_new_pool_images_do_not_retrain_the_adapter(tmp_path, tiny_models, prefect_harness):
+    from flows.round import labeling_round
+
+    config = write_project(tmp_path, tiny_models, limit=40)
+    art = load_config(config).artifacts
+    labeling_round(str(config))  # round 0: the simulated annotator answers its batch
+    first = labeling_round(str(config), simulate=False)  # round 1 trains on those labels
+    before = stage_runs(art)
+    # Twenty more digits arrive in the pool (the labeled set is the same): a re-run of round 1 over a bigger pool.
+    digits = tmp_path / "digits"
+    more = write_digits(tmp_path / "more", limit=80)
+    rows = [json.loads(line) for line in (more / "manifest.jsonl").read_text().splitlines()]
+    known = {json.loads(line)["image"] for line in (digits / "manifest.jsonl").read_text().splitlines()}
+    new = [r for r in rows if r["image"] not in known and r["split"] == "pool"][:20]
+    for r in new:
+        shutil.copy(more / r["image"], digits / r["image"])
+    with (digits / "manifest.jsonl").open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in new)
+    again = labeling_round(str(config), simulate=False)
+    ran = stage_runs(art) - before
+    assert again["round"] == 1 and again["pool"] == first["pool"] + len(new)
+    assert ran["ingest"] == 1 and ran["preprocess"] >= 1  # the new shard
+    assert ran["train"] == 0  # the same labels: the same adapter
+    assert again["adapter"]["adapter_digest"] == first["adapter"]["adapter_digest"]

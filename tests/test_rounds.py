@@ -74,13 +74,18 @@ def test_warm_start_is_the_previous_rounds_adapter_never_the_rounds_own(tmp_path
 def test_train_folder_follows_the_labels_and_the_warm_start(tmp_path):
     c = cfg(tmp_path, train={"init": "warm"})
     art = c.artifacts
-    refs = dict(prepared={"digest": "p", "dir": "d"}, labeled={"dataset": "l", "digest": "l"}, augmented=None)
-    a = train_params(c, plan_round(art, {"s03": "5"}), **refs)
+
+    def params(labels):
+        plan = plan_round(art, labels)
+        # The labeled set's digest is its content (labeled_set): here the labels' own digest stands for it.
+        return train_params(c, plan, labeled={"dataset": "l", "digest": plan.labeled_digest}, augmented=None)
+
+    a = params({"s03": "5"})
     assert a["init_adapter"] is None and a["out_dir"].startswith(str(art / "train"))
-    assert train_params(c, plan_round(art, {"s03": "5"}), **refs) == a  # the same round: the same key
-    assert train_params(c, plan_round(art, {"s03": "6"}), **refs)["out_dir"] != a["out_dir"]
+    assert params({"s03": "5"}) == a  # the same round: the same key
+    assert params({"s03": "6"})["out_dir"] != a["out_dir"]
     finish(art, plan_round(art, {"s03": "5"}), adapter={"adapter_digest": "a0", "adapter_dir": "x0"})
-    b = train_params(c, plan_round(art, {"s03": "5", "s04": "1"}), **refs)
+    b = params({"s03": "5", "s04": "1"})
     assert b["init_adapter"]["adapter_digest"] == "a0" and b["out_dir"] != a["out_dir"]
 
 
@@ -201,7 +206,7 @@ def test_the_last_round_trains_on_its_new_labels_and_selects_nothing(tmp_path, p
            selected=3)
     last = plan_round(art, round_labels(pool, {"s03": "5", "s04": "6"}))
     assert last.index == 1 and last.rerun is None and len(last.labels) == 4  # 2 seed labels + the batch
-    refs = dict(prepared={"digest": "p", "dir": "d"}, labeled={"dataset": "l", "digest": "l"}, augmented=None)
+    refs = dict(labeled={"dataset": "l", "digest": "l"}, augmented=None)
     job = train_params(c, last, **refs)
     assert job["out_dir"].startswith(str(art / "train")) and job["init_adapter"]["adapter_digest"] == "a0"
     ids, _ = eligible_pool(art, pool, last, set())

@@ -26,7 +26,7 @@ def trains_in_process(train: Any) -> bool:
     return resolve_num_processes(train.num_processes, detect_hardware()) == 1
 
 
-def train_stage(artifacts: str, prepared: dict, labeled: dict, augmented: dict | None, model: dict, train: dict,
+def train_stage(artifacts: str, labeled: dict, augmented: dict | None, model: dict, train: dict,
                 seed: int, init_adapter: dict | None, out_dir: str, *,
                 progress: Callable[[int], Callable[..., None] | None] | None = None) -> dict[str, Any]:
     """Train the round's adapter into `out_dir` (resuming from its last checkpoint). `progress(total_steps)` may

@@ -117,7 +117,9 @@ def record_round_inputs(cfg: ProjectConfig, state: dict[str, Any], before: str |
 
 def unchanged_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, Any] | None:
     """The last round's state when running the round again could only replay it (module docstring), else None."""
-    if _skip_reason(cfg, simulate):
+    reason = _skip_reason(cfg, simulate)
+    if reason:
+        log.debug("tamis round goes through the flow: %s", reason)
         return None
     path = Path(cfg.artifacts) / "rounds" / INPUTS_FILE
     try:

@@ -188,12 +188,10 @@ class _Search:
         self.c = np.empty((max(1, capacity), rows.d), dtype=np.float32)
         self.csq = np.empty(len(self.c), dtype=np.float32)
         self.t = 0
-        self.pairs = self.pairs_skipped = self.updates = 0
+        self.pairs = self.updates = 0
 
     def add(self, c: np.ndarray) -> None:
-        if self.t == len(self.c):  # more centres than planned (radius_of with many): grow
-            self.c = np.concatenate([self.c, np.empty_like(self.c)])
-            self.csq = np.concatenate([self.csq, np.empty_like(self.csq)])
+        # Callers size `capacity` to every centre they add (labeled + picks, or the batch for radius_of).
         self.c[self.t], self.csq[self.t] = c, float(c @ c)
         self.t += 1
 
@@ -213,7 +211,6 @@ class _Search:
                 rest[near] = False
                 c, csq, gap = c[rest], csq[rest], gap[rest]
             keep = gap * gap < self.bmax[b]
-            self.pairs_skipped += int((~keep).sum()) * int(r.bounds[b + 1] - r.bounds[b])
             c, csq = c[keep], csq[keep]
         if len(c):
             self._lower(b, c, csq)

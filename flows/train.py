@@ -40,7 +40,8 @@ def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any]
     adapter = run_stage(train_task, **rounds.train_params(cfg, plan, labeled=labeled, augmented=aug))
     progress.finish("train")
     progress.start("evaluate")
-    ev = run_stage(evaluate_task, **rounds.evaluate_params(cfg, prepared=prep["prepare"], adapter=adapter))
+    test = rounds.test_set(cfg, prep["prepare"], pool)
+    ev = run_stage(evaluate_task, **rounds.evaluate_params(cfg, test=test, adapter=adapter))
     state["metrics"] = ev["metrics"]
     book_metrics(cfg.artifacts, round_index=plan.index, labels=len(plan.labels), metrics=ev["metrics"],
                  strategy=rounds.round_strategy(cfg, cold=False))

@@ -31,6 +31,7 @@ from pipeline.store import (
     Manifest,
     atomic_write_bytes,
     atomic_write_json,
+    column,
     digest_file,
     digest_json,
     read_manifest,
@@ -562,16 +563,16 @@ def compute_selection_embeddings(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = prepared.select_columns(sorted(need))
-    ids = [str(s) for s in table["sample_id"]]
+    ids = [str(s) for s in column(table, "sample_id")]
     if len(set(ids)) != len(ids):
         raise DataError("the prepared dataset repeats a sample_id; rebuild it with ingest (which de-duplicates)")
     t0 = time.perf_counter()
     fit_rows: list[int] = []
     if e.source == "file":
-        images = [str(x) for x in table["image_path"]] if "image_path" in need else None
+        images = [str(x) for x in column(table, "image_path")] if "image_path" in need else None
         vectors = load_file_embeddings(e, ids, images)
     else:
-        pool = [i for i, s in enumerate(table["split"]) if s == "pool"]
+        pool = [i for i, s in enumerate(column(table, "split")) if s == "pool"]
         embedder = make_embedder(cfg)
         cap = embedder.max_fit_images
         fit_rows = pool

@@ -123,12 +123,14 @@ def evaluate_model(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequ
 EVAL_VERSION = stage_version("1", "pipeline.evaluate")
 
 
-def evaluate_stage(artifacts: str, prepared: dict, adapter: dict, model: dict, answers: list[str] | None,
+def evaluate_stage(artifacts: str, test: dict, adapter: dict, model: dict, answers: list[str] | None,
                    batch_size: int, out_dir: str) -> dict[str, Any]:
-    """The evaluate stage: the round's adapter on the labeled test split, predictions and metrics into `out_dir`."""
+    """The evaluate stage: the round's adapter on the labeled test split (`test`: pipeline.rounds.test_set's saved
+    rows), predictions and metrics into `out_dir`."""
+    import datasets
+
     from pipeline.config import ModelConfig
     from pipeline.model.loading import load_model
-    from pipeline.preprocess import load_prepared
     from pipeline.store import (
         atomic_write_json,
         atomic_write_jsonl,
@@ -137,14 +139,13 @@ def evaluate_stage(artifacts: str, prepared: dict, adapter: dict, model: dict, a
         write_manifest,
     )
 
-    inputs = {"prepared": prepared["digest"], "adapter": adapter["adapter_digest"]}
+    inputs = {"test": test["digest"], "adapter": adapter["adapter_digest"]}
     config = {"model": model, "answers": answers}
 
     def compute() -> Any:
-        test = load_prepared(prepared["dir"]).filter(lambda split, answer: split == "test" and answer is not None,
-                                                     input_columns=["split", "answer"], keep_in_memory=True)
+        rows = list(datasets.load_from_disk(test["dataset"]))
         model_cfg = ModelConfig.model_validate(model)
-        result = evaluate_model(load_model(model_cfg, adapter=adapter["adapter_dir"]), list(test), answers,
+        result = evaluate_model(load_model(model_cfg, adapter=adapter["adapter_dir"]), rows, answers,
                                 batch_size=batch_size, max_new_tokens=model_cfg.max_new_tokens)
         out = Path(out_dir)
         atomic_write_jsonl(out / "predictions.jsonl", result.pop("predictions"))

@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError
-from pipeline.store import atomic_dir, atomic_write_json, atomic_write_text, digest_json
+from pipeline.store import atomic_dir, atomic_write_json, atomic_write_text, column, digest_json
 
 ROUND_FILE = "round.json"
 SUMMARY_FILE = "summary.md"  # the round-summary artifact, also readable without the Prefect UI
@@ -63,19 +63,27 @@ def save_labeled_set(prepared: Any, labels: Mapping[str, str], out_dir: str | os
     Saved as a dataset (what augmentation and training read); returns {"dataset": path, "digest": digest}. The
     folder is rebuilt only when its recorded digest differs, so a re-run leaves it alone.
     """
+    return save_rows(prepared, sorted(labels), out_dir, digest=digest,
+                     update=lambda sid: {"answer": labels[sid], "split": "train"})
+
+
+def save_rows(prepared: Any, ids: Sequence[str], out_dir: str | os.PathLike[str], *, digest: str,
+              update: Any = None) -> dict[str, str]:
+    """Prepared rows of `ids` (each changed by `update(sample_id)` when given) saved as a dataset in
+    out_dir/dataset, rebuilt only when out_dir/digest.txt differs from `digest`: {"dataset": path, "digest"}."""
     out_dir = Path(out_dir)
     stamp = out_dir / "digest.txt"
     if stamp.is_file() and stamp.read_text(encoding="utf-8") == digest:
         return {"dataset": str(out_dir / "dataset"), "digest": digest}
-    index = {sid: i for i, sid in enumerate(prepared["sample_id"])}
-    missing = sorted(s for s in labels if s not in index)
+    index = {sid: i for i, sid in enumerate(column(prepared, "sample_id"))}
+    missing = sorted(s for s in ids if s not in index)
     if missing:
         raise DataError(f"{len(missing)} labeled samples are not in the prepared dataset (first: {missing[0]}); "
                         "were they labeled for another dataset?")
-    sub = prepared.select(sorted(index[s] for s in labels))
-    # keep_in_memory: a cache file would land inside the prepare stage's folder and break its digest.
-    sub = sub.map(lambda sid: {"answer": labels[sid], "split": "train"}, input_columns=["sample_id"],
-                  keep_in_memory=True)
+    sub = prepared.select(sorted(index[s] for s in ids))
+    if update is not None:
+        # keep_in_memory: a cache file would land inside the prepare stage's folder and break its digest.
+        sub = sub.map(update, input_columns=["sample_id"], keep_in_memory=True)
     with atomic_dir(out_dir / "dataset") as tmp:
         sub.save_to_disk(str(tmp))
     atomic_write_text(stamp, digest)
@@ -144,9 +152,9 @@ class PoolData:
     def of(cls, prepared: Any) -> PoolData:
         from pipeline.annotation.labels import SampleIndex
 
-        ds = prepared.select_columns(["sample_id", "split", "answer"])
         cols = [c for c in ("sample_id", "external_id", "image_path") if c in prepared.column_names]
-        return cls(ds["sample_id"], ds["split"], ds["answer"], SampleIndex.from_dataset(prepared.select_columns(cols)))
+        return cls(column(prepared, "sample_id"), column(prepared, "split"), column(prepared, "answer"),
+                   SampleIndex.from_dataset(prepared.select_columns(cols)))
 
     def stop_set(self, size: int, seed: int) -> list[str]:
         """The rounds' stop set (rounds.stop_set): pool samples no round selects, predicted by every adapter."""
@@ -161,6 +169,11 @@ class PoolData:
                 f"no labeled test rows among the {len(self.ids)} ingested samples: every round evaluates its adapter "
                 "on rows with split 'test' and an answer. Add a source of held-out labeled images with `split: test` "
                 "(e.g. a JSONL manifest with image, answer and split per row) to data.sources")
+
+    def test_rows(self) -> list[tuple[str, str]]:
+        """(sample ID, answer) of the labeled test split every round evaluates on, in dataset order."""
+        return [(s, a) for s, sp, a in zip(self.ids, self.splits, self.answers, strict=True)
+                if sp == "test" and a is not None]
 
     def seed_labels(self) -> dict[str, str]:
         """Answers the data came with on its train split: labels before any annotator."""
@@ -235,10 +248,23 @@ def train_params(cfg: Any, plan: RoundPlan, *, labeled: dict[str, Any],
                 init_adapter=init, out_dir=str(Path(cfg.artifacts) / "train" / key[:16]), **sections)
 
 
-def evaluate_params(cfg: Any, *, prepared: dict[str, Any], adapter: dict[str, Any]) -> dict[str, Any]:
-    """The evaluate stage's parameters (its cache key) and output folder for a trained adapter."""
-    key = digest_json({"prepared": prepared["digest"], "adapter": adapter["adapter_digest"]})
-    return dict(artifacts=str(cfg.artifacts), prepared=prepared, adapter=adapter, model=cfg.section("model"),
+def test_set(cfg: Any, prepared_ref: Mapping[str, Any], pool: PoolData) -> dict[str, str]:
+    """The labeled test split on disk (artifacts/eval/test/<digest>/), keyed like the labeled set by its rows (IDs
+    and answers) and how they were prepared, so new pool images leave the evaluation of an adapter alone."""
+    from pipeline.preprocess import load_prepared
+    from pipeline.store import read_manifest
+
+    m = read_manifest(Path(prepared_ref["dir"]))
+    rows = pool.test_rows()
+    digest = digest_json([m.stage_version, m.config_digest, rows])
+    return save_rows(load_prepared(prepared_ref["dir"]), [s for s, _ in rows],
+                     Path(cfg.artifacts) / "eval" / "test" / digest[:16], digest=digest)
+
+
+def evaluate_params(cfg: Any, *, test: dict[str, str], adapter: dict[str, Any]) -> dict[str, Any]:
+    """The evaluate stage's parameters (its cache key) and output folder for a trained adapter on the test set."""
+    key = digest_json({"test": test["digest"], "adapter": adapter["adapter_digest"]})
+    return dict(artifacts=str(cfg.artifacts), test=test, adapter=adapter, model=cfg.section("model"),
                 answers=cfg.data.answers, batch_size=cfg.select.score_batch_size,
                 out_dir=str(Path(cfg.artifacts) / "eval" / key[:16]))
 

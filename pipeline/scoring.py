@@ -31,6 +31,7 @@ from pipeline.store import (
     Manifest,
     atomic_write_bytes,
     atomic_write_json,
+    column,
     digest_json,
     find_valid_manifest,
     read_manifest,
@@ -489,7 +490,7 @@ def _index(prepared_dir: str) -> tuple[Any, dict[str, int]]:
     from pipeline.preprocess import load_prepared
 
     ds = load_prepared(prepared_dir)
-    return ds, {sid: i for i, sid in enumerate(ds["sample_id"])}
+    return ds, {sid: i for i, sid in enumerate(column(ds, "sample_id"))}
 
 
 def score_shard(artifacts: str, model: dict[str, Any], adapter: dict[str, Any] | None, prepared: dict[str, Any],

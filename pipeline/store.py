@@ -361,6 +361,12 @@ def load_stage_dataset(folder: str | os.PathLike[str], stage: str, output: str =
     return datasets.load_from_disk(str(m.path_of(output, folder)))
 
 
+def column(ds: Any, name: str) -> list[Any]:
+    """A dataset column as a list, read in one batch. Iterating `ds[name]` formats one row at a time (~20 µs a row:
+    20 s per pass over 10⁶ rows, and the rows' pages of every column touched), slicing it reads only that column."""
+    return ds[name][:]
+
+
 def stage_ref(folder: str | os.PathLike[str], m: Manifest, output: str) -> dict[str, Any]:
     """What a stage hands on: its folder, the digest of its main output, and its manifest's info."""
     return {"dir": str(folder), "digest": m.outputs[output].digest, "info": m.info}

@@ -23,7 +23,15 @@ from PIL import Image
 from pipeline.codeversion import stage_version
 from pipeline.config import ProjectConfig
 from pipeline.errors import TamisError
-from pipeline.store import Manifest, atomic_dir, atomic_write_text, digest_bytes, digest_json, write_manifest
+from pipeline.store import (
+    Manifest,
+    atomic_dir,
+    atomic_write_text,
+    column,
+    digest_bytes,
+    digest_json,
+    write_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -264,24 +272,24 @@ def build_items(
         if sid in seen:
             raise ExportError(f"selection row {i}: sample_id {sid} appears twice; re-run the select stage")
         seen.add(sid)
-    column = "prepared" if image_source == "prepared" else "image"
-    if column not in dataset.column_names:
+    image_col = "prepared" if image_source == "prepared" else "image"
+    if image_col not in dataset.column_names:
         raise ExportError(
-            f"dataset has no {column!r} column (columns: {', '.join(dataset.column_names)}); run prepare first or "
+            f"dataset has no {image_col!r} column (columns: {', '.join(dataset.column_names)}); run prepare first or "
             "set annotate.export_images: original"
         )
-    index = {sid: i for i, sid in enumerate(dataset["sample_id"])}
+    index = {sid: i for i, sid in enumerate(column(dataset, "sample_id"))}
     missing = [sid for sid in seen if sid not in index]
     if missing:
         raise ExportError(
             f"{len(missing)} of {len(rows)} selected samples are not in the dataset (first: {sorted(missing)[0]}); "
             "the selection is from another dataset version: re-run the select stage"
         )
-    cols = ["sample_id", "question", column] + (["image_path"] if "image_path" in dataset.column_names else [])
+    cols = ["sample_id", "question", image_col] + (["image_path"] if "image_path" in dataset.column_names else [])
     sub = dataset.select_columns(cols).select([index[r["sample_id"]] for r in rows])
     items = []
     for r, d in zip(rows, sub, strict=True):
-        data = d[column]
+        data = d[image_col]
         items.append(
             ExportItem(
                 sample_id=r["sample_id"],
@@ -289,7 +297,7 @@ def build_items(
                 score=float(r.get("score") or 0.0),
                 question=d["question"] or "",
                 image_bytes=data,
-                image_ext="png" if column == "prepared" else _image_ext(data, r["sample_id"]),
+                image_ext="png" if image_col == "prepared" else _image_ext(data, r["sample_id"]),
                 prediction=r.get("prediction"),
                 confidence=None if r.get("confidence") is None else float(r["confidence"]),
                 scores={k: float(v) for k, v in sorted((r.get("scores") or {}).items())},

@@ -167,8 +167,10 @@ class SampleIndex:
     @classmethod
     def from_dataset(cls, ds: Any, *, scope: str | None = None) -> SampleIndex:
         cols = set(ds.column_names)
-        return cls(list(ds["sample_id"]), list(ds["external_id"]) if "external_id" in cols else None,
-                   list(ds["image_path"]) if "image_path" in cols else None, scope=scope)
+        from pipeline.store import column
+
+        return cls(column(ds, "sample_id"), column(ds, "external_id") if "external_id" in cols else None,
+                   column(ds, "image_path") if "image_path" in cols else None, scope=scope)
 
     @classmethod
     def of(cls, known: SampleIndex | set[str] | Sequence[str]) -> SampleIndex:

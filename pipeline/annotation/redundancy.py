@@ -17,6 +17,7 @@ from pipeline.errors import ArtifactError
 from pipeline.store import (
     Manifest,
     atomic_write_jsonl,
+    column,
     digest_json,
     find_valid_manifest,
     read_jsonl,
@@ -121,7 +122,7 @@ def queue_redundancy(artifacts: str | os.PathLike[str], annotate: Any, *, answer
     prepared = load_prepared(prepared_dir)
     rows = redundancy_candidates(read_consensus(artifacts), annotate.redundancy,
                                  queued=redundancy_queued(artifacts, round_index),
-                                 eligible=set(prepared["sample_id"]))
+                                 eligible=set(column(prepared, "sample_id")))
     out = redundancy_dir(artifacts, round_index)
     m = export_redundancy(rows, prepared, out, annotate=annotate, answers=answers, artifacts=artifacts,
                           round_index=round_index)

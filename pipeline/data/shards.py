@@ -33,6 +33,7 @@ from pipeline.store import (
     atomic_dir,
     atomic_write_json,
     atomic_write_jsonl,
+    column,
     digest_json,
     read_jsonl,
     read_manifest,
@@ -178,7 +179,7 @@ class ShardWriter:
                     pass
                 ds = datasets.Dataset.from_file(str(chunk["path"]))
                 ds = ds.remove_columns("sources").add_column(
-                    "sources", [sources_of(s) for s in ds["sample_id"]], feature=self.features["sources"])
+                    "sources", [sources_of(s) for s in column(ds, "sample_id")], feature=self.features["sources"])
                 with atomic_dir(folder / "dataset") as tmp:
                     # An empty dataset otherwise saves as zero files, which load_from_disk cannot read back.
                     ds.select_columns(columns).save_to_disk(str(tmp), num_shards=1)

@@ -32,7 +32,7 @@ from pipeline.labelcheck.relabel import (
     relabel_dir,
     relabel_queued,
 )
-from pipeline.store import atomic_write_jsonl, digest_file, digest_json, read_jsonl
+from pipeline.store import atomic_write_jsonl, column, digest_file, digest_json, read_jsonl
 
 # Settings that only decide what is reported or queued: never part of the probabilities' folder key.
 DETECTION_KEYS = ("min_oos_accuracy", "knn_k", "min_confidence", "relabel_top_n")
@@ -73,7 +73,7 @@ def plan_label_check(
         import datasets
 
         prev_set = Path(artifacts) / "rounds" / f"{previous['round']:03d}" / "labeled" / "dataset"
-        trained = sorted(datasets.load_from_disk(str(prev_set))["sample_id"])
+        trained = sorted(column(datasets.load_from_disk(str(prev_set)), "sample_id"))
         trained_path = Path(round_dir) / "labelcheck_trained_ids.jsonl"
         atomic_write_jsonl(trained_path, [{"sample_id": s} for s in trained])
         heldout_adapter, trained_digest = previous["adapter"], digest_json(trained)

@@ -307,7 +307,7 @@ def test_a_project_without_a_labeled_test_split_is_refused_before_training(tmp_p
     assert "train" not in stage_runs(load_config(config).artifacts)
 
 
-def test_new_pool_images_do_not_retrain_the_adapter(tmp_path, tiny_models, prefect_harness):
+def test_new_pool_images_do_not_retrain_or_re_evaluate_the_adapter(tmp_path, tiny_models, prefect_harness):
     from flows.round import labeling_round
 
     config = write_project(tmp_path, tiny_models, limit=40)
@@ -331,3 +331,5 @@ def test_new_pool_images_do_not_retrain_the_adapter(tmp_path, tiny_models, prefe
     assert ran["ingest"] == 1 and ran["preprocess"] >= 1  # the new shard
     assert ran["train"] == 0  # the same labels: the same adapter
     assert again["adapter"]["adapter_digest"] == first["adapter"]["adapter_digest"]
+    # The same test rows: the adapter's evaluation is reused, metrics and all.
+    assert ran["evaluate"] == 0 and again["metrics"] == first["metrics"]

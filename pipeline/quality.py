@@ -8,10 +8,13 @@ sample ID is image + question), so only rows with the same question can be dupli
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import logging
 import os
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +29,11 @@ from pipeline.errors import ArtifactError, DataError
 from pipeline.preprocess import decode_prepared
 from pipeline.store import (
     Manifest,
+    atomic_write_bytes,
+    atomic_write_json,
     atomic_write_jsonl,
+    digest_json,
+    find_valid_manifest,
     read_jsonl,
     read_manifest,
     reuse_or_compute,
@@ -83,24 +90,45 @@ def image_features(png: bytes, box: list[int] | None) -> dict[str, Any]:
             "pixel_digest": pixel_digest(rgb)}
 
 
-def near_duplicate_twins(codes: np.ndarray, questions: list[str], distance: int) -> dict[int, tuple[int, int]]:
-    """row → (earliest earlier row with the same question whose hash is within `distance` bits, that distance).
+def _binary_index(codes: np.ndarray, distance: int) -> Any:
+    """A faiss index over 64-bit codes for range searches of radius distance + 1. Up to 4 bits, multi-index hashing
+    (Norouzi et al. 2014): two codes within `distance` bits agree exactly on one of distance + 1 disjoint chunks, so
+    looking up each chunk finds every neighbour (exact, as the flat scan), without comparing a new image with all
+    10⁶ others; with wider radii the chunks get too short to narrow anything and the flat scan is faster."""
+    index = faiss.IndexBinaryMultiHash(64, distance + 1, 64 // (distance + 1)) if distance <= 4 else \
+        faiss.IndexBinaryFlat(64)
+    index.add(codes)
+    return index
+
+
+def near_duplicate_twins(codes: np.ndarray, questions: list[str], distance: int, *,
+                         start: int = 0) -> dict[int, tuple[int, int]]:
+    """row (≥ `start`) → (earliest earlier row with the same question whose hash is within `distance` bits, that
+    distance). Rows before `start` are only compared against (their own twins are known already).
 
     Identical hashes are collapsed before the faiss search, so a thousand blank images cost one query, not a
     million pairs. The earliest row of a cluster is never in the result: it is the one kept clean.
     """
-    uniq, inverse = np.unique(codes, axis=0, return_inverse=True)
-    inverse = inverse.ravel()
-    index = faiss.IndexBinaryFlat(64)
-    index.add(uniq)
-    lims, dist, ids = index.range_search(uniq, distance + 1)  # faiss keeps distances strictly below the radius
+    if len(codes) == 0:
+        return {}
+    keys = np.ascontiguousarray(codes, dtype=np.uint8).view(np.uint64).ravel()
+    uniq_keys, inverse = np.unique(keys, return_inverse=True)
+    uniq = uniq_keys.view(np.uint8).reshape(-1, 8)
+    inverse = inverse.ravel().tolist()
     first: dict[tuple[int, str], int] = {}
-    for row, (u, q) in enumerate(zip(inverse.tolist(), questions, strict=True)):
+    for row, (u, q) in enumerate(zip(inverse, questions, strict=True)):
         first.setdefault((u, q), row)
+    queries = np.unique(np.asarray(inverse[start:], dtype=np.int64))
+    if len(queries) == 0:
+        return {}
+    # faiss keeps distances strictly below the radius
+    lims, dist, ids = _binary_index(uniq, distance).range_search(np.ascontiguousarray(uniq[queries]), distance + 1)
+    span = {int(u): (int(lims[k]), int(lims[k + 1])) for k, u in enumerate(queries)}
     twins = {}
-    for row, (u, q) in enumerate(zip(inverse.tolist(), questions, strict=True)):
+    for row in range(start, len(inverse)):
+        q, (lo, hi) = questions[row], span[inverse[row]]
         best = None
-        for k in range(lims[u], lims[u + 1]):
+        for k in range(lo, hi):
             j = first.get((int(ids[k]), q))
             if j is not None and j < row and (best is None or j < best[0]):
                 best = (j, int(dist[k]))
@@ -109,38 +137,90 @@ def near_duplicate_twins(codes: np.ndarray, questions: list[str], distance: int)
     return twins
 
 
+@dataclass
+class Features:
+    """Per-image quality features of rows in dataset order, as arrays: what the flags compare, and what a shard
+    keeps on disk (features.npz) so that only new images are ever decoded again."""
+
+    ids: list[str]
+    questions: list[str]
+    blur: np.ndarray  # float64 [n]: variance of the Laplacian
+    std: np.ndarray  # float64 [n]: pixel standard deviation
+    dhash: np.ndarray  # uint8 [n, 8]
+    digests: list[str]  # prepared pixels' SHA-256
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def of(cls, rows: list[dict[str, Any]]) -> Features:
+        return cls([r["sample_id"] for r in rows], [r["question"] for r in rows],
+                   np.array([r["blur_score"] for r in rows], np.float64),
+                   np.array([r["pixel_std"] for r in rows], np.float64),
+                   np.stack([r["dhash"] for r in rows]) if rows else np.zeros((0, 8), np.uint8),
+                   [r["pixel_digest"] for r in rows])
+
+    @classmethod
+    def concat(cls, parts: list[Features]) -> Features:
+        return cls([s for p in parts for s in p.ids], [q for p in parts for q in p.questions],
+                   np.concatenate([p.blur for p in parts]) if parts else np.zeros(0),
+                   np.concatenate([p.std for p in parts]) if parts else np.zeros(0),
+                   np.concatenate([p.dhash for p in parts]) if parts else np.zeros((0, 8), np.uint8),
+                   [d for p in parts for d in p.digests])
+
+    def save(self, path: Path) -> None:
+        buf = io.BytesIO()
+        # Plain arrays (no pickle): float64 keeps every score exactly, so flags equal a whole-dataset run's.
+        np.savez(buf, ids=np.array(self.ids, dtype=str), questions=np.array(self.questions, dtype=str),
+                 blur=self.blur, std=self.std, dhash=self.dhash, digests=np.array(self.digests, dtype=str))
+        atomic_write_bytes(path, buf.getvalue())
+
+    @classmethod
+    def load(cls, path: Path) -> Features:
+        with np.load(path, allow_pickle=False) as z:
+            return cls(z["ids"].tolist(), z["questions"].tolist(), z["blur"], z["std"], z["dhash"],
+                       z["digests"].tolist())
+
+
 def flag_rows(rows: list[dict[str, Any]], cfg: QualityConfig) -> list[dict[str, Any]]:
     """rows: sample_id, question + image_features → quality table rows (flags, reasons, excluded)."""
+    return flag_features(Features.of(rows), cfg)
+
+
+def flag_features(feats: Features, cfg: QualityConfig, *, start: int = 0) -> list[dict[str, Any]]:
+    """Quality table rows of feats' rows from `start` on, each judged against every row before it: a row's flags
+    depend only on the rows before it, so the rows of a new shard are flagged without re-judging the old ones."""
     out = []
     first_exact: dict[tuple[str, str], int] = {}
-    for i, r in enumerate(rows):
+    for i in range(start):
+        first_exact.setdefault((feats.digests[i], feats.questions[i]), i)
+    for i in range(start, len(feats)):
         flags, reasons, twin = [], [], None
-        if r["blur_score"] < cfg.blur_threshold:
+        blur, std = float(feats.blur[i]), float(feats.std[i])
+        if blur < cfg.blur_threshold:
             flags.append("blurry")
-            reasons.append(f"blur score {r['blur_score']:.1f} < quality.blur_threshold {cfg.blur_threshold}")
-        if r["pixel_std"] < cfg.low_information_std:
+            reasons.append(f"blur score {blur:.1f} < quality.blur_threshold {cfg.blur_threshold}")
+        if std < cfg.low_information_std:
             flags.append("low_information")
-            reasons.append(f"pixel std {r['pixel_std']:.2f} < quality.low_information_std {cfg.low_information_std}")
-        key = (r["pixel_digest"], r["question"])
-        j = first_exact.setdefault(key, i)
+            reasons.append(f"pixel std {std:.2f} < quality.low_information_std {cfg.low_information_std}")
+        j = first_exact.setdefault((feats.digests[i], feats.questions[i]), i)
         if j != i:
-            twin = rows[j]["sample_id"]
+            twin = feats.ids[j]
             flags.append("exact_duplicate")
             reasons.append(f"same prepared pixels and question as {twin}")
-        out.append({"sample_id": r["sample_id"], "blur_score": round(r["blur_score"], 4),
-                    "pixel_std": round(r["pixel_std"], 4), "dhash": r["dhash"].tobytes().hex(),
-                    "duplicate_of": twin, "flags": flags, "reasons": reasons})
-    if rows:
-        # The earliest row of a near-duplicate cluster stays clean; each later one names its earliest neighbour.
-        codes = np.stack([r["dhash"] for r in rows])
-        twins = near_duplicate_twins(codes, [r["question"] for r in rows], cfg.near_duplicate_distance)
-        for i, (j, d) in sorted(twins.items()):
-            if out[i]["duplicate_of"] is None:
-                twin = rows[j]["sample_id"]
-                out[i]["duplicate_of"] = twin
-                out[i]["flags"].append("near_duplicate")
-                out[i]["reasons"].append(f"near duplicate of {twin} (hash distance {d} ≤ "
-                                         f"quality.near_duplicate_distance {cfg.near_duplicate_distance})")
+        out.append({"sample_id": feats.ids[i], "blur_score": round(blur, 4), "pixel_std": round(std, 4),
+                    "dhash": feats.dhash[i].tobytes().hex(), "duplicate_of": twin, "flags": flags,
+                    "reasons": reasons})
+    # The earliest row of a near-duplicate cluster stays clean; each later one names its earliest neighbour.
+    twins = near_duplicate_twins(feats.dhash, feats.questions, cfg.near_duplicate_distance, start=start)
+    for i, (j, d) in sorted(twins.items()):
+        r = out[i - start]
+        if r["duplicate_of"] is None:
+            twin = feats.ids[j]
+            r["duplicate_of"] = twin
+            r["flags"].append("near_duplicate")
+            r["reasons"].append(f"near duplicate of {twin} (hash distance {d} ≤ "
+                                f"quality.near_duplicate_distance {cfg.near_duplicate_distance})")
     for r in out:
         r["excluded"] = any(f in cfg.exclude for f in r["flags"])
     return out
@@ -154,7 +234,7 @@ def assess_quality(
     missing = {"sample_id", "prepared", "question"} - set(ds.column_names)
     if missing:
         raise DataError(f"dataset lacks column(s) {sorted(missing)}; pass the prepared dataset (run preprocess first)")
-    return _write_table(_features(ds, batch_size), cfg, Path(out_dir), inputs)
+    return _write_table(flag_rows(_features(ds, batch_size), cfg), cfg, Path(out_dir), inputs)
 
 
 def _features(ds: datasets.Dataset, batch_size: int = 256) -> list[dict[str, Any]]:
@@ -167,25 +247,33 @@ def _features(ds: datasets.Dataset, batch_size: int = 256) -> list[dict[str, Any
     return rows
 
 
-def _write_table(rows: list[dict[str, Any]], cfg: QualityConfig, out_dir: Path,
-                 inputs: Mapping[str, str] | None, extra: Mapping[str, Any] | None = None) -> Manifest:
-    table = flag_rows(rows, cfg)
+def _summary(tables: list[list[dict[str, Any]]] | list[dict[str, Any]], excluded: int) -> dict[str, Any]:
+    counts = Counter(f for t in tables for r in t for f in r["flags"])
+    return {"rows": sum(len(t) for t in tables), "excluded": excluded, "counts": {f: counts[f] for f in FLAGS}}
+
+
+def _write_table(table: list[dict[str, Any]], cfg: QualityConfig, out_dir: Path,
+                 inputs: Mapping[str, str] | None) -> Manifest:
     atomic_write_jsonl(out_dir / TABLE, table)
-    counts = Counter(f for r in table for f in r["flags"])
-    info = {"rows": len(table), "excluded": sum(r["excluded"] for r in table), "counts": {f: counts[f] for f in FLAGS}}
+    excluded = [r["sample_id"] for r in table if r["excluded"]]
+    atomic_write_json(out_dir / EXCLUDED, excluded, indent=None)
+    info = _summary([table], len(excluded))
     log.info("quality: %s", info)
     return write_manifest(out_dir, stage=STAGE, stage_version=QUALITY_VERSION, inputs=inputs or {},
-                          config=cfg.model_dump(mode="json"), outputs={"table": TABLE}, info={**info, **(extra or {})})
+                          config=cfg.model_dump(mode="json"), outputs={"table": TABLE, "excluded": EXCLUDED},
+                          info=info)
 
 
 FEATURES_STAGE = "quality-features"
-FEATURES = "features.jsonl"
+FLAGS_STAGE = "quality-flags"
+FEATURES = "features.npz"
+PARTS = "parts.json"  # a sharded dataset's quality: the flags folder of each shard, in dataset order
+EXCLUDED = "excluded.json"  # the sample IDs quality.exclude keeps out of the pool (what every round reads)
 
 
-def _shard_features(artifacts: str | os.PathLike[str], folder: Path, digest: str,
-                    done: list[str]) -> list[dict[str, Any]]:
-    """A prepared shard's per-image features (blur, pixel std, dHash, pixel digest), keyed by the shard's content:
-    what costs a decode per image. Flags compare rows across the whole dataset and are recomputed from these."""
+def _shard_features(artifacts: str | os.PathLike[str], folder: Path, digest: str, done: list[str]) -> tuple[str, Path]:
+    """(key, folder) of a prepared shard's per-image features (blur, pixel std, dHash, pixel digest), keyed by the
+    shard's content: what costs a decode per image, computed once per shard."""
     import datasets
 
     inputs = {"dataset": digest}
@@ -194,40 +282,90 @@ def _shard_features(artifacts: str | os.PathLike[str], folder: Path, digest: str
 
     def compute() -> Manifest:
         done.append(out.name)
-        rows = _features(datasets.load_from_disk(str(folder)))
-        atomic_write_jsonl(out / FEATURES, [{**r, "dhash": r["dhash"].tobytes().hex()} for r in rows])
+        feats = Features.of(_features(datasets.load_from_disk(str(folder))))
+        feats.save(out / FEATURES)
         return write_manifest(out, stage=FEATURES_STAGE, stage_version=QUALITY_VERSION, inputs=inputs, config={},
-                              outputs={"features": FEATURES}, info={"rows": len(rows)})
+                              outputs={"features": FEATURES}, info={"rows": len(feats)})
 
-    reuse_or_compute(out, key, compute)
-    # JSON keeps floats exactly (shortest repr), so the flags equal those of a whole-dataset run.
-    return [{**r, "dhash": np.frombuffer(bytes.fromhex(r["dhash"]), np.uint8)} for r in read_jsonl(out / FEATURES)]
+    return reuse_or_compute(out, key, compute).key, out
+
+
+def _flags_folder(artifacts: str | os.PathLike[str], feature_keys: list[str], k: int,
+                  cfg: QualityConfig) -> tuple[Path, str, dict[str, str]]:
+    """(folder, key, inputs) of shard k's flags: keyed by the features of shards 0..k and the config, since a row's
+    flags depend on the rows before it only. A shard appended to the dataset leaves the flags of the ones before it
+    alone; a shard whose predecessors changed is judged again."""
+    inputs = {"features": feature_keys[k], "before": digest_json(feature_keys[:k])}
+    key = stage_key(FLAGS_STAGE, QUALITY_VERSION, inputs, cfg.model_dump(mode="json"))
+    return Path(artifacts) / "quality" / "flags" / key[:16], key, inputs
+
+
+def _write_flags(out: Path, table: list[dict[str, Any]], cfg: QualityConfig, inputs: dict[str, str]) -> None:
+    atomic_write_jsonl(out / TABLE, table)
+    excluded = [r["sample_id"] for r in table if r["excluded"]]
+    atomic_write_json(out / EXCLUDED, excluded, indent=None)
+    write_manifest(out, stage=FLAGS_STAGE, stage_version=QUALITY_VERSION, inputs=inputs,
+                   config=cfg.model_dump(mode="json"), outputs={"table": TABLE, "excluded": EXCLUDED},
+                   info=_summary([table], len(excluded)))
 
 
 def _assess_shards(artifacts: str | os.PathLike[str], shards: list[tuple[str, Path, str]], cfg: QualityConfig,
                    out_dir: Path, inputs: Mapping[str, str]) -> Manifest:
-    """Quality for a prepared dataset made of shards: features per shard (only new shards decode their images), then
-    the flags over every row in dataset order, so near and exact duplicates of a new image are found among all the
-    rows already there, and the table equals a whole-dataset run's."""
-    done: list[str] = []
-    rows = [r for _, folder, digest in shards for r in _shard_features(artifacts, folder, digest, done)]
-    log.info("quality: features of %d of %d shards computed, %d re-used", len(done), len(shards),
-             len(shards) - len(done))
-    return _write_table(rows, cfg, out_dir, inputs, {"shards": len(shards), "shards_computed": len(done)})
+    """Quality for a prepared dataset made of shards: features per shard (only new shards decode their images),
+    flags per shard against every row before it (only shards from the first one without valid flags on are judged,
+    in one pass), so near and exact duplicates of a new image are found among all the rows already there and the
+    flags equal a whole-dataset run's."""
+    computed: list[str] = []
+    feats = [_shard_features(artifacts, folder, digest, computed) for _, folder, digest in shards]
+    keys = [k for k, _ in feats]
+    folders = [_flags_folder(artifacts, keys, k, cfg) for k in range(len(shards))]
+    first = next((k for k, (out, key, _) in enumerate(folders) if find_valid_manifest(out, key) is None), len(shards))
+    if first < len(shards):
+        parts = [Features.load(folder / FEATURES) for _, folder in feats]
+        table = flag_features(Features.concat(parts), cfg, start=sum(len(p) for p in parts[:first]))
+        at = 0
+        for k in range(first, len(shards)):
+            out, key, flag_inputs = folders[k]
+            n = len(parts[k])
+            if find_valid_manifest(out, key) is None:
+                _write_flags(out, table[at:at + n], cfg, flag_inputs)
+            at += n
+    excluded = [s for out, _, _ in folders for s in json.loads((out / EXCLUDED).read_text(encoding="utf-8"))]
+    atomic_write_json(out_dir / PARTS, [str(out) for out, _, _ in folders])
+    atomic_write_json(out_dir / EXCLUDED, excluded, indent=None)
+    infos = [read_manifest(out).info for out, _, _ in folders]
+    info = {"rows": sum(i["rows"] for i in infos), "excluded": len(excluded),
+            "counts": {f: sum(i["counts"][f] for i in infos) for f in FLAGS}}
+    log.info("quality: %s; features of %d of %d shards computed, flags of %d judged", info, len(computed),
+             len(shards), len(shards) - first)
+    return write_manifest(out_dir, stage=STAGE, stage_version=QUALITY_VERSION, inputs=inputs,
+                          config=cfg.model_dump(mode="json"), outputs={"parts": PARTS, "excluded": EXCLUDED},
+                          info={**info, "shards": len(shards), "shards_computed": len(computed),
+                                "shards_judged": len(shards) - first})
 
 
 def load_quality(quality_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The quality table of a quality stage folder (manifest verified)."""
+    """The quality table of a quality stage folder (manifest verified), one row per sample in dataset order."""
     folder = Path(quality_dir)
     m = read_manifest(folder)
     if m.stage != STAGE:
         raise ArtifactError(f"{folder}: holds the output of stage {m.stage!r}, not {STAGE!r}; pass a quality folder")
-    return read_jsonl(m.path_of("table", folder))
+    if "parts" not in m.outputs:
+        return read_jsonl(m.path_of("table", folder))
+    parts = json.loads(m.path_of("parts", folder).read_text(encoding="utf-8"))
+    return [r for p in parts for r in read_jsonl(read_manifest(Path(p)).path_of("table", Path(p)))]
 
 
 def excluded_ids(quality_dir: str | os.PathLike[str]) -> set[str]:
-    """Sample IDs whose flags keep them out of the pool (per the quality config the table was built with)."""
-    return {r["sample_id"] for r in load_quality(quality_dir) if r["excluded"]}
+    """Sample IDs whose flags keep them out of the pool (per the quality config the table was built with): one small
+    file, so a round over 10⁶ samples does not read their whole table."""
+    folder = Path(quality_dir)
+    m = read_manifest(folder)
+    if m.stage != STAGE:
+        raise ArtifactError(f"{folder}: holds the output of stage {m.stage!r}, not {STAGE!r}; pass a quality folder")
+    if "excluded" not in m.outputs:  # a table written before excluded.json existed
+        return {r["sample_id"] for r in read_jsonl(m.path_of("table", folder)) if r["excluded"]}
+    return set(json.loads(m.path_of("excluded", folder).read_text(encoding="utf-8")))
 
 
 def quality_report(quality_dir: str | os.PathLike[str], ds: datasets.Dataset, top: int = 10) -> dict[str, Any]:
@@ -271,7 +409,7 @@ def quality_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_diges
     else:
         m = reuse_or_compute(out, key, lambda: _assess_shards(artifacts, shards, QualityConfig(**quality), out,
                                                               inputs))
-    return stage_ref(out, m, "table")
+    return stage_ref(out, m, "parts" if "parts" in m.outputs else "table")
 
 
 def quality_params(artifacts: str | os.PathLike[str], prepared_ref: dict[str, Any],

@@ -280,13 +280,17 @@ def test_adding_files_prepares_and_assesses_only_the_new_shard_as_a_whole_run_wo
     # Quality: features only for the new shard, flags over all rows (duplicates of old rows found), as a whole run.
     from pipeline import quality as qual
 
+    quality = cfg.quality.model_copy(update={"exclude": ["exact_duplicate", "near_duplicate"]})
+
     def assess(prepared):
-        return qual.quality_stage(**qual.quality_params(cfg.artifacts, prepared, cfg.quality))
+        return qual.quality_stage(**qual.quality_params(cfg.artifacts, prepared, quality))
 
     assess(first)
     q = assess(second)
+    qual.assess_quality(b, quality, tmp_path / "whole-quality")
     assert q["info"]["shards"] == 2 and q["info"]["shards_computed"] == 1
-    qual.assess_quality(b, cfg.quality, tmp_path / "whole-quality")
+    assert q["info"]["shards_judged"] == 1  # the old shard's flags are kept: only the new rows are judged
+    assert qual.excluded_ids(q["dir"]) == qual.excluded_ids(tmp_path / "whole-quality") != set()
     assert qual.load_quality(q["dir"]) == qual.load_quality(tmp_path / "whole-quality")
     assert any("near_duplicate" in r["flags"] for r in qual.load_quality(q["dir"])[30:])  # new rows vs old ones
 

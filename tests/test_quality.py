@@ -113,3 +113,24 @@ def test_quality_report(scored):
     assert worst["sample_id"] == ds[4]["sample_id"]  # the flat image has the lowest blur score
     assert worst["image_path"] == "/data/img4.png" and "pixel std" in worst["reason"]
     assert rep["worst"]["exact_duplicate"][0]["duplicate_of"] == ds[0]["sample_id"]
+
+
+@pytest.mark.parametrize("distance", [0, 3, 4, 6])
+def test_near_duplicate_twins_match_brute_force_and_judge_only_rows_from_start(distance):
+    # Clusters of codes a few bits apart, two questions: multi-index hashing (distance ≤ 4) and the flat scan
+    # (above) must both give each row its earliest earlier twin of the same question, as comparing every pair does.
+    rng = np.random.default_rng(distance)
+    centres = rng.integers(0, 256, (60, 8), dtype=np.uint8)
+    bits = np.unpackbits(centres[rng.integers(0, 60, 1500)], axis=1)
+    codes = np.packbits(bits ^ (rng.random(bits.shape) < 0.04), axis=1)
+    questions = [str(q) for q in rng.integers(0, 2, len(codes))]
+    pair = np.unpackbits(codes[:, None, :] ^ codes[None, :, :], axis=2).sum(2)
+    expected = {}
+    for i in range(len(codes)):
+        near = [j for j in range(i) if pair[i, j] <= distance and questions[j] == questions[i]]
+        if near:
+            expected[i] = (near[0], int(pair[i, near[0]]))
+    assert len(expected) > 40  # exact copies at distance 0, hundreds of twins above
+    assert near_duplicate_twins(codes, questions, distance) == expected
+    assert near_duplicate_twins(codes, questions, distance, start=1000) == {i: t for i, t in expected.items()
+                                                                          if i >= 1000}

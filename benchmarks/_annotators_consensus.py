@@ -70,10 +70,10 @@ def _digits(root: Path, limit: int | None) -> tuple[Any, dict[str, str], list[st
 
 
 def _embeddings(ds: Any, pool: list[str]) -> dict[str, np.ndarray]:
-    """The `pixels` selection embeddings (pipeline.embeddings.PixelsEmbedder), fitted on the pool images."""
+    """The `pixels` selection embeddings (pipeline.embedders.PixelsEmbedder), fitted on the pool images."""
     from PIL import Image
 
-    from pipeline.embeddings import PixelsEmbedder
+    from pipeline.embedders import PixelsEmbedder
 
     ids = list(ds["sample_id"])
     images = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in ds["prepared"]]

@@ -5,7 +5,8 @@ train image), then used to embed every row. `pixels` is downsampled pixels → s
 small SimCLR encoder trained on the pool; `vision_tower` the frozen vision encoder of the configured base model (no
 fitting). `file` embeddings are read, not fitted. Rows come out float32 [n, d], L2-normalized (file: as given).
 
-`compute_selection_embeddings` is the stage: embeddings.npy + ids.json + manifest, keyed by `embeddings_key`.
+`compute_selection_embeddings` is the stage: embeddings.npy + ids.json + manifest, keyed by `embeddings_key`. The
+embedders themselves are in pipeline.embedders.
 """
 
 from __future__ import annotations
@@ -13,37 +14,38 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline.codeversion import stage_version
-from pipeline.config import EmbeddingsConfig, ModelConfig, PoolEncoderConfig, ProjectConfig, SelectConfig
+from pipeline.config import EmbeddingsConfig, ProjectConfig
+from pipeline.data.shards import dataset_shards
+from pipeline.embedders import make_embedder
 from pipeline.errors import ArtifactError, ConfigError, DataError
 from pipeline.preprocess import decode_prepared
 from pipeline.store import (
     Manifest,
     atomic_write_bytes,
     atomic_write_json,
+    atomic_write_stream,
     column,
     digest_file,
     digest_json,
+    find_valid_manifest,
     read_manifest,
     reuse_or_compute,
+    stage_dataset,
     stage_key,
     write_manifest,
 )
 
 if TYPE_CHECKING:
-    import albumentations as A
     import datasets
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -53,318 +55,6 @@ EMBEDDINGS_VERSION = stage_version("1", "pipeline.embeddings")
 EMBEDDINGS_FILE = "embeddings.npy"
 IDS_FILE = "ids.json"
 CHUNK = 256  # rows decoded at a time: prepared images can be large, so the pool is never decoded all at once
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-def l2_normalize(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-
-
-def square_resize(rgb: np.ndarray, side: int) -> np.ndarray:
-    """uint8 H×W×3 → side×side×3: longest side scaled to `side` (aspect kept), centred on black padding."""
-    import cv2
-
-    h, w = rgb.shape[:2]
-    if h < 1 or w < 1:
-        raise DataError(f"cannot embed an empty image of shape {rgb.shape}")
-    k = side / max(h, w)
-    nh, nw = max(1, round(h * k)), max(1, round(w * k))
-    if (nh, nw) != (h, w):
-        rgb = cv2.resize(rgb, (nw, nh), interpolation=cv2.INTER_AREA if k < 1 else cv2.INTER_LINEAR)
-    out = np.zeros((side, side, 3), np.uint8)
-    y, x = (side - nh) // 2, (side - nw) // 2
-    out[y:y + nh, x:x + nw] = rgb
-    return out
-
-
-class Embedder:
-    """Fit on pool images (uint8 RGB H×W×3), then `embed` any images → float32 [n, d], L2-normalized rows."""
-
-    # Whether `fit` learns anything (the stage decodes the pool for it only then), and at most how many pool images
-    # it reads (the stage draws a seeded sample; None reads them all).
-    needs_fit: ClassVar[bool] = True
-    max_fit_images: int | None = None
-
-    @classmethod
-    def from_config(cls, cfg: ProjectConfig) -> Embedder:
-        raise NotImplementedError
-
-    def fit(self, images: Iterable[np.ndarray]) -> Embedder:
-        """Learn from the pool's images (read once, in order). Embedders with nothing to learn keep this no-op."""
-        return self
-
-    def embed(self, images: Sequence[np.ndarray]) -> np.ndarray:
-        raise NotImplementedError
-
-
-# ------------------------------------------------------------------------------------------------ pixels
-class PixelsEmbedder(Embedder):
-    """Pixels at `side`² (grey + RGB, in [0, 1]) → standardized → PCA with whitening to `dim` (numpy SVD)."""
-
-    # The PCA is fitted on a seeded sample of this many pool images: 32 components of 1,024 pixel features are
-    # estimated as well from 20k rows as from all, and fitting on a 100k pool held 100k x 1,024 float64 three times
-    # over (features, centred copy, SVD factor): ~2.5 GB, 25 GB at 10^6.
-    max_fit_images: int | None = 20_000
-
-    def __init__(self, side: int = 16, dim: int = 32):
-        self.side, self.dim = side, dim
-        self.mean: np.ndarray | None = None
-        self.std: np.ndarray | None = None
-        self.components: np.ndarray | None = None  # [k, p]
-        self.scale: np.ndarray | None = None  # [k] standard deviation along each component
-
-    @classmethod
-    def from_config(cls, cfg: ProjectConfig) -> PixelsEmbedder:
-        e = cfg.select.embeddings
-        return cls(side=e.pixels_side, dim=e.pca_dim)
-
-    def features(self, images: Iterable[np.ndarray]) -> np.ndarray:
-        rows = []
-        for rgb in images:
-            sq = square_resize(rgb, self.side).astype(np.float32) / 255.0
-            grey = sq @ np.array([0.299, 0.587, 0.114], np.float32)
-            rows.append(np.concatenate([grey.ravel(), sq.ravel()]))
-        return np.stack(rows) if rows else np.zeros((0, 4 * self.side**2), np.float32)
-
-    def fit(self, images: Iterable[np.ndarray]) -> PixelsEmbedder:
-        x = self.features(images).astype(np.float64)
-        if len(x) < 2:
-            raise DataError(f"pixels embeddings need at least 2 pool images to fit a PCA; got {len(x)}")
-        self.mean = x.mean(0)
-        std = x.std(0)
-        self.std = np.where(std > 1e-6, std, 1.0)  # constant pixels (padding) stay 0 instead of blowing up
-        _, s, vt = np.linalg.svd((x - self.mean) / self.std, full_matrices=False)
-        # Whitening divides by each component's spread: components with (numerically) none would be pure noise.
-        k = min(self.dim, int((s > s[0] * 1e-6).sum()) if s[0] > 0 else 1)
-        if k < self.dim:
-            log.info("embeddings: pixels PCA keeps %d of %d components (rank of %d fit images)", k, self.dim, len(x))
-        self.components = vt[:k]
-        self.scale = np.maximum(s[:k] / math.sqrt(len(x) - 1), 1e-12)
-        return self
-
-    def embed(self, images: Sequence[np.ndarray]) -> np.ndarray:
-        if self.components is None:
-            raise RuntimeError("PixelsEmbedder.embed before fit")
-        z = ((self.features(images) - self.mean) / self.std) @ self.components.T / self.scale
-        return l2_normalize(z)
-
-
-# ------------------------------------------------------------------------------------------------ pool (SimCLR)
-def build_view_pipeline(side: int, seed: int) -> A.Compose:
-    """Strong augmentations for contrastive views (no flips: a mirrored digit or letter means something else).
-
-    Random resized crop (scale + translation), small rotation, brightness/contrast, greyscale, blur and noise. The
-    cheap transforms carry most of the variety: albumentations' warps cost ~75 µs per call even at 32 px.
-    """
-    import albumentations as A
-    import cv2
-
-    return A.Compose(
-        [
-            A.RandomResizedCrop(size=(side, side), scale=(0.5, 1.0), ratio=(0.75, 1.33), p=1.0),
-            A.Rotate(limit=15, border_mode=cv2.BORDER_CONSTANT, fill=0, p=0.3),
-            A.RandomBrightnessContrast(brightness_limit=0.4, contrast_limit=0.4, p=0.8),
-            A.ToGray(p=0.2),
-            A.GaussianBlur(blur_limit=(3, 3), sigma_limit=(0.1, 1.5), p=0.2),
-            A.GaussNoise(std_range=(0.02, 0.1), p=0.2),
-        ],
-        seed=seed,
-    )
-
-
-def make_views(views: A.Compose, batch: np.ndarray) -> np.ndarray:
-    """One augmented view of every image of a uint8 [n, H, W, 3] batch, each with its own random parameters."""
-    return np.stack([views(image=im)["image"] for im in batch])
-
-
-# Conv widths before the last block (which outputs `dim`), each block halving the resolution. Measured on the 1,346
-# pool digits of the demo at 32 px, default config, 1 torch thread on a shared 2-core CPU, augmenting in the same
-# thread: 16-32-64 fits in ~20 s, 24-48-96 in ~30 s (~24 s with augmentation in its own thread, as below), 32-64-128
-# in ~36 s; logistic regression on 100 labelled pool digits → 93.7 / 94.7 / 94.9 % on the 451 test digits (whitened
-# pixel PCA: 83.5 %).
-ENCODER_WIDTHS = (24, 48, 96)
-
-
-def build_encoder(dim: int) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(encoder, projection head): 4 conv-BN-ReLU blocks, each of stride 2, → global average pool → `dim` features.
-
-    The first block already halves the resolution: at 32 px a full-resolution block costs several times the rest of
-    a training step on a CPU, and upscaled small images (the 8-px digits) hold nothing a stride-1 stem would see.
-    """
-    from torch import nn
-
-    layers: list[nn.Module] = []
-    c_in = 3
-    for c_out in (*ENCODER_WIDTHS, dim):
-        layers += [nn.Conv2d(c_in, c_out, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(c_out),
-                   nn.ReLU(inplace=True)]
-        c_in = c_out
-    encoder = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
-    head = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(inplace=True), nn.Linear(dim, max(2, dim // 2)))
-    return encoder, head
-
-
-def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Tensor:
-    """SimCLR's normalized-temperature cross entropy: each view's positive is the other view of its image."""
-    import torch
-    import torch.nn.functional as F
-
-    n = z1.shape[0]
-    z = F.normalize(torch.cat([z1, z2]), dim=1)
-    sim = z @ z.T / temperature
-    sim.fill_diagonal_(float("-inf"))
-    target = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(z.device)
-    return F.cross_entropy(sim, target)
-
-
-class PoolEncoderEmbedder(Embedder):
-    """A small SimCLR encoder trained on the fit images only (CPU, fp32); embeddings are its pooled features.
-
-    Deterministic for a seed in one process with the same thread count: weights, view augmentations and batch order
-    are all drawn from `seed` (the global torch RNG is restored afterwards).
-    """
-
-    def __init__(self, cfg: PoolEncoderConfig | None = None, *, seed: int = 0):
-        self.cfg, self.seed = cfg or PoolEncoderConfig(), seed
-        self.max_fit_images = self.cfg.max_fit_images
-        self.encoder: torch.nn.Module | None = None
-        self.mean: np.ndarray | None = None
-        self.std: np.ndarray | None = None
-        self.losses: list[float] = []
-
-    @classmethod
-    def from_config(cls, cfg: ProjectConfig) -> PoolEncoderEmbedder:
-        return cls(cfg.select.embeddings.encoder, seed=cfg.seed)
-
-    def _tensor(self, batch: np.ndarray) -> torch.Tensor:
-        import torch
-
-        # NHWC memory viewed as NCHW: torch's channels_last layout, which its CPU convolutions run fastest in.
-        x = (batch.astype(np.float32) / 255.0 - self.mean) / self.std
-        return torch.from_numpy(np.ascontiguousarray(x)).permute(0, 3, 1, 2)
-
-    def fit(self, images: Iterable[np.ndarray]) -> PoolEncoderEmbedder:
-        import torch
-
-        c, side = self.cfg, self.cfg.image_size
-        resized = [square_resize(im, side) for im in images]
-        n = len(resized)
-        if n < 2:
-            raise DataError(f"the pool encoder needs at least 2 pool images to contrast; got {n}")
-        data = np.stack(resized)
-        del resized
-        t0 = time.perf_counter()
-        pixels = data.reshape(-1, 3).astype(np.float32) / 255.0
-        self.mean, self.std = pixels.mean(0), np.maximum(pixels.std(0), 1e-3)
-        views = build_view_pipeline(side, self.seed)
-        order = np.random.default_rng(self.seed)
-        # Equal-sized batches (≤ batch_size): no 1-image remainder batch for BatchNorm and the loss.
-        n_batches = math.ceil(n / min(c.batch_size, n))
-        batches = [idx for _ in range(c.epochs) for idx in np.array_split(order.permutation(n), n_batches)]
-
-        def two_views(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return make_views(views, data[idx]), make_views(views, data[idx])
-
-        losses = []
-        # One worker thread augments the next batch while torch trains on this one (it releases the GIL); a single
-        # worker draws from the seeded pipeline in batch order, so the views stay the same run to run.
-        with torch.random.fork_rng(devices=[]), ThreadPoolExecutor(max_workers=1) as worker:
-            torch.manual_seed(self.seed)
-            encoder, head = build_encoder(c.dim)
-            encoder = encoder.to(memory_format=torch.channels_last)
-            opt = torch.optim.Adam([*encoder.parameters(), *head.parameters()], lr=c.learning_rate)
-            encoder.train()
-            head.train()
-            pending = worker.submit(two_views, batches[0])
-            for k, idx in enumerate(batches):
-                v1, v2 = pending.result()
-                if k + 1 < len(batches):
-                    pending = worker.submit(two_views, batches[k + 1])
-                z = head(encoder(torch.cat([self._tensor(v1), self._tensor(v2)])))
-                loss = nt_xent(z[: len(idx)], z[len(idx):], c.temperature)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-        # Mean loss per epoch.
-        self.losses = [float(np.mean(losses[e:e + n_batches])) for e in range(0, len(losses), n_batches)]
-        self.encoder = encoder.eval()
-        log.info("embeddings: pool encoder fitted on %d images, %d epochs in %.1f s (NT-Xent %.3f → %.3f)", n,
-                 c.epochs, time.perf_counter() - t0, self.losses[0], self.losses[-1])
-        return self
-
-    def embed(self, images: Sequence[np.ndarray]) -> np.ndarray:
-        import torch
-
-        if self.encoder is None:
-            raise RuntimeError("PoolEncoderEmbedder.embed before fit")
-        side = self.cfg.image_size
-        out = []
-        with torch.inference_mode():
-            for i in range(0, len(images), CHUNK):
-                batch = np.stack([square_resize(im, side) for im in images[i:i + CHUNK]])
-                out.append(self.encoder(self._tensor(batch)).numpy())
-        return l2_normalize(np.concatenate(out) if out else np.zeros((0, self.cfg.dim), np.float32))
-
-
-# ------------------------------------------------------------------------------------------------ vision tower
-class VisionTowerEmbedder(Embedder):
-    """The frozen vision encoder of `model`: last hidden state mean-pooled over patches (and tiles). Nothing to fit;
-    the model is loaded on first use."""
-
-    needs_fit = False
-
-    def __init__(self, model: ModelConfig, *, batch_size: int = 16):
-        self.model_cfg, self.batch_size = model, batch_size
-        self._loaded: Any = None
-
-    @classmethod
-    def from_config(cls, cfg: ProjectConfig) -> VisionTowerEmbedder:
-        try:
-            batch_size = cfg.select.score_batch_size
-        except ConfigError:
-            # The round's embeddings stage is keyed on select.embeddings only, so it is not given the batch size:
-            # it runs the tower at the default one, as it always has (the embeddings do not depend on it).
-            batch_size = SelectConfig.model_fields["score_batch_size"].default
-        return cls(cfg.model, batch_size=batch_size)
-
-    @property
-    def loaded(self) -> Any:
-        if self._loaded is None:
-            from pipeline.model.loading import load_model
-
-            self._loaded = load_model(self.model_cfg)
-        return self._loaded
-
-    def embed(self, images: Sequence[np.ndarray]) -> np.ndarray:
-        import torch
-        from PIL import Image
-
-        ld = self.loaded
-        out = []
-        with torch.inference_mode():
-            for i in range(0, len(images), self.batch_size):
-                batch = [Image.fromarray(im) for im in images[i:i + self.batch_size]]
-                out.append(ld.family.image_features(ld.model, ld.processor, batch).float().cpu().numpy())
-        if not out:
-            return np.zeros((0, 0), np.float32)
-        return l2_normalize(np.concatenate(out))
-
-
-EMBEDDERS: dict[str, type[Embedder]] = {
-    "pixels": PixelsEmbedder,
-    "pool": PoolEncoderEmbedder,
-    "vision_tower": VisionTowerEmbedder,
-}
-
-
-def make_embedder(cfg: ProjectConfig) -> Embedder:
-    source = cfg.select.embeddings.source
-    if source not in EMBEDDERS:
-        raise ConfigError(f"select.embeddings.source {source!r} has no embedder here: 'model' embeddings come from "
-                          f"the scoring pass and 'file' ones are read; fitted sources: {', '.join(EMBEDDERS)}")
-    return EMBEDDERS[source].from_config(cfg)
 
 
 # ------------------------------------------------------------------------------------------------ file
@@ -542,6 +232,36 @@ def _images(table: datasets.Dataset, rows: Sequence[int] | None = None) -> Itera
         yield from (decode_prepared(png) for png in batch)
 
 
+def _fit_rows(cfg: ProjectConfig, embedder: Any, splits: Sequence[str]) -> list[int]:
+    """Rows the embedder is fitted on: the pool split's, a seeded sample of them above its max_fit_images; none for
+    an embedder with nothing to fit."""
+    if not embedder.needs_fit:
+        return []
+    pool = [i for i, s in enumerate(splits) if s == "pool"]
+    if not pool:
+        raise DataError(f"no rows with split 'pool' to fit the {cfg.select.embeddings.source} embeddings on; the "
+                        "pool is empty")
+    cap = embedder.max_fit_images
+    if cap is None or len(pool) <= cap:
+        return pool
+    log.info("embeddings: fitting on a seeded sample of %d of %d pool images", cap, len(pool))
+    pick = np.random.default_rng(cfg.seed).choice(len(pool), cap, replace=False)
+    return [pool[i] for i in np.sort(pick)]
+
+
+def _embed(embedder: Any, table: datasets.Dataset) -> np.ndarray:
+    """Every row of `table` embedded, CHUNK images decoded at a time: float32 [rows, d]."""
+    chunks, batch = [], []
+    for img in _images(table):
+        batch.append(img)
+        if len(batch) == CHUNK:
+            chunks.append(embedder.embed(batch))
+            batch = []
+    if batch:
+        chunks.append(embedder.embed(batch))
+    return np.ascontiguousarray(np.concatenate(chunks) if chunks else np.zeros((0, 0), np.float32), np.float32)
+
+
 def compute_selection_embeddings(
     cfg: ProjectConfig, prepared: datasets.Dataset, out_dir: str | os.PathLike[str], *, inputs: dict[str, str],
 ) -> Manifest:
@@ -572,29 +292,11 @@ def compute_selection_embeddings(
         images = [str(x) for x in column(table, "image_path")] if "image_path" in need else None
         vectors = load_file_embeddings(e, ids, images)
     else:
-        pool = [i for i, s in enumerate(column(table, "split")) if s == "pool"]
         embedder = make_embedder(cfg)
-        cap = embedder.max_fit_images
-        fit_rows = pool
-        if cap is not None and len(pool) > cap:
-            pick = np.random.default_rng(cfg.seed).choice(len(pool), cap, replace=False)
-            fit_rows = [pool[i] for i in np.sort(pick)]
-            log.info("embeddings: fitting on a seeded sample of %d of %d pool images", cap, len(pool))
-        if not embedder.needs_fit:
-            fit_rows = []
-        elif not fit_rows:
-            raise DataError(f"no rows with split 'pool' to fit the {e.source} embeddings on; the pool is empty")
-        else:
+        fit_rows = _fit_rows(cfg, embedder, column(table, "split"))
+        if fit_rows:
             embedder.fit(_images(table, fit_rows))
-        chunks, batch = [], []
-        for img in _images(table):
-            batch.append(img)
-            if len(batch) == CHUNK:
-                chunks.append(embedder.embed(batch))
-                batch = []
-        if batch:
-            chunks.append(embedder.embed(batch))
-        vectors = np.concatenate(chunks) if chunks else np.zeros((0, 0), np.float32)
+        vectors = _embed(embedder, table)
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     seconds = round(time.perf_counter() - t0, 3)
     buf = io.BytesIO()
@@ -653,14 +355,132 @@ def embeddings_params(cfg: Any, prepared: dict[str, Any]) -> dict[str, Any] | No
     return {"artifacts": str(cfg.artifacts), "out_dir": str(out), **params}
 
 
+# ------------------------------------------------------------------------------------------------ sharded pools
+FIT_STAGE, SHARD_STAGE = "embeddings-fit", "embeddings-shard"
+STATE_FILE, VECTORS_FILE = "state.npz", "vectors.npy"
+# A fitted embedder keeps serving a pool until it has grown past this many times the pool it was fitted on: adding
+# 10k images to 10⁶ embeds 10k, and the pool's space is fitted again (every row embedded once more) each doubling.
+REFIT_GROWTH = 2.0
+
+
+def _fitted(cfg: ProjectConfig, table: datasets.Dataset, artifacts: Path) -> tuple[Any, dict[str, Any]]:
+    """(the embedder, how it was fitted): the project's current fit for this config when the pool has not outgrown
+    it (REFIT_GROWTH), else fitted on this pool's sample and made the current one (artifacts/embeddings/fit/)."""
+    embedder = make_embedder(cfg)
+    if not embedder.needs_fit:
+        return embedder, {"fit": None}
+    splits = column(table, "split")
+    pool = sum(1 for s in splits if s == "pool")
+    root = artifacts / "embeddings" / "fit"
+    current = root / f"current-{stage_key(FIT_STAGE, EMBEDDINGS_VERSION, {}, _stage_config(cfg))[:16]}.json"
+    if current.is_file():
+        was = json.loads(current.read_text(encoding="utf-8"))
+        m = find_valid_manifest(was["dir"], was["key"])
+        if m is not None and pool <= REFIT_GROWTH * was["pool"]:
+            with np.load(m.path_of("state", Path(was["dir"])), allow_pickle=False) as z:
+                embedder.load_state(dict(z))
+            return embedder, {"fit": was["key"], "fit_pool": was["pool"], "fit_images": m.info["fit_images"],
+                              "fitted_now": False}
+    rows = _fit_rows(cfg, embedder, splits)
+    ids = column(table, "sample_id")
+    inputs = {"fit_ids": digest_json([ids[i] for i in rows])}
+    key = stage_key(FIT_STAGE, EMBEDDINGS_VERSION, inputs, _stage_config(cfg))
+    out = root / key[:16]
+    m = find_valid_manifest(out, key)
+    if m is None:
+        embedder.fit(_images(table, rows))
+        buf = io.BytesIO()
+        np.savez(buf, **embedder.state())
+        atomic_write_bytes(out / STATE_FILE, buf.getvalue())
+        m = write_manifest(out, stage=FIT_STAGE, stage_version=EMBEDDINGS_VERSION, inputs=inputs,
+                           config=_stage_config(cfg), outputs={"state": STATE_FILE},
+                           info={"pool": pool, "fit_images": len(rows)})
+    else:
+        with np.load(m.path_of("state", out), allow_pickle=False) as z:
+            embedder.load_state(dict(z))
+    atomic_write_json(current, {"dir": str(out), "key": key, "pool": pool})
+    return embedder, {"fit": key, "fit_pool": pool, "fit_images": len(rows), "fitted_now": True}
+
+
+def _shard_vectors(cfg: ProjectConfig, embedder: Any, fit: str | None, folder: Path, digest: str,
+                   artifacts: Path, done: list[str]) -> Path:
+    """A prepared shard's embeddings (vectors.npy, ids.json), keyed by its content and the fit: computed once."""
+    import datasets
+
+    inputs = {"dataset": digest, "fit": fit or "none"}
+    key = stage_key(SHARD_STAGE, EMBEDDINGS_VERSION, inputs, _stage_config(cfg))
+    out = artifacts / "embeddings" / "shards" / key[:16]
+
+    def compute() -> Manifest:
+        done.append(out.name)
+        table = datasets.load_from_disk(str(folder)).select_columns(["sample_id", "prepared"])
+        vectors = _embed(embedder, table)
+        buf = io.BytesIO()
+        np.save(buf, vectors, allow_pickle=False)
+        atomic_write_bytes(out / VECTORS_FILE, buf.getvalue())
+        atomic_write_json(out / IDS_FILE, column(table, "sample_id"), indent=None)
+        return write_manifest(out, stage=SHARD_STAGE, stage_version=EMBEDDINGS_VERSION, inputs=inputs,
+                              config=_stage_config(cfg), outputs={"vectors": VECTORS_FILE, "ids": IDS_FILE},
+                              info={"rows": len(vectors)})
+
+    reuse_or_compute(out, key, compute)
+    return out
+
+
+def compute_sharded_embeddings(cfg: ProjectConfig, prepared: datasets.Dataset, shards: list[tuple[str, Path, str]],
+                               out_dir: str | os.PathLike[str], *, inputs: dict[str, str]) -> Manifest:
+    """compute_selection_embeddings for a prepared dataset made of shards (pipeline.data.shards): the fitted
+    embedder is kept (_fitted), each shard embedded once, and the stage's embeddings.npy assembled from them, so
+    new images cost their own embedding plus a copy of the rest. The same vectors as the whole-dataset stage while
+    the pool has not grown; after that, the space of the fit it kept."""
+    out_dir, artifacts = Path(out_dir), Path(cfg.artifacts)
+    t0 = time.perf_counter()
+    table = prepared.select_columns(["sample_id", "split", "prepared"])
+    embedder, fit = _fitted(cfg, table, artifacts)
+    done: list[str] = []
+    parts = [_shard_vectors(cfg, embedder, fit["fit"], folder, digest, artifacts, done) for _, folder, digest in shards]
+    arrays = [np.load(p / VECTORS_FILE, mmap_mode="r", allow_pickle=False) for p in parts]
+    ids = [s for p in parts for s in json.loads((p / IDS_FILE).read_text(encoding="utf-8"))]
+    if len(set(ids)) != len(ids):
+        raise DataError("the prepared dataset repeats a sample_id; rebuild it with ingest (which de-duplicates)")
+    dim = next((int(a.shape[1]) for a in arrays if a.ndim == 2 and a.shape[1]), 0)
+
+    def write(f: Any) -> None:
+        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)),
+                                                  "fortran_order": False, "shape": (len(ids), dim)})
+        for a in arrays:
+            if len(a):
+                f.write(np.ascontiguousarray(a, np.float32).tobytes())
+
+    atomic_write_stream(out_dir / EMBEDDINGS_FILE, write, f"{len(ids):,} × {dim} embeddings")
+    atomic_write_json(out_dir / IDS_FILE, ids, indent=None)
+    seconds = round(time.perf_counter() - t0, 3)
+    log.info("embeddings: %s, %d rows × %d dims, %d of %d shards embedded (%s) in %.1f s", cfg.select.embeddings.source,
+             len(ids), dim, len(done), len(shards), "fitted now" if fit.get("fitted_now") else "fit kept", seconds)
+    return write_manifest(
+        out_dir, stage=STAGE, stage_version=EMBEDDINGS_VERSION, inputs=inputs, config=_stage_config(cfg),
+        outputs={"embeddings": EMBEDDINGS_FILE, "ids": IDS_FILE},
+        info={"source": cfg.select.embeddings.source, "dim": dim, "rows": len(ids), "seconds": seconds,
+              "shards": len(shards), "shards_computed": len(done), **fit},
+    )
+
+
 def embeddings_stage(artifacts: str, prepared: dict[str, Any], select: dict[str, Any], model: dict[str, Any] | None,
                      file_digest: str | None, seed: int, out_dir: str) -> dict[str, Any]:
-    """The selection-embeddings stage: fitted on the pool's images only, written to `out_dir` (or reused there)."""
+    """The selection-embeddings stage: fitted on the pool's images only, written to `out_dir` (or reused there);
+    on a sharded dataset, per shard (compute_sharded_embeddings)."""
     from pipeline.config import StageConfig
     from pipeline.preprocess import load_prepared
 
     cfg = StageConfig({"select": select, "seed": seed, **({"model": model} if model else {})}, artifacts=artifacts)
     inputs = {"prepared": prepared["digest"]}
-    m = reuse_or_compute(out_dir, embeddings_key(cfg, inputs),
-                         lambda: compute_selection_embeddings(cfg, load_prepared(prepared["dir"]), out_dir, inputs=inputs))
+    dataset, _ = stage_dataset(prepared)
+    shards = dataset_shards(dataset) if cfg.select.embeddings.source != "file" else None
+
+    def compute() -> Manifest:
+        if shards is None:
+            return compute_selection_embeddings(cfg, load_prepared(prepared["dir"]), out_dir, inputs=inputs)
+        return compute_sharded_embeddings(cfg, load_prepared(prepared["dir"]), shards, out_dir, inputs=inputs)
+
+    m = reuse_or_compute(out_dir, embeddings_key(cfg, inputs), compute)
     return {"dir": out_dir, "digest": m.key}

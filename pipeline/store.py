@@ -106,6 +106,11 @@ def _disk_full(exc: BaseException, path: Path, what: str) -> ArtifactError | Non
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write via a temp file in the same folder, fsync, rename: readers see the old file or the new one, never half."""
+    return atomic_write_stream(path, lambda f: f.write(data), f"{len(data):,} bytes")
+
+
+def atomic_write_stream(path: str | os.PathLike[str], write: Callable[[Any], Any], what: str) -> Path:
+    """atomic_write_bytes for outputs too big to hold in memory at once: `write(f)` writes them to the temp file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = None
@@ -115,7 +120,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
         # must be able to read exported tasks and images).
         os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -123,7 +128,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
         if tmp is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        if (err := _disk_full(exc, path, f"{len(data):,} bytes")) is not None:
+        if (err := _disk_full(exc, path, what)) is not None:
             raise err from exc
         raise
     _fsync_dir(path.parent)

@@ -10,11 +10,8 @@ import numpy as np
 import pytest
 
 from pipeline.config import ModelConfig, parse_config
+from pipeline.embedders import EMBEDDERS, PixelsEmbedder, PoolEncoderEmbedder, VisionTowerEmbedder
 from pipeline.embeddings import (
-    EMBEDDERS,
-    PixelsEmbedder,
-    PoolEncoderEmbedder,
-    VisionTowerEmbedder,
     compute_selection_embeddings,
     embeddings_key,
     load_file_embeddings,
@@ -129,6 +126,22 @@ def test_pool_encoder_is_deterministic_per_seed_and_leaves_torch_rng_alone():
     assert_unit_rows(a)
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a, c)
+
+
+@pytest.mark.parametrize("source", ["pixels", "pool"])
+def test_a_saved_fit_embeds_new_images_as_the_fitted_embedder_does(tmp_path, source):
+    # What a later round does with images added to the pool: the fit's saved arrays (npz, no pickle) restored into
+    # a fresh embedder give the vectors of the embedder that was fitted, for images neither has seen.
+    from pipeline.config import PoolEncoderConfig
+
+    fit_imgs, new_imgs = digit_images(24), digit_images(6, offset=100)
+    fitted = (PixelsEmbedder(side=8, dim=6) if source == "pixels"
+              else PoolEncoderEmbedder(PoolEncoderConfig(**SMALL_ENCODER), seed=0)).fit(fit_imgs)
+    np.savez(tmp_path / "state.npz", **fitted.state())
+    with np.load(tmp_path / "state.npz", allow_pickle=False) as z:
+        fresh = (PixelsEmbedder(side=8, dim=6) if source == "pixels"
+                 else PoolEncoderEmbedder(PoolEncoderConfig(**SMALL_ENCODER), seed=1)).load_state(dict(z))
+    np.testing.assert_array_equal(fresh.embed(new_imgs), fitted.embed(new_imgs))
 
 
 def test_pool_encoder_never_reads_answers(tmp_path):

@@ -17,7 +17,7 @@ from pipeline.config import parse_config
 from pipeline.data.file_index import FileIndex
 from pipeline.data.ingest import ingest, load_ingested, source_digest
 from pipeline.schema import sample_id_for
-from pipeline.store import digest_bytes, read_jsonl
+from pipeline.store import digest_bytes, read_jsonl, read_manifest
 
 _OPENED: list[list[str]] = []
 
@@ -311,3 +311,43 @@ def test_a_saved_dataset_source_adds_rows_incrementally(tmp_path):
     assert first.info["rows_read"] == 8 and m.info["rows_read"] == 3 and m.info["shards_reused"] == 1
     ds = load_ingested(tmp_path / "out2")
     assert ds["image"] == [digit_png(i) for i in range(11)]
+
+
+def test_added_images_embed_only_their_shard_in_the_kept_fit_until_the_pool_doubles(tmp_path):
+    from pipeline import embeddings as emb
+    from pipeline import preprocess as prep
+    from pipeline.data.ingest import ingest_dir, ingest_key_config, ingest_stage
+
+    pool = tmp_path / "pool"
+    write_pool(pool, range(30))
+    cfg = parse_config({"data": {"sources": [{"kind": "folder", "path": str(pool), "default_split": "pool"}],
+                                 "answers": [str(d) for d in range(10)]},
+                        "preprocess": {"size": 16, "pad": "square"}, "paths": {"artifacts": str(tmp_path / "art")},
+                        "select": {"embeddings": {"source": "pixels", "pca_dim": 8}}})
+
+    def embed():
+        key = source_digest(cfg.data, cfg.artifacts)
+        data_config = ingest_key_config(cfg.section("data"))
+        ref = ingest_stage(str(cfg.artifacts), key, data_config, str(ingest_dir(cfg.artifacts, key, data_config)))
+        prepared = prep.preprocess_stage(**prep.preprocess_params(cfg.artifacts, ref, cfg.preprocess, cfg.model,
+                                                                  cfg.data.max_image_pixels))
+        out = emb.embeddings_stage(**emb.embeddings_params(cfg, prepared))
+        ids, vectors = emb.load_selection_embeddings(out["dir"])
+        return prepared, read_manifest(Path(out["dir"])).info, ids, np.asarray(vectors)
+
+    first, info, ids1, v1 = embed()
+    assert info["shards"] == info["shards_computed"] == 1 and info["fitted_now"] and info["fit_pool"] == 30
+    # One shard: the vectors of the whole-dataset stage, bit for bit.
+    emb.compute_selection_embeddings(cfg, prep.load_prepared(first["dir"]), tmp_path / "whole", inputs={})
+    w_ids, w_vec = emb.load_selection_embeddings(tmp_path / "whole")
+    assert w_ids == ids1 and np.array_equal(np.asarray(w_vec), v1)
+
+    write_pool(pool, range(30, 42))  # 42 ≤ 2 × 30: the fit is kept, only the new shard is embedded
+    _, info, ids2, v2 = embed()
+    assert info["shards"] == 2 and info["shards_computed"] == 1 and not info["fitted_now"]
+    assert ids2[:30] == ids1 and np.array_equal(v2[:30], v1) and len(ids2) == 42 and np.isfinite(v2).all()
+
+    write_pool(pool, range(42, 70))  # 70 > 2 × 30: the pool's space is fitted again, every shard embedded in it
+    _, info, ids3, v3 = embed()
+    assert info["fitted_now"] and info["fit_pool"] == 70 and info["shards_computed"] == info["shards"] == 3
+    assert ids3[:42] == ids2 and not np.allclose(v3[:30], v1)

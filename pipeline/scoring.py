@@ -504,8 +504,8 @@ def score_shard(artifacts: str, model: dict[str, Any], adapter: dict[str, Any] |
 
     def compute() -> Manifest:
         ds, index = _index(prepared["dir"])
-        rows = [{"sample_id": r["sample_id"], "prepared": r["prepared"], "question": r["question"]}
-                for r in ds.select([index[s] for s in shard_ids])]
+        # Only the three columns a shard reads: the original images' pages are never touched.
+        rows = list(ds.select_columns(["sample_id", "prepared", "question"]).select([index[s] for s in shard_ids]))
         loaded = _loaded(json.dumps(model, sort_keys=True), adapter and adapter["dir"], adapter and adapter["digest"])
         scorer = make_scorer(loaded, scoring["answers"], length_normalize=scoring["length_normalize"],
                              max_new_tokens=scoring["max_new_tokens"])

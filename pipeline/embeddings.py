@@ -5,8 +5,9 @@ train image), then used to embed every row. `pixels` is downsampled pixels → s
 small SimCLR encoder trained on the pool; `vision_tower` the frozen vision encoder of the configured base model (no
 fitting). `file` embeddings are read, not fitted. Rows come out float32 [n, d], L2-normalized (file: as given).
 
-`compute_selection_embeddings` is the stage: embeddings.npy + ids.json + manifest, keyed by `embeddings_key`. The
-embedders themselves are in pipeline.embedders.
+`compute_selection_embeddings` is the stage: embeddings.npy + ids.json + manifest, keyed by `embeddings_key`; on a
+pool made of shards, `compute_sharded_embeddings` keeps the fit and embeds each shard once. The embedders themselves
+are in pipeline.embedders.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 from pipeline.config import parse_config
-from pipeline.data.file_index import FileIndex
+from pipeline.data.file_index import INDEX_NAME, FileIndex
 from pipeline.data.ingest import ingest, load_ingested, source_digest
 from pipeline.schema import sample_id_for
 from pipeline.store import digest_bytes, read_jsonl, read_manifest
@@ -70,7 +70,7 @@ def project(tmp_path, sources=None, **data):
 
 
 def index_reads(cfg) -> int:
-    files = FileIndex(cfg.artifacts / "ingest" / "file_index.json", cfg.data.verify)
+    files = FileIndex(cfg.artifacts / "ingest" / INDEX_NAME, cfg.data.verify)
     source_digest_with(cfg, files)
     return files.reads
 
@@ -189,8 +189,9 @@ def test_a_deleted_file_leaves_the_pool_and_its_shard_is_rebuilt_from_the_rest(t
     labels = round_labels(PoolData.of(ds), {gone_id: "4", kept_id: "9"})
     assert gone_id not in labels and labels[kept_id] == "9"
     # Its index entry is dropped with it.
-    index = json.loads((cfg.artifacts / "ingest" / "file_index.json").read_text())["entries"]
-    assert str(gone.resolve()) not in index and len(index) == 11
+    index = FileIndex(cfg.artifacts / "ingest" / INDEX_NAME)
+    assert index.entry(gone.resolve()) is None and len(index) == 11
+    assert index.entry(next(pool.rglob("00005.png")).resolve()) is not None
 
 
 def test_manifest_sources_are_always_read_and_their_images_are_indexed(tmp_path):
@@ -230,7 +231,7 @@ def test_a_damaged_index_costs_a_read_not_a_wrong_key(tmp_path):
     write_pool(pool, range(4))
     cfg = project(tmp_path)
     key = source_digest(cfg.data, cfg.artifacts)
-    (cfg.artifacts / "ingest" / "file_index.json").write_text("{not json")
+    (cfg.artifacts / "ingest" / INDEX_NAME).write_bytes(b"PK\x03\x04 not a zip")
     assert source_digest(cfg.data, cfg.artifacts) == key
     assert index_reads(cfg) == 0
 
@@ -351,3 +352,24 @@ def test_added_images_embed_only_their_shard_in_the_kept_fit_until_the_pool_doub
     _, info, ids3, v3 = embed()
     assert info["fitted_now"] and info["fit_pool"] == 70 and info["shards_computed"] == info["shards"] == 3
     assert ids3[:42] == ids2 and not np.allclose(v3[:30], v1)
+
+
+def test_an_index_of_the_earlier_json_format_is_converted_without_reading_any_image(tmp_path):
+    pool = tmp_path / "pool"
+    write_pool(pool, range(6))
+    cfg = project(tmp_path)
+    key = source_digest(cfg.data, cfg.artifacts)
+    new = cfg.artifacts / "ingest" / INDEX_NAME
+    index = FileIndex(new)
+    entries = {}
+    for p in pool.rglob("*.png"):
+        sig, digest, racy = index.entry(p.resolve())
+        entries[str(p.resolve())] = [*sig, digest, int(racy)]
+    assert len(entries) == 6
+    # What tamis wrote before the columnar index: {path: [size, mtime_ns, inode, sha256, racy]} as JSON.
+    legacy = new.with_name("file_index.json")
+    legacy.write_text(json.dumps({"format": 1, "entries": entries}))
+    new.unlink()
+    with opened(pool) as seen:
+        assert source_digest(cfg.data, cfg.artifacts) == key
+    assert pngs(seen) == [] and new.is_file() and not legacy.exists()

@@ -89,3 +89,35 @@ def test_append_only_log_survives_torn_line(tmp_path):
         f.write(b'{"a": 2, "tor')  # a crash mid-append
     append_jsonl(log, [{"a": 3}])
     assert read_jsonl(log) == [{"a": 1}, {"a": 3}]
+
+
+def test_verification_hashes_an_output_again_only_when_its_stat_changed(tmp_path, monkeypatch):
+    import pipeline.store as store
+
+    hashed: list[str] = []
+    real = store.digest_file
+    monkeypatch.setattr(store, "digest_file", lambda p: hashed.append(os.path.basename(p)) or real(p))
+    past = 1_700_000_000
+    (tmp_path / "dataset").mkdir()
+    for name, data in (("data.bin", b"payload"), ("dataset/a.arrow", b"rows-a"), ("dataset/b.json", b"{}")):
+        (tmp_path / name).write_bytes(data)
+        os.utime(tmp_path / name, (past, past))
+    write_manifest(tmp_path, stage="s", stage_version="1", inputs={}, config={},
+                   outputs={"data": "data.bin", "dataset": "dataset"})
+    hashed.clear()
+    read_manifest(tmp_path)
+    assert sorted(hashed) == ["a.arrow", "b.json", "data.bin"]  # the first verification reads every file
+    hashed.clear()
+    read_manifest(tmp_path)
+    assert hashed == []  # unchanged stats: trusted
+    # Same size, other bytes, an mtime of its own: hashed again and refused.
+    (tmp_path / "dataset" / "a.arrow").write_bytes(b"rows-X")
+    os.utime(tmp_path / "dataset" / "a.arrow", (past + 5, past + 5))
+    with pytest.raises(ArtifactError, match="corrupt"):
+        read_manifest(tmp_path)
+    assert hashed == ["a.arrow"]
+    (tmp_path / "dataset" / "a.arrow").write_bytes(b"rows-a")  # restored, just written: racy, so never trusted yet
+    hashed.clear()
+    read_manifest(tmp_path)
+    read_manifest(tmp_path)
+    assert hashed == ["a.arrow", "a.arrow"]

@@ -55,7 +55,7 @@ class DataConfig(Section):
     verify: Literal["stat", "content"] = Field(
         default="stat",
         description="How ingest learns which image files changed: 'stat' trusts a file's size, mtime and inode as "
-        "recorded in artifacts/ingest/file_index.json (one stat per unchanged file); 'content' re-reads every file, "
+        "recorded in artifacts/ingest/file_index.npz (one stat per unchanged file); 'content' re-reads every file, "
         "for filesystems whose mtimes cannot be trusted. Both give the same cache key.")
 
     @field_validator("answers")

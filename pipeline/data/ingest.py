@@ -104,7 +104,7 @@ def _digest_parts(parts: list[tuple[SourceConfig, list[RawRow | Rejected]]]) -> 
 def source_digest(cfg: DataConfig, artifacts: str | os.PathLike[str] | None = None) -> str:
     """Content digest of every source file and every image (and text) its rows reference: the ingest cache input.
 
-    With `artifacts`, image digests come from the project's file index (artifacts/ingest/file_index.json): under
+    With `artifacts`, image digests come from the project's file index (artifacts/ingest/file_index.npz): under
     `data.verify: stat` an unchanged file costs a stat, not a read; `content` re-reads every file. The digest is the
     same either way (and the same as without an index, which reads everything). A source that cannot be read at all
     fails here, before any flow starts. Rows are streamed: memory does not grow with the pool.

@@ -42,7 +42,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     art, progress = cfg.artifacts, progress or report.RoundProgress(lambda percent, text: None)
     inputs = unchanged.round_inputs_now(cfg)  # what this round reads, for `tamis round` to know a replay in advance
     progress.start("ingest")
-    ing = ingest_ref(cfg)
+    ing = ingest_ref(cfg, inputs.sources)
     progress.finish("ingest")
     progress.start("prepare")
     prep = prepare_refs(cfg, ing)

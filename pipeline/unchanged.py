@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,16 @@ def _listing(folder: Path | None) -> list[Any] | None:
     return sorted([str(p.relative_to(folder)), _stat(p)] for p in folder.rglob("*") if p.is_file())
 
 
-def round_inputs(cfg: ProjectConfig) -> str:
+@dataclass(frozen=True)
+class RoundInputs:
+    """What a round reads, digested (None when it cannot be read now), and the sources' digest within it: the ingest
+    key's own input, handed to the ingest stage so a round walks its sources once at the start, not twice."""
+
+    digest: str | None
+    sources: str | None
+
+
+def round_inputs(cfg: ProjectConfig) -> RoundInputs:
     """Digest of what a round reads that can change between runs (module docstring)."""
     from pipeline.data.ingest import (
         source_digest,  # the ingest key's own input: a stat per image under verify=stat
@@ -86,7 +96,7 @@ def round_inputs(cfg: ProjectConfig) -> str:
         "embeddings_file": _stat(cfg.select.embeddings.path),
         "ground_truth": _stat(cfg.data.ground_truth),
     }
-    return digest_json(parts)
+    return RoundInputs(digest_json(parts), parts["sources"])
 
 
 def _skip_reason(cfg: ProjectConfig, simulate: bool | None) -> str | None:
@@ -97,20 +107,21 @@ def _skip_reason(cfg: ProjectConfig, simulate: bool | None) -> str | None:
     return None
 
 
-def round_inputs_now(cfg: ProjectConfig) -> str | None:
-    """round_inputs, or None when they cannot be read now (the flow then reports why, stage by stage)."""
+def round_inputs_now(cfg: ProjectConfig) -> RoundInputs:
+    """round_inputs, or RoundInputs(None, None) when they cannot be read now (the flow then reports why, stage by
+    stage)."""
     try:
         return round_inputs(cfg)
     except (OSError, TamisError) as exc:
         log.debug("round inputs unreadable (%s); the next run goes through the flow", exc)
-        return None
+        return RoundInputs(None, None)
 
 
-def record_round_inputs(cfg: ProjectConfig, state: dict[str, Any], before: str | None) -> None:
+def record_round_inputs(cfg: ProjectConfig, state: dict[str, Any], before: RoundInputs) -> None:
     """After a round: what it read when it started (`before`) and what is there now, with the outputs it reports."""
     outputs = [state.get("export_dir"), state.get("relabel_dir"), (state.get("adapter") or {}).get("adapter_dir")]
     atomic_write_json(Path(cfg.artifacts) / "rounds" / INPUTS_FILE, {
-        "round": state["round"], "before": before, "after": round_inputs_now(cfg),
+        "round": state["round"], "before": before.digest, "after": round_inputs_now(cfg).digest,
         "outputs": [p for p in outputs if p],
     })
 
@@ -133,4 +144,4 @@ def unchanged_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict
         return None
     if not all(Path(p).exists() for p in rec.get("outputs", [])):
         return None
-    return states[-1] if round_inputs_now(cfg) == rec["after"] else None
+    return states[-1] if round_inputs_now(cfg).digest == rec["after"] else None

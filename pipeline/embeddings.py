@@ -28,6 +28,7 @@ from pipeline.config import EmbeddingsConfig, ProjectConfig
 from pipeline.data.shards import dataset_shards
 from pipeline.embedders import make_embedder
 from pipeline.errors import ArtifactError, ConfigError, DataError
+from pipeline.idindex import IdIndex
 from pipeline.preprocess import decode_prepared
 from pipeline.store import (
     Manifest,
@@ -329,15 +330,17 @@ def load_selection_embeddings(folder: str | os.PathLike[str]) -> tuple[list[str]
     return ids, vectors
 
 
-def lookup(ids_all: Sequence[str], emb_all: np.ndarray, wanted_ids: Sequence[str]) -> np.ndarray:
-    """Rows of `emb_all` for `wanted_ids`, in that order; a sample without an embedding is a DataError."""
-    index = {s: i for i, s in enumerate(ids_all)}
-    rows = [index.get(s) for s in wanted_ids]
-    missing = [s for s, r in zip(wanted_ids, rows, strict=True) if r is None]
+def lookup(ids_all: Sequence[str] | IdIndex, emb_all: np.ndarray, wanted_ids: Sequence[str]) -> np.ndarray:
+    """Rows of `emb_all` for `wanted_ids`, in that order; a sample without an embedding is a DataError. Pass an
+    IdIndex of `ids_all` when looking up in the same space more than once."""
+    index = ids_all if isinstance(ids_all, IdIndex) else IdIndex(ids_all)
+    wanted = list(wanted_ids)
+    rows = index.rows(wanted)
+    missing = [wanted[i] for i in np.flatnonzero(rows < 0)]
     if missing:
-        raise DataError(f"sample {missing[0]!r} has no selection embedding ({len(missing)} of {len(wanted_ids)} "
+        raise DataError(f"sample {missing[0]!r} has no selection embedding ({len(missing)} of {len(wanted)} "
                         "missing); recompute the selection embeddings for the current dataset")
-    return emb_all[np.asarray(rows, dtype=np.int64)] if rows else emb_all[:0]
+    return emb_all[rows] if len(rows) else emb_all[:0]
 
 
 def embeddings_params(cfg: Any, prepared: dict[str, Any]) -> dict[str, Any] | None:

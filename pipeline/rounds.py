@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError
+from pipeline.idindex import IdIndex
 from pipeline.store import atomic_dir, atomic_write_json, atomic_write_text, column, digest_json
 
 ROUND_FILE = "round.json"
@@ -75,12 +76,13 @@ def save_rows(prepared: Any, ids: Sequence[str], out_dir: str | os.PathLike[str]
     stamp = out_dir / "digest.txt"
     if stamp.is_file() and stamp.read_text(encoding="utf-8") == digest:
         return {"dataset": str(out_dir / "dataset"), "digest": digest}
-    index = {sid: i for i, sid in enumerate(column(prepared, "sample_id"))}
-    missing = sorted(s for s in ids if s not in index)
+    wanted = sorted(ids)
+    at = IdIndex.of_dataset(prepared).rows(wanted)
+    missing = [s for s, i in zip(wanted, at, strict=True) if i < 0]
     if missing:
         raise DataError(f"{len(missing)} labeled samples are not in the prepared dataset (first: {missing[0]}); "
                         "were they labeled for another dataset?")
-    sub = prepared.select(sorted(index[s] for s in ids))
+    sub = prepared.select(sorted(at.tolist()))
     if update is not None:
         # keep_in_memory: a cache file would land inside the prepare stage's folder and break its digest.
         sub = sub.map(update, input_columns=["sample_id"], keep_in_memory=True)

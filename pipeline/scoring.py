@@ -27,11 +27,12 @@ import torch
 from PIL import Image
 
 from pipeline.codeversion import stage_version
+from pipeline.errors import DataError
+from pipeline.idindex import IdIndex
 from pipeline.store import (
     Manifest,
     atomic_write_bytes,
     atomic_write_json,
-    column,
     digest_json,
     find_valid_manifest,
     read_manifest,
@@ -486,11 +487,11 @@ def _loaded(model_json: str, adapter_dir: str | None, adapter_digest: str | None
 
 
 @functools.lru_cache(maxsize=2)
-def _index(prepared_dir: str) -> tuple[Any, dict[str, int]]:
+def _index(prepared_dir: str) -> tuple[Any, IdIndex]:
     from pipeline.preprocess import load_prepared
 
     ds = load_prepared(prepared_dir)
-    return ds, {sid: i for i, sid in enumerate(column(ds, "sample_id"))}
+    return ds, IdIndex.of_dataset(ds)
 
 
 def score_shard(artifacts: str, model: dict[str, Any], adapter: dict[str, Any] | None, prepared: dict[str, Any],
@@ -505,7 +506,12 @@ def score_shard(artifacts: str, model: dict[str, Any], adapter: dict[str, Any] |
     def compute() -> Manifest:
         ds, index = _index(prepared["dir"])
         # Only the three columns a shard reads: the original images' pages are never touched.
-        rows = list(ds.select_columns(["sample_id", "prepared", "question"]).select([index[s] for s in shard_ids]))
+        at = index.rows(shard_ids)
+        if (at < 0).any():
+            raise DataError(f"score shard {out_dir}: {int((at < 0).sum())} of {len(shard_ids)} samples (first: "
+                            f"{shard_ids[int(np.flatnonzero(at < 0)[0])]}) are not in the prepared dataset "
+                            f"{prepared['dir']}; run the round again to re-plan its shards")
+        rows = list(ds.select_columns(["sample_id", "prepared", "question"]).select(at.tolist()))
         loaded = _loaded(json.dumps(model, sort_keys=True), adapter and adapter["dir"], adapter and adapter["digest"])
         scorer = make_scorer(loaded, scoring["answers"], length_normalize=scoring["length_normalize"],
                              max_new_tokens=scoring["max_new_tokens"])

@@ -7,6 +7,7 @@ select stage's parameters, `select_stage` is that stage's body (load, `select_ro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 from pipeline.codeversion import stage_version
 from pipeline.config import SelectConfig
 from pipeline.errors import SelectionError
+from pipeline.idindex import IdIndex
 from pipeline.store import atomic_write_jsonl, digest_file, digest_json, read_jsonl, write_manifest
 from pipeline.strategies import get_heuristic, get_selector, select_batch
 from pipeline.strategies.schedule import Phase, choose_phase, newest_label_accuracy
@@ -35,10 +37,14 @@ class Space:
     emb: np.ndarray
     source: str
 
+    @functools.cached_property
+    def index(self) -> IdIndex:
+        return IdIndex(self.ids)
+
     def rows(self, wanted: Sequence[str]) -> np.ndarray:
         from pipeline.embeddings import lookup  # its module imports the image stack; selection alone need not
 
-        return lookup(self.ids, self.emb, wanted)
+        return lookup(self.index, self.emb, wanted)
 
 
 @dataclass

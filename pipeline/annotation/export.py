@@ -23,11 +23,11 @@ from PIL import Image
 from pipeline.codeversion import stage_version
 from pipeline.config import ProjectConfig
 from pipeline.errors import TamisError
+from pipeline.idindex import IdIndex
 from pipeline.store import (
     Manifest,
     atomic_dir,
     atomic_write_text,
-    column,
     digest_bytes,
     digest_json,
     write_manifest,
@@ -278,15 +278,16 @@ def build_items(
             f"dataset has no {image_col!r} column (columns: {', '.join(dataset.column_names)}); run prepare first or "
             "set annotate.export_images: original"
         )
-    index = {sid: i for i, sid in enumerate(column(dataset, "sample_id"))}
-    missing = [sid for sid in seen if sid not in index]
+    wanted = [r["sample_id"] for r in rows]
+    at = IdIndex.of_dataset(dataset).rows(wanted)
+    missing = [sid for sid, i in zip(wanted, at, strict=True) if i < 0]
     if missing:
         raise ExportError(
             f"{len(missing)} of {len(rows)} selected samples are not in the dataset (first: {sorted(missing)[0]}); "
             "the selection is from another dataset version: re-run the select stage"
         )
     cols = ["sample_id", "question", image_col] + (["image_path"] if "image_path" in dataset.column_names else [])
-    sub = dataset.select_columns(cols).select([index[r["sample_id"]] for r in rows])
+    sub = dataset.select_columns(cols).select(at.tolist())
     items = []
     for r, d in zip(rows, sub, strict=True):
         data = d[image_col]

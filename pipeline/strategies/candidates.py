@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from pipeline.errors import SelectionError
+from pipeline.idindex import IdIndex
 from pipeline.strategies.base import kmeans_labels
 from pipeline.strategies.index import NeighborIndex
 
@@ -221,8 +222,9 @@ def round_candidates(sel_cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Coll
     from pipeline.embeddings import lookup
 
     cand = sel_cfg.candidates
-    at = {s: i for i, s in enumerate(space_ids)}
-    labeled = sorted(s for s in labeled_ids if s in at)
+    at = IdIndex(space_ids)
+    known = sorted(labeled_ids)
+    labeled = [s for s, r in zip(known, at.rows(known), strict=True) if r >= 0]
     eligible = sorted(pool_ids)
     round_seed = seed * 100_003 + len(labeled)
     size = cand.size_for(sel_cfg.batch_size)
@@ -236,10 +238,9 @@ def round_candidates(sel_cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Coll
     if cand.shares.get("clusters", 0) > 0:
         all_labels = cluster_labels(space_ids, space_emb, n_clusters=cand.clusters, seed=seed, cache_dir=cache_dir,
                                     inputs={"space": space_digest})
-        clusters = all_labels[[at[s] for s in eligible]] if eligible else all_labels[:0]
-        labeled_clusters = all_labels[[at[s] for s in labeled]] if labeled else all_labels[:0]
-    out = pick_candidates(cand, eligible=eligible, eligible_emb=lookup(space_ids, space_emb, eligible),
-                          labeled_emb=lookup(space_ids, space_emb, labeled), batch_size=sel_cfg.batch_size,
+        clusters, labeled_clusters = lookup(at, all_labels, eligible), lookup(at, all_labels, labeled)
+    out = pick_candidates(cand, eligible=eligible, eligible_emb=lookup(at, space_emb, eligible),
+                          labeled_emb=lookup(at, space_emb, labeled), batch_size=sel_cfg.batch_size,
                           seed=round_seed, clusters=clusters, labeled_clusters=labeled_clusters)
     out.info["clusters"] = cand.clusters if clusters is not None else None
     return out

@@ -1,0 +1,66 @@
+"""Row numbers of sample IDs in a long column, held as sorted fixed-width bytes.
+
+A round looks up a few hundred IDs (a shard, a selection, the labeled set) among every row of the prepared dataset
+or of the selection embeddings. A `{sample_id: row}` dict of 10⁶ rows costs ~170 MB of Python objects (plus the
+1M strings the column becomes) in every place that builds one; this index costs ~28 bytes a row (the IDs as bytes
+and their row numbers) and answers a whole list of IDs in one vectorised binary search.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def _as_bytes(ids: Any) -> np.ndarray:
+    """IDs as a numpy bytes array ('S' dtype, UTF-8). An Arrow column of equal-length IDs (tamis' own sample IDs are
+    20 hex characters) is viewed without making a Python string per row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(ids, (pa.Array, pa.ChunkedArray)):
+        arr = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+        if len(arr) and not arr.null_count and pa.types.is_string(arr.type):
+            lo, hi = (v.as_py() for v in pc.min_max(pc.binary_length(arr)).values())
+            if lo == hi and lo > 0:
+                fixed = arr.cast(pa.binary()).cast(pa.binary(lo))
+                return np.frombuffer(fixed.buffers()[1], dtype=f"S{lo}", count=len(fixed), offset=fixed.offset * lo)
+        ids = arr.to_pylist()
+    if not len(ids):
+        return np.zeros(0, dtype="S1")
+    return np.char.encode(np.asarray(ids, dtype=str), "utf-8")
+
+
+class IdIndex:
+    """Where each ID sits in `ids` (the first occurrence wins); `rows(wanted)` gives -1 for an ID it does not hold."""
+
+    def __init__(self, ids: Any):
+        keys = _as_bytes(ids)
+        self._order = np.argsort(keys, kind="stable")
+        self._sorted = keys[self._order]
+
+    @classmethod
+    def of_dataset(cls, ds: Any, name: str = "sample_id") -> IdIndex:
+        """The index of a `datasets.Dataset` column, read from its Arrow table (a dataset with an indices mapping,
+        e.g. the result of `select`, is read through it)."""
+        if getattr(ds, "_indices", None) is None:
+            return cls(ds.data.column(name))
+        from pipeline.store import column
+
+        return cls(column(ds, name))
+
+    def __len__(self) -> int:
+        return len(self._sorted)
+
+    def rows(self, wanted: Sequence[str]) -> np.ndarray:
+        """Row number of each of `wanted` (int64), -1 where absent."""
+        q = _as_bytes(list(wanted))
+        if not len(self._sorted) or not len(q):
+            return np.full(len(q), -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(self._sorted, q), len(self._sorted) - 1)
+        return np.where(self._sorted[at] == q, self._order[at], -1).astype(np.int64)
+
+    def __contains__(self, sample_id: str) -> bool:
+        return bool(self.rows([sample_id])[0] >= 0)

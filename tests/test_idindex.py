@@ -1,0 +1,33 @@
+"""IdIndex: row numbers of IDs among a long column, checked against a plain dict."""
+
+import datasets
+import numpy as np
+import pyarrow as pa
+
+from pipeline.idindex import IdIndex
+from pipeline.schema import sample_id_for
+
+
+def test_rows_match_a_dict_for_lists_arrow_columns_and_datasets():
+    ids = [sample_id_for(bytes([i % 256, i // 256]), "q") for i in range(3000)]
+    ids[17] = ids[5]  # a repeated ID: its first row is the one found
+    first = {}
+    for i, s in enumerate(ids):
+        first.setdefault(s, i)
+    wanted = [ids[2999], "not-an-id", ids[5], ids[0], "", ids[1234]]
+    expect = [first.get(s, -1) for s in wanted]
+    ds = datasets.Dataset.from_dict({"sample_id": ids})
+    for built in (IdIndex(ids), IdIndex(pa.chunked_array([ids[:1000], ids[1000:]])), IdIndex.of_dataset(ds)):
+        assert built.rows(wanted).tolist() == expect
+        assert ids[42] in built and "zzz" not in built
+    # A dataset seen through an indices mapping (after select) answers with its own row numbers.
+    sub = ds.select([10, 3, 2999])
+    assert IdIndex.of_dataset(sub).rows([ids[2999], ids[10], ids[11]]).tolist() == [2, 0, -1]
+
+
+def test_ids_of_unequal_length_and_beyond_ascii():
+    ids = ["a", "ab", "é-1", "abc", "a"]
+    index = IdIndex(pa.array(ids))
+    assert index.rows(["abc", "é-1", "a", "abcd", "ab"]).tolist() == [3, 2, 0, -1, 1]
+    assert IdIndex([]).rows(["a"]).tolist() == [-1] and len(IdIndex(ids)) == 5
+    assert IdIndex(ids).rows([]).dtype == np.int64

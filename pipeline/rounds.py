@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,50 +143,82 @@ def round_dir(artifacts: str | os.PathLike[str], round_index: int) -> Path:
 # ---------------------------------------------------------------------------------------------- the plan
 @dataclass
 class PoolData:
-    """The prepared dataset's columns a round decides on (IDs, splits, seed answers) and its label-matching index."""
+    """The prepared dataset's columns a round decides on (IDs, splits, seed answers, as Arrow holds them: no Python
+    object per row of a 10⁶-image pool) and its label-matching index."""
 
-    ids: list[str]
-    splits: list[str]
-    answers: list[str | None]
+    ids: Any  # pyarrow arrays, row-aligned
+    splits: Any
+    answers: Any
     index: Any  # pipeline.annotation.labels.SampleIndex: matches labels by ID, the user's own ID or image path
 
     @classmethod
     def of(cls, prepared: Any) -> PoolData:
+        import pyarrow as pa
+
         from pipeline.annotation.labels import SampleIndex
 
         cols = [c for c in ("sample_id", "external_id", "image_path") if c in prepared.column_names]
-        return cls(column(prepared, "sample_id"), column(prepared, "split"), column(prepared, "answer"),
-                   SampleIndex.from_dataset(prepared.select_columns(cols)))
+        index = SampleIndex.from_dataset(prepared.select_columns(cols))
+        if getattr(prepared, "_indices", None) is None:
+            arrays = [prepared.data.column(c).combine_chunks() for c in ("sample_id", "split", "answer")]
+        else:
+            arrays = [pa.array(column(prepared, c), type=pa.string()) for c in ("sample_id", "split", "answer")]
+        return cls(*arrays, index=index)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _where(self, split: str, *, answered: bool = False) -> Any:
+        import pyarrow.compute as pc
+
+        mask = pc.equal(self.splits, split)
+        return pc.and_(mask, pc.is_valid(self.answers)) if answered else mask
+
+    def pool_ids(self, exclude: Collection[str] = ()) -> list[str]:
+        """Rows of the pool split, dataset order, without `exclude`."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        mask = self._where("pool")
+        if exclude:
+            mask = pc.and_(mask, pc.invert(pc.is_in(self.ids, value_set=pa.array(sorted(exclude), pa.string()))))
+        return pc.filter(self.ids, mask).to_pylist()
+
+    def _pairs(self, split: str) -> list[tuple[str, str]]:
+        import pyarrow.compute as pc
+
+        mask = self._where(split, answered=True)
+        return list(zip(pc.filter(self.ids, mask).to_pylist(), pc.filter(self.answers, mask).to_pylist(),
+                        strict=True))
 
     def stop_set(self, size: int, seed: int) -> list[str]:
         """The rounds' stop set (rounds.stop_set): pool samples no round selects, predicted by every adapter."""
         from pipeline.stopping import stop_set
 
-        return stop_set([s for s, sp in zip(self.ids, self.splits, strict=True) if sp == "pool"], size, seed)
+        return stop_set(self.pool_ids(), size, seed) if size > 0 else []
 
     def check_evaluable(self) -> None:
         """A round that trains evaluates its adapter on the labeled test split: refuse before training without one."""
-        if not any(sp == "test" and a is not None for sp, a in zip(self.splits, self.answers, strict=True)):
+        if not self._pairs("test"):
             raise DataError(
-                f"no labeled test rows among the {len(self.ids)} ingested samples: every round evaluates its adapter "
+                f"no labeled test rows among the {len(self)} ingested samples: every round evaluates its adapter "
                 "on rows with split 'test' and an answer. Add a source of held-out labeled images with `split: test` "
                 "(e.g. a JSONL manifest with image, answer and split per row) to data.sources")
 
     def test_rows(self) -> list[tuple[str, str]]:
         """(sample ID, answer) of the labeled test split every round evaluates on, in dataset order."""
-        return [(s, a) for s, sp, a in zip(self.ids, self.splits, self.answers, strict=True)
-                if sp == "test" and a is not None]
+        return self._pairs("test")
 
     def seed_labels(self) -> dict[str, str]:
         """Answers the data came with on its train split: labels before any annotator."""
-        return {s: a for s, sp, a in zip(self.ids, self.splits, self.answers, strict=True)
-                if sp == "train" and a is not None}
+        return dict(self._pairs("train"))
 
 
 def round_labels(pool: PoolData, ledger_labels: Mapping[str, str]) -> dict[str, str]:
     """The labels a round trains on: the seed labels, overridden by the ledger's labels of this dataset's samples."""
-    known = set(pool.ids)
-    return {**pool.seed_labels(), **{s: lab for s, lab in ledger_labels.items() if s in known}}
+    ids = list(ledger_labels)
+    known = pool.index.knows(ids)
+    return {**pool.seed_labels(), **{s: ledger_labels[s] for s, k in zip(ids, known, strict=True) if k}}
 
 
 @dataclass
@@ -282,7 +314,7 @@ def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: Round
     earlier round and not labeled yet (still with the annotators), or in the stop set."""
     labeled = set(plan.labels)
     exclude = labeled | quality_excluded | (exported_before(artifacts, plan.index) - labeled) | set(stop)
-    return [s for s, sp in zip(pool.ids, pool.splits, strict=True) if sp == "pool" and s not in exclude], exclude
+    return pool.pool_ids(exclude), exclude
 
 
 # --------------------------------------------------------------------------------------------- the end

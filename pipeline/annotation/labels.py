@@ -133,22 +133,52 @@ def image_key(value: str) -> tuple[tuple[str, ...], str]:
 
 
 class SampleIndex:
-    """The samples a label file may name, with every key that may name them."""
+    """The samples a label file may name, with every key that may name them.
 
-    def __init__(self, sample_ids: Sequence[str], external_ids: Sequence[str | None] | None = None,
-                 image_paths: Sequence[str | None] | None = None, *, scope: str | None = None):
-        self.ids = set(sample_ids)
-        self.scope = scope or f"this project's {len(self.ids)} samples"
-        self.by_external: dict[str, set[str]] = {}
-        self.paths: dict[str, str] = {}
+    Built for a whole prepared pool (10⁶ rows), so it holds its columns as they come and indexes them only when asked:
+    sample IDs in an IdIndex (~28 bytes a row), the user's own IDs and the image paths as dicts built on the first
+    label that needs them. A label file of tamis' own exports names samples by sample_id and never builds those."""
+
+    def __init__(self, sample_ids: Any, external_ids: Any = None, image_paths: Any = None, *,
+                 scope: str | None = None):
+        from pipeline.idindex import IdIndex
+
+        self._columns = (sample_ids, external_ids, image_paths)
+        self._ids = IdIndex(sample_ids)
+        self._added: set[str] = set()
+        self.scope = scope or f"this project's {len(self)} samples"
+        self._external: dict[str, set[str]] | None = None
+        self._paths: dict[str, str] | None = None
         self._tails: dict[tuple[str, ...], set[str]] | None = None  # built on the first image lookup
-        for i, sid in enumerate(sample_ids):
-            ext = external_ids[i] if external_ids is not None else None
-            if ext not in (None, ""):
-                self.by_external.setdefault(str(ext), set()).add(sid)
-            path = image_paths[i] if image_paths is not None else None
-            if path:
-                self.paths[sid] = path
+
+    def _pairs(self, column: Any) -> list[tuple[str, str]]:
+        """(sample_id, value) for the rows whose `column` holds a value."""
+        if column is None:
+            return []
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        sids = self._columns[0]
+        if isinstance(column, (pa.Array, pa.ChunkedArray)):
+            keep = pc.and_(pc.is_valid(column), pc.not_equal(column, ""))
+            return list(zip(pc.filter(sids, keep).to_pylist(), pc.filter(column, keep).to_pylist(), strict=True))
+        return [(sid, v) for sid, v in zip(sids, column, strict=True) if v not in (None, "")]
+
+    @property
+    def by_external(self) -> dict[str, set[str]]:
+        """The user's own ID → the samples that carry it."""
+        if self._external is None:
+            self._external = {}
+            for sid, ext in self._pairs(self._columns[1]):
+                self._external.setdefault(str(ext), set()).add(sid)
+        return self._external
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """sample_id → its image path."""
+        if self._paths is None:
+            self._paths = dict(self._pairs(self._columns[2]))
+        return self._paths
 
     @property
     def by_tail(self) -> dict[tuple[str, ...], set[str]]:
@@ -161,16 +191,35 @@ class SampleIndex:
                     self._tails.setdefault(parts[-k:], set()).add(sid)
         return self._tails
 
+    def __contains__(self, sample_id: object) -> bool:
+        return isinstance(sample_id, str) and (sample_id in self._added or sample_id in self._ids)
+
+    def knows(self, sample_ids: Sequence[str]) -> list[bool]:
+        """`sample_id in self` for each of them, in one vectorised look-up."""
+        return [bool(r >= 0) or s in self._added for s, r in zip(sample_ids, self._ids.rows(sample_ids), strict=True)]
+
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self._ids) + len(self._added)
+
+    def add(self, sample_ids: Sequence[str]) -> None:
+        """Samples a label may name by sample_id only (e.g. exported from an older dataset version)."""
+        self._added.update(s for s in sample_ids if s not in self)
 
     @classmethod
     def from_dataset(cls, ds: Any, *, scope: str | None = None) -> SampleIndex:
+        """The index of a saved dataset's sample_id, external_id and image_path columns, read as Arrow columns
+        (no Python string per row until a label asks for a user's ID or a path)."""
         cols = set(ds.column_names)
-        from pipeline.store import column
+        if getattr(ds, "_indices", None) is None:
+            def col(name: str) -> Any:
+                return ds.data.column(name).combine_chunks() if name in cols else None
+        else:
+            from pipeline.store import column
 
-        return cls(column(ds, "sample_id"), column(ds, "external_id") if "external_id" in cols else None,
-                   column(ds, "image_path") if "image_path" in cols else None, scope=scope)
+            def col(name: str) -> Any:
+                return column(ds, name) if name in cols else None
+
+        return cls(col("sample_id"), col("external_id"), col("image_path"), scope=scope)
 
     @classmethod
     def of(cls, known: SampleIndex | set[str] | Sequence[str]) -> SampleIndex:
@@ -183,7 +232,7 @@ class SampleIndex:
 
     def resolve(self, row: LabelRow) -> str | None:
         """Set row.resolved / matched_by / matched_key; None when the row matched, else the rejection reason."""
-        if row.sample_id and row.sample_id in self.ids:
+        if row.sample_id and row.sample_id in self:
             row.resolved, row.matched_by, row.matched_key = row.sample_id, "sample_id", row.sample_id
             return None
         tried = []
@@ -211,7 +260,7 @@ class SampleIndex:
                 if hits:
                     return self._ambiguous(f"image {'/'.join(parts[-k:])!r}", hits)
             stem = PurePosixPath(parts[-1]).stem if parts else ""
-            if stem in self.ids:  # tamis's own exports name their images <sample_id>.<ext>
+            if stem in self:  # tamis's own exports name their images <sample_id>.<ext>
                 row.resolved, row.matched_by, row.matched_key = stem, "image_name", row.image
                 return None
             tried.append(f"image {row.image!r}" + (f" (as {'/'.join(parts)!r} and its tails)" if how == "path" and
@@ -461,8 +510,8 @@ def project_index(artifacts: str | os.PathLike[str], dataset: str | os.PathLike[
         raise DataError(f"{folder}: not a saved tamis dataset (no sample_id column)")
     ds = ds.select_columns([c for c in ("sample_id", "external_id", "image_path") if c in ds.column_names])
     index = SampleIndex.from_dataset(ds)
-    extra = sorted(exported - index.ids)
+    extra = sorted(s for s in exported if s not in index)
     if extra:  # exported from an older dataset version: still labelable by sample_id
-        index.ids.update(extra)
-        index.scope = f"this project's {len(index.ids)} samples"
+        index.add(extra)
+        index.scope = f"this project's {len(index)} samples"
     return index

@@ -90,6 +90,9 @@ def image_features(png: bytes, box: list[int] | None) -> dict[str, Any]:
             "pixel_digest": pixel_digest(rgb)}
 
 
+_QUERY_BATCH = 16_384  # hashes per range search: bounds the pairs held at once
+
+
 def _binary_index(codes: np.ndarray, distance: int) -> Any:
     """A faiss index over 64-bit codes for range searches of radius distance + 1. Up to 4 bits, multi-index hashing
     (Norouzi et al. 2014): two codes within `distance` bits agree exactly on one of distance + 1 disjoint chunks, so
@@ -107,33 +110,38 @@ def near_duplicate_twins(codes: np.ndarray, questions: list[str], distance: int,
     distance). Rows before `start` are only compared against (their own twins are known already).
 
     Identical hashes are collapsed before the faiss search, so a thousand blank images cost one query, not a
-    million pairs. The earliest row of a cluster is never in the result: it is the one kept clean.
+    million pairs. The earliest row of a cluster is never in the result: it is the one kept clean. A cluster of
+    near duplicates returns every pair of its hashes from the range search (10⁸ pairs for 10⁶ jittered copies of a
+    few thousand images); they are reduced in numpy, a batch of queries at a time, to each hash's earliest
+    neighbouring row, never walked in Python.
     """
     if len(codes) == 0:
         return {}
     keys = np.ascontiguousarray(codes, dtype=np.uint8).view(np.uint64).ravel()
-    uniq_keys, inverse = np.unique(keys, return_inverse=True)
-    uniq = uniq_keys.view(np.uint8).reshape(-1, 8)
-    inverse = inverse.ravel().tolist()
-    first: dict[tuple[int, str], int] = {}
-    for row, (u, q) in enumerate(zip(inverse, questions, strict=True)):
-        first.setdefault((u, q), row)
-    queries = np.unique(np.asarray(inverse[start:], dtype=np.int64))
-    if len(queries) == 0:
-        return {}
-    # faiss keeps distances strictly below the radius
-    lims, dist, ids = _binary_index(uniq, distance).range_search(np.ascontiguousarray(uniq[queries]), distance + 1)
-    span = {int(u): (int(lims[k]), int(lims[k + 1])) for k, u in enumerate(queries)}
-    twins = {}
-    for row in range(start, len(inverse)):
-        q, (lo, hi) = questions[row], span[inverse[row]]
-        best = None
-        for k in range(lo, hi):
-            j = first.get((int(ids[k]), q))
-            if j is not None and j < row and (best is None or j < best[0]):
-                best = (j, int(dist[k]))
-        if best is not None:
-            twins[row] = best
+    groups: dict[str, int] = {}
+    group = np.fromiter((groups.setdefault(q, len(groups)) for q in questions), np.int64, len(questions))
+    twins: dict[int, tuple[int, int]] = {}
+    for g in range(len(groups)):
+        rows = np.flatnonzero(group == g)
+        if rows[-1] < start:
+            continue
+        uniq, first_at, inverse = np.unique(keys[rows], return_index=True, return_inverse=True)
+        first_row = rows[first_at]  # the earliest row (of this question) with each distinct hash
+        asked = rows >= start
+        queries = np.unique(inverse[asked])
+        codes8 = uniq.view(np.uint8).reshape(-1, 8)
+        index = _binary_index(codes8, distance)
+        earliest = np.empty(len(uniq), dtype=np.int64)
+        for b in range(0, len(queries), _QUERY_BATCH):
+            q = queries[b:b + _QUERY_BATCH]
+            # faiss keeps distances strictly below the radius; every hash finds itself, so no segment is empty.
+            lims, _, ids = index.range_search(np.ascontiguousarray(codes8[q]), distance + 1)
+            earliest[q] = np.minimum.reduceat(first_row[ids], np.asarray(lims[:-1], dtype=np.int64))
+        mine = rows[asked]
+        twin = earliest[inverse[asked]]
+        later = twin < mine
+        dist = np.bitwise_count(keys[mine[later]] ^ keys[twin[later]])
+        twins.update(zip(mine[later].tolist(), zip(twin[later].tolist(), dist.tolist(), strict=True), strict=True))
     return twins
 
 

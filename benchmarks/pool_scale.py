@@ -26,7 +26,7 @@ Parts:
              the other shards are precomputed from the small pool's real scores (JSON: "scoring_100k":
              "precomputed", with scored / precomputed row counts). Prepared pools are cached in --work-dir.
 
-    python benchmarks/pool_scale.py --part all --work-dir /tmp/tamis-pool-scale \\
+    python benchmarks/pool_scale.py --part all,flow --flow-pools 100000,1000000 --work-dir /tmp/tamis-pool-scale \\
         --json-out benchmarks/results/pool_scale.json
     python benchmarks/pool_scale.py --part scoring --pools 1000,5000     # a quick look
     python benchmarks/pool_scale.py --part select10m --big-n 1000000 --big-k 1000 --big-clusters 100   # 10^6
@@ -342,7 +342,9 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=[*PARTS, "all"], default="selection")
+    ap.add_argument("--part", default="selection",
+                    help=f"one of {', '.join([*PARTS, 'all'])}, or several comma-separated (all,flow: every part, "
+                         "one commit, one JSON)")
     ap.add_argument("--n", type=int, default=100_000, help="pool size (embeddings)")
     ap.add_argument("--d", type=int, default=384, help="embedding dimension")
     ap.add_argument("--k", type=int, default=1000, help="samples to pick")
@@ -393,7 +395,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "faiss": faiss.__version__,
         "python": platform.python_version(),
     }
-    parts = [p for p in PARTS if p != "flow"] if args.part == "all" else [args.part]
+    parts = []
+    for name in args.part.split(","):
+        for part in [p for p in PARTS if p != "flow"] if name == "all" else [name]:
+            if part not in PARTS:
+                ap.error(f"--part {name!r}: not one of {', '.join([*PARTS, 'all'])}")
+            if part not in parts:
+                parts.append(part)
     with threadpool_limits(args.threads, user_api="blas"), faiss_threads(args.threads):
         for part in parts:
             try:

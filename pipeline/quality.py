@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -90,18 +91,62 @@ def image_features(png: bytes, box: list[int] | None) -> dict[str, Any]:
             "pixel_digest": pixel_digest(rgb)}
 
 
-_QUERY_BATCH = 16_384  # hashes per range search: bounds the pairs held at once
+_QUERY_BATCH = 16_384  # hashes per faiss range search (radii above 4 bits): bounds the pairs held at once
 
 
-def _binary_index(codes: np.ndarray, distance: int) -> Any:
-    """A faiss index over 64-bit codes for range searches of radius distance + 1. Up to 4 bits, multi-index hashing
-    (Norouzi et al. 2014): two codes within `distance` bits agree exactly on one of distance + 1 disjoint chunks, so
-    looking up each chunk finds every neighbour (exact, as the flat scan), without comparing a new image with all
-    10⁶ others; with wider radii the chunks get too short to narrow anything and the flat scan is faster."""
-    index = faiss.IndexBinaryMultiHash(64, distance + 1, 64 // (distance + 1)) if distance <= 4 else \
-        faiss.IndexBinaryFlat(64)
-    index.add(codes)
-    return index
+def _earliest_by_chunks(uniq: np.ndarray, first_row: np.ndarray, queries: np.ndarray, distance: int) -> np.ndarray:
+    """For each distinct hash, the earliest row whose hash is within `distance` bits (itself included); exact for
+    the `queries` (indices into `uniq`), untouched for the others.
+
+    Multi-index hashing with overlapping keys: split the 64 bits into 8 bytes; two hashes within `distance` bits
+    differ in at most `distance` bytes, so they agree on some 8 − distance of them, and meet in the table keyed by
+    those bytes. Each of the C(8, 8 − distance) tables (70 at 4 bits) sorts the hashes by (key, earliest row); a
+    query compares itself with the members of its bucket from the earliest on and stops at the first within
+    `distance` bits: that member is the bucket's earliest neighbour. Keys of 4 bytes and more keep buckets to hashes
+    that are truly alike; the disjoint 12-bit chunks of faiss' multi-hash index met ~10⁵ unrelated hashes per query
+    on 10⁶ digits (whose hashes share long runs of equal bits), ~1 h for one pool."""
+    n = len(uniq)
+    octets = uniq.view(np.uint8).reshape(n, 8).astype(np.uint64)
+    best = first_row.astype(np.int64).copy()
+    is_query = np.zeros(n, bool)
+    is_query[queries] = True
+    by_row = np.argsort(first_row, kind="stable")
+    for combo in itertools.combinations(range(8), 8 - distance):
+        key = np.zeros(n, np.uint64)
+        for b in combo:
+            key = (key << np.uint64(8)) | octets[:, b]
+        order = by_row[np.argsort(key[by_row], kind="stable")]  # by key, then by earliest row
+        k = key[order]
+        starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+        bucket_start = np.repeat(starts, np.diff(np.r_[starts, n]))
+        active = np.flatnonzero(is_query[order] & (bucket_start < np.arange(n)))
+        step = 0
+        while active.size:
+            cand = bucket_start[active] + step
+            active, cand = active[cand < active], cand[cand < active]
+            if not active.size:
+                break
+            near = np.bitwise_count(uniq[order[active]] ^ uniq[order[cand]]) <= distance
+            mine, theirs = order[active[near]], order[cand[near]]
+            best[mine] = np.minimum(best[mine], first_row[theirs])
+            active = active[~near]
+            step += 1
+    return best
+
+
+def _earliest_by_scan(uniq: np.ndarray, first_row: np.ndarray, queries: np.ndarray, distance: int) -> np.ndarray:
+    """_earliest_by_chunks for radii where byte keys would be too short to narrow anything: faiss' flat range search
+    (every pair compared), a batch of queries at a time, reduced to each query's earliest neighbouring row."""
+    index = faiss.IndexBinaryFlat(64)
+    codes8 = uniq.view(np.uint8).reshape(-1, 8)
+    index.add(codes8)
+    best = first_row.astype(np.int64).copy()
+    for b in range(0, len(queries), _QUERY_BATCH):
+        q = queries[b:b + _QUERY_BATCH]
+        # faiss keeps distances strictly below the radius; every hash finds itself, so no segment is empty.
+        lims, _, ids = index.range_search(np.ascontiguousarray(codes8[q]), distance + 1)
+        best[q] = np.minimum.reduceat(first_row[ids], np.asarray(lims[:-1], dtype=np.int64))
+    return best
 
 
 def near_duplicate_twins(codes: np.ndarray, questions: list[str], distance: int, *,
@@ -109,34 +154,23 @@ def near_duplicate_twins(codes: np.ndarray, questions: list[str], distance: int,
     """row (≥ `start`) → (earliest earlier row with the same question whose hash is within `distance` bits, that
     distance). Rows before `start` are only compared against (their own twins are known already).
 
-    Identical hashes are collapsed before the faiss search, so a thousand blank images cost one query, not a
-    million pairs. The earliest row of a cluster is never in the result: it is the one kept clean. A cluster of
-    near duplicates returns every pair of its hashes from the range search (10⁸ pairs for 10⁶ jittered copies of a
-    few thousand images); they are reduced in numpy, a batch of queries at a time, to each hash's earliest
-    neighbouring row, never walked in Python.
+    Identical hashes are collapsed first, so a thousand blank images cost one query, not a million pairs. The
+    earliest row of a cluster is never in the result: it is the one kept clean.
     """
     if len(codes) == 0:
         return {}
     keys = np.ascontiguousarray(codes, dtype=np.uint8).view(np.uint64).ravel()
     groups: dict[str, int] = {}
     group = np.fromiter((groups.setdefault(q, len(groups)) for q in questions), np.int64, len(questions))
+    earliest_of = _earliest_by_chunks if distance < 8 else _earliest_by_scan
     twins: dict[int, tuple[int, int]] = {}
     for g in range(len(groups)):
         rows = np.flatnonzero(group == g)
         if rows[-1] < start:
             continue
         uniq, first_at, inverse = np.unique(keys[rows], return_index=True, return_inverse=True)
-        first_row = rows[first_at]  # the earliest row (of this question) with each distinct hash
         asked = rows >= start
-        queries = np.unique(inverse[asked])
-        codes8 = uniq.view(np.uint8).reshape(-1, 8)
-        index = _binary_index(codes8, distance)
-        earliest = np.empty(len(uniq), dtype=np.int64)
-        for b in range(0, len(queries), _QUERY_BATCH):
-            q = queries[b:b + _QUERY_BATCH]
-            # faiss keeps distances strictly below the radius; every hash finds itself, so no segment is empty.
-            lims, _, ids = index.range_search(np.ascontiguousarray(codes8[q]), distance + 1)
-            earliest[q] = np.minimum.reduceat(first_row[ids], np.asarray(lims[:-1], dtype=np.int64))
+        earliest = earliest_of(uniq, rows[first_at], np.unique(inverse[asked]), distance)
         mine = rows[asked]
         twin = earliest[inverse[asked]]
         later = twin < mine

@@ -373,3 +373,19 @@ def test_an_index_of_the_earlier_json_format_is_converted_without_reading_any_im
     with opened(pool) as seen:
         assert source_digest(cfg.data, cfg.artifacts) == key
     assert pngs(seen) == [] and new.is_file() and not legacy.exists()
+
+
+def test_shards_judged_by_other_ingest_code_are_not_reused(tmp_path, monkeypatch):
+    import pipeline.data.shards as shards
+    from pipeline.codeversion import stage_version
+
+    assert shards.SHARD_VERSION == stage_version("2", "pipeline.data.ingest")  # derived from ingest's code
+    pool = tmp_path / "pool"
+    write_pool(pool, range(12))
+    cfg = project(tmp_path)
+    ingest(cfg, tmp_path / "out1")
+    assert ingest(cfg, tmp_path / "out2").info["shards_reused"] == 1
+    # What an upgrade that edits validation or de-duplication does to the key: every row is judged again.
+    monkeypatch.setattr(shards, "SHARD_VERSION", shards.SHARD_VERSION + "-edited")
+    m = ingest(cfg, tmp_path / "out3")
+    assert m.info["shards_reused"] == 0 and m.info["rows_read"] == 12

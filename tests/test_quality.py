@@ -115,7 +115,7 @@ def test_quality_report(scored):
     assert rep["worst"]["exact_duplicate"][0]["duplicate_of"] == ds[0]["sample_id"]
 
 
-@pytest.mark.parametrize("distance", [0, 3, 4, 6])
+@pytest.mark.parametrize("distance", [0, 3, 4, 6, 9])
 def test_near_duplicate_twins_match_brute_force_and_judge_only_rows_from_start(distance):
     # Clusters of codes a few bits apart, two questions: multi-index hashing (distance ≤ 4) and the flat scan
     # (above) must both give each row its earliest earlier twin of the same question, as comparing every pair does.

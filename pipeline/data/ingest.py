@@ -80,9 +80,17 @@ def _items(src: SourceConfig, cfg: DataConfig, files: FileIndex) -> Iterator[Raw
         yield item
 
 
-def _walk(cfg: DataConfig, files: FileIndex) -> list[tuple[SourceConfig, list[RawRow | Rejected]]]:
-    """Every source's rows (_items), held: what an ingest that runs judges."""
-    return [(src, list(_items(src, cfg, files))) for src in cfg.sources]
+Parts = list[tuple[SourceConfig, list[RawRow | Rejected], list[str | None]]]
+
+
+def _walk(cfg: DataConfig, files: FileIndex) -> Parts:
+    """Every source's rows (_items), held, with each row's description (_desc; None for a rejected row), computed
+    once: what an ingest that runs judges."""
+    parts = []
+    for src in cfg.sources:
+        items = list(_items(src, cfg, files))
+        parts.append((src, items, [_desc(i) if isinstance(i, RawRow) else None for i in items]))
+    return parts
 
 
 def _source_entry(src: SourceConfig, items: Iterable[RawRow | Rejected]) -> dict[str, Any]:
@@ -97,8 +105,8 @@ def _source_entry(src: SourceConfig, items: Iterable[RawRow | Rejected]) -> dict
     return {"kind": src.kind, "path": str(src.path), "file": file, "rows": h.hexdigest(), "count": len(rows)}
 
 
-def _digest_parts(parts: list[tuple[SourceConfig, list[RawRow | Rejected]]]) -> str:
-    return digest_json([_source_entry(src, items) for src, items in parts])
+def _digest_parts(parts: Parts) -> str:
+    return digest_json([_source_entry(src, items) for src, items, _ in parts])
 
 
 def source_digest(cfg: DataConfig, artifacts: str | os.PathLike[str] | None = None) -> str:
@@ -190,11 +198,10 @@ def _desc(item: RawRow) -> str:
     return digest_json(_row_key(item))[:32]
 
 
-def _embedded_bytes(cfg: DataConfig, parts: list[tuple[SourceConfig, list[RawRow | Rejected]]],
-                    needed: set[str]) -> dict[str, bytes]:
+def _embedded_bytes(cfg: DataConfig, parts: Parts, needed: set[str]) -> dict[str, bytes]:
     """Image bytes held inside a source (saved datasets), for the rows in `needed` (by location) only."""
     out: dict[str, bytes] = {}
-    for src, items in parts:
+    for src, items, _ in parts:
         if any(isinstance(i, RawRow) and i.source in needed for i in items):
             for item in READERS[src.kind]().rows(src, cfg):
                 if isinstance(item, RawRow) and item.source in needed and not item.image_path:
@@ -214,8 +221,7 @@ def _read_new(item: RawRow, embedded: dict[str, bytes]) -> RawRow | Rejected:
     return replace(item, image=data, digest=None)
 
 
-def _judge(cfg: DataConfig, parts: list[tuple[SourceConfig, list[RawRow | Rejected]]], acc: _Accounting,
-           reused: list[Shard], writer: ShardWriter) -> int:
+def _judge(cfg: DataConfig, parts: Parts, acc: _Accounting, reused: list[Shard], writer: ShardWriter) -> int:
     """Account for every row read, in source order; rows no re-used shard knows are read, validated, de-duplicated
     (against everything kept so far, re-used rows first: the first ingested wins) and written to new shards.
     Returns how many rows were read from disk."""
@@ -226,16 +232,16 @@ def _judge(cfg: DataConfig, parts: list[tuple[SourceConfig, list[RawRow | Reject
             if r["outcome"] == "kept":
                 acc.kept[r["sample_id"]] = {**r["kept"], "sources": []}
     reused_ids = set(acc.kept)
-    new = [i for _, items in parts for i in items if isinstance(i, RawRow) and _desc(i) not in known]
-    embedded = _embedded_bytes(cfg, parts, {i.source for i in new if not i.image_path})
+    needed = {i.source for _, items, descs in parts for i, d in zip(items, descs, strict=True)
+              if d is not None and d not in known and not i.image_path}
+    embedded = _embedded_bytes(cfg, parts, needed) if needed else {}
     fresh = 0
-    for _, items in parts:
-        for item in items:
+    for _, items, descs in parts:
+        for item, desc in zip(items, descs, strict=True):
             acc.read += 1
             if isinstance(item, Rejected):
                 acc.reject(item.source, item.reason, item.path)
                 continue
-            desc = _desc(item)
             r = known.get(desc)
             if r is not None and (r["outcome"] == "quarantined" or r["sample_id"] in reused_ids):
                 if r["outcome"] == "quarantined":
@@ -284,7 +290,7 @@ def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> M
     parts = _walk(data, files)
     files.save()
     digest = digest or _digest_parts(parts)
-    present = {_desc(i) for _, items in parts for i in items if isinstance(i, RawRow)}
+    present = {d for _, _, descs in parts for d in descs if d is not None}
     reused = reusable_shards(cfg.artifacts, data, present)
     acc = _Accounting()
     features, columns = ingest_features(), list(INGEST_COLUMNS)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.codeversion import stage_version
 from pipeline.config import DataConfig
 from pipeline.errors import ArtifactError
 from pipeline.store import (
@@ -47,7 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHARD_STAGE = "ingest-shard"
-SHARD_VERSION = "1"
+# A shard's records are ingest's judgements (validation, de-duplication, the readers' row descriptions): keyed by the
+# code closure of pipeline.data.ingest, so an upgrade that changes them re-reads the rows instead of re-using them.
+SHARD_VERSION = stage_version("2", "pipeline.data.ingest")
 # Rows kept per shard at most: a file deleted from a shard costs a re-read of at most this many rows.
 SHARD_ROWS = 10_000
 _BATCH = 256
@@ -97,7 +100,7 @@ def reusable_shards(artifacts: str | os.PathLike[str], data: DataConfig, present
         except ArtifactError as exc:
             log.warning("ingest: shard %s not re-used: %s", folder, exc)
             continue
-        if m.stage != SHARD_STAGE or m.key != key:
+        if m.stage != SHARD_STAGE or m.key != key or m.stage_version != SHARD_VERSION:
             continue
         records = read_jsonl(folder / "rows.jsonl")
         lost = sum(r["outcome"] == "kept" and r["desc"] not in present for r in records)

@@ -43,13 +43,10 @@ class IdIndex:
 
     @classmethod
     def of_dataset(cls, ds: Any, name: str = "sample_id") -> IdIndex:
-        """The index of a `datasets.Dataset` column, read from its Arrow table (a dataset with an indices mapping,
-        e.g. the result of `select`, is read through it)."""
-        if getattr(ds, "_indices", None) is None:
-            return cls(ds.data.column(name))
-        from pipeline.store import column
+        """The index of a `datasets.Dataset` column, read from its Arrow table."""
+        from pipeline.store import arrow_column
 
-        return cls(column(ds, name))
+        return cls(arrow_column(ds, name))
 
     def __len__(self) -> int:
         return len(self._sorted)

@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError
 from pipeline.idindex import IdIndex
-from pipeline.store import atomic_dir, atomic_write_json, atomic_write_text, column, digest_json
+from pipeline.store import arrow_column, atomic_dir, atomic_write_json, atomic_write_text, digest_json
 
 ROUND_FILE = "round.json"
 SUMMARY_FILE = "summary.md"  # the round-summary artifact, also readable without the Prefect UI
@@ -153,17 +153,10 @@ class PoolData:
 
     @classmethod
     def of(cls, prepared: Any) -> PoolData:
-        import pyarrow as pa
-
         from pipeline.annotation.labels import SampleIndex
 
-        cols = [c for c in ("sample_id", "external_id", "image_path") if c in prepared.column_names]
-        index = SampleIndex.from_dataset(prepared.select_columns(cols))
-        if getattr(prepared, "_indices", None) is None:
-            arrays = [prepared.data.column(c).combine_chunks() for c in ("sample_id", "split", "answer")]
-        else:
-            arrays = [pa.array(column(prepared, c), type=pa.string()) for c in ("sample_id", "split", "answer")]
-        return cls(*arrays, index=index)
+        return cls(*(arrow_column(prepared, c) for c in ("sample_id", "split", "answer")),
+                   index=SampleIndex.from_dataset(prepared))
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -209,17 +209,11 @@ class SampleIndex:
     def from_dataset(cls, ds: Any, *, scope: str | None = None) -> SampleIndex:
         """The index of a saved dataset's sample_id, external_id and image_path columns, read as Arrow columns
         (no Python string per row until a label asks for a user's ID or a path)."""
-        cols = set(ds.column_names)
-        if getattr(ds, "_indices", None) is None:
-            def col(name: str) -> Any:
-                return ds.data.column(name).combine_chunks() if name in cols else None
-        else:
-            from pipeline.store import column
+        from pipeline.store import arrow_column
 
-            def col(name: str) -> Any:
-                return column(ds, name) if name in cols else None
-
-        return cls(col("sample_id"), col("external_id"), col("image_path"), scope=scope)
+        cols = [arrow_column(ds, c) if c in ds.column_names else None for c in ("sample_id", "external_id",
+                                                                                  "image_path")]
+        return cls(*cols, scope=scope)
 
     @classmethod
     def of(cls, known: SampleIndex | set[str] | Sequence[str]) -> SampleIndex:

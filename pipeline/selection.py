@@ -238,7 +238,6 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
     """Plan the select stage of the round in `round_dir`: writes its candidate, exclusion and labeled ID files (they
     are too long to be parameters), and decides the round's phase from earlier rounds' selections."""
     labeled_ids = sorted(labels) if adapter is not None else []
-    candidates = sorted(set(pool_ids) | set(labeled_ids))
     phase = None
     if adapter is not None:
         previous = [read_jsonl(f) for d in history_dirs if (f := Path(d) / "selection" / SELECTION_FILE).is_file()]
@@ -248,7 +247,7 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
     if adapter is not None and cfg.select.candidates.method != "all":
         # Only rounds that score are restricted: a cold start in a selection space scores nothing and picks from it all.
         restricted = restrict_candidates(cfg, pool_ids=pool_ids, labeled_ids=labeled_ids, space=space, phase=phase)
-        candidates = sorted(set(restricted.ids) | set(labeled_ids))
+    candidates = sorted(set(restricted.ids if restricted is not None else pool_ids) | set(labeled_ids))
     pool_path, exclude_path, labeled_path = (round_dir / "candidates.jsonl", round_dir / "exclude.jsonl",
                                              round_dir / "labeled_ids.jsonl")
     atomic_write_jsonl(pool_path, [{"sample_id": s} for s in candidates])

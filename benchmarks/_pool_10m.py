@@ -2,7 +2,7 @@
 
 The embeddings are a seeded Gaussian mixture written once to an .npy file in --work-dir (2.6 GB), read back with
 np.load(mmap_mode="r") as the selection stage would read a pool's, and handed as they are to the library's KCenter
-and MaxHerding selectors, each in a fresh process (peak RSS = that process's ru_maxrss, mapped file pages included).
+and MaxHerding selectors, each in a fresh process (peak RSS = that process's VmHWM, mapped file pages included).
 Quality beside the timing: k-center's covering radius of the whole pool against a random batch's, and the pool's
 MaxHerding coverage (mean Gaussian kernel to the nearest pick, its own σ) on a uniform sample of 100k rows, for
 MaxHerding's picks, k-center's and a random batch.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -54,6 +53,7 @@ def mixture_file(work: Path, n: int, d: int, clusters: int, seed: int) -> tuple[
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """In a fresh process: one selector over the memory-mapped file, or a random batch's covering radius."""
     sys.path.insert(0, str(ROOT))
+    from benchmarks._results import peak_rss_mb
     from pipeline.strategies.blocked import BlockedRows
     from pipeline.strategies.coverage import MaxHerding
     from pipeline.strategies.selectors import KCenter
@@ -70,7 +70,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         np.save(spec["picks"], picks)
         out["info"] = sel.info
     out["s"] = round(time.perf_counter() - t, 1)
-    out["rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    out["rss_mb"] = peak_rss_mb()
     return out
 
 

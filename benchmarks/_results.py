@@ -50,6 +50,21 @@ def code_version() -> str:
     return commit[:12] + ("+dirty" if status else "")
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident set (MB) since it started: VmHWM, the high-water mark of its own address space.
+    Not ru_maxrss: Linux carries that across fork and exec, so a child started by a benchmark that had held 4.4 GB
+    reported 4.4 GB whatever it used itself (the 100k rounds of the first pool_scale.py --part all,flow run)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB on Linux
+
+
 def machine() -> dict[str, Any]:
     """The machine as a reader needs it to compare timings: cores, load when the run ended, platform."""
     load = os.getloadavg() if hasattr(os, "getloadavg") else None

@@ -388,13 +388,12 @@ def _child(spec_path: str) -> None:
     t1 = time.perf_counter()
     state = labeling_round(spec["config"], simulate=spec["simulate"])
     t2 = time.perf_counter()
-    import resource
-
+    from benchmarks._results import peak_rss_mb
     from pipeline.store import atomic_write_json
 
     atomic_write_json(spec["result"], {"state": state, "import_s": round(t1 - t0, 3), "flow_s": round(t2 - t1, 3),
                                        "temp_reads": temp_reads,
-                                       "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                                       "rss_mb": peak_rss_mb(),
                                        "flow_end": time.time()})
 
 

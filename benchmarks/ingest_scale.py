@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._results import write_result  # noqa: E402
+from benchmarks._results import peak_rss_mb, write_result  # noqa: E402
 
 QUESTION = "Which digit is shown in the image?"
 
@@ -91,7 +90,7 @@ def phase(work: Path, verify: str) -> dict:
     return {"verify": verify, "wall_s": round(wall, 2), "digest_s": round(t_digest, 2),
             "stage_s": round(wall - t_digest, 2), "cpu_s": round(cpu, 2),
             "load_1m_at_start": round(load, 1),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "peak_rss_mb": peak_rss_mb(),
             "png_opens": opened[0], "counts": ref["counts"],
             # from the ingest folder's manifest: what the run that built it read (a re-used folder read nothing)
             "rows_read_by_builder": m["info"].get("rows_read"),

@@ -20,7 +20,7 @@ Parts:
              target ratio <= 1.2). Each pool is a real prepared dataset on disk (generated images of varied sizes
              run through preprocess_dataset; Arrow, memory-mapped), scored with the tiny 4-bit Idefics3 in a fresh
              subprocess shard by shard as flows/select.py does (load the shard's rows, score, save, drop), then
-             selected from the saved shards (entropy + k_center). Peak RSS is the child's ru_maxrss.
+             selected from the saved shards (entropy + k_center). Peak RSS is the child's VmHWM.
              Scoring 100k rows takes 10-20 min on 2 busy cores: when the smallest pool's throughput projects the
              big pool past --max-score-s, the big pool scores --real-rows rows (evenly spread shards) for real and
              the other shards are precomputed from the small pool's real scores (JSON: "scoring_100k":
@@ -124,9 +124,9 @@ MiB = 1 << 20
 
 
 def _rss_peak_mb() -> float:
-    import resource
+    from benchmarks._results import peak_rss_mb
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return peak_rss_mb()
 
 
 def _pool_label(n: int) -> str:

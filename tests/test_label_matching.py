@@ -21,9 +21,17 @@ SAMPLES = [  # sample_id, the user's id, image path
 A, B, C, D, E = (s[0] for s in SAMPLES)
 
 
-@pytest.fixture
-def env(tmp_path):
-    index = SampleIndex([s[0] for s in SAMPLES], [s[1] for s in SAMPLES], [s[2] for s in SAMPLES])
+@pytest.fixture(params=["lists", "dataset"])
+def env(tmp_path, request):
+    # Built from plain lists, or as a round builds it: from a saved dataset's Arrow columns, indexed lazily.
+    columns = ([s[0] for s in SAMPLES], [s[1] for s in SAMPLES], [s[2] for s in SAMPLES])
+    if request.param == "lists":
+        index = SampleIndex(*columns)
+    else:
+        import datasets
+
+        index = SampleIndex.from_dataset(datasets.Dataset.from_dict(dict(zip(
+            ("sample_id", "external_id", "image_path"), columns, strict=True))))
     led = Ledger(tmp_path / "art" / "labels.jsonl")
 
     def run(name, content, **kw):

@@ -97,12 +97,16 @@ def _source_entry(src: SourceConfig, items: Iterable[RawRow | Rejected]) -> dict
     """What the ingest key says of one source: its file (manifests are small and always read) and a digest of its
     rows' descriptions that does not depend on their order. Each row is folded into 32 bytes as it comes, so a
     source of 10⁶ images costs 32 MB here, not its rows (~2 KB each) held and sorted as JSON."""
+    import numpy as np
+
     file = digest_path(src.path) if src.kind in ("jsonl", "csv", "label_studio") else None
-    rows = sorted(hashlib.sha256(canonical_json(_row_key(i)).encode("utf-8")).digest() for i in items)
-    h = hashlib.sha256()
-    for r in rows:
-        h.update(r)
-    return {"kind": src.kind, "path": str(src.path), "file": file, "rows": h.hexdigest(), "count": len(rows)}
+    folded = bytearray()  # 32 bytes a row, no object per row: 10⁶ bytes objects in a list were ~70 MB more
+    for i in items:
+        folded += hashlib.sha256(canonical_json(_row_key(i)).encode("utf-8")).digest()
+    rows = np.sort(np.frombuffer(bytes(folded), dtype="V32"), kind="stable") if folded else np.zeros(0, "V32")
+    # The rows' digests sorted and concatenated: the same bytes the earlier per-row loop fed to sha256.
+    return {"kind": src.kind, "path": str(src.path), "file": file, "rows": hashlib.sha256(rows.tobytes()).hexdigest(),
+            "count": len(rows)}
 
 
 def _digest_parts(parts: Parts) -> str:

@@ -30,9 +30,15 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
+# What benchmarks write into the checkout: their own results, not code. A benchmark that writes its PNG before its
+# JSON (label_efficiency.py) would otherwise find the tree it ran from "moved" by its own output.
+_OUTPUTS = "benchmarks/results"
+
+
 def _checkout() -> tuple[str | None, str | None]:
-    """(HEAD, `git status` of tracked files) now."""
-    return _git("rev-parse", "HEAD"), _git("status", "--porcelain", "--untracked-files=no")
+    """(HEAD, `git status` of tracked files other than the benchmarks' results) now."""
+    return _git("rev-parse", "HEAD"), _git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                           f":(exclude){_OUTPUTS}")
 
 
 # The checkout as the benchmark found it when it started (benchmarks import this module first): a long run during

@@ -46,12 +46,17 @@ def test_a_commit_during_a_run_leaves_the_commit_it_started_at_and_says_the_chec
 
     git("init", "-q")
     (repo / "code.py").write_text("x = 1\n")
-    git("add", "code.py")
+    results = repo / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "figure.json").write_text("{}\n")
+    git("add", "code.py", "benchmarks")
     git("commit", "-qm", "first")
     first = git("rev-parse", "HEAD")
     monkeypatch.setattr(_results, "ROOT", repo)
     monkeypatch.setattr(_results, "_AT_START", _results._checkout())  # what importing the module does
     assert _results.provenance()["commit"] == first and "checkout_moved" not in _results.provenance()
+    (results / "figure.json").write_text('{"figure": 1}\n')  # the benchmark's own output, written before its JSON
+    assert "checkout_moved" not in _results.provenance() and _results.code_version() == first[:12]
     (repo / "code.py").write_text("x = 2\n")  # edited while the benchmark runs
     assert _results.provenance()["checkout_moved"] == {"head": first, "dirty": True}
     assert _results.code_version() == first[:12]  # what a cache entry made now records: the code that runs

@@ -15,7 +15,7 @@ from pipeline.annotation.simulate import simulated_file
 from pipeline.config import load_config
 from pipeline.rounds import completed_rounds
 from pipeline.store import executions
-from pipeline.unchanged import INPUTS_FILE, code_digest, unchanged_round
+from pipeline.unchanged import INPUTS_FILE, code_digest, record_round_inputs, round_inputs_now, unchanged_round
 from tests.test_round_flow import write_project
 
 TAMIS = Path(sys.executable).with_name("tamis")
@@ -25,7 +25,7 @@ def _recorded(art: Path) -> dict:
     return json.loads((art / "rounds" / INPUTS_FILE).read_text())
 
 
-def test_an_unchanged_round_is_known_before_any_flow(tmp_path, tiny_models, prefect_harness):
+def test_an_unchanged_round_is_known_before_any_flow(tmp_path, tiny_models, prefect_harness, monkeypatch):
     from flows.round import labeling_round
 
     config = write_project(tmp_path, tiny_models, limit=40, rounds={"simulate_annotator": False})
@@ -82,6 +82,20 @@ def test_an_unchanged_round_is_known_before_any_flow(tmp_path, tiny_models, pref
     assert unchanged_round(cfg) is None  # a new image in the sources
     manifest.write_text(original)
     assert unchanged_round(cfg) is not None  # the same rows again (a manifest counts by its content)
+
+    # A round's end does not walk its sources again, yet an image that arrives while a round runs still sends the
+    # next `tamis round` to the flow: the record holds the sources as the round started from them.
+    import pipeline.data.ingest as ingest
+
+    walks, walk = [], ingest.source_digest
+    monkeypatch.setattr(ingest, "source_digest", lambda *a, **kw: walks.append(a) or walk(*a, **kw))
+    before = round_inputs_now(cfg)
+    manifest.write_text(original + json.dumps({**first, "id": "extra", "image": "extra.png"}) + "\n")
+    record_round_inputs(cfg, state, before)
+    assert len(walks) == 1 and _recorded(art)["after"] == before.digest
+    assert unchanged_round(cfg) is None
+    manifest.write_text(original)
+    assert unchanged_round(cfg) is not None and len(walks) == 3
 
     bigger = yaml.safe_load(config.read_text())
     bigger["select"]["batch_size"] = 7

@@ -34,6 +34,7 @@ from pipeline.store import (
     load_stage_dataset,
     read_jsonl,
     reuse_or_compute,
+    save_dataset,
     stage_dataset,
     stage_key,
     stage_ref,
@@ -301,7 +302,7 @@ def preprocess_dataset(
         bad_set = set(bad)
         kept = mapped.select([i for i in range(len(mapped)) if i not in bad_set]) if bad else mapped
         with atomic_dir(out_dir / "dataset") as tmp:
-            kept.remove_columns("prep_error").save_to_disk(str(tmp))
+            save_dataset(kept.remove_columns("prep_error"), tmp)
         del mapped, kept
     atomic_write_jsonl(out_dir / "quarantine.jsonl", quarantine)
     log.info("preprocess: %d rows prepared at %d px, %d quarantined", len(ds) - len(bad), size, len(bad))

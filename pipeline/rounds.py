@@ -17,7 +17,14 @@ from typing import Any
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError
 from pipeline.idindex import IdIndex
-from pipeline.store import arrow_column, atomic_dir, atomic_write_json, atomic_write_text, digest_json
+from pipeline.store import (
+    arrow_column,
+    atomic_dir,
+    atomic_write_json,
+    atomic_write_text,
+    digest_json,
+    save_dataset,
+)
 
 ROUND_FILE = "round.json"
 SUMMARY_FILE = "summary.md"  # the round-summary artifact, also readable without the Prefect UI
@@ -87,7 +94,7 @@ def save_rows(prepared: Any, ids: Sequence[str], out_dir: str | os.PathLike[str]
         # keep_in_memory: a cache file would land inside the prepare stage's folder and break its digest.
         sub = sub.map(update, input_columns=["sample_id"], keep_in_memory=True)
     with atomic_dir(out_dir / "dataset") as tmp:
-        sub.save_to_disk(str(tmp))
+        save_dataset(sub, tmp)
     atomic_write_text(stamp, digest)
     return {"dataset": str(out_dir / "dataset"), "digest": digest}
 

@@ -15,7 +15,13 @@ from pipeline.annotation.simulate import simulated_file
 from pipeline.config import load_config
 from pipeline.rounds import completed_rounds
 from pipeline.store import executions
-from pipeline.unchanged import INPUTS_FILE, code_digest, record_round_inputs, round_inputs_now, unchanged_round
+from pipeline.unchanged import (
+    INPUTS_FILE,
+    code_digest,
+    record_round_inputs,
+    round_inputs_now,
+    unchanged_round,
+)
 from tests.test_round_flow import write_project
 
 TAMIS = Path(sys.executable).with_name("tamis")

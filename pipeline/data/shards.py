@@ -38,6 +38,7 @@ from pipeline.store import (
     digest_json,
     read_jsonl,
     read_manifest,
+    save_dataset,
     stage_key,
     write_manifest,
 )
@@ -185,7 +186,7 @@ class ShardWriter:
                     "sources", [sources_of(s) for s in column(ds, "sample_id")], feature=self.features["sources"])
                 with atomic_dir(folder / "dataset") as tmp:
                     # An empty dataset otherwise saves as zero files, which load_from_disk cannot read back.
-                    ds.select_columns(columns).save_to_disk(str(tmp), num_shards=1)
+                    save_dataset(ds.select_columns(columns), tmp, num_shards=1)
                 n = len(ds)
                 del ds
                 atomic_write_jsonl(folder / "rows.jsonl", chunk["records"])

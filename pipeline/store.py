@@ -210,13 +210,22 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
             if p.is_file():
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}-{time.monotonic_ns()}")
-            os.replace(path, old)
-        os.replace(tmp, path)
+        olds = []
+        while True:
+            if path.exists() or path.is_symlink():
+                olds.append(path.with_name(f".{path.name}.old-{os.getpid()}-{time.monotonic_ns()}"))
+                os.replace(path, olds[-1])
+            try:
+                os.replace(tmp, path)
+                break
+            except OSError as exc:
+                # Another process swapped its folder in between (two runs building the same content-keyed output,
+                # e.g. benchmark processes sharing a cache): the rename cannot replace a non-empty folder. Last
+                # writer wins, as if the two had run one after the other.
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or len(olds) > 8:
+                    raise
         _fsync_dir(path.parent)
-        if old is not None:
+        for old in olds:
             if old.is_symlink():  # a link planted where the folder belongs: drop the link, never what it points to
                 old.unlink()
             else:

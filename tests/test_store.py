@@ -160,3 +160,23 @@ def test_a_saved_dataset_s_id_column_is_read_without_mapping_its_images(tmp_path
     # in batches of ~32 MB, 0.4 MB.
     assert _mapped_kb(file) < 0.05 * file.stat().st_size / 1024
     assert saved.features == feats and saved.data.table.equals(ds.data.table)  # the same rows, schema and order
+
+
+def test_atomic_dir_swaps_in_over_a_folder_another_process_put_there_meanwhile(tmp_path, monkeypatch):
+    # Two processes building the same content-keyed folder: the other one's rename lands between this one's check
+    # that the target is free and its own rename (it failed with ENOTEMPTY before).
+    target = tmp_path / "dataset"
+    real_replace, raced = os.replace, []
+
+    def other_process_first(src, dst):
+        if os.fspath(dst) == os.fspath(target) and not raced:
+            raced.append(dst)
+            target.mkdir()
+            (target / "w.bin").write_bytes(b"theirs")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", other_process_first)
+    with atomic_dir(target) as tmp:
+        (tmp / "w.bin").write_bytes(b"ours")
+    assert (target / "w.bin").read_bytes() == b"ours"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dataset"]  # the other folder and our temp name are gone

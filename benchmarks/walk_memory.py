@@ -1,5 +1,5 @@
-"""The memory and time of one walk over a project's sources (issue #23): what every round does twice, at its start
-(`round_inputs`, whose sources' digest keys ingest) and at its end (what changed while it ran).
+"""The memory and time of one walk over a project's sources (issue #23): what every round does at its start
+(`round_inputs`, whose sources' digest keys ingest; until 618a17c also at its end).
 
 Each checkout given (this one, and `--against` another, e.g. a worktree of an older commit) walks the sources of
 `--config` twice in a fresh process, through the project's file index (a stat per image, nothing read), and reports

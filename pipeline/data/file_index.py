@@ -13,7 +13,7 @@ digested could change again without its mtime moving. An entry whose mtime is th
 but not trusted: the next run reads that file once more.
 
 The index is columns of fixed-width numbers (file_index.npz, ~65 bytes a file), not a dict of paths: a pool of 10⁶
-files held as Python strings and lists cost ~600 MB in every process that walks the sources, three times a round.
+files held as Python strings and lists cost ~600 MB in every process that walks the sources (three times a round, then).
 A path is looked up by a 64-bit hash of it; two paths sharing a hash cost a re-read, never a wrong digest, because
 an entry is only trusted when the file's size, mtime and inode match it too.
 """

@@ -226,7 +226,7 @@ class FolderReader(Reader):
 def _scan(here: Path, rel: tuple[str, ...]) -> Iterator[tuple[Path, tuple[str, ...], list[os.DirEntry], list[str]]]:
     """os.walk's top-down order (a folder's files, then its sub-folders, names sorted, hidden ones skipped): the
     sub-folders as DirEntry objects, the files by name only. A folder of 10⁶ images held as DirEntry objects with their
-    cached stats was ~500 MB for the length of a walk (and left the heap that much bigger: a round walks twice);
+    cached stats was ~500 MB for the length of a walk (and left the heap that much bigger: a round then walked twice);
     names are ~60 bytes each, and each file is stat'ed once as it is read (_folder_file). Symlinked folders are
     listed, never entered."""
     dirs, files = [], []

@@ -20,8 +20,8 @@ def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
     exported = sorted(
         int(p.name) for p in rounds_dir.glob("[0-9][0-9][0-9]") if (p / "export" / MANIFEST_NAME).is_file()
     ) if rounds_dir.is_dir() else []
-    ledger = Ledger(ledger_path(artifacts))
-    entries = ledger.entries()
+    read = Ledger(ledger_path(artifacts)).read()
+    entries = read.rows
     done = {e.get("source_digest") for e in entries}
     metrics = read_metrics(artifacts)
     last_round = max((int(m["round"]) for m in metrics), default=None)
@@ -32,6 +32,8 @@ def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
         "labeled": len({e["sample_id"] for e in entries if "sample_id" in e}),
         "ledger_entries": len(entries),
         "corrections": sum(e.get("kind") == "correction" for e in entries),
+        # What the ledger holds besides committed entries: a torn last line, a damaged line (line numbers).
+        "ledger_problems": [str(p) for p in read.problems],
         # Inbox files no ledger entry came from yet (a file whose rows were all rejected stays listed).
         "inbox_pending": [str(p) for p in inbox_files(inbox_dir(artifacts)) if digest_file(p) not in done],
         "last_round_evaluated": last_round,

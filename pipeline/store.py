@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from pydantic import BaseModel, Field
 from pipeline import __version__
 from pipeline.errors import ArtifactError
 
+log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
 MANIFEST_NAME = "manifest.json"
 
@@ -274,58 +278,205 @@ def save_dataset(ds: Any, dest: str | os.PathLike[str], **save_kwargs: Any) -> N
         os.replace(tmp, path)
 
 
-def append_jsonl(path: str | os.PathLike[str], rows: list[Mapping[str, Any]]) -> None:
-    """Append whole lines and fsync: for append-only logs (the label ledger, execution log).
+# ------------------------------------------------------------------------------------- append-only JSONL logs
+# A batch of rows (one label file's import, one metric, one stage run) is written as a begin record, the rows and a
+# commit record carrying the batch's id, its row count and the SHA-256 of the rows' bytes, in one write and one fsync.
+# Readers count a batch only once its commit record is there and matches, so a crash mid-append (a SIGKILL cuts a
+# 15 MB write at any page) leaves the whole batch or none of it; the next append sets the cut tail aside in a file
+# beside the log and truncates it. Rows outside any batch are a log written before commit records (read as
+# committed, as they always were).
+BEGIN, COMMIT = "_batch", "_commit"
+_REPORTED: set[tuple[str, int, str]] = set()  # problems already logged by this process: each is reported once
 
-    One write call per batch keeps a crash from interleaving half lines; readers skip a torn last line.
-    """
+
+@dataclass(frozen=True)
+class LogProblem:
+    """Something in a log that is not a committed row, by its lines (1-based) and byte offset."""
+
+    path: str
+    line: int
+    last_line: int
+    offset: int
+    kind: str  # "torn" (a last line without its end), "corrupt", "uncommitted", "mismatch"
+    detail: str
+
+    def __str__(self) -> str:
+        lines = f"{self.line}" if self.last_line == self.line else f"{self.line}-{self.last_line}"
+        return f"{self.path}:{lines}: {self.detail}"
+
+
+@dataclass
+class LogRead:
+    rows: list[dict[str, Any]]
+    problems: list[LogProblem]
+    committed_end: int  # the bytes before this offset end with a committed batch or a row outside any batch
+    size: int
+    unterminated: bool = False  # a row outside any batch lacks its line end (kept: the next append starts a new line)
+
+
+@dataclass
+class _Batch:
+    line: int
+    offset: int
+    id: Any
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    body_start: int = 0
+
+
+def _parse_log(data: bytes, path: str) -> LogRead:
+    """Read a log's bytes line by line: bad UTF-8 or JSON on a line is that line's problem, never the file's."""
+    out = LogRead([], [], 0, len(data))
+    batch: _Batch | None = None
+    pos, n = 0, 0
+
+    def problem(line: int, last: int, offset: int, kind: str, detail: str) -> None:
+        out.problems.append(LogProblem(path, line, last, offset, kind, detail))
+
+    while pos < len(data):
+        n += 1
+        nl = data.find(b"\n", pos)
+        end = len(data) if nl < 0 else nl + 1
+        raw = data[pos:end]
+        try:
+            obj = json.loads(raw.decode("utf-8")) if raw.strip() else None
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
+            obj = exc
+        row = isinstance(obj, dict) and BEGIN not in obj and COMMIT not in obj
+        if nl < 0:  # the last line lacks its end: a write cut short, unless it is a whole row outside a batch
+            if row and batch is None:
+                out.rows.append(obj)
+                out.committed_end, out.unterminated = end, True
+            else:
+                problem(n, n, pos, "torn", f"the last line is cut off ({len(raw):,} bytes without a line end, e.g. "
+                        "a write killed midway); it is not counted and the next write sets it aside")
+            break
+        if obj is None:
+            pass  # a blank line
+        elif not isinstance(obj, dict):
+            what = f"{type(obj).__name__}" if not isinstance(obj, ValueError) else str(obj).split(":")[0]
+            problem(n, n, pos, "corrupt", f"not a JSON object ({what}); the line is not counted")
+        elif BEGIN in obj:
+            if batch is not None:
+                problem(batch.line, n - 1, batch.offset, "uncommitted", f"batch {batch.id} was never committed "
+                        f"({len(batch.rows)} rows not counted)")
+            batch = _Batch(n, pos, obj[BEGIN], body_start=end)
+        elif COMMIT in obj:
+            if batch is None or obj[COMMIT] != batch.id:
+                problem(n, n, pos, "corrupt", f"a commit record of batch {obj[COMMIT]} without its begin record")
+            elif obj.get("rows") != len(batch.rows) or obj.get("sha256") != digest_bytes(data[batch.body_start:pos]):
+                problem(batch.line, n, batch.offset, "mismatch", f"batch {batch.id} does not match its commit record "
+                        f"({len(batch.rows)} rows read, {obj.get('rows')} committed): damaged after it was written, "
+                        "not counted; restore the file from a backup")
+            else:
+                out.rows += batch.rows
+                out.committed_end = end
+            batch = None
+        elif batch is not None:
+            batch.rows.append(obj)
+        else:
+            out.rows.append(obj)
+            out.committed_end = end
+        pos = end
+    if batch is not None:
+        problem(batch.line, n, batch.offset, "uncommitted", f"batch {batch.id} was cut off before its commit record "
+                f"(a write killed midway): its {len(batch.rows)} whole rows are not counted and the next write sets "
+                "them aside")
+    return out
+
+
+def read_log(path: str | os.PathLike[str]) -> LogRead:
+    """Every committed row of an append-only JSONL log, and what else the file holds (reported once per process)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return LogRead([], [], 0, 0)
+    try:
+        with contextlib.suppress(OSError):  # a shared lock waits out an append in progress (not every FS has flock)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        chunks = []
+        while chunk := os.read(fd, _CHUNK * 16):
+            chunks.append(chunk)
+        read = _parse_log(b"".join(chunks), str(path))
+    finally:
+        os.close(fd)
+    for p in read.problems:
+        if (p.path, p.offset, p.kind) not in _REPORTED:
+            _REPORTED.add((p.path, p.offset, p.kind))
+            log.warning("%s", p)
+    return read
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The committed rows of an append-only JSONL log (read_log reports anything else)."""
+    return read_log(path).rows
+
+
+def _set_aside(fd: int, path: Path) -> tuple[int, bool]:
+    """Cut an uncommitted tail off the log open (and flocked) as `fd`, keeping a copy of it beside the log.
+
+    Returns (where the next batch starts, whether a line end must come first)."""
+    size = os.fstat(fd).st_size
+    tail = os.pread(fd, min(size, 4096), size - min(size, 4096))
+    last = tail[:-1].rpartition(b"\n")[2]
+    with contextlib.suppress(ValueError):  # the usual case: the log ends with a commit record, nothing to read
+        if tail.endswith(b"\n") and (b"\n" in tail[:-1] or size <= 4096) and COMMIT in json.loads(last):
+            return size, False
+    read = _parse_log(os.pread(fd, size, 0), str(path))
+    if read.committed_end < size:
+        aside = path.with_name(f"{path.name}.cut-{read.committed_end}-{time.time_ns()}")
+        cut = os.pread(fd, size - read.committed_end, read.committed_end)
+        with open(aside, "xb") as f:
+            f.write(cut)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(path.parent)
+        os.ftruncate(fd, read.committed_end)
+        os.fsync(fd)
+        log.warning("%s: set aside its last %s bytes (%s) in %s", path, f"{len(cut):,}",
+                    "; ".join(p.detail for p in read.problems if p.offset >= read.committed_end) or "not a whole row",
+                    aside)
+    return read.committed_end, read.unterminated
+
+
+def append_jsonl(path: str | os.PathLike[str], rows: list[Mapping[str, Any]], *, fsync: bool = True) -> None:
+    """Append rows to a log as one committed batch: readers see all of them or none (see BEGIN, COMMIT).
+
+    `fsync=False` is for measuring what durability costs (benchmarks/ledger_fsync.py): the batch is still whole or
+    absent after a killed process, but a power cut may lose it."""
     if not rows:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows).encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # the umask applies
+    body = b"".join(json.dumps(r, ensure_ascii=False, default=str).encode("utf-8") + b"\n" for r in rows)
+    if any(BEGIN in r or COMMIT in r for r in rows):
+        raise ValueError(f"{path}: rows may not use the keys {BEGIN!r} and {COMMIT!r} (the log's own records)")
+    batch = os.urandom(8).hex()
+    payload = (json.dumps({BEGIN: batch, "rows": len(rows)}).encode() + b"\n" + body
+               + json.dumps({COMMIT: batch, "rows": len(rows), "sha256": digest_bytes(body)}).encode() + b"\n")
+    created = not path.exists()
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)  # the umask applies
     try:
-        start = os.fstat(fd).st_size
-        # A previous crash may have left a torn last line; start ours on a fresh line so it stays parseable.
-        if start:
-            with open(path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    payload = b"\n" + payload
+        fcntl.flock(fd, fcntl.LOCK_EX)  # one writer at a time: another's batch in progress is not a torn tail
+        start, unterminated = _set_aside(fd, path)
+        payload = b"\n" + payload if unterminated else payload
         view, written = memoryview(payload), 0
         try:
             # os.write may write only part (a nearly full disk): the rest must follow or the batch is cut back.
             while written < len(payload):
                 written += os.write(fd, view[written:])
-            os.fsync(fd)
+            if fsync:
+                os.fsync(fd)
         except OSError as exc:
-            # Whole lines of a half-written batch would read as complete (a ledger file "imported" with labels
-            # missing): cut back to where the batch began, unless another process appended meanwhile.
             with contextlib.suppress(OSError):
-                if os.fstat(fd).st_size == start + written:
-                    os.ftruncate(fd, start)
+                os.ftruncate(fd, start)
             if (err := _disk_full(exc, path, f"{len(rows)} lines ({len(payload):,} bytes)")) is not None:
                 raise err from exc
             raise
     finally:
         os.close(fd)
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Read an append-only JSONL log, skipping a torn line left by a crash mid-append."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    if created and fsync:
+        _fsync_dir(path.parent)  # the new file's name, not only its bytes
 
 
 # ------------------------------------------------------------------------------------------------- manifests

@@ -8,6 +8,7 @@ that are SIGKILLed at one point after another, each re-run resuming; the outcome
 
 from __future__ import annotations
 
+import csv
 import errno
 import io
 import json
@@ -309,6 +310,109 @@ def test_disk_full_on_a_ledger_append_appends_nothing(disk):
     disk.mp.undo()
     ledger.append(batch)  # once there is room again, the import goes through whole
     assert len(ledger.labels()) == 120
+
+
+# ------------------------------------------------------------------ label imports SIGKILLed mid ledger write
+OPEN_ANSWER = "José's café: a naïve photo of a dog on a crêpe stand, 東京 ☕ — "  # most bytes multi-byte UTF-8
+# What a round runs to import its inbox (flows/round.py: under the project lock, import_inbox over the pool's index).
+ROUND_IMPORT = """
+import sys
+from pathlib import Path
+import datasets
+from pipeline.annotation.inbox import import_inbox
+from pipeline.annotation.labels import SampleIndex
+from pipeline.lock import ProjectLock
+art, ds = Path(sys.argv[1]), sys.argv[2]
+with ProjectLock(art / "round.lock"):
+    for rep in import_inbox(art, index=SampleIndex.from_dataset(datasets.load_from_disk(ds)), answers=None,
+                            round_index=1):
+        assert "error" not in rep, rep
+"""
+
+
+def _open_answer_labels(folder: Path, n: int, chars: int) -> tuple[Path, Path, dict[str, str]]:
+    """A saved dataset of n samples and a CSV of long non-ASCII open answers for all of them (~n * chars * 1.3 B)."""
+    import datasets
+
+    labels = {f"s{i:05d}": f"{(OPEN_ANSWER * (chars // len(OPEN_ANSWER) + 1))[:chars - i % 97]} {i}"
+              for i in range(n)}
+    datasets.Dataset.from_dict({"sample_id": list(labels)}).save_to_disk(str(folder / "dataset"))
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerows([("sample_id", "label"), *labels.items()])
+    (folder / "labels.csv").write_text(buf.getvalue(), encoding="utf-8")
+    return folder / "dataset", folder / "labels.csv", labels
+
+
+def _kill_once_growing(proc: subprocess.Popen, path: Path, base: int, delay: float) -> int | None:
+    """SIGKILL `proc` `delay` s after `path` grows past `base` bytes (inside the ledger's write); the size then, or
+    None when the process ended first."""
+    while proc.poll() is None:
+        try:
+            grown = path.stat().st_size > base
+        except FileNotFoundError:
+            grown = False
+        if grown:
+            time.sleep(delay)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return path.stat().st_size
+        time.sleep(0.0002)
+    return None
+
+
+@pytest.mark.slow
+def test_label_imports_sigkilled_in_their_ledger_write_land_every_label_exactly_once(tmp_path):
+    """The issue's reproduction, 20 times (TAMIS_KILL_TRIALS): `tamis labels import` (even trials) and a round's
+    inbox import (odd ones) of a 5 MB open-answer CSV SIGKILLed while the ledger grows, then run again. Right after
+    the kill the file's labels are all in the ledger or none; after the restart, each exactly once. Old code: a kill
+    leaves a part of the 1,346 labels, the file counts as imported and the rest never land."""
+    from pipeline.annotation.ledger import ledger_path
+
+    rng, n, trials = random.Random(SEED), 1346, int(os.environ.get("TAMIS_KILL_TRIALS", "20"))
+    dataset, labels_csv, labels = _open_answer_labels(tmp_path, n, 3200)
+    assert labels_csv.stat().st_size > 5e6
+    config = tmp_path / "c.yaml"
+    tamis = [str(Path(sys.executable).parent / "tamis"), "labels", "import", str(labels_csv), "-c", str(config),
+             "--dataset", str(dataset)]
+    earlier = make_entry("earlier", "an answer imported before", annotator="a", round_index=0, source_file="e.csv",
+                         source_digest="e")
+    landed, cut_aside, lost = 0, 0, []
+    for trial in range(trials):
+        art = tmp_path / f"trial-{trial}" / "artifacts"
+        config.write_text(f"paths: {{artifacts: {art}}}\n")
+        ledger = Ledger(ledger_path(art))
+        ledger.append([earlier])
+        base = ledger.path.stat().st_size
+        if trial % 2:
+            (art / "inbox").mkdir()
+            shutil.copy(labels_csv, art / "inbox" / "labels.csv")
+            cmd = [sys.executable, "-c", ROUND_IMPORT, str(art), str(dataset)]
+        else:
+            cmd = tamis
+        where = f"trial {trial} ({'round import' if trial % 2 else 'tamis labels import'}, seed {SEED})"
+        proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        size = _kill_once_growing(proc, ledger.path, base, rng.uniform(0, 0.004))
+        landed += size is not None
+        try:
+            killed = len(ledger.entries()) - 1  # all of the file's labels or none
+        except ValueError as exc:  # old code: a torn UTF-8 line (the answers' é) made the whole ledger unreadable
+            lost.append(f"{where}: killed at {size} bytes, the ledger cannot be read: {exc!r}")
+            continue
+        again = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, f"{where}: the restart failed: {again.stderr[-3000:]}"
+        entries = ledger.entries()
+        once = Counter(e["sample_id"] for e in entries) == Counter({"earlier": 1, **dict.fromkeys(labels, 1)})
+        if killed not in (0, n) or not once or {e["sample_id"]: e["label"] for e in entries[1:]} != labels:
+            lost.append(f"{where}: killed at {size} bytes with {killed} of the {n} labels in the ledger; after the "
+                        f"restart {len(set(e['sample_id'] for e in entries[1:]) & set(labels))} of them, in "
+                        f"{len(entries) - 1} entries")
+        cut_aside += any(art.glob("labels.jsonl.cut-*"))  # the kill cut the batch: its restart set the cut aside
+        shutil.rmtree(art.parent)
+    print(f"kills inside the import: {landed}/{trials}, inside its ledger write (a cut tail set aside): {cut_aside}")
+    assert not lost, "\n".join(lost)
+    assert landed >= 0.75 * trials and cut_aside >= 0.25 * trials, (landed, cut_aside)
 
 
 # ------------------------------------------------------------------------------------ torn Prefect results

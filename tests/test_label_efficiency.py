@@ -12,6 +12,7 @@ import yaml
 
 from benchmarks import _curves as curves
 from benchmarks import label_efficiency as le
+from pipeline.annotation.ledger import Ledger
 from pipeline.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,7 +172,7 @@ def test_tiny_run_goes_through_export_annotator_and_ledger(tmp_path):
     runs = sorted((tmp_path / "work" / "runs").iterdir())
     assert len(runs) == 2 * 2 * 4  # (main, longtail) × seeds × (full data + 3 strategies)
     for run in runs:
-        ledger = [json.loads(line) for line in (run / "labels.jsonl").read_text().splitlines()]
+        ledger = Ledger(run / "labels.jsonl").entries()  # committed entries, not the batch records
         tasks = [t for f in sorted(run.glob("rounds/*/export/label_studio_tasks.json"))
                  for t in json.loads(f.read_text())]
         assert sorted(e["sample_id"] for e in ledger) == sorted(t["data"]["sample_id"] for t in tasks)

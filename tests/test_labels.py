@@ -200,6 +200,27 @@ def test_inbox_imports_each_file_on_its_own_and_rejects_a_corrupt_one_with_its_l
     assert led.labels() == {"s000": "1", "s002": "2"} and (inbox / "1-good.csv").exists()  # nothing is moved
 
 
+@pytest.mark.parametrize("name, head, last", [
+    ("copying.csv", "sample_id,label\ns000,a photo of a dog\n", "s001,José's café"),
+    ("copying.jsonl", '{"sample_id": "s000", "label": "a photo of a dog"}\n', '{"sample_id": "s001", "label": "José\'s café"}'),
+])
+def test_an_inbox_file_still_being_copied_is_refused_and_read_again_next_round(tmp_path, name, head, last):
+    """A last row without its line end is a copy in progress: a cut open answer ("José's ca") is never a label."""
+    art = tmp_path / "artifacts"
+    inbox = inbox_dir(art)
+    inbox.mkdir(parents=True)
+    (inbox / name).write_text(head + last[:-6], encoding="utf-8")
+    kw = dict(index=KNOWN, answers=None, round_index=1)
+    for _ in range(2):  # this round, and the next while the copy is still unfinished
+        (rep,) = import_inbox(art, **kw)
+        assert f"{name}:{head.count(chr(10)) + 1}: the last row has no line end" in rep["error"]
+        assert "read again next time" in rep["error"]
+        assert not ledger_path(art).exists()  # nothing imported, the file not marked: its whole rows wait too
+    (inbox / name).write_text(head + last + "\n", encoding="utf-8")  # the copy finished
+    (rep,) = import_inbox(art, **kw)
+    assert rep["accepted"] == 2 and Ledger(ledger_path(art)).labels()["s001"] == "José's café"
+
+
 def test_read_label_file_rejects_non_utf8(tmp_path):
     p = tmp_path / "latin.csv"
     p.write_bytes(b"sample_id,label\ns000,caf\xe9\n")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from pipeline.annotation.ledger import Ledger
 from pipeline.config import ModelConfig
 from pipeline.evaluate import edit_similarity, exact_match, score_answers, token_f1
 from pipeline.model.loading import load_model
@@ -335,7 +336,7 @@ def test_tiny_open_benchmark_run_goes_through_text_export_typed_answers_and_the_
     assert len(runs) == 2 * 4  # seeds × (full data + 3 strategies)
     truth = {}
     for run in runs:
-        ledger = [json.loads(line) for line in (run / "labels.jsonl").read_text().splitlines()]
+        ledger = Ledger(run / "labels.jsonl").entries()  # committed entries, not the batch records
         tasks = [t for f in sorted(run.glob("rounds/*/export/label_studio_tasks.json"))
                  for t in json.loads(f.read_text())]
         assert sorted(e["sample_id"] for e in ledger) == sorted(t["data"]["sample_id"] for t in tasks)

@@ -184,9 +184,22 @@ class LabelReader:
     """One file format → label rows. `read` raises LabelImportError for a malformed file."""
 
     name: ClassVar[str]
+    # One row a line: a last row without its line end is a file still being copied (or cut off), never a whole row.
+    rows_end_lines: ClassVar[bool] = False
 
     def __init__(self, keys: LabelKeys | None = None):
         self.keys = keys or LabelKeys()
+
+    def check_complete(self, text: str, name: str) -> None:
+        if not self.rows_end_lines or not text.strip() or text.endswith(("\n", "\r")):
+            return
+        last = text.rsplit("\n", 1)[-1]
+        raise LabelImportError(
+            f"{name}:{text.count(chr(10)) + 1}: the last row has no line end ({len(last):,} characters: "
+            f"{last[:40]!r}{'…' if len(last) > 40 else ''}), so the file may still be being copied or was cut off; "
+            "nothing is imported from it now and it is read again next time (each round retries inbox files). If "
+            "the file is complete, end its last row with a newline"
+        )
 
     def read(self, text: str, name: str) -> tuple[list[LabelRow], int]:
         """(label rows, count of tasks that carried no annotation)."""
@@ -281,6 +294,7 @@ def _table_row(d: dict[str, Any], line: int, name: str, keys: LabelKeys) -> Labe
 
 class LabelCsvReader(LabelReader):
     name = "csv"
+    rows_end_lines = True
 
     def read(self, text: str, name: str) -> tuple[list[LabelRow], int]:
         reader = csv.reader(io.StringIO(text, newline=""), strict=True)
@@ -320,6 +334,7 @@ class LabelCsvReader(LabelReader):
 
 class LabelJsonlReader(LabelReader):
     name = "jsonl"
+    rows_end_lines = True
 
     def read(self, text: str, name: str) -> tuple[list[LabelRow], int]:
         rows = []
@@ -378,7 +393,9 @@ def read_label_file(path: str | os.PathLike[str], keys: LabelKeys | None = None)
         line = raw.count(b"\n", 0, exc.start) + 1
         raise LabelImportError(f"{path}:{line}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
     fmt = detect_format(path, text)
-    rows, unlabeled = LABEL_READERS[fmt](keys).read(text, str(path))
+    reader = LABEL_READERS[fmt](keys)
+    reader.check_complete(text, str(path))
+    rows, unlabeled = reader.read(text, str(path))
     # No tasks at all (Label Studio exports `[]` for an empty project, a CSV may hold only its header) is zero labels,
     # nothing to do; tasks without a single label row is more likely the wrong export.
     if not rows and unlabeled:

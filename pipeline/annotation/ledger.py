@@ -1,6 +1,8 @@
 """The label ledger: an append-only JSONL log, the single source of truth for what is labeled.
 
-Nothing rewrites or truncates it. A changed label is a new "correction" entry that names the entry it supersedes;
+Nothing rewrites it. Each import is one committed batch (pipeline/store.py's append_jsonl): a crash mid-write leaves
+the whole batch or none of it, the next write sets a cut-off tail aside in a file beside the ledger, and a label file
+counts as imported only once its batch is committed. A changed label is a new "correction" entry that names the entry it supersedes;
 the newest entry per sample wins and the full history stays readable. "Newest" is file order, not the `time` field,
 because wall clocks can step backwards while appends cannot.
 """
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import LabelImportError
-from pipeline.store import append_jsonl, digest_json, read_jsonl
+from pipeline.store import LogProblem, LogRead, append_jsonl, digest_json, read_jsonl, read_log
 
 LEDGER_NAME = "labels.jsonl"
 TIMES_NAME = "annotation_times.jsonl"  # beside the ledger: seconds per annotation, when the file gave them
@@ -72,8 +74,15 @@ class Ledger:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
 
+    def read(self) -> LogRead:
+        """The committed entries and whatever else the file holds (a torn last line, a damaged line...)."""
+        return read_log(self.path)
+
     def entries(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.path)
+        return self.read().rows
+
+    def problems(self) -> list[LogProblem]:
+        return self.read().problems
 
     def current(self) -> dict[str, dict[str, Any]]:
         """sample_id → its newest entry."""
@@ -90,7 +99,7 @@ class Ledger:
         return {e["source_digest"] for e in self.entries() if e.get("source_digest")}
 
     def append(self, entries: Iterable[Mapping[str, Any]]) -> int:
-        """Append a batch in one fsync'd write: a crash leaves either all of it or a torn last line readers skip."""
+        """Append a batch in one fsync'd, committed write: after a crash it is all there or not at all."""
         rows = [dict(e) for e in entries]
         for i, e in enumerate(rows):
             missing = [k for k in REQUIRED if k not in e]

@@ -435,6 +435,19 @@ def quality_report(quality_dir: str | os.PathLike[str], ds: datasets.Dataset, to
             "counts": {f: counts[f] for f in FLAGS}, "worst": worst}
 
 
+def _quality_key(artifacts: str | os.PathLike[str], dataset_digest: str, quality: dict[str, Any]) -> tuple[str, Path]:
+    key = stage_key(STAGE, QUALITY_VERSION, {"dataset": dataset_digest}, quality)
+    return key, Path(artifacts) / "quality" / key[:16]
+
+
+def quality_cached(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str,
+                   quality: dict[str, Any]) -> dict[str, Any] | None:
+    """The stage's ref (quality_stage's parameters) when its verified output is on disk, else None."""
+    key, out = _quality_key(artifacts, dataset_digest, quality)
+    m = find_valid_manifest(out, key)
+    return None if m is None else stage_ref(out, m, "parts" if "parts" in m.outputs else "table")
+
+
 def quality_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str,
                   quality: dict[str, Any]) -> dict[str, Any]:
     """The quality stage: flags for the prepared `dataset` in artifacts/quality/<key>/ (or the verified folder
@@ -442,8 +455,7 @@ def quality_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_diges
     import datasets
 
     inputs = {"dataset": dataset_digest}
-    key = stage_key(STAGE, QUALITY_VERSION, inputs, quality)
-    out = Path(artifacts) / "quality" / key[:16]
+    key, out = _quality_key(artifacts, dataset_digest, quality)
     shards = dataset_shards(dataset)
     if shards is None:
         m = reuse_or_compute(out, key, lambda: assess_quality(datasets.load_from_disk(dataset),

@@ -84,11 +84,15 @@ def curve_table(metrics_rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def candidates_line(c: Mapping[str, Any]) -> str:
-    """What a restricted round scored: "scored N candidates of M eligible (...)"."""
+    """What a round scored: "scored N candidates of M eligible (...)" when restricted, "scored all M eligible" when
+    select.candidates: auto chose not to; then why (the reason auto gave)."""
+    why = f" — {c['reason']}" if c.get("reason") else ""
+    if c.get("method") == "all":
+        return f"scored all {c['eligible']} eligible samples (select.candidates){why}"
     parts = ", ".join(f"{n} {name}" for name, n in c["sources"].items())
     extra = c["scored"] - c["candidates"]
     return (f"scored {c['candidates']} candidates of {c['eligible']} eligible ({parts}; select.candidates)"
-            + (f" and the {extra} labeled samples" if extra else ""))
+            + (f" and the {extra} labeled samples" if extra else "") + why)
 
 
 def annotators_markdown(rec: Mapping[str, Any]) -> str:

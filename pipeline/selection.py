@@ -243,10 +243,16 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
         previous = [read_jsonl(f) for d in history_dirs if (f := Path(d) / "selection" / SELECTION_FILE).is_file()]
         phase = round_phase(cfg.select, labels=labels, n_classes=len(cfg.data.answers) if cfg.data.answers else None,
                             previous_selections=previous).as_dict()
-    restricted = None
-    if adapter is not None and cfg.select.candidates.method != "all":
+    from pipeline.strategies.candidates import candidates_choice
+
+    restricted = choice = None
+    if adapter is not None:
         # Only rounds that score are restricted: a cold start in a selection space scores nothing and picks from it all.
-        restricted = restrict_candidates(cfg, pool_ids=pool_ids, labeled_ids=labeled_ids, space=space, phase=phase)
+        choice = candidates_choice(cfg.select.candidates, eligible=len(pool_ids),
+                                   embeddings_source=cfg.select.embeddings.source)
+        if choice.method == "restrict":
+            restricted = restrict_candidates(cfg, pool_ids=pool_ids, labeled_ids=labeled_ids, space=space,
+                                             phase=phase)
     candidates = sorted(set(restricted.ids if restricted is not None else pool_ids) | set(labeled_ids))
     pool_path, exclude_path, labeled_path = (round_dir / "candidates.jsonl", round_dir / "exclude.jsonl",
                                              round_dir / "labeled_ids.jsonl")
@@ -262,8 +268,12 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
                   history=uncertainty_history(list(history_dirs)), cold_start=adapter is None, phase=phase,
                   space=space, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
                   out_dir=str(round_dir / "selection"))
-    if restricted is not None:  # only then: a project that scores every eligible sample keeps its select key
-        params["candidates"] = {**restricted.info, "scored": len(candidates)}
+    if restricted is not None:
+        params["candidates"] = {**restricted.info, "method": "restrict", "scored": len(candidates), "reason": choice.reason}
+    elif choice is not None and cfg.select.candidates.method == "auto":
+        # Said only for auto: a project that asked for all scores every eligible sample and keeps its select key.
+        params["candidates"] = {"method": "all", "eligible": len(pool_ids), "scored": len(candidates),
+                                "reason": choice.reason}
     if cfg.select.cost == "predicted" and adapter is not None:
         params["seconds"] = labeled_seconds(cfg.artifacts, round_dir, labeled_ids)
     return SelectionPlan(candidates, adapter is not None or space is None, params)

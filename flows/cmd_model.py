@@ -54,7 +54,8 @@ def check_quant_cmd(
 
 
 def check_model_cmd(
-    path: Annotated[Path | None, typer.Argument(help="A local checkpoint folder (default: the config's model).")] = None,
+    path: Annotated[str | None, typer.Argument(help="A local checkpoint folder or a hub ID (from the HF cache, else "
+                                               "the hub) (default: the config's model).")] = None,
     config: ConfigOpt = None,
     family: Annotated[str | None, typer.Option("--family", "-f", help="model.family to check with (auto: the "
                                                "generic fallback for unregistered architectures).")] = None,
@@ -67,13 +68,20 @@ def check_model_cmd(
 
     from pipeline.config import load_config
     from pipeline.model.check import check_model
+    from pipeline.model.resolve import local_folder, resolve_model
     from pipeline.store import atomic_write_json
 
     cfg = load_config(config)
-    update: dict = {"build_tiny_if_missing": False}
-    if path is not None:
-        update |= {"name_or_path": str(path.resolve()), "family": family}
-    elif family is not None:
+    # A hub ID is checked from its HF cache snapshot (or downloaded first); offline and not cached: the fixes.
+    target = path or cfg.model.name_or_path
+    if Path(target).exists():  # a folder: the report's own checkpoint row says what is wrong with it
+        folder = str(Path(target).resolve())
+    else:
+        resolved = resolve_model(target, family=family or cfg.model.family)
+        out_console(stderr=True).print(resolved.note, highlight=False, soft_wrap=True)
+        folder = str(Path(local_folder(resolved)).resolve())
+    update: dict = {"build_tiny_if_missing": False, "name_or_path": folder}
+    if path is not None or family is not None:
         update["family"] = family
     sections: dict = {"model": cfg.model.model_copy(update=update)}
     if path is not None and config is None:
@@ -81,7 +89,7 @@ def check_model_cmd(
         # checkpoint: check it with the defaults and its family's image size.
         from pipeline.config import ModelConfig
 
-        sections["model"] = ModelConfig(name_or_path=str(path.resolve()), family=family)
+        sections["model"] = ModelConfig(name_or_path=folder, family=family)
         sections["preprocess"] = cfg.preprocess.model_copy(update={"size": None})
         sections["train"] = type(cfg.train)()
     report = check_model(cfg.model_copy(update=sections))

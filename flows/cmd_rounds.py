@@ -57,9 +57,12 @@ def round_cmd(
                                        "round (it replays that round from the cache).")] = False,
 ) -> None:
     """Run the next labeling round (or finish / re-run the current one: finished work comes from the cache)."""
+    from pipeline.model.resolve import resolve_configured
     from pipeline.unchanged import unchanged_round
 
     cfg = load(config)
+    # Before anything heavy (and before Prefect starts): a model this machine cannot have fails here in seconds.
+    out_console(stderr=True).print(resolve_configured(cfg.model).note, highlight=False, soft_wrap=True)
     last = None if full else unchanged_round(cfg, simulate=simulate)
     if last is not None:
         out = out_console()
@@ -85,6 +88,9 @@ def demo_cmd(
 
     cfg = load(config)
     out = out_console()
+    from pipeline.model.resolve import resolve_configured
+
+    out.print(resolve_configured(cfg.model).note, highlight=False, soft_wrap=True)
     digits = cfg.data.sources[0].path.parent if cfg.data.sources else None
     if digits is not None and not cfg.data.sources[0].path.exists():
         from pipeline.data.demo import write_digits

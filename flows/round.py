@@ -29,6 +29,7 @@ from pipeline.config import ProjectConfig, load_config
 from pipeline.labelcheck import check_report_markdown, labels_spent
 from pipeline.lock import ProjectLock
 from pipeline.metrics import learning_curve, read_metrics
+from pipeline.model.resolve import resolve_configured
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids
 from pipeline.status import annotation_time
@@ -40,6 +41,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
               progress: report.RoundProgress | None = None) -> dict[str, Any]:
     """The body of a round; ordering only, every step is a library call or a cached stage task."""
     art, progress = cfg.artifacts, progress or report.RoundProgress(lambda percent, text: None)
+    # The model first: a hub model this machine cannot have fails here, in seconds, before any image is read.
+    log.info(resolve_configured(cfg.model).note)
     inputs = unchanged.round_inputs_now(cfg)  # what this round reads, for `tamis round` to know a replay in advance
     progress.start("ingest")
     ing = ingest_ref(cfg, inputs.sources)

@@ -46,9 +46,10 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     if out.exists() and not force:
         raise ConfigError(f"{out}: already exists; tamis init never overwrites a config: pass --force to replace it, "
                           "or --out another file")
+    path = path.expanduser().resolve()
     found = [detect_source(path)]
     if test is not None:
-        found.append(detect_test(test, path))
+        found.append(detect_test(test.expanduser().resolve(), path))
     try:
         resolved = resolve_model(model, build_tiny_if_missing=False)
         note = resolved.note
@@ -69,7 +70,8 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     model_path = str(Path(model).expanduser().resolve()) if resolved is not None and resolved.where == "folder" \
         else model
     text = render_config(found, answers=answers, question=question or DEFAULT_QUESTION, model=model_path,
-                         facts=facts, settings=settings, pool=pool)
+                         facts=facts, settings=settings, pool=pool,
+                         artifacts=str(out.expanduser().resolve().parent / "artifacts"))
     import yaml
 
     parse_config(yaml.safe_load(text), origin=str(out), root=root)  # what `load_config` will accept, checked first
@@ -77,14 +79,15 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     from pipeline.store import atomic_write_text
 
     atomic_write_text(out, text)
-    return InitResult(out, text, found, settings, answers, note, next_steps(out, answers, test is not None))
+    return InitResult(out, text, found, settings, answers, note,
+                      next_steps(out, out.expanduser().resolve().parent / "artifacts", answers, test is not None))
 
 
-def next_steps(out: Path, answers: list[str] | None, has_test: bool) -> list[str]:
+def next_steps(out: Path, artifacts: Path, answers: list[str] | None, has_test: bool) -> list[str]:
     steps = [f"tamis check-model -c {out}      # optional: what tamis will do with the model, before a round",
              f"tamis round -c {out}            # round 0: prepares the images, picks the first batch, exports it",
-             "label the batch in artifacts/rounds/000/export/ (Label Studio JSON, CSV or JSONL; docs/annotation.md) "
-             "and put the labeled file in artifacts/inbox/",
+             f"label the batch in {artifacts / 'rounds' / '000' / 'export'} (Label Studio JSON, CSV or JSONL; "
+             f"docs/annotation.md) and put the labeled file in {artifacts / 'inbox'}",
              f"tamis round -c {out}            # imports the labels, trains, evaluates, picks the next batch"]
     if not has_test:
         steps.append("add a labeled test set (tamis init … --test labels.csv) to measure each round")

@@ -62,12 +62,13 @@ def _train_lines(facts: ModelFacts) -> list[str]:
 
 
 def render_config(found: list[Found], *, answers: list[str] | None, question: str, model: str, facts: ModelFacts,
-                  settings: Settings, pool: int) -> str:
+                  settings: Settings, pool: int, artifacts: str) -> str:
     s = settings
     lines = ["# Written by `tamis init`: every setting below was chosen from your data, model and hardware, with the",
              "# reason beside it. Edit freely; `tamis config show -c THIS_FILE` prints it with every default filled in.",
-             "# Relative paths are relative to the folder you run tamis from.", "seed: 0", "paths:",
-             "  artifacts: artifacts                 # datasets, adapters, rounds/NNN/{selection,export}, label ledger",
+             "# Paths are absolute, so tamis runs this project from any folder.", "seed: 0", "paths:",
+             "  # datasets, adapters, rounds/NNN/{selection,export}, the label ledger and the inbox",
+             f"  artifacts: {_v(artifacts)}",
              "data:", "  sources:"]
     for f in found:
         lines += _source_lines(f)

@@ -32,6 +32,7 @@ from pipeline.metrics import learning_curve, read_metrics
 from pipeline.model.resolve import resolve_configured
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids
+from pipeline.selection import round_phase_of
 from pipeline.status import annotation_time
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,10 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg))
     agreed = settle_votes(art, cfg.annotate, answers=cfg.data.answers, round_index=start)
     plan = rounds.plan_round(art, rounds.round_labels(pool, Ledger(ledger_path(art)).labels()))
-    state = {**plan.state(imports), "annotation_time": annotation_time(art, next_batch=cfg.select.batch_size)}
+    # The round's one strategy name, known before it trains: its metrics, table, round.json and selection agree.
+    phase = round_phase_of(cfg, labels=plan.labels, history_dirs=plan.history_dirs(art)) if plan.labels else None
+    state = {**plan.state(imports), "annotation_time": annotation_time(art, next_batch=cfg.select.batch_size),
+             "strategy": rounds.round_strategy(cfg, cold=not plan.labels, phase=phase)}
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
              report.run_tags(plan.index, rerun=plan.rerun is not None))
     progress.finish("import labels")
@@ -68,8 +72,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
 
     pool_ids, exclude = rounds.eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
                                              stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
-    state.update(agreed, pool=len(pool_ids), strategy=rounds.round_strategy(cfg, cold=adapter is None),
-                 labels_spent=labels_spent(len(plan.labels), art, before_round=plan.index))
+    state.update(agreed, pool=len(pool_ids), labels_spent=labels_spent(len(plan.labels), art, before_round=plan.index))
     state["stopped"] = rounds.stop_reason(cfg, plan.index, state["labels_spent"], read_metrics(art), len(pool_ids),
                                           state.get("stability"))
     if not state["stopped"]:

@@ -213,6 +213,33 @@ def handoff_markdown(export_dir: str | os.PathLike[str], *, artifacts: str | os.
     return "\n".join(lines)
 
 
+def next_steps(state: Mapping[str, Any], *, artifacts: str | os.PathLike[str], config: str, files: Mapping[str, str],
+               batch_size: int, max_rounds: int, simulated: bool = False) -> list[str]:
+    """What to do after a round, as `tamis round` prints it: where the batch for annotators is (the export's
+    `files`: tasks, csv, jsonl), how its labels come back, and what the next round will do. The Prefect UI's
+    hand-off (handoff_markdown) says the same at more length."""
+    inbox = Path(artifacts).resolve() / "inbox"
+    again = f"tamis round{f' -c {config}' if config else ''}"
+    if state.get("stopped"):
+        adapter = (state.get("adapter") or {}).get("adapter_dir")
+        return [f"stopped: {state['stopped']}"] + ([f"the model: adapter {adapter} (docs/use-your-model.md)"]
+                                                   if adapter else [])
+    if not state.get("export_dir"):
+        return []
+    export = Path(state["export_dir"])
+    labeled = state.get("labeled", 0) + state.get("selected", 0)
+    last = state["round"] + 1 >= max_rounds - 1
+    return [f"batch for annotators ({state.get('selected', 0)} images): {export}",
+            f"  Label Studio: {files['tasks']} (+ label_config.xml); spreadsheet: {files['csv']} or {files['jsonl']} "
+            "(fill the label column); the images in images/ (original_image: each one's file name in your data)",
+            (f"labels back: the simulated annotator (rounds.simulate_annotator) answered it into {inbox}; `{again}`"
+             if simulated else f"labels back: save the labeled export (Label Studio JSON, or CSV / JSONL with "
+             f"sample_id,label) into {inbox}, or `tamis labels import FILE`; then `{again}`"),
+            f"next round ({state['round'] + 1}): imports them, trains the adapter on {labeled} labels, evaluates it"
+            + (", and stops there: it is the last (rounds.max_rounds)" if last
+               else f" and selects {batch_size} more")]
+
+
 @dataclass
 class RoundProgress:
     """Percent of a round done, stage by stage, weighted by ROUND_STAGES; `sink(percent, text)` publishes it."""

@@ -70,7 +70,7 @@ def _folder(path: Path) -> Found:
         return _hf(path)
     top = sorted(e.name for e in os.scandir(path) if e.is_file() and _is_image(e.name))
     classes: dict[str, list[Path]] = {}
-    for d in sorted(e for e in os.scandir(path) if e.is_dir() and not e.name.startswith(".")):
+    for d in sorted((e for e in os.scandir(path) if e.is_dir() and not e.name.startswith(".")), key=lambda e: e.name):
         files = [Path(r, f) for r, _, fs in os.walk(d.path) for f in sorted(fs) if _is_image(f)]
         if files:
             classes[d.name] = files

@@ -102,6 +102,7 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
               "  candidates: auto",
               "annotate:", "  export_images: prepared", "  formats: [label_studio, csv, jsonl, images]",
               "labelcheck:", "  method: heldout                      # scores new labels with the last adapter",
-              "rounds:", "  max_rounds: 10                       # rounds that select a batch (round 0 included)",
+              "rounds:", "  # Rounds in all, round 0 included; the last one trains and evaluates but selects nothing.",
+              "  max_rounds: 10",
               "  simulate_annotator: false"]
     return "\n".join(lines) + "\n"

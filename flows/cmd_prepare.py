@@ -40,6 +40,10 @@ def prepare_cmd(config: ConfigOpt = None) -> None:
     table.add_row("quality", f"{qual['info']['excluded']} excluded from the pool ({flags})", qual["dir"])
     out = out_console()
     out.print(table)
+    from pipeline.quality import explain_flags
+
+    for line in explain_flags(qual["info"], cfg.quality):
+        out.print(f"quality: {line}", highlight=False, soft_wrap=True)
     if unchanged:
         out.print("nothing changed since the last prepare (sources, config sections, code): every stage's output is "
                   "reused as it is; no flow started", highlight=False)
@@ -81,6 +85,10 @@ def quality_report_cmd(
         for r in rows:
             t.add_row(r["sample_id"], r["image_path"] or r["source"], r["reason"])
         out.print(t)
+    from pipeline.quality import explain_flags
+
+    for line in explain_flags(read_manifest(qdir, verify=False).info, cfg.quality):
+        out.print(line, highlight=False, soft_wrap=True)
     out.print(f"table: {qdir / 'quality.jsonl'}", highlight=False, soft_wrap=True)
 
 

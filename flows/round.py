@@ -31,7 +31,7 @@ from pipeline.lock import ProjectLock
 from pipeline.metrics import learning_curve, read_metrics
 from pipeline.model.resolve import resolve_configured
 from pipeline.preprocess import load_prepared
-from pipeline.quality import excluded_ids
+from pipeline.quality import excluded_ids, explain_flags
 from pipeline.selection import round_phase_of
 from pipeline.status import annotation_time
 
@@ -61,7 +61,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     # The round's one strategy name, known before it trains: its metrics, table, round.json and selection agree.
     phase = round_phase_of(cfg, labels=plan.labels, history_dirs=plan.history_dirs(art)) if plan.labels else None
     state = {**plan.state(imports), "annotation_time": annotation_time(art, next_batch=cfg.select.batch_size),
-             "strategy": rounds.round_strategy(cfg, cold=not plan.labels, phase=phase)}
+             "strategy": rounds.round_strategy(cfg, cold=not plan.labels, phase=phase),
+             "quality_flags": explain_flags(prep["quality"]["info"], cfg.quality)}
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
              report.run_tags(plan.index, rerun=plan.rerun is not None))
     progress.finish("import labels")

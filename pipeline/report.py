@@ -127,6 +127,9 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
         lines.append(f"- {candidates_line(c)}")
     if state.get("phase"):
         lines.append(f"- selection phase: **{state['phase']['phase']}** — {state['phase']['reason']}")
+    if state.get("quality_flags"):
+        lines.append("- quality flags (pipeline.quality.explain_flags):")
+        lines += [f"  - {line}" for line in state["quality_flags"]]
     if state.get("embeddings") and state["embeddings"] != "model":
         lines.append(f"- selection space: `{state['embeddings']}` embeddings (select.embeddings)")
     if state.get("metrics"):

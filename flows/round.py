@@ -32,7 +32,7 @@ from pipeline.metrics import learning_curve, read_metrics
 from pipeline.model.resolve import resolve_configured
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids, explain_flags
-from pipeline.selection import round_phase_of
+from pipeline.selection import planned_strategy
 from pipeline.status import annotation_time
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
               progress: report.RoundProgress | None = None) -> dict[str, Any]:
     """The body of a round; ordering only, every step is a library call or a cached stage task."""
     art, progress = cfg.artifacts, progress or report.RoundProgress(lambda percent, text: None)
-    # The model first: a hub model this machine cannot have fails here, in seconds, before any image is read.
-    log.info(resolve_configured(cfg.model).note)
+    log.info(resolve_configured(cfg.model).note)  # first: a model this machine cannot have fails in seconds
     inputs = unchanged.round_inputs_now(cfg)  # what this round reads, for `tamis round` to know a replay in advance
     progress.start("ingest")
     ing = ingest_ref(cfg, inputs.sources)
@@ -58,10 +57,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg))
     agreed = settle_votes(art, cfg.annotate, answers=cfg.data.answers, round_index=start)
     plan = rounds.plan_round(art, rounds.round_labels(pool, Ledger(ledger_path(art)).labels()))
-    # The round's one strategy name, known before it trains: its metrics, table, round.json and selection agree.
-    phase = round_phase_of(cfg, labels=plan.labels, history_dirs=plan.history_dirs(art)) if plan.labels else None
     state = {**plan.state(imports), "annotation_time": annotation_time(art, next_batch=cfg.select.batch_size),
-             "strategy": rounds.round_strategy(cfg, cold=not plan.labels, phase=phase),
+             "strategy": planned_strategy(cfg, labels=plan.labels, history_dirs=plan.history_dirs(art)),
              "quality_flags": explain_flags(prep["quality"]["info"], cfg.quality)}
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
              report.run_tags(plan.index, rerun=plan.rerun is not None))

@@ -243,6 +243,14 @@ def round_phase_of(cfg: Any, *, labels: Mapping[str, str], history_dirs: Sequenc
                        previous_selections=previous).as_dict()
 
 
+def planned_strategy(cfg: Any, *, labels: Mapping[str, str], history_dirs: Sequence[Path]) -> str:
+    """The round's one strategy name (strategy_label) before it trains: a cold start without labels, else its phase
+    (round_phase_of), so the metrics booked after training and the selection made after it carry the same name."""
+    phase = round_phase_of(cfg, labels=labels, history_dirs=history_dirs) if labels else None
+    return strategy_label(cfg.select.cold_start, cfg.select.strategy, cfg.select.diversity, cold=not labels,
+                          phase=phase)
+
+
 def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclude: Collection[str],
                    labels: Mapping[str, str], adapter: dict[str, Any] | None, space: dict[str, Any] | None,
                    history_dirs: Sequence[Path]) -> SelectionPlan:

@@ -45,6 +45,9 @@ def check_quant_cmd(
             "name_or_path": str(Path(model).resolve()) if local else model, "family": None,
             "build_tiny_if_missing": False,
         })
+    from pipeline.model.resolve import resolve_configured
+
+    out_console(stderr=True).print(resolve_configured(model_cfg).note, highlight=False, soft_wrap=True)
     size = cfg.preprocess.size or 64
     rows = [(im, cfg.data.question) for im in synthetic_images(n, size, seed=cfg.seed)]
     report = check_quant(model_cfg, rows)
@@ -228,9 +231,11 @@ def train_cmd(
     from pipeline.config import load_config
     from pipeline.errors import DataError
     from pipeline.model.distributed import launched_rank
+    from pipeline.model.resolve import resolve_configured
     from pipeline.model.train import train_adapter
 
     cfg = load_config(config)
+    out_console(stderr=True).print(resolve_configured(cfg.model).note, highlight=False, soft_wrap=True)
     if not (dataset / "dataset_info.json").is_file():
         raise DataError(f"--dataset {dataset}: not a saved dataset folder (no dataset_info.json); point it at e.g. "
                         "artifacts/rounds/NNN/labeled/dataset")

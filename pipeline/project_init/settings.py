@@ -116,7 +116,8 @@ def choose_settings(pool: int, sizes: list[tuple[int, int]], facts: ModelFacts, 
     s = Settings(
         size=image_size(sizes, facts),
         embeddings=selection_space(pool, facts),
-        batch_size=Choice(batch, f"a tenth of the {pool:,}-image pool, at most 100 a round"),
+        batch_size=Choice(batch, f"a tenth of the {pool:,}-image pool, at most 100 a round" if pool else
+                          "no unlabeled images yet: 10 a round once the pool has some"),
         shard_size=Choice(shard, f"{pool:,} images: " + ("1,024 a shard keeps the task count low" if shard > 256
                                                            else "256 a shard (a killed round resumes at its shard)")),
         score_batch_size=Choice(32 if gpu else 8, "scoring runs without gradients: 32 a batch on a GPU" if gpu
@@ -125,6 +126,9 @@ def choose_settings(pool: int, sizes: list[tuple[int, int]], facts: ModelFacts, 
         hardware=described,
     )
     s.train_plan = train_plan(facts, hw, s.size.value)
+    if not pool:
+        s.notes.append("every image found is labeled: there is no unlabeled pool to select from; add a source of "
+                       "unlabeled images (e.g. a flat folder) to data.sources")
     if not gpu and facts.tiny_size is None:
         s.notes.append("no GPU here: a real VLM trains at roughly 13-60 s a step on a CPU (docs/models.md); try the "
                        "loop first with a tiny stand-in (`tamis make-tiny-model`), train on a GPU machine")

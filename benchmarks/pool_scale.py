@@ -16,6 +16,10 @@ Parts:
              steady-state round, an unchanged re-run (flow and CLI), a round after adding --flow-add images; wall
              time, executed stages and peak RSS per run (benchmarks/_pool_flow.py). Not in --part all (its pools
              take minutes to hours to write and run).
+  defaults   a --defaults-pool pool (100,000 PNGs) with the config `tamis init` writes for it, untouched: first
+             round, an annotator's labels, a steady round (keys steady_round_s_100k_defaults, candidates_100k_defaults)
+             and a no-op `tamis ingest` and `tamis round` (noop_ingest_s_100k_defaults, noop_round_s_100k_defaults)
+             (benchmarks/_pool_defaults.py). Not in --part all.
   scoring    peak RSS of scoring + selecting a 10k and a 100k pool (keys rss_mb_10k, rss_mb_100k, rss_ratio;
              target ratio <= 1.2). Each pool is a real prepared dataset on disk (generated images of varied sizes
              run through preprocess_dataset; Arrow, memory-mapped), scored with the tiny 4-bit Idefics3 in a fresh
@@ -28,6 +32,8 @@ Parts:
 
     python benchmarks/pool_scale.py --part all,flow --flow-pools 100000,1000000 --work-dir /tmp/tamis-pool-scale \\
         --json-out benchmarks/results/pool_scale.json
+    python benchmarks/pool_scale.py --part defaults --work-dir /tmp/tamis-pool-scale \
+        --json-out benchmarks/results/pool_scale_defaults.json
     python benchmarks/pool_scale.py --part scoring --pools 1000,5000     # a quick look
     python benchmarks/pool_scale.py --part select10m --big-n 1000000 --big-k 1000 --big-clusters 100   # 10^6
 """
@@ -56,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._pool_10m import child as child_10m  # noqa: E402
 from benchmarks._pool_10m import run_select_10m  # noqa: E402
+from benchmarks._pool_defaults import run_pool_defaults  # noqa: E402
 from benchmarks._pool_flow import run_pool_flow  # noqa: E402
 from benchmarks._results import CacheFolder, write_result  # noqa: E402
 from pipeline.strategies.coverage import MaxHerding, ProbCover, TypiClust  # noqa: E402
@@ -337,7 +344,10 @@ PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "scoring": run_scoring,
     "select10m": run_select_10m,
     "flow": run_pool_flow,
+    "defaults": run_pool_defaults,
 }
+# Parts over pools of PNGs on disk through the real flow: run only when named (not in --part all).
+FLOW_PARTS = ("flow", "defaults")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -373,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fl = ap.add_argument_group("flow part")
     fl.add_argument("--flow-pools", default="10000,100000", help="pool sizes through the real flow, comma-separated")
     fl.add_argument("--flow-add", type=int, default=10_000, help="images added before the last round")
+    ap.add_argument_group("defaults part").add_argument(
+        "--defaults-pool", type=int, default=100_000, help="pool size run with the config `tamis init` writes")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-10m", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -397,7 +409,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     parts = []
     for name in args.part.split(","):
-        for part in [p for p in PARTS if p != "flow"] if name == "all" else [name]:
+        for part in [p for p in PARTS if p not in FLOW_PARTS] if name == "all" else [name]:
             if part not in PARTS:
                 ap.error(f"--part {name!r}: not one of {', '.join([*PARTS, 'all'])}")
             if part not in parts:

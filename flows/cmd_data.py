@@ -15,13 +15,17 @@ def ingest_cmd(config: ConfigOpt = None) -> None:
     from rich.table import Table
 
     from pipeline.data.ingest import source_digest
+    from pipeline.unchanged import unchanged_ingest
 
     # Reading the sources first reports an unreadable source as a plain user error, before Prefect starts.
     cfg = load(config)
     digest = source_digest(cfg.data, cfg.artifacts)
-    from flows.ingest import ingest_flow
+    ref = unchanged_ingest(cfg, digest)
+    unchanged = ref is not None
+    if ref is None:
+        from flows.ingest import ingest_flow
 
-    ref = ingest_flow(str(config) if config else None, digest)
+        ref = ingest_flow(str(config) if config else None, digest)
     counts, folder = ref["counts"], Path(ref["dir"])
     table = Table(title="ingest")
     table.add_column("rows")
@@ -33,6 +37,9 @@ def ingest_cmd(config: ConfigOpt = None) -> None:
     out.print(f"dataset:    {folder / 'dataset'}", highlight=False, soft_wrap=True)
     out.print(f"quarantine: {folder / 'quarantine.jsonl'} ({counts['quarantined']} rows)", highlight=False, soft_wrap=True)
     out.print(f"duplicates: {folder / 'duplicates.jsonl'} ({counts['duplicates']} rows)", highlight=False, soft_wrap=True)
+    if unchanged:
+        out.print("nothing changed since the last ingest (sources, data section, code): its dataset is reused as it "
+                  "is; no flow started", highlight=False)
 
 
 def demo_data_cmd(

@@ -45,6 +45,9 @@ def check_quant_cmd(
             "name_or_path": str(Path(model).resolve()) if local else model, "family": None,
             "build_tiny_if_missing": False,
         })
+    from pipeline.model.resolve import resolve_configured
+
+    out_console(stderr=True).print(resolve_configured(model_cfg).note, highlight=False, soft_wrap=True)
     size = cfg.preprocess.size or 64
     rows = [(im, cfg.data.question) for im in synthetic_images(n, size, seed=cfg.seed)]
     report = check_quant(model_cfg, rows)
@@ -54,7 +57,8 @@ def check_quant_cmd(
 
 
 def check_model_cmd(
-    path: Annotated[Path | None, typer.Argument(help="A local checkpoint folder (default: the config's model).")] = None,
+    path: Annotated[str | None, typer.Argument(help="A local checkpoint folder or a hub ID (from the HF cache, else "
+                                               "the hub) (default: the config's model).")] = None,
     config: ConfigOpt = None,
     family: Annotated[str | None, typer.Option("--family", "-f", help="model.family to check with (auto: the "
                                                "generic fallback for unregistered architectures).")] = None,
@@ -67,13 +71,20 @@ def check_model_cmd(
 
     from pipeline.config import load_config
     from pipeline.model.check import check_model
+    from pipeline.model.resolve import local_folder, resolve_model
     from pipeline.store import atomic_write_json
 
     cfg = load_config(config)
-    update: dict = {"build_tiny_if_missing": False}
-    if path is not None:
-        update |= {"name_or_path": str(path.resolve()), "family": family}
-    elif family is not None:
+    # A hub ID is checked from its HF cache snapshot (or downloaded first); offline and not cached: the fixes.
+    target = path or cfg.model.name_or_path
+    if Path(target).exists():  # a folder: the report's own checkpoint row says what is wrong with it
+        folder = str(Path(target).resolve())
+    else:
+        resolved = resolve_model(target, family=family or cfg.model.family)
+        out_console(stderr=True).print(resolved.note, highlight=False, soft_wrap=True)
+        folder = str(Path(local_folder(resolved)).resolve())
+    update: dict = {"build_tiny_if_missing": False, "name_or_path": folder}
+    if path is not None or family is not None:
         update["family"] = family
     sections: dict = {"model": cfg.model.model_copy(update=update)}
     if path is not None and config is None:
@@ -81,7 +92,7 @@ def check_model_cmd(
         # checkpoint: check it with the defaults and its family's image size.
         from pipeline.config import ModelConfig
 
-        sections["model"] = ModelConfig(name_or_path=str(path.resolve()), family=family)
+        sections["model"] = ModelConfig(name_or_path=folder, family=family)
         sections["preprocess"] = cfg.preprocess.model_copy(update={"size": None})
         sections["train"] = type(cfg.train)()
     report = check_model(cfg.model_copy(update=sections))
@@ -220,9 +231,11 @@ def train_cmd(
     from pipeline.config import load_config
     from pipeline.errors import DataError
     from pipeline.model.distributed import launched_rank
+    from pipeline.model.resolve import resolve_configured
     from pipeline.model.train import train_adapter
 
     cfg = load_config(config)
+    out_console(stderr=True).print(resolve_configured(cfg.model).note, highlight=False, soft_wrap=True)
     if not (dataset / "dataset_info.json").is_file():
         raise DataError(f"--dataset {dataset}: not a saved dataset folder (no dataset_info.json); point it at e.g. "
                         "artifacts/rounds/NNN/labeled/dataset")

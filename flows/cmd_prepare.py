@@ -15,13 +15,17 @@ def prepare_cmd(config: ConfigOpt = None) -> None:
     from rich.table import Table
 
     from pipeline.data.ingest import source_digest
+    from pipeline.unchanged import unchanged_prepare
 
     # Reading the sources first reports an unreadable source as a plain user error, before Prefect starts.
     cfg = load(config)
     digest = source_digest(cfg.data, cfg.artifacts)
-    from flows.prepare import prepare_flow
+    refs = unchanged_prepare(cfg, digest)
+    unchanged = refs is not None
+    if refs is None:
+        from flows.prepare import prepare_flow
 
-    refs = prepare_flow(str(config) if config else None, source_digest=digest)
+        refs = prepare_flow(str(config) if config else None, source_digest=digest)
     prep, qual = refs["prepare"], refs["quality"]
     table = Table(title="prepare")
     table.add_column("stage")
@@ -34,7 +38,15 @@ def prepare_cmd(config: ConfigOpt = None) -> None:
                   f"{prep['info']['quarantined']} quarantined", prep["dir"])
     flags = ", ".join(f"{k} {v}" for k, v in qual["info"]["counts"].items())
     table.add_row("quality", f"{qual['info']['excluded']} excluded from the pool ({flags})", qual["dir"])
-    out_console().print(table)
+    out = out_console()
+    out.print(table)
+    from pipeline.quality import explain_flags
+
+    for line in explain_flags(qual["info"], cfg.quality):
+        out.print(f"quality: {line}", highlight=False, soft_wrap=True)
+    if unchanged:
+        out.print("nothing changed since the last prepare (sources, config sections, code): every stage's output is "
+                  "reused as it is; no flow started", highlight=False)
 
 
 def quality_report_cmd(
@@ -73,6 +85,10 @@ def quality_report_cmd(
         for r in rows:
             t.add_row(r["sample_id"], r["image_path"] or r["source"], r["reason"])
         out.print(t)
+    from pipeline.quality import explain_flags
+
+    for line in explain_flags(read_manifest(qdir, verify=False).info, cfg.quality):
+        out.print(line, highlight=False, soft_wrap=True)
     out.print(f"table: {qdir / 'quality.jsonl'}", highlight=False, soft_wrap=True)
 
 

@@ -57,9 +57,12 @@ def round_cmd(
                                        "round (it replays that round from the cache).")] = False,
 ) -> None:
     """Run the next labeling round (or finish / re-run the current one: finished work comes from the cache)."""
+    from pipeline.model.resolve import resolve_configured
     from pipeline.unchanged import unchanged_round
 
     cfg = load(config)
+    # Before anything heavy (and before Prefect starts): a model this machine cannot have fails here in seconds.
+    out_console(stderr=True).print(resolve_configured(cfg.model).note, highlight=False, soft_wrap=True)
     last = None if full else unchanged_round(cfg, simulate=simulate)
     if last is not None:
         out = out_console()
@@ -68,11 +71,26 @@ def round_cmd(
                   "running it again would only replay it from the cache; no flow started. New labels go in "
                   f"{cfg.artifacts / 'inbox'} or through `tamis labels import`; `tamis round --full` replays it anyway.",
                   highlight=False)
+        print_next_steps(out, cfg, last, config, simulate)
         return
     from flows.round import labeling_round
 
     state = labeling_round(str(config) if config else None, simulate=simulate)
-    out_console().print(_rounds_table([state]))
+    out = out_console()
+    out.print(_rounds_table([state]))
+    print_next_steps(out, cfg, state, config, simulate)
+
+
+def print_next_steps(out: Any, cfg: Any, state: dict[str, Any], config: Path | None, simulate: bool | None) -> None:
+    from pipeline.annotation.export import CSV_FILE, JSONL_FILE, TASKS_FILE
+    from pipeline.report import next_steps
+
+    lines = next_steps(state, artifacts=cfg.artifacts, config=str(config) if config else "",
+                       files={"tasks": TASKS_FILE, "csv": CSV_FILE, "jsonl": JSONL_FILE},
+                       batch_size=cfg.select.batch_size, max_rounds=cfg.rounds.max_rounds,
+                       simulated=cfg.rounds.simulate_annotator if simulate is None else simulate)
+    if lines:
+        out.print("\n".join(lines), highlight=False, soft_wrap=True)
 
 
 def demo_cmd(
@@ -85,6 +103,9 @@ def demo_cmd(
 
     cfg = load(config)
     out = out_console()
+    from pipeline.model.resolve import resolve_configured
+
+    out.print(resolve_configured(cfg.model).note, highlight=False, soft_wrap=True)
     digits = cfg.data.sources[0].path.parent if cfg.data.sources else None
     if digits is not None and not cfg.data.sources[0].path.exists():
         from pipeline.data.demo import write_digits

@@ -29,8 +29,10 @@ from pipeline.config import ProjectConfig, load_config
 from pipeline.labelcheck import check_report_markdown, labels_spent
 from pipeline.lock import ProjectLock
 from pipeline.metrics import learning_curve, read_metrics
+from pipeline.model.resolve import resolve_configured
 from pipeline.preprocess import load_prepared
-from pipeline.quality import excluded_ids
+from pipeline.quality import excluded_ids, explain_flags
+from pipeline.selection import planned_strategy
 from pipeline.status import annotation_time
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
               progress: report.RoundProgress | None = None) -> dict[str, Any]:
     """The body of a round; ordering only, every step is a library call or a cached stage task."""
     art, progress = cfg.artifacts, progress or report.RoundProgress(lambda percent, text: None)
+    log.info(resolve_configured(cfg.model).note)  # first: a model this machine cannot have fails in seconds
     inputs = unchanged.round_inputs_now(cfg)  # what this round reads, for `tamis round` to know a replay in advance
     progress.start("ingest")
     ing = ingest_ref(cfg, inputs.sources)
@@ -54,7 +57,9 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg))
     agreed = settle_votes(art, cfg.annotate, answers=cfg.data.answers, round_index=start)
     plan = rounds.plan_round(art, rounds.round_labels(pool, Ledger(ledger_path(art)).labels()))
-    state = {**plan.state(imports), "annotation_time": annotation_time(art, next_batch=cfg.select.batch_size)}
+    state = {**plan.state(imports), "annotation_time": annotation_time(art, next_batch=cfg.select.batch_size),
+             "strategy": planned_strategy(cfg, labels=plan.labels, history_dirs=plan.history_dirs(art)),
+             "quality_flags": explain_flags(prep["quality"]["info"], cfg.quality)}
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
              report.run_tags(plan.index, rerun=plan.rerun is not None))
     progress.finish("import labels")
@@ -65,8 +70,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
 
     pool_ids, exclude = rounds.eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
                                              stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
-    state.update(agreed, pool=len(pool_ids), strategy=rounds.round_strategy(cfg, cold=adapter is None),
-                 labels_spent=labels_spent(len(plan.labels), art, before_round=plan.index))
+    state.update(agreed, pool=len(pool_ids), labels_spent=labels_spent(len(plan.labels), art, before_round=plan.index))
     state["stopped"] = rounds.stop_reason(cfg, plan.index, state["labels_spent"], read_metrics(art), len(pool_ids),
                                           state.get("stability"))
     if not state["stopped"]:

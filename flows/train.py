@@ -44,7 +44,7 @@ def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any]
     ev = run_stage(evaluate_task, **rounds.evaluate_params(cfg, test=test, adapter=adapter))
     state["metrics"] = ev["metrics"]
     book_metrics(cfg.artifacts, round_index=plan.index, labels=len(plan.labels), metrics=ev["metrics"],
-                 strategy=rounds.round_strategy(cfg, cold=False))
+                 strategy=state["strategy"])
     if cfg.rounds.stop_set:
         state["stability"] = stop_set_agreement(cfg, plan, prep, adapter, pool.stop_set(cfg.rounds.stop_set, cfg.seed))
     progress.finish("evaluate")

@@ -31,6 +31,7 @@ from pipeline.store import (
     atomic_dir,
     atomic_write_json,
     atomic_write_jsonl,
+    find_valid_manifest,
     load_stage_dataset,
     read_jsonl,
     reuse_or_compute,
@@ -318,6 +319,21 @@ def load_prepared(folder: str | os.PathLike[str]) -> datasets.Dataset:
     return load_stage_dataset(folder, STAGE)
 
 
+def _preprocess_key(artifacts: str | os.PathLike[str], dataset_digest: str, preprocess: dict[str, Any], size: int,
+                    max_pixels: int) -> tuple[str, Path]:
+    key = stage_key(STAGE, PREPROCESS_VERSION, {"dataset": dataset_digest},
+                    {**preprocess, "size": size, "max_pixels": max_pixels})
+    return key, Path(artifacts) / "prepare" / key[:16]
+
+
+def preprocess_cached(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str,
+                      preprocess: dict[str, Any], size: int, max_pixels: int) -> dict[str, Any] | None:
+    """The stage's ref (preprocess_stage's parameters) when its verified output is on disk, else None."""
+    key, out = _preprocess_key(artifacts, dataset_digest, preprocess, size, max_pixels)
+    m = find_valid_manifest(out, key)
+    return None if m is None else stage_ref(out, m, "dataset")
+
+
 def preprocess_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str, preprocess: dict[str, Any],
                      size: int, max_pixels: int) -> dict[str, Any]:
     """The preprocess stage: the ingested `dataset` prepared into artifacts/prepare/<key>/, or the verified folder
@@ -325,8 +341,7 @@ def preprocess_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_di
     import datasets
 
     inputs = {"dataset": dataset_digest}
-    key = stage_key(STAGE, PREPROCESS_VERSION, inputs, {**preprocess, "size": size, "max_pixels": max_pixels})
-    out = Path(artifacts) / "prepare" / key[:16]
+    key, out = _preprocess_key(artifacts, dataset_digest, preprocess, size, max_pixels)
     shards = dataset_shards(dataset)
     if shards is None:  # a dataset not made of ingest shards: prepared whole
         m = reuse_or_compute(out, key, lambda: preprocess_dataset(

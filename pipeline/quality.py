@@ -291,7 +291,55 @@ def _features(ds: datasets.Dataset, batch_size: int = 256) -> list[dict[str, Any
 
 def _summary(tables: list[list[dict[str, Any]]] | list[dict[str, Any]], excluded: int) -> dict[str, Any]:
     counts = Counter(f for t in tables for r in t for f in r["flags"])
-    return {"rows": sum(len(t) for t in tables), "excluded": excluded, "counts": {f: counts[f] for f in FLAGS}}
+    return {"rows": sum(len(t) for t in tables), "excluded": excluded, "counts": {f: counts[f] for f in FLAGS},
+            "medians": _medians([r["blur_score"] for t in tables for r in t],
+                                [r["pixel_std"] for t in tables for r in t])}
+
+
+def _medians(blur: Any, std: Any) -> dict[str, float | None]:
+    """The pool's own median blur score and pixel std: what explain_flags compares the absolute thresholds with."""
+    blur, std = np.asarray(blur, dtype=np.float64), np.asarray(std, dtype=np.float64)
+    return {"blur_score": round(float(np.median(blur)), 2) if len(blur) else None,
+            "pixel_std": round(float(np.median(std)), 2) if len(std) else None}
+
+
+# A flag on at least this share of the samples describes the pool (small upscaled photos, a product line shot
+# alike), not a defect of each one: explain_flags reports it as the pool's norm.
+POOL_NORM_SHARE = 0.5
+_MEASURES = {
+    "blurry": ("soft edges: the variance of the Laplacian of the prepared image (its blur score)",
+               "blur score < quality.blur_threshold {blur_threshold:g}", "blur_score"),
+    "low_information": ("a nearly flat image: the standard deviation of its pixels",
+                        "pixel std < quality.low_information_std {low_information_std:g}", "pixel_std"),
+    "exact_duplicate": ("the same prepared pixels and question as an earlier sample", "identical pixels", None),
+    "near_duplicate": ("a perceptual-hash twin of an earlier sample (same question)",
+                       "hash distance ≤ quality.near_duplicate_distance {near_duplicate_distance}", None),
+}
+
+
+def explain_flags(info: Mapping[str, Any], cfg: QualityConfig) -> list[str]:
+    """One line per quality flag that fired: what it measures, its threshold, how many samples it hit and whether it
+    keeps them out of the pool. A flag on at least POOL_NORM_SHARE of the samples is reported as the pool's norm,
+    with the pool's own median beside the absolute threshold and why the threshold is absolute."""
+    rows, medians = max(1, int(info.get("rows") or 0)), info.get("medians") or {}
+    lines = []
+    for flag, n in (info.get("counts") or {}).items():
+        if not n or flag not in _MEASURES:
+            continue
+        measures, threshold, stat = _MEASURES[flag]
+        threshold = threshold.format(**cfg.model_dump())
+        keeps = "keeps them out of the pool (quality.exclude)" if flag in cfg.exclude else \
+            "does not keep them out of the pool (not in quality.exclude)"
+        line = f"{flag}: {n} of {rows} samples ({n / rows:.0%}); measures {measures}; threshold: {threshold}; {keeps}"
+        if n / rows >= POOL_NORM_SHARE:
+            median = medians.get(stat) if stat else None
+            line += (f". On {n / rows:.0%} of the samples this is the pool's norm, not a defect of each image"
+                     + (f" (the pool's median {stat.replace('_', ' ')} is {median:g})" if median is not None else "")
+                     + ": the threshold is absolute, measured on the prepared image at preprocess.size, so small "
+                     "images upscaled to that size all score alike; if these images are fine, lower the threshold "
+                     "or preprocess.size (tamis init sizes it from your images)")
+        lines.append(line)
+    return lines
 
 
 def _write_table(table: list[dict[str, Any]], cfg: QualityConfig, out_dir: Path,
@@ -376,8 +424,10 @@ def _assess_shards(artifacts: str | os.PathLike[str], shards: list[tuple[str, Pa
     atomic_write_json(out_dir / PARTS, [str(out) for out, _, _ in folders])
     atomic_write_json(out_dir / EXCLUDED, excluded, indent=None)
     infos = [read_manifest(out).info for out, _, _ in folders]
+    every = [Features.load(folder / FEATURES) for _, folder in feats]
     info = {"rows": sum(i["rows"] for i in infos), "excluded": len(excluded),
-            "counts": {f: sum(i["counts"][f] for i in infos) for f in FLAGS}}
+            "counts": {f: sum(i["counts"][f] for i in infos) for f in FLAGS},
+            "medians": _medians(np.concatenate([p.blur for p in every]), np.concatenate([p.std for p in every]))}
     log.info("quality: %s; features of %d of %d shards computed, flags of %d judged", info, len(computed),
              len(shards), len(shards) - first)
     return write_manifest(out_dir, stage=STAGE, stage_version=QUALITY_VERSION, inputs=inputs,
@@ -435,6 +485,19 @@ def quality_report(quality_dir: str | os.PathLike[str], ds: datasets.Dataset, to
             "counts": {f: counts[f] for f in FLAGS}, "worst": worst}
 
 
+def _quality_key(artifacts: str | os.PathLike[str], dataset_digest: str, quality: dict[str, Any]) -> tuple[str, Path]:
+    key = stage_key(STAGE, QUALITY_VERSION, {"dataset": dataset_digest}, quality)
+    return key, Path(artifacts) / "quality" / key[:16]
+
+
+def quality_cached(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str,
+                   quality: dict[str, Any]) -> dict[str, Any] | None:
+    """The stage's ref (quality_stage's parameters) when its verified output is on disk, else None."""
+    key, out = _quality_key(artifacts, dataset_digest, quality)
+    m = find_valid_manifest(out, key)
+    return None if m is None else stage_ref(out, m, "parts" if "parts" in m.outputs else "table")
+
+
 def quality_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str,
                   quality: dict[str, Any]) -> dict[str, Any]:
     """The quality stage: flags for the prepared `dataset` in artifacts/quality/<key>/ (or the verified folder
@@ -442,8 +505,7 @@ def quality_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_diges
     import datasets
 
     inputs = {"dataset": dataset_digest}
-    key = stage_key(STAGE, QUALITY_VERSION, inputs, quality)
-    out = Path(artifacts) / "quality" / key[:16]
+    key, out = _quality_key(artifacts, dataset_digest, quality)
     shards = dataset_shards(dataset)
     if shards is None:
         m = reuse_or_compute(out, key, lambda: assess_quality(datasets.load_from_disk(dataset),

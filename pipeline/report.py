@@ -84,11 +84,15 @@ def curve_table(metrics_rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def candidates_line(c: Mapping[str, Any]) -> str:
-    """What a restricted round scored: "scored N candidates of M eligible (...)"."""
+    """What a round scored: "scored N candidates of M eligible (...)" when restricted, "scored all M eligible" when
+    select.candidates: auto chose not to; then why (the reason auto gave)."""
+    why = f" — {c['reason']}" if c.get("reason") else ""
+    if c.get("method") == "all":
+        return f"scored all {c['eligible']} eligible samples (select.candidates){why}"
     parts = ", ".join(f"{n} {name}" for name, n in c["sources"].items())
     extra = c["scored"] - c["candidates"]
     return (f"scored {c['candidates']} candidates of {c['eligible']} eligible ({parts}; select.candidates)"
-            + (f" and the {extra} labeled samples" if extra else ""))
+            + (f" and the {extra} labeled samples" if extra else "") + why)
 
 
 def annotators_markdown(rec: Mapping[str, Any]) -> str:
@@ -123,6 +127,9 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
         lines.append(f"- {candidates_line(c)}")
     if state.get("phase"):
         lines.append(f"- selection phase: **{state['phase']['phase']}** — {state['phase']['reason']}")
+    if state.get("quality_flags"):
+        lines.append("- quality flags (pipeline.quality.explain_flags):")
+        lines += [f"  - {line}" for line in state["quality_flags"]]
     if state.get("embeddings") and state["embeddings"] != "model":
         lines.append(f"- selection space: `{state['embeddings']}` embeddings (select.embeddings)")
     if state.get("metrics"):
@@ -207,6 +214,33 @@ def handoff_markdown(export_dir: str | os.PathLike[str], *, artifacts: str | os.
     else:
         lines[-1] += "; the next round imports it (or now: `tamis labels import FILE`)."
     return "\n".join(lines)
+
+
+def next_steps(state: Mapping[str, Any], *, artifacts: str | os.PathLike[str], config: str, files: Mapping[str, str],
+               batch_size: int, max_rounds: int, simulated: bool = False) -> list[str]:
+    """What to do after a round, as `tamis round` prints it: where the batch for annotators is (the export's
+    `files`: tasks, csv, jsonl), how its labels come back, and what the next round will do. The Prefect UI's
+    hand-off (handoff_markdown) says the same at more length."""
+    inbox = Path(artifacts).resolve() / "inbox"
+    again = f"tamis round{f' -c {config}' if config else ''}"
+    if state.get("stopped"):
+        adapter = (state.get("adapter") or {}).get("adapter_dir")
+        return [f"stopped: {state['stopped']}"] + ([f"the model: adapter {adapter} (docs/use-your-model.md)"]
+                                                   if adapter else [])
+    if not state.get("export_dir"):
+        return []
+    export = Path(state["export_dir"])
+    labeled = state.get("labeled", 0) + state.get("selected", 0)
+    last = state["round"] + 1 >= max_rounds - 1
+    return [f"batch for annotators ({state.get('selected', 0)} images): {export}",
+            f"  Label Studio: {files['tasks']} (+ label_config.xml); spreadsheet: {files['csv']} or {files['jsonl']} "
+            "(fill the label column); the images in images/ (original_image: each one's file name in your data)",
+            (f"labels back: the simulated annotator (rounds.simulate_annotator) answered it into {inbox}; `{again}`"
+             if simulated else f"labels back: save the labeled export (Label Studio JSON, or CSV / JSONL with "
+             f"sample_id,label) into {inbox}, or `tamis labels import FILE`; then `{again}`"),
+            f"next round ({state['round'] + 1}): imports them, trains the adapter on {labeled} labels, evaluates it"
+            + (", and stops there: it is the last (rounds.max_rounds)" if last
+               else f" and selects {batch_size} more")]
 
 
 @dataclass

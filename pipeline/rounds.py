@@ -106,7 +106,9 @@ def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Se
     hours recorded so far (default: summed from the ledger's times)."""
     rc = cfg.rounds
     if round_index + 1 >= rc.max_rounds:
-        return f"rounds.max_rounds = {rc.max_rounds} reached (this is round {round_index})"
+        # max_rounds counts every round, round 0 included (RoundsConfig.max_rounds says so, as docs/rounds.md).
+        return (f"rounds.max_rounds = {rc.max_rounds}: round {round_index} is the last (0–{rc.max_rounds - 1}); "
+                "trained, selects nothing")
     if rc.label_budget is not None and n_labels >= rc.label_budget:
         return f"label budget spent: {n_labels} labels ≥ rounds.label_budget = {rc.label_budget}"
     if rc.budget_hours is not None:
@@ -303,9 +305,12 @@ def evaluate_params(cfg: Any, *, test: dict[str, str], adapter: dict[str, Any]) 
                 out_dir=str(Path(cfg.artifacts) / "eval" / key[:16]))
 
 
-def round_strategy(cfg: Any, *, cold: bool) -> str:
-    """How the round's batch is chosen, as tables and the metrics log name it."""
-    return "cold start: " + cfg.select.cold_start if cold else f"{cfg.select.strategy}+{cfg.select.diversity}"
+def round_strategy(cfg: Any, *, cold: bool, phase: Mapping[str, str] | None = None) -> str:
+    """How the round's batch is chosen (pipeline.strategies.schedule.strategy_label), from the config and the
+    round's phase (selection.round_phase_of)."""
+    from pipeline.strategies.schedule import strategy_label
+
+    return strategy_label(cfg.select.cold_start, cfg.select.strategy, cfg.select.diversity, cold=cold, phase=phase)
 
 
 def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: RoundPlan,
@@ -366,7 +371,9 @@ def record_selection(state: dict[str, Any], sel: Mapping[str, Any], exp: Mapping
         state["label_studio"] = exp["label_studio"]
     state.update(selected=sel["n"], export_dir=exp["dir"], selection_dir=sel["dir"], outliers=sel.get("outliers"),
                  phase=sel.get("phase"), embeddings=sel.get("embeddings"), cost=sel.get("cost"))
-    if sel.get("phase"):
+    if sel.get("round_strategy"):  # the select stage's own name for it (the same strategy_label)
+        state["strategy"] = sel["round_strategy"]
+    elif sel.get("phase"):
         state["strategy"] = phase_label(sel["phase"])
     if sel.get("candidates"):
         state["candidates"] = sel["candidates"]

@@ -21,7 +21,7 @@ from pipeline.errors import SelectionError
 from pipeline.idindex import IdIndex
 from pipeline.store import atomic_write_jsonl, digest_file, digest_json, read_jsonl, write_manifest
 from pipeline.strategies import get_heuristic, get_selector, select_batch
-from pipeline.strategies.schedule import Phase, choose_phase, newest_label_accuracy
+from pipeline.strategies.schedule import Phase, choose_phase, newest_label_accuracy, strategy_label
 
 SELECT_VERSION = stage_version("3", "pipeline.selection")
 UNCERTAINTY_FILE = "uncertainty.json"
@@ -184,11 +184,14 @@ def select_round(
         predicted_answer, confidence = predictions(scores, answers)
     else:
         predicted_answer, confidence = [None] * len(ids), [None] * len(ids)
+    # `strategy` / `diversity` are the heuristic and selector that ran; `round_strategy` the round's one name.
+    label = strategy_label(sel_cfg.cold_start, sel_cfg.strategy, sel_cfg.diversity, cold=cold_start, phase=phase)
     for row, i in zip(selection.rows(), selection.positions, strict=True):
         out.rows.append({**row, "rank": row["rank"] - 1, "prediction": predicted_answer[i],
-                         "confidence": confidence[i], "scores": {strategy: row["score"]}})
+                         "confidence": confidence[i], "scores": {strategy: row["score"]}, "round_strategy": label})
     out.strategy, out.diversity = strategy, diversity
-    out.info.update(n=len(out.rows), strategy=strategy, diversity=diversity, pool=len(ids) - len(labeled & set(ids)),
+    out.info.update(n=len(out.rows), strategy=strategy, diversity=diversity, round_strategy=label,
+                    pool=len(ids) - len(labeled & set(ids)),
                     embeddings=space.source if space is not None else "model")
     if getattr(selection, "info", None):
         out.info["selector"] = selection.info
@@ -232,21 +235,39 @@ class SelectionPlan:
         return {**self.params, "shard_refs": shard_refs}
 
 
+def round_phase_of(cfg: Any, *, labels: Mapping[str, str], history_dirs: Sequence[Path]) -> dict[str, str]:
+    """round_phase for a round after the cold start, from earlier rounds' selection files (`history_dirs`): known
+    before the round trains, so its metrics and its selection name the same phase."""
+    previous = [read_jsonl(f) for d in history_dirs if (f := Path(d) / "selection" / SELECTION_FILE).is_file()]
+    return round_phase(cfg.select, labels=labels, n_classes=len(cfg.data.answers) if cfg.data.answers else None,
+                       previous_selections=previous).as_dict()
+
+
+def planned_strategy(cfg: Any, *, labels: Mapping[str, str], history_dirs: Sequence[Path]) -> str:
+    """The round's one strategy name (strategy_label) before it trains: a cold start without labels, else its phase
+    (round_phase_of), so the metrics booked after training and the selection made after it carry the same name."""
+    phase = round_phase_of(cfg, labels=labels, history_dirs=history_dirs) if labels else None
+    return strategy_label(cfg.select.cold_start, cfg.select.strategy, cfg.select.diversity, cold=not labels,
+                          phase=phase)
+
+
 def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclude: Collection[str],
                    labels: Mapping[str, str], adapter: dict[str, Any] | None, space: dict[str, Any] | None,
                    history_dirs: Sequence[Path]) -> SelectionPlan:
     """Plan the select stage of the round in `round_dir`: writes its candidate, exclusion and labeled ID files (they
     are too long to be parameters), and decides the round's phase from earlier rounds' selections."""
     labeled_ids = sorted(labels) if adapter is not None else []
-    phase = None
+    phase = round_phase_of(cfg, labels=labels, history_dirs=history_dirs) if adapter is not None else None
+    from pipeline.strategies.candidates import candidates_choice
+
+    restricted = choice = None
     if adapter is not None:
-        previous = [read_jsonl(f) for d in history_dirs if (f := Path(d) / "selection" / SELECTION_FILE).is_file()]
-        phase = round_phase(cfg.select, labels=labels, n_classes=len(cfg.data.answers) if cfg.data.answers else None,
-                            previous_selections=previous).as_dict()
-    restricted = None
-    if adapter is not None and cfg.select.candidates.method != "all":
         # Only rounds that score are restricted: a cold start in a selection space scores nothing and picks from it all.
-        restricted = restrict_candidates(cfg, pool_ids=pool_ids, labeled_ids=labeled_ids, space=space, phase=phase)
+        choice = candidates_choice(cfg.select.candidates, eligible=len(pool_ids),
+                                   embeddings_source=cfg.select.embeddings.source)
+        if choice.method == "restrict":
+            restricted = restrict_candidates(cfg, pool_ids=pool_ids, labeled_ids=labeled_ids, space=space,
+                                             phase=phase)
     candidates = sorted(set(restricted.ids if restricted is not None else pool_ids) | set(labeled_ids))
     pool_path, exclude_path, labeled_path = (round_dir / "candidates.jsonl", round_dir / "exclude.jsonl",
                                              round_dir / "labeled_ids.jsonl")
@@ -262,8 +283,12 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
                   history=uncertainty_history(list(history_dirs)), cold_start=adapter is None, phase=phase,
                   space=space, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
                   out_dir=str(round_dir / "selection"))
-    if restricted is not None:  # only then: a project that scores every eligible sample keeps its select key
-        params["candidates"] = {**restricted.info, "scored": len(candidates)}
+    if restricted is not None:
+        params["candidates"] = {**restricted.info, "method": "restrict", "scored": len(candidates), "reason": choice.reason}
+    elif choice is not None and cfg.select.candidates.method == "auto":
+        # Said only for auto: a project that asked for all scores every eligible sample and keeps its select key.
+        params["candidates"] = {"method": "all", "eligible": len(pool_ids), "scored": len(candidates),
+                                "reason": choice.reason}
     if cfg.select.cost == "predicted" and adapter is not None:
         params["seconds"] = labeled_seconds(cfg.artifacts, round_dir, labeled_ids)
     return SelectionPlan(candidates, adapter is not None or space is None, params)

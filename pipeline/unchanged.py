@@ -153,3 +153,32 @@ def unchanged_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict
     if not all(Path(p).exists() for p in rec.get("outputs", [])):
         return None
     return states[-1] if round_inputs_now(cfg).digest == rec["after"] else None
+
+
+def unchanged_ingest(cfg: ProjectConfig, digest: str) -> dict[str, Any] | None:
+    """The ingest stage's ref when its output for the sources as they are now (`digest`: source_digest) is on disk
+    and verifies: `tamis ingest` then has nothing to run and needs no flow (the flow would reuse that folder)."""
+    from pipeline.data.ingest import ingest_cached, record_latest
+
+    ref = ingest_cached(cfg.artifacts, digest, cfg.section("data"))
+    if ref is not None:
+        record_latest(cfg.artifacts, ref)
+    return ref
+
+
+def unchanged_prepare(cfg: ProjectConfig, digest: str) -> dict[str, Any] | None:
+    """prepare_flow's refs ({"ingest", "prepare", "quality"}) when every one of its stages' outputs for the sources
+    as they are now is on disk and verifies, else None (the flow runs what is missing)."""
+    from pipeline import preprocess as prep
+    from pipeline import quality as qual
+    from pipeline.data.ingest import ingest_cached
+
+    ingest = ingest_cached(cfg.artifacts, digest, cfg.section("data"))
+    prepared = ingest and prep.preprocess_cached(**prep.preprocess_params(
+        cfg.artifacts, ingest, cfg.preprocess, cfg.model, cfg.data.max_image_pixels))
+    quality = prepared and qual.quality_cached(**qual.quality_params(cfg.artifacts, prepared, cfg.quality))
+    if not quality:
+        return None
+    refs = {"prepare": prepared, "quality": quality}
+    prep.record_latest(cfg.artifacts, refs)
+    return {"ingest": ingest, **refs}

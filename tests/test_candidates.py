@@ -201,7 +201,18 @@ def test_a_restricted_round_scores_only_its_candidates_and_records_how(tmp_path,
     plain_cfg = project(tmp_path, tiny_models["idefics3"])
     plain = sel.plan_selection(plain_cfg, round_dir=tmp_path / "r-all", pool_ids=pool_ids, exclude=ids[:6],
                                labels=labels, adapter=adapter, space=space, history_dirs=[])
-    assert plain.candidates == ids and "candidates" not in plain.params  # `all`: the pool and the labeled rows
+    # The default, auto, at 42 eligible samples (≤ auto_above): every one scored, and why recorded.
+    assert plain.candidates == ids and plain.params["candidates"]["method"] == "all"
+    assert "42 eligible samples ≤ select.candidates.auto_above" in plain.params["candidates"]["reason"]
+    asked_all = sel.plan_selection(project(tmp_path, tiny_models["idefics3"], candidates="all"),
+                                   round_dir=tmp_path / "r-asked", pool_ids=pool_ids, exclude=ids[:6], labels=labels,
+                                   adapter=adapter, space=space, history_dirs=[])
+    assert asked_all.candidates == ids and "candidates" not in asked_all.params  # `all`: keeps its select key
+    big = sel.plan_selection(project(tmp_path, tiny_models["idefics3"], candidates={"auto_above": 20, "size": 12}),
+                             round_dir=tmp_path / "r-auto", pool_ids=pool_ids, exclude=ids[:6], labels=labels,
+                             adapter=adapter, space=space, history_dirs=[])
+    assert len(set(big.candidates) - set(labels)) == 12 and big.params["candidates"]["method"] == "restrict"
+    assert "42 eligible samples > select.candidates.auto_above (20)" in big.params["candidates"]["reason"]
 
     (tmp_path / "r").mkdir()
     plan = sel.plan_selection(cfg, round_dir=tmp_path / "r", pool_ids=pool_ids, exclude=ids[:6], labels=labels,
@@ -256,3 +267,25 @@ def test_a_coverage_phase_takes_its_own_selectors_batch_over_the_whole_pool():
     want = sel.select_step(eligible, k=5, strategy="random", diversity="maxherding", seed=got.info["seed"],
                            labeled=labeled, space=space).ids
     assert got.ids == sorted(want) and got.info["sources"] == {"maxherding (coverage phase)": 5}
+
+
+def test_auto_candidates_restrict_only_large_pools_with_a_space_and_say_why():
+    from pipeline.config import CandidatesConfig, SelectConfig
+    from pipeline.strategies.candidates import candidates_choice
+
+    auto = CandidatesConfig()
+    assert auto.method == "auto" and auto.auto_above == 10_000
+    small = candidates_choice(auto, eligible=10_000, embeddings_source="pixels")
+    assert small.method == "all" and "10,000 eligible samples ≤" in small.reason
+    large = candidates_choice(auto, eligible=100_000, embeddings_source="pixels")
+    assert large.method == "restrict" and "100,000 eligible samples >" in large.reason
+    no_space = candidates_choice(auto, eligible=100_000, embeddings_source="model")
+    assert no_space.method == "all" and "select.embeddings is model" in no_space.reason
+    assert candidates_choice(CandidatesConfig(method="all"), eligible=10**6, embeddings_source="pixels").method == "all"
+    # auto is allowed with model embeddings (it falls back to all, saying so); restrict is refused up front.
+    SelectConfig(embeddings="model")
+    with pytest.raises(ValueError, match="restrict picks candidates before any forward"):
+        SelectConfig(embeddings="model", candidates="restrict")
+    # Left at its defaults, the section dumps without candidates: the select keys of existing projects stay.
+    assert "candidates" not in SelectConfig().model_dump(mode="json")
+    assert "candidates" in SelectConfig(embeddings="pixels", candidates={"auto_above": 5}).model_dump(mode="json")

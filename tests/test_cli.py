@@ -29,6 +29,13 @@ def test_demo_data_then_ingest(tmp_path, prefect_harness):
     assert res.exit_code == 0, res.output
     assert "ingested" in res.output and "quarantine.jsonl (0 rows)" in res.output
     assert any(line.split("│")[1:3] == [" read        ", "    20 "] for line in res.output.splitlines())
+    assert "no flow started" not in res.output
+    # Nothing changed: `tamis ingest` answers from the verified ingest folder without Prefect or a stage body.
+    executions = (tmp_path / "art" / "executions.jsonl").read_text()
+    res = runner.invoke(app, ["ingest", "--config", str(config)])
+    assert res.exit_code == 0, res.output
+    assert "nothing changed since the last ingest" in res.output and "quarantine.jsonl (0 rows)" in res.output
+    assert (tmp_path / "art" / "executions.jsonl").read_text() == executions
 
 
 def test_demo_data_rejects_a_bad_limit(tmp_path):

@@ -77,8 +77,8 @@ def test_all_formats_are_valid_and_point_inside_the_export(tmp_path, make_vqa):
 
     rows = list(csv.DictReader(io.StringIO((out / CSV_FILE).read_text())))
     assert [r["sample_id"] for r in rows] == ["s003", "s001", "s007"]
-    assert rows[0] == {"sample_id": "s003", "image": "s003.png", "text": "Which digit is shown?",
-                       "model_answer": "0", "confidence": "0.5", "label": ""}
+    assert rows[0] == {"sample_id": "s003", "image": "s003.png", "original_image": "img_003.jpg",
+                       "text": "Which digit is shown?", "model_answer": "0", "confidence": "0.5", "label": ""}
     jl = [json.loads(line) for line in (out / JSONL_FILE).read_text().splitlines()]
     assert jl[1]["image"] == "s001.png" and jl[1]["label"] == "" and jl[1]["model_answer"] == "1"
 

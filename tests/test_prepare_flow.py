@@ -94,6 +94,13 @@ def test_cli_prepare_and_quality_report(tmp_path, prefect_harness):
     res = runner.invoke(app, ["prepare", "--config", str(config)])
     assert res.exit_code == 0, res.output
     assert "7 rows at 16 px, 0 quarantined" in res.output and "1 excluded from the pool" in res.output
+    assert "no flow started" not in res.output
+    # Nothing changed: the same table from the verified stage folders, no flow, no stage body.
+    executions = (tmp_path / "art" / "executions.jsonl").read_text()
+    res = runner.invoke(app, ["prepare", "--config", str(config)])
+    assert res.exit_code == 0, res.output
+    assert "7 rows at 16 px, 0 quarantined" in res.output and "nothing changed since the last prepare" in res.output
+    assert (tmp_path / "art" / "executions.jsonl").read_text() == executions
 
     res = runner.invoke(app, ["quality", "report", "--config", str(config), "--top", "3"])
     assert res.exit_code == 0, res.output

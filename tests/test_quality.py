@@ -134,3 +134,25 @@ def test_near_duplicate_twins_match_brute_force_and_judge_only_rows_from_start(d
     assert near_duplicate_twins(codes, questions, distance) == expected
     assert near_duplicate_twins(codes, questions, distance, start=1000) == {i: t for i, t in expected.items()
                                                                           if i >= 1000}
+
+
+def test_flags_explain_themselves_and_a_flag_on_most_of_the_pool_is_its_norm(scored):
+    from pipeline.quality import explain_flags
+
+    _, m, _ = scored
+    cfg = QualityConfig(blur_threshold=50.0, low_information_std=2.0, near_duplicate_distance=4,
+                        exclude=["exact_duplicate", "low_information"])
+    assert m.info["medians"]["blur_score"] > 50  # the pool's own median, beside the absolute threshold
+    lines = {line.split(":")[0]: line for line in explain_flags(m.info, cfg)}
+    assert set(lines) == {"blurry", "exact_duplicate", "near_duplicate", "low_information"}
+    assert lines["blurry"].startswith("blurry: 2 of 7 samples (29%); measures soft edges")
+    assert "threshold: blur score < quality.blur_threshold 50" in lines["blurry"]
+    assert "does not keep them out of the pool" in lines["blurry"] and "norm" not in lines["blurry"]
+    assert "keeps them out of the pool (quality.exclude)" in lines["low_information"]
+    # A threshold every image misses: reported as what the pool is like, with its median and why it is absolute.
+    strict = cfg.model_copy(update={"blur_threshold": 10.0**9})
+    info = {**m.info, "counts": {**m.info["counts"], "blurry": 7}}
+    norm = next(x for x in explain_flags(info, strict) if x.startswith("blurry"))
+    assert "On 100% of the samples this is the pool's norm, not a defect of each image" in norm
+    assert f"the pool's median blur score is {m.info['medians']['blur_score']:g}" in norm
+    assert "the threshold is absolute" in norm and "lower the threshold or preprocess.size" in norm

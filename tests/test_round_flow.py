@@ -67,6 +67,14 @@ def test_two_rounds_cached_rerun_label_import_and_corrupt_inbox(tmp_path, tiny_m
     assert {"sample_id", "rank", "score", "strategy", "adapter_digest", "prediction", "confidence"} <= set(selection[0])
     for stage_dir in ("rounds/001/export", "rounds/001/selection"):
         read_manifest(art / stage_dir)  # digests verify
+    # One name for what chose each round's batch: the CLI table / round.json, selection.jsonl, metrics.jsonl and the
+    # summary the Prefect UI shows.
+    cold = read_jsonl(art / "rounds/000/selection/selection.jsonl")
+    assert {r["round_strategy"] for r in cold} == {first["strategy"]} == {"cold start: typical"}
+    assert {r["round_strategy"] for r in selection} == {second["strategy"]} == {"margin+cluster_margin"}
+    assert json.loads((art / "rounds/001/round.json").read_text())["strategy"] == second["strategy"]
+    assert {m["strategy"] for m in read_jsonl(art / "metrics.jsonl")} == {second["strategy"]}
+    assert f"- strategy: {second['strategy']}" in (art / "rounds/001/summary.md").read_text()
 
     before = stage_runs(art)
     again = labeling_round(str(config), simulate=False)

@@ -145,9 +145,12 @@ def test_only_a_deployed_round_that_exported_waits_for_labels():
     assert not should_wait(ProjectConfig(), STATE, deployed=True)
 
 
+MAX_ROUNDS_3 = "rounds.max_rounds = 3: round 2 is the last (0–2); trained, selects nothing"
+
+
 def _project_with_rounds(tmp_path):
     art = tmp_path / "art"
-    for r, stopped in ((0, None), (1, None), (2, "rounds.max_rounds = 3 reached (this is round 2)")):
+    for r, stopped in ((0, None), (1, None), (2, MAX_ROUNDS_3)):
         d = art / "rounds" / f"{r:03d}"
         d.mkdir(parents=True)
         state = {"round": r, "labeled": 6 * r, "pool": 40 - 6 * r, "strategy": "margin+cluster_margin",
@@ -178,7 +181,7 @@ def test_status_counts_agree_with_its_table_and_json_only_when_asked(tmp_path, m
     assert "last evaluated round 2: accuracy = exact_match 0.500" in out
     # Piped (no terminal, no COLUMNS): the table keeps its natural width instead of rich's 80 columns.
     assert "accuracy" in out and "strategy" in out and "…" not in out
-    assert "margin+cluster_margin" in out and "rounds.max_rounds = 3 reached (this is round 2)" in out
+    assert "margin+cluster_margin" in out and MAX_ROUNDS_3 in out
 
     res = CliRunner().invoke(app, ["status", "-c", str(config), "--json"])
     data = json.loads(res.output)
@@ -232,3 +235,23 @@ def test_library_logs_to_the_ui_skip_known_harmless_warnings_and_need_a_run():
         assert logging.getLogger("pipeline").handlers == before
     refs = [{"dir": "a", "digest": "b"}]
     assert detach(refs) == refs and detach(refs) is not refs and detach(refs)[0] is not refs[0]
+
+
+def test_next_steps_say_where_the_batch_is_how_labels_come_back_and_what_comes_next(tmp_path):
+    from pipeline.report import next_steps
+
+    files = {"tasks": "label_studio_tasks.json", "csv": "annotate.csv", "jsonl": "annotate.jsonl"}
+    export = tmp_path / "art" / "rounds" / "000" / "export"
+    state = {"round": 0, "labeled": 0, "selected": 40, "export_dir": str(export), "stopped": None}
+    lines = next_steps(state, artifacts=tmp_path / "art", config="my.yaml", files=files, batch_size=40, max_rounds=4)
+    text = "\n".join(lines)
+    assert f"batch for annotators (40 images): {export}" in text and "annotate.csv" in text
+    assert f"into {(tmp_path / 'art' / 'inbox').resolve()}" in text and "`tamis round -c my.yaml`" in text
+    assert "next round (1): imports them, trains the adapter on 40 labels, evaluates it and selects 40 more" in text
+    # The round before the last: its successor only trains and evaluates (rounds.max_rounds counts every round).
+    last = next_steps({**state, "round": 2, "labeled": 80}, artifacts=tmp_path / "art", config="", files=files,
+                      batch_size=40, max_rounds=4)
+    assert "next round (3): imports them, trains the adapter on 120 labels, evaluates it, and stops there" in last[-1]
+    stopped = next_steps({**state, "stopped": "rounds.max_rounds = 4: …", "adapter": {"adapter_dir": "/a/3"}},
+                         artifacts=tmp_path, config="", files=files, batch_size=40, max_rounds=4)
+    assert stopped == ["stopped: rounds.max_rounds = 4: …", "the model: adapter /a/3 (docs/use-your-model.md)"]

@@ -117,7 +117,7 @@ def test_an_unreadable_earlier_export_is_named_with_the_fix(tmp_path, pool):
 @pytest.mark.parametrize("rounds,n_labels,curve,pool_left,expect", [
     ({"max_rounds": 3}, 10, [], 5, None),
     ({"max_rounds": 3}, 10, [], 0, "pool exhausted"),
-    ({"max_rounds": 2}, 10, [], 5, "rounds.max_rounds = 2 reached (this is round 1)"),
+    ({"max_rounds": 2}, 10, [], 5, "rounds.max_rounds = 2: round 1 is the last (0–1); trained, selects nothing"),
     ({"label_budget": 10}, 10, [], 5, "label budget spent: 10 labels ≥ rounds.label_budget = 10"),
     ({"label_budget": 11}, 10, [], 5, None),
     ({"target_metric": 0.9}, 10, [0.5, 0.91], 5, "target reached: accuracy = 0.9100"),
@@ -211,7 +211,7 @@ def test_the_last_round_trains_on_its_new_labels_and_selects_nothing(tmp_path, p
     assert job["out_dir"].startswith(str(art / "train")) and job["init_adapter"]["adapter_digest"] == "a0"
     ids, _ = eligible_pool(art, pool, last, set())
     reason = stop_reason(c, last.index, len(last.labels), [{"round": 1, "metric": "accuracy", "value": 0.4}], len(ids))
-    assert ids and reason == "rounds.max_rounds = 2 reached (this is round 1)"  # the pool is not what stops it
+    assert ids and reason == "rounds.max_rounds = 2: round 1 is the last (0–1); trained, selects nothing"  # the pool is not what stops it
     finish(art, last, adapter={"adapter_digest": "a1", "adapter_dir": "x1"}, stopped=reason)
     answer_round(art, {"round": 1, "stopped": reason}, ground_truth=None, noise=0.0, seed=0)
     assert not (art / "inbox").exists()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import ScheduleConfig, parse_config
+from pipeline.config import ProjectConfig, ScheduleConfig, parse_config
 from pipeline.errors import ConfigError
 from pipeline.strategies.schedule import accuracy_stopped_rising, choose_phase, newest_label_accuracy
 
@@ -81,3 +81,31 @@ def test_phase_label_names_the_coverage_selector_not_its_nominal_random_strategy
     coverage = phase(20, cfg)
     assert coverage.strategy == "random" and phase_label(coverage.as_dict()) == "coverage: maxherding"
     assert phase_label(phase(200, cfg).as_dict()) == "margin+cluster_margin"
+
+
+def test_one_strategy_name_for_a_round_before_and_after_it_selects():
+    """The name the round's metrics and table are booked under before it selects (rounds.round_strategy, from its
+    phase) is the one its selection rows carry (select_round's round_strategy), for a coverage phase too."""
+    import numpy as np
+
+    from pipeline.config import SelectConfig
+    from pipeline.rounds import round_strategy
+    from pipeline.scoring import ScoreResult
+    from pipeline.selection import Space, select_round
+
+    sel_cfg = SelectConfig(batch_size=3, strategy="margin", diversity="top_k", cold_start="maxherding",
+                           schedule={"coverage": "maxherding", "labels_per_class": 10}, embeddings="pixels")
+    cfg = ProjectConfig(select=sel_cfg)
+    ids = [f"s{i}" for i in range(12)]
+    space = Space(ids, np.random.default_rng(0).normal(size=(12, 4)).astype(np.float32), "pixels")
+    coverage = choose_phase(sel_cfg.schedule, strategy="margin", diversity="top_k", labeled=2, n_classes=2,
+                            newest_accuracy=[]).as_dict()
+    rng = np.random.default_rng(1)
+    probs = rng.dirichlet([1, 1], size=12).astype(np.float32)
+    scores = ScoreResult(ids, space.emb, probs=probs)
+    for cold, phase in ((True, None), (False, coverage)):
+        out = select_round(sel_cfg, candidate_ids=ids, scores=None if cold else scores, space=space, labeled=set(),
+                           exclude=set(), answers=["a", "b"], history=[], cold_start=cold, seed=0, phase=phase)
+        assert {r["round_strategy"] for r in out.rows} == {round_strategy(cfg, cold=cold, phase=phase)}
+    assert round_strategy(cfg, cold=True) == "cold start: maxherding"
+    assert round_strategy(cfg, cold=False, phase=coverage) == "coverage: maxherding"

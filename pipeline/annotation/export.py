@@ -43,7 +43,8 @@ JSONL_FILE = "annotate.jsonl"
 IMAGES_DIR = "images"
 # Names used in the labeling interface; the importer and the simulated annotator read results by these.
 FROM_NAME, TO_NAME = "answer", "image"
-TABLE_COLUMNS = ("sample_id", "image", "text", "model_answer", "confidence", "label")
+# original_image: the file name the image had in its source, so an annotator (and the team) can find it there.
+TABLE_COLUMNS = ("sample_id", "image", "original_image", "text", "model_answer", "confidence", "label")
 
 # A file name on every OS: no separators, no leading dot (hidden files, "." and ".."), bounded length.
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -183,6 +184,7 @@ def _table_rows(items: Sequence[ExportItem]) -> list[dict[str, Any]]:
         {
             "sample_id": it.sample_id,
             "image": it.image_name,
+            "original_image": it.original_name,
             "text": it.question,
             "model_answer": it.prediction,
             "confidence": it.confidence,

@@ -146,7 +146,10 @@ class SimulatedAnnotator(Section):
 
 
 class RoundsConfig(Section):
-    max_rounds: int = Field(default=5, ge=1)
+    max_rounds: int = Field(default=5, ge=1, description="Rounds in all, round 0 included: rounds 0 … max_rounds − 1 "
+                            "run; round 0 selects without a model, every later round trains on all labels so far, "
+                            "and the last trains and evaluates but selects nothing (max_rounds: 3 = 2 exported "
+                            "batches, 2 trained adapters)")
     label_budget: int | None = Field(default=None, ge=1)
     # Stop once the annotators' recorded hours (the ledger's times) reach this; None = never on this rule.
     budget_hours: float | None = Field(default=None, gt=0)

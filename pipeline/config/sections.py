@@ -260,8 +260,12 @@ class CandidatesConfig(Section):
     exist once the pool is scored).
     """
 
-    method: Literal["all", "restrict"] = Field(default="all", description="all = score every eligible sample; "
-                                               "restrict = score only the candidates")
+    method: Literal["auto", "all", "restrict"] = Field(
+        default="auto", description="auto = all up to auto_above eligible samples, restrict above (when "
+        "select.embeddings gives a space to restrict in); all = score every eligible sample; restrict = score only "
+        "the candidates")
+    auto_above: int = Field(default=10_000, ge=1, description="method auto restricts a round whose eligible pool is "
+                            "larger than this (pipeline.strategies.candidates.candidates_choice says why this size)")
     size: int | None = Field(default=None, ge=1, description="candidates per round; None = per_batch × "
                              "select.batch_size")
     per_batch: int = Field(default=10, ge=1, description="the default size as a multiple of select.batch_size")
@@ -332,7 +336,7 @@ class SelectConfig(Section):
 
     @model_validator(mode="after")
     def _candidates_need_a_space(self) -> SelectConfig:
-        if self.candidates.method != "all" and self.embeddings.source == "model":
+        if self.candidates.method == "restrict" and self.embeddings.source == "model":
             raise ValueError("select.candidates: restrict picks candidates before any forward, from the selection "
                              "embeddings, and select.embeddings.source 'model' has none before scoring; set "
                              "select.embeddings to pool, pixels, vision_tower or file, or select.candidates: all")
@@ -340,10 +344,11 @@ class SelectConfig(Section):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> Any:
-        # A config that does not restrict candidates dumps as it did before the field existed, so every stage keyed
-        # on the select section keeps its cache key.
+        # A config that does not restrict candidates, or leaves them all at their defaults (auto), dumps as it did
+        # before the field existed, so every stage keyed on the select section keeps its cache key; what auto chose
+        # for a round is in the select stage's own parameters (pipeline.selection.plan_selection).
         data = handler(self)
-        if self.candidates.method == "all" and isinstance(data, dict):
+        if isinstance(data, dict) and (self.candidates.method == "all" or self.candidates == CandidatesConfig()):
             data.pop("candidates", None)
         return data
 

@@ -31,6 +31,7 @@ from pipeline.store import (
     canonical_json,
     digest_json,
     digest_path,
+    find_valid_manifest,
     load_stage_dataset,
     reuse_or_compute,
     stage_key,
@@ -359,6 +360,17 @@ def ingest_stage(artifacts: str | os.PathLike[str], source_digest: str, data_con
     cfg = StageConfig({"data": {**data_config, "verify": "stat"}}, artifacts=artifacts)
     m = reuse_or_compute(out_dir, key, lambda: ingest(cfg, Path(out_dir), digest=source_digest))
     return {"dir": str(out_dir), "digest": m.key, "counts": m.info["counts"]}
+
+
+def ingest_cached(artifacts: str | os.PathLike[str], source_digest: str,
+                  data_config: dict[str, Any]) -> dict[str, Any] | None:
+    """The ingest stage's ref when its verified output for these sources is already on disk, else None: what lets
+    `tamis ingest` answer "nothing changed" without starting Prefect (the stage would only reuse that folder)."""
+    data_config = ingest_key_config(data_config)
+    key = stage_key(STAGE, INGEST_VERSION, {"sources": source_digest}, data_config)
+    out = ingest_dir(artifacts, source_digest, data_config)
+    m = find_valid_manifest(out, key)
+    return None if m is None else {"dir": str(out), "digest": m.key, "counts": m.info["counts"]}
 
 
 LATEST = "latest.json"  # artifacts/ingest/latest.json: the ref of the last ingest run

@@ -199,6 +199,39 @@ def cluster_labels(ids: Sequence[str], emb: np.ndarray, *, n_clusters: int, seed
     return labels
 
 
+@dataclass(frozen=True)
+class CandidatesChoice:
+    """What a scoring round does under select.candidates (`all` or `restrict`), and the sentence saying why."""
+
+    method: str
+    reason: str
+
+
+def candidates_choice(cand: Any, *, eligible: int, embeddings_source: str) -> CandidatesChoice:
+    """`select.candidates.method` resolved for a round with `eligible` pool samples.
+
+    auto scores every eligible sample up to `auto_above` (10,000 by default) and restricts above it. Why that size:
+    restriction cost no labels on the label-efficiency benchmark (benchmarks/results/label_efficiency.json,
+    `candidates_check`: MaxHerding + margin needed 34.2 labels to 95 % of full-data accuracy with 200 candidates of
+    1,346 eligible and 34.2 scoring all, within each other's 95 % interval), while scoring everything grows with the
+    pool: benchmarks/results/pool_scale.json scores 10k samples in 8.9 s and 100k in 84 s with the tiny model, a
+    real VLM ~10-100× slower a sample. Up to 10k a full pass costs little and restriction would keep most of the pool
+    anyway at the default 10 × batch candidates; above it the full pass is what a round waits for.
+    """
+    if cand.method != "auto":
+        return CandidatesChoice(cand.method, f"select.candidates.method is {cand.method}")
+    if eligible <= cand.auto_above:
+        return CandidatesChoice("all", f"auto: {eligible:,} eligible samples ≤ select.candidates.auto_above "
+                                f"({cand.auto_above:,}), so scoring all of them is cheap")
+    if embeddings_source == "model":
+        return CandidatesChoice("all", f"auto: {eligible:,} eligible samples > auto_above ({cand.auto_above:,}), but "
+                                "select.embeddings is model, which gives no space to restrict in before scoring; set "
+                                "select.embeddings to pool, pixels or vision_tower to score only candidates")
+    return CandidatesChoice("restrict", f"auto: {eligible:,} eligible samples > select.candidates.auto_above "
+                            f"({cand.auto_above:,}): scoring every one costs a forward each, and restricting cost "
+                            "no labels on the label-efficiency benchmark (docs/selection.md)")
+
+
 def picks_by_space(strategy: str, diversity: str) -> bool:
     """Whether a round's choice reads the selection space alone (a coverage phase: a heuristic without input and a
     selector that needs no scores), so its own selector can choose its candidates without the model."""

@@ -28,6 +28,16 @@ class Phase:
         return {"phase": self.name, "strategy": self.strategy, "diversity": self.diversity, "reason": self.reason}
 
 
+def strategy_label(cold_start: str, strategy: str, diversity: str, *, cold: bool,
+                   phase: Mapping[str, str] | None = None) -> str:
+    """The one name of what chose a round's batch, as the CLI table, round.json, selection.jsonl (`round_strategy`),
+    metrics.jsonl and the Prefect UI all print it: "cold start: maxherding" for the first batch (select.cold_start),
+    the schedule's phase when there is one (phase_label), else select.strategy+select.diversity."""
+    if cold:
+        return f"cold start: {cold_start}"
+    return phase_label(phase) if phase else f"{strategy}+{diversity}"
+
+
 def phase_label(phase: Mapping[str, str]) -> str:
     """How a round's selection reads in tables: "coverage: maxherding" (the coverage phase ignores the model's
     scores, so its nominal strategy, random, would mislead), else "strategy+diversity"."""

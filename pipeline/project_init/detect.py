@@ -1,0 +1,260 @@
+"""What `tamis init` finds at the path it is given: the kind of source, its columns, its images and answers.
+
+| path | kind | labeled |
+|---|---|---|
+| a folder of images, flat | `folder` | no: the unlabeled pool |
+| a folder with one sub-folder of images per class | `folder` | yes: the sub-folder names are the answers |
+| a folder saved with `datasets`' `save_to_disk` | `hf` | where its answer column has values |
+| a `.csv` / `.jsonl` manifest | `csv` / `jsonl` | rows with an answer |
+| a `.json` Label Studio export (a list of tasks with `data`) | `label_studio` | tasks with an annotation |
+
+Manifest columns are found by content, not only by name: the image column is the one whose cells name image files
+that exist (relative to the manifest's folder, as the readers resolve them), the answer column the one named like an
+answer (answer, label, category, class…), or else the only other column. Every refusal names the file and the fix.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import DataError
+
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"})
+ANSWER_NAMES = ("answer", "label", "labels", "category", "class", "target", "caption", "y")
+IMAGE_NAMES = ("image", "file", "filename", "file_name", "path", "image_path", "img", "filepath")
+SIZE_SAMPLE = 200  # images whose header is read for their size (the preprocess size reads their median)
+
+
+@dataclass
+class Found:
+    """One source as `tamis init` writes it (`source`: a data.sources entry) and what it holds."""
+
+    source: dict[str, Any]
+    images: int
+    labeled: int
+    answers: list[str] = field(default_factory=list)  # the answers seen (class folders, answer cells)
+    sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of a sample of its images
+    what: str = ""  # one line for the report: "flat folder of 1,000 images (unlabeled pool)"
+
+
+def _is_image(name: str) -> bool:
+    return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES
+
+
+def image_sizes(paths: list[Path], limit: int = SIZE_SAMPLE) -> list[tuple[int, int]]:
+    """(width, height) of up to `limit` of `paths`, spread over the list; reads headers only. Unreadable files are
+    left to ingest, which quarantines them with a reason."""
+    from PIL import Image
+
+    step = max(1, len(paths) // limit)
+    out = []
+    for p in paths[::step][:limit]:
+        try:
+            with Image.open(p) as im:
+                out.append(im.size)
+        except (OSError, ValueError, Image.DecompressionBombError):
+            continue
+    return out
+
+
+def _folder(path: Path) -> Found:
+    if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (
+            path / "state.json").is_file():
+        return _hf(path)
+    top = sorted(e.name for e in os.scandir(path) if e.is_file() and _is_image(e.name))
+    classes: dict[str, list[Path]] = {}
+    for d in sorted((e for e in os.scandir(path) if e.is_dir() and not e.name.startswith(".")), key=lambda e: e.name):
+        files = [Path(r, f) for r, _, fs in os.walk(d.path) for f in sorted(fs) if _is_image(f)]
+        if files:
+            classes[d.name] = files
+    n_labeled = sum(len(v) for v in classes.values())
+    if not top and not n_labeled:
+        raise DataError(f"{path}: no images found (looked for {', '.join(sorted(IMAGE_SUFFIXES))} files, directly "
+                        "or one sub-folder per class); point tamis init at the folder that holds your images, or at a "
+                        "CSV / JSONL manifest")
+    if len(classes) == 1 and not top:
+        raise DataError(f"{path}: one sub-folder ({next(iter(classes))}) and no images beside it: a labeled folder "
+                        "needs one sub-folder per class (at least 2); point tamis init at "
+                        f"{path / next(iter(classes))} for an unlabeled pool")
+    paths = [path / n for n in top] + [p for v in classes.values() for p in v]
+    if classes and len(classes) >= 2:
+        what = (f"folder of {len(paths):,} images: {n_labeled:,} in {len(classes)} class sub-folders (labeled)"
+                + (f", {len(top):,} directly in it (unlabeled pool)" if top else ""))
+    else:
+        what = f"flat folder of {len(top):,} images (unlabeled pool)"
+        classes, n_labeled = {}, 0
+    return Found({"kind": "folder", "path": str(path)}, len(paths), n_labeled, sorted(classes),
+                 image_sizes(paths), what)
+
+
+def _hf(path: Path) -> Found:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as exc:
+        raise DataError(f"{path}: looks like a saved HF dataset but does not load ({exc}); save it again with "
+                        "`dataset.save_to_disk(...)`") from None
+    split = None
+    if isinstance(ds, datasets.DatasetDict):
+        split = "train" if "train" in ds else next(iter(ds))
+        ds = ds[split]
+    cols = ds.column_names
+    image = next((c for c in cols if type(ds.features[c]).__name__ == "Image"), None) or _by_name(cols, IMAGE_NAMES)
+    if image is None:
+        raise DataError(f"{path}: no image column among {cols}; name it `image` or give it the Image feature")
+    answer = _by_name([c for c in cols if c != image], ANSWER_NAMES)
+    answers = [] if answer is None else [_cell(v) for v in ds[answer][:]]
+    source = {"kind": "hf", "path": str(path), "image_column": image}
+    if split is not None:
+        source["hf_split"] = split
+    if answer is not None:
+        source["answer_column"] = answer
+    labeled = [a for a in answers if a]
+    return Found(source, len(ds), len(labeled), sorted(set(labeled)), [],
+                 f"saved HF dataset of {len(ds):,} rows ({len(labeled):,} with an answer in `{answer}`)")
+
+
+def _by_name(columns: list[str], names: tuple[str, ...]) -> str | None:
+    low = {c.lower(): c for c in columns}
+    return next((low[n] for n in names if n in low), None)
+
+
+def _cell(v: Any) -> str:
+    return "" if v is None else str(v).strip()
+
+
+def read_table(path: Path) -> list[dict[str, Any]]:
+    """The rows of a CSV (header row) or JSONL file, as dicts; a clear DataError when it cannot be read."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc.strerror}); check the path and its permissions") from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}); re-save it as UTF-8") from None
+    if path.suffix.lower() == ".jsonl":
+        rows = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except ValueError as exc:
+                    raise DataError(f"{path}:{i}: not valid JSON ({exc.msg}); one JSON object per line") from None
+                if not isinstance(rec, dict):
+                    raise DataError(f"{path}:{i}: a JSON line must be an object with an image and an answer field")
+                rows.append(rec)
+    else:
+        try:
+            rows = list(csv.DictReader(io.StringIO(text, newline=""), strict=True))
+        except csv.Error as exc:
+            raise DataError(f"{path}: not valid CSV ({exc}); save it with a header row and quote cells that hold "
+                            "commas") from None
+    if not rows:
+        raise DataError(f"{path}: no rows; a manifest needs a header (CSV) and one row per image")
+    return rows
+
+
+def manifest_columns(path: Path, rows: list[dict[str, Any]]) -> tuple[str, str | None, list[Path]]:
+    """(image column, answer column or None, the image files found) of a manifest's rows: the image column is the one
+    whose cells name existing images relative to the manifest's folder (a name like `image` breaks ties)."""
+    base = path.resolve().parent
+    columns = list(rows[0])
+
+    def found(col: str) -> list[Path]:
+        paths = [(base / _cell(r.get(col))) for r in rows if _cell(r.get(col))]
+        return [p for p in paths if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
+
+    hits = {c: found(c) for c in columns}
+    best = max(columns, key=lambda c: (len(hits[c]), c.lower() in IMAGE_NAMES))
+    if not hits[best]:
+        named = [c for c in columns if any(os.path.splitext(_cell(r.get(c)))[1].lower() in IMAGE_SUFFIXES
+                                           for r in rows[:50])]
+        example = _cell(rows[0].get(named[0])) if named else ""
+        raise DataError(f"{path}: none of its columns ({', '.join(columns)}) names an image file found relative to "
+                        f"{base}" + (f" (column {named[0]!r}, e.g. {example!r}, is not there)" if named else "")
+                        + "; put the manifest beside its images or write the image paths relative to its folder")
+    others = [c for c in columns if c != best]
+    answer = _by_name(others, ANSWER_NAMES) or (others[0] if len(others) == 1 else None)
+    return best, answer, hits[best]
+
+
+def _manifest(path: Path) -> Found:
+    rows = read_table(path)
+    image, answer, files = manifest_columns(path, rows)
+    answers = [_cell(r.get(answer)) for r in rows] if answer else []
+    labeled = [a for a in answers if a]
+    source = {"kind": "jsonl" if path.suffix.lower() == ".jsonl" else "csv", "path": str(path),
+              "image_column": image}
+    if answer is not None:
+        source["answer_column"] = answer
+    missing = len(rows) - len(files)
+    what = (f"{source['kind'].upper()} manifest of {len(rows):,} rows (images in `{image}`"
+            + (f", answers in `{answer}`: {len(labeled):,} labeled" if answer else ", no answer column") + ")"
+            + (f"; {missing:,} rows name no image file found (ingest quarantines them with a reason)" if missing
+               else ""))
+    return Found(source, len(rows), len(labeled), sorted(set(labeled)), image_sizes(files), what)
+
+
+def _label_studio(path: Path) -> Found:
+    try:
+        tasks = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not readable JSON ({exc}); export the project from Label Studio as JSON") from None
+    if not isinstance(tasks, list) or not tasks or not all(isinstance(t, dict) and "data" in t for t in tasks):
+        raise DataError(f"{path}: not a Label Studio export (a JSON list of tasks, each with `data`); export the "
+                        "project as JSON, or give a CSV / JSONL manifest")
+    keys = Counter(k for t in tasks for k, v in t["data"].items() if isinstance(v, str)
+                   and os.path.splitext(v.split("?")[0])[1].lower() in IMAGE_SUFFIXES)
+    image = keys.most_common(1)[0][0] if keys else "image"
+    labeled = sum(1 for t in tasks if any(not a.get("was_cancelled") and a.get("result")
+                                          for a in t.get("annotations") or []))
+    return Found({"kind": "label_studio", "path": str(path), "data_image_key": image}, len(tasks), labeled, [], [],
+                 f"Label Studio export of {len(tasks):,} tasks ({labeled:,} annotated; images in data.{image})")
+
+
+def detect_source(path: Path) -> Found:
+    """The source at `path` (module docstring's table); DataError naming the file and the fix otherwise."""
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder; give tamis init a folder of images, a CSV / JSONL manifest, "
+                        "a Label Studio JSON export or a saved HF dataset")
+    if path.is_dir():
+        return _folder(path)
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".jsonl"):
+        return _manifest(path)
+    if suffix == ".json":
+        return _label_studio(path)
+    raise DataError(f"{path}: tamis init reads a folder of images, a .csv / .jsonl manifest, a Label Studio .json "
+                    f"export or a saved HF dataset folder, not a {suffix or 'suffix-less'} file")
+
+
+def detect_test(path: Path, pool: Path) -> Found:
+    """The labeled test file (CSV / JSONL, e.g. `labels.csv` with `file,category`): its columns, answers and images,
+    as a source whose rows all go to the test split. It must hold answers, and must not live inside a pool folder
+    (the folder reader would read its images again as samples)."""
+    if not path.is_file():
+        raise DataError(f"{path}: test file not found; pass --test a CSV or JSONL with one row per test image and its "
+                        "answer (e.g. labels.csv with file,category)")
+    if path.suffix.lower() not in (".csv", ".jsonl"):
+        raise DataError(f"{path}: a test file is a .csv or .jsonl table (image, answer), not {path.suffix or 'this'}")
+    if pool.is_dir() and path.resolve().is_relative_to(pool.resolve()):
+        raise DataError(f"{path}: the test set lies inside the pool folder {pool}, whose images would then be read "
+                        "as pool samples too; move the test images and their labels file out of it")
+    found = _manifest(path)
+    if "answer_column" not in found.source:
+        cols = ", ".join(read_table(path)[0])
+        raise DataError(f"{path}: no answer column found among {cols}; name it answer, label or category (or keep "
+                        "just two columns: the image and its answer)")
+    if found.labeled < 1:
+        raise DataError(f"{path}: column {found.source['answer_column']!r} is empty in every row: a test file needs "
+                        "each image's answer")
+    found.source["default_split"] = "test"
+    found.what = "test set: " + found.what
+    return found

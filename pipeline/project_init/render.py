@@ -1,0 +1,108 @@
+"""The YAML text `tamis init` writes: the layout of configs/smolvlm-qlora.yaml (a pretrained model) or of
+configs/demo.yaml (a tiny stand-in), each chosen value with the reason settings.py gave for it as a comment."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pipeline.project_init.detect import Found
+from pipeline.project_init.settings import ModelFacts, Settings
+
+# The tiny stand-in's settings from configs/demo.yaml, where the comments say why each is needed.
+TINY_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "fc1", "fc2", "proj", "gate_proj", "up_proj",
+                "down_proj"]
+
+
+def _v(x: Any) -> str:
+    """A scalar or list as YAML (JSON is YAML, and quotes what needs quoting)."""
+    return json.dumps(x, ensure_ascii=False)
+
+
+def _source_lines(f: Found) -> list[str]:
+    lines = [f"    # {f.what}"]
+    first = True
+    for k, v in f.source.items():
+        lines.append(f"    {'- ' if first else '  '}{k}: {_v(v)}")
+        first = False
+    return lines
+
+
+def _model_lines(model: str, facts: ModelFacts, s: Settings) -> list[str]:
+    family = facts.family if facts.family not in (None,) else None
+    lines = ["model:", f"  # {s.hardware}" + (f"; tamis hardware's plan for this model: {s.train_plan}"
+                                              if s.train_plan else ""),
+             "  # A hub ID (downloaded once into the HF cache) or a local folder with config.json + weights + processor.",
+             f"  name_or_path: {_v(model)}"]
+    if family:
+        lines.append(f"  family: {family}")
+    if facts.tiny_size is not None:
+        lines += ["  mode: qlora",
+                  "  # A tiny random-weight stand-in (configs/demo.yaml says why): rank 64 on every projection, the",
+                  "  # random vision tower included, so it can learn from images at all.",
+                  "  lora_r: 64", "  lora_alpha: 128", "  lora_dropout: 0.05",
+                  f"  target_modules: {_v(TINY_TARGETS)}", "  compute_dtype: auto"]
+    else:
+        lines += ["  mode: qlora                          # 4-bit NF4 base + LoRA",
+                  "  lora_r: 16", "  lora_alpha: 32", "  lora_dropout: 0.05",
+                  "  compute_dtype: auto                  # bf16 on Ampere or newer, fp16 on older GPUs, fp32 on CPU"]
+    return lines
+
+
+def _train_lines(facts: ModelFacts) -> list[str]:
+    if facts.tiny_size is not None:
+        return ["train:", "  # A fixed step budget keeps a tiny model's rounds short on a CPU; each round continues the",
+                "  # previous adapter (a fresh tiny adapter sits at chance for a random number of steps).",
+                "  batch_size: 8", "  effective_batch_size: 8", "  max_steps: 100", "  learning_rate: 0.002",
+                "  checkpoint_every: 20", "  init: warm"]
+    return ["train:", "  batch_size: auto                     # the memory planner picks micro-batch × accumulation",
+            "  effective_batch_size: 16", "  gradient_checkpointing: auto", "  epochs: 2",
+            "  learning_rate: 0.0002", "  checkpoint_every: 50                 # a killed round resumes from here",
+            "  init: fresh"]
+
+
+def render_config(found: list[Found], *, answers: list[str] | None, question: str, model: str, facts: ModelFacts,
+                  settings: Settings, pool: int, artifacts: str) -> str:
+    s = settings
+    lines = ["# Written by `tamis init`: every setting below was chosen from your data, model and hardware, with the",
+             "# reason beside it. Edit freely; `tamis config show -c THIS_FILE` prints it with every default filled in.",
+             "# Paths are absolute, so tamis runs this project from any folder.", "seed: 0", "paths:",
+             "  # datasets, adapters, rounds/NNN/{selection,export}, the label ledger and the inbox",
+             f"  artifacts: {_v(artifacts)}",
+             "data:", "  sources:"]
+    for f in found:
+        lines += _source_lines(f)
+    if answers is None:
+        lines.append("  # No answer set found (no class folders, no answers): open answers, scored by token entropy.")
+        lines.append("  answers: null")
+    else:
+        lines.append(f"  # {len(answers)} answers, from " + " and ".join(
+            "the class folders" if f.source["kind"] == "folder" else f"{f.source['path']}" for f in found if f.answers)
+            + ": a closed set scores as classification over them.")
+        lines.append(f"  answers: {_v(answers)}")
+    lines += [f"  question: {_v(question)}", "preprocess:", f"  # {s.size.why}", f"  size: {s.size.value}",
+              "  pad: square                          # keep the aspect ratio: never stretch",
+              f"  num_proc: {s.num_proc.value}                          # {s.num_proc.why}",
+              "quality:",
+              "  # Flags never delete anything; these two keep a sample out of the pool (docs/data.md).",
+              "  exclude: [exact_duplicate, low_information]",
+              "augment:", "  copies: 0"]
+    lines += _model_lines(model, facts, s)
+    lines += _train_lines(facts)
+    lines += ["select:", f"  # {s.batch_size.why}", f"  batch_size: {s.batch_size.value}",
+              f"  # {s.embeddings.why}", f"  embeddings: {s.embeddings.value}",
+              "  # The label-efficiency winner: coverage while labels are scarce (< 10 per class), then margin.",
+              "  cold_start: maxherding", "  strategy: margin",
+              "  diversity: top_k" if facts.tiny_size is not None else "  diversity: cluster_margin",
+              "  schedule: {coverage: maxherding, switch: labels_per_class, labels_per_class: 10}",
+              f"  # {s.shard_size.why}", f"  shard_size: {s.shard_size.value}",
+              f"  score_batch_size: {s.score_batch_size.value}               # {s.score_batch_size.why}",
+              f"  # auto: score every eligible sample up to 10,000, restrict above (this pool: {pool:,}); the",
+              "  # round summary says which it did and why (docs/selection.md).",
+              "  candidates: auto",
+              "annotate:", "  export_images: prepared", "  formats: [label_studio, csv, jsonl, images]",
+              "labelcheck:", "  method: heldout                      # scores new labels with the last adapter",
+              "rounds:", "  # Rounds in all, round 0 included; the last one trains and evaluates but selects nothing.",
+              "  max_rounds: 10",
+              "  simulate_annotator: false"]
+    return "\n".join(lines) + "\n"

@@ -51,11 +51,9 @@ def _curve_lines(rows: Sequence[Mapping[str, Any]], metric: str) -> dict[str, di
     return lines
 
 
-def plot_learning_curve(
-    rows: Sequence[Mapping[str, Any]], out_png: str | os.PathLike[str], *, metric: str | None = None,
-    chance: float | None = None,
-) -> Path:
-    """Metric vs number of labels, one line per strategy, each point with its 95 % bootstrap interval when logged.
+def curve_figure(rows: Sequence[Mapping[str, Any]], *, metric: str | None = None, chance: float | None = None) -> Any:
+    """The learning curve as a matplotlib Figure (the caller closes it): metric vs number of labels, one line per
+    strategy, each point with its 95 % bootstrap interval when logged.
 
     The y-axis starts at `chance` (a closed answer set's 1 / number of answers, drawn as a line) or 0, and ends at 1:
     a 3-point gain shows as 3 points of the whole scale, not as a cliff. Labels are integers on the x-axis; a single
@@ -67,34 +65,48 @@ def plot_learning_curve(
     from matplotlib.ticker import MaxNLocator
 
     if not rows:
-        raise DataError(f"no metrics to plot into {out_png}: no round has been evaluated yet")
+        raise DataError("no metrics to plot: no round has been evaluated yet")
     metric = metric or rows[0]["metric"]
     lines = _curve_lines(rows, metric)
     if not lines:
         raise DataError(f"no rows for metric {metric!r}; logged: {', '.join(sorted({r['metric'] for r in rows}))}")
     xs_all = sorted({x for pts in lines.values() for x in pts})
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for strategy, pts in sorted(lines.items()):
+        xs = sorted(pts)
+        ys = [pts[x][0] for x in xs]
+        ci = [pts[x][1] or [pts[x][0], pts[x][0]] for x in xs]
+        err = [[y - lo for y, (lo, _) in zip(ys, ci, strict=True)], [hi - y for y, (_, hi) in zip(ys, ci, strict=True)]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=4, label=strategy)
+    floor = 0.0 if chance is None else float(chance)
+    if chance is not None:
+        ax.axhline(chance, color="grey", linestyle="--", linewidth=1, label=f"chance ({chance:.3f})")
+    ax.set_ylim(max(0.0, floor - 0.02), 1.0)  # the chance line just above the axis, visible
+    span = xs_all[-1] - xs_all[0]
+    pad = max(1, round(span * 0.1)) if span else max(1, round(xs_all[0] * 0.25))
+    ax.set_xlim(max(0, xs_all[0] - pad), xs_all[-1] + pad)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
+    has_ci = any(p[1] for pts in lines.values() for p in pts.values())
+    ax.set_xlabel("labeled samples")
+    ax.set_ylabel(metric + (" (95% bootstrap interval)" if has_ci else ""))
+    ax.set_title(f"Learning curve ({metric})")
+    ax.grid(True, alpha=0.3)
+    if len(lines) > 1 or chance is not None:
+        ax.legend(loc="lower right")
+    return fig
+
+
+def plot_learning_curve(
+    rows: Sequence[Mapping[str, Any]], out_png: str | os.PathLike[str], *, metric: str | None = None,
+    chance: float | None = None,
+) -> Path:
+    """curve_figure written as a PNG."""
+    if not rows:
+        raise DataError(f"no metrics to plot into {out_png}: no round has been evaluated yet")
+    fig = curve_figure(rows, metric=metric, chance=chance)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
     try:
-        for strategy, pts in sorted(lines.items()):
-            xs = sorted(pts)
-            ys = [pts[x][0] for x in xs]
-            ci = [pts[x][1] or [pts[x][0], pts[x][0]] for x in xs]
-            err = [[y - lo for y, (lo, _) in zip(ys, ci, strict=True)], [hi - y for y, (_, hi) in zip(ys, ci, strict=True)]]
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=4, label=strategy)
-        floor = 0.0 if chance is None else float(chance)
-        if chance is not None:
-            ax.axhline(chance, color="grey", linestyle="--", linewidth=1, label=f"chance ({chance:.3f})")
-        ax.set_ylim(max(0.0, floor - 0.02), 1.0)  # the chance line just above the axis, visible
-        span = max(xs_all[-1] - xs_all[0], 1)
-        pad = max(1, round(span * 0.1)) if len(xs_all) > 1 else max(1, round(xs_all[0] * 0.25))
-        ax.set_xlim(max(0, xs_all[0] - pad), xs_all[-1] + pad)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
-        ax.set_xlabel("labeled samples")
-        ax.set_ylabel(metric + " (95% bootstrap interval)" * any(p[1] for pts in lines.values() for p in pts.values()))
-        ax.set_title(f"Learning curve ({metric})")
-        ax.grid(True, alpha=0.3)
-        if len(lines) > 1 or chance is not None:
-            ax.legend(loc="lower right")
         buf = io.BytesIO()
         # No timestamp / software metadata, so the same metrics give the same bytes.
         fig.savefig(buf, format="png", metadata={"Software": None})

@@ -132,7 +132,8 @@ def model_card(prov: Provenance, *, model_cfg: Any, loaded: Any, adapter_config:
               "tags:", "- tamis", "- active-learning", f"- {model_cfg.mode}", "---", ""]
     lines = header + [
         f"# tamis model: round {prov.round}", "",
-        "Trained by [tamis](https://github.com/) (data-centric active learning for vision-language models).", "",
+        "Trained by tamis (data-centric active learning for vision-language models) from the labels listed in "
+        "`lineage.json`.", "",
         "## Provenance", "",
         f"- base model: `{base}` (family `{loaded.family.name}`)",
         f"- mode: **{model_cfg.mode}**" + (" (4-bit NF4 base + LoRA)" if model_cfg.mode == "qlora" else ""),

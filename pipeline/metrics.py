@@ -78,7 +78,9 @@ def curve_figure(rows: Sequence[Mapping[str, Any]], *, metric: str | None = None
         ci = [pts[x][1] or [pts[x][0], pts[x][0]] for x in xs]
         err = [[y - lo for y, (lo, _) in zip(ys, ci, strict=True)], [hi - y for y, (_, hi) in zip(ys, ci, strict=True)]]
         ax.errorbar(xs, ys, yerr=err, marker="o", capsize=4, label=strategy)
-    floor = 0.0 if chance is None else float(chance)
+    # Chance level, or lower where a point or its interval falls below it (a model worse than chance shows so).
+    lows = [min(v, ci[0] if ci else v) for pts in lines.values() for v, ci in pts.values()]
+    floor = 0.0 if chance is None else min(float(chance), *lows)
     if chance is not None:
         ax.axhline(chance, color="grey", linestyle="--", linewidth=1, label=f"chance ({chance:.3f})")
     ax.set_ylim(max(0.0, floor - 0.02), 1.0)  # the chance line just above the axis, visible
@@ -92,7 +94,7 @@ def curve_figure(rows: Sequence[Mapping[str, Any]], *, metric: str | None = None
     ax.set_title(f"Learning curve ({metric})")
     ax.grid(True, alpha=0.3)
     if len(lines) > 1 or chance is not None:
-        ax.legend(loc="lower right")
+        ax.legend(loc="best")
     return fig
 
 

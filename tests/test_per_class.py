@@ -108,6 +108,12 @@ def test_the_learning_curve_starts_at_chance_with_integer_ticks_and_intervals():
     finally:
         plt.close(fig)
     two = one + [{"round": 2, "labels": 36, "metric": "accuracy", "value": 0.615, "strategy": "margin"}]
+    low = [{**one[0], "value": 0.1, "ci95": [0.0, 0.25]}]
+    fig = curve_figure(low, chance=0.1)  # an interval below chance stays on the axis
+    try:
+        assert fig.axes[0].get_ylim() == (0.0, 1.0)
+    finally:
+        plt.close(fig)
     fig = curve_figure(two)  # open answers: from 0
     try:
         assert fig.axes[0].get_ylim() == (0.0, 1.0)

@@ -98,6 +98,39 @@ def test_predict_answers_new_images_and_reports_an_undecodable_file(project, tmp
     assert "rounds with an adapter: 1" in str(bad.exception)
 
 
+def test_predict_reads_a_manifest_with_questions_and_a_saved_dataset(project, tmp_path):
+    import datasets
+
+    config, art, states = project
+    answers = load_config(config).data.answers
+    adapter = states[1]["adapter"]["adapter_dir"]
+    names = photo_folder(tmp_path / "imgs")
+    manifest = tmp_path / "new.jsonl"
+    rows = [{"image": f"imgs/{names[0]}", "question": "Which digit is it?"}, {"image": f"imgs/{names[1]}"},
+            {"image": "../outside.png"}]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "m.csv"
+    res = runner.invoke(app, ["predict", str(manifest), "-c", str(config), "--out", str(out), "--adapter", adapter])
+    assert res.exit_code == 0, res.output
+    got = read_csv(out)
+    assert [r["file"] for r in got[:2]] == [f"imgs/{names[0]}", f"imgs/{names[1]}"]
+    assert got[0]["question"] == "Which digit is it?"
+    assert got[1]["question"] == load_config(config).data.question  # the project's question when a row has none
+    assert all(r["answer"] in answers for r in got[:2]) and adapter in got[0]["adapter"]
+    assert got[2]["answer"] == "" and "escapes the dataset root" in got[2]["error"]
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"image": (tmp_path / "imgs" / n).read_bytes()} for n in names[:2]]).save_to_disk(
+        str(saved))
+    res = runner.invoke(app, ["predict", str(saved), "-c", str(config), "--out", str(tmp_path / "d.csv")])
+    assert res.exit_code == 0, res.output
+    got = read_csv(tmp_path / "d.csv")
+    assert len(got) == 2 and all(r["answer"] in answers and r["file"].startswith(str(saved)) for r in got)
+
+    missing = runner.invoke(app, ["predict", str(tmp_path / "nope"), "-c", str(config)])
+    assert "does not exist" in str(missing.exception)
+
+
 # Plain transformers in a fresh interpreter: tamis's packages cannot be imported (the editable install's path
 # entries are dropped and the names blocked), the merged folder is all it reads.
 PLAIN = r"""

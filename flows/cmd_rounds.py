@@ -137,7 +137,7 @@ def per_class_output(states: list[dict[str, Any]]) -> tuple[Any, str]:
     if ev is None:
         return None, ("no per-class evaluation yet: the first round that trains an adapter writes one (rounds "
                       "evaluated by an older tamis have none; `tamis round --full` re-evaluates)")
-    where = f"round {state['round']}, {ev.dir}"
+    where = f"round {state['round']}"
     if ev.per_class:
         pc = ev.per_class
         table = Table(title=f"per-class results ({where})")
@@ -146,14 +146,14 @@ def per_class_output(states: list[dict[str, Any]]) -> tuple[Any, str]:
         for r in pc["per_class"]:
             table.add_row(r["answer"], f"{r['precision']:.3f}", f"{r['recall']:.3f}", f"{r['f1']:.3f}",
                           str(r["support"]))
-        return table, per_class_markdown(pc)[0].replace("**", "")
+        return table, per_class_markdown(pc)[0].replace("**", "") + f"\nevaluation folder: {ev.dir}"
     pg = ev.per_group
     table = Table(title=f"results by {pg['by'].replace('_', ' ')} ({where})")
     for col in ("group", "n", *pg["metrics"]):
         table.add_column(col, justify="left" if col == "group" else "right")
     for g in pg["groups"]:
         table.add_row(g["group"], str(g["n"]), *(f"{g[m]:.3f}" for m in pg["metrics"]))
-    return table, f"{pg['n']} test samples"
+    return table, f"{pg['n']} test samples; evaluation folder: {ev.dir}"
 
 
 def status_cmd(

@@ -119,6 +119,23 @@ def _prompt_example(loaded: Any, question: str) -> str:
     return loaded.family.prompt(loaded.processor, question)
 
 
+def _how_to_load(base: str, merged_dtype: str | None) -> list[str]:
+    lines = ["## How to load it", "", "The adapter on its base model (PEFT):", "", "```python",
+             "from peft import PeftModel",
+             "from transformers import AutoModelForImageTextToText, AutoProcessor",
+             f'base = AutoModelForImageTextToText.from_pretrained("{base}")',
+             'model = PeftModel.from_pretrained(base, "adapter")',
+             'processor = AutoProcessor.from_pretrained("adapter")', "```", ""]
+    if merged_dtype:
+        lines += [f"The merged checkpoint (`merged/`, {merged_dtype} weights; no PEFT needed):", "", "```python",
+                  "from transformers import AutoModelForImageTextToText, AutoProcessor",
+                  'model = AutoModelForImageTextToText.from_pretrained("merged")',
+                  'processor = AutoProcessor.from_pretrained("merged")', "```", ""]
+    return lines + ["Or with tamis: `tamis predict IMAGES --adapter adapter` (same preparation and prompt).", "",
+                    "Lineage: `lineage.json` lists every training label's ledger entry (id, annotator, round, the "
+                    "imported file's digest) and the config digest behind this adapter."]
+
+
 def model_card(prov: Provenance, *, model_cfg: Any, loaded: Any, adapter_config: Mapping[str, Any],
                rounds_done: int, consensus: str, question: str, answers: Sequence[str] | None,
                evaluation: Any, base: str, preprocess_note: str, merged_dtype: str | None) -> str:
@@ -165,22 +182,9 @@ def model_card(prov: Provenance, *, model_cfg: Any, loaded: Any, adapter_config:
                                                              " (open answers)"),
               "", "The model sees this text (the image placeholder expands in the processor):", "", "```",
               _prompt_example(loaded, question), "```", "", preprocess_note,
-              "Closed answers: tamis scores every candidate answer's tokens after the prompt (mean log-probability "
-              "per token) and answers the most likely one.", "",
-              "## How to load it", "", "The adapter on its base model (PEFT):", "", "```python",
-              "from peft import PeftModel",
-              "from transformers import AutoModelForImageTextToText, AutoProcessor",
-              f'base = AutoModelForImageTextToText.from_pretrained("{base}")',
-              'model = PeftModel.from_pretrained(base, "adapter")',
-              'processor = AutoProcessor.from_pretrained("adapter")', "```", ""]
-    if merged_dtype:
-        lines += [f"The merged checkpoint (`merged/`, {merged_dtype} weights; no PEFT needed):", "", "```python",
-                  "from transformers import AutoModelForImageTextToText, AutoProcessor",
-                  'model = AutoModelForImageTextToText.from_pretrained("merged")',
-                  'processor = AutoProcessor.from_pretrained("merged")', "```", ""]
-    lines += ["Or with tamis: `tamis predict IMAGES --adapter adapter` (same preparation and prompt).", "",
-              "Lineage: `lineage.json` lists every training label's ledger entry (id, annotator, round, the "
-              "imported file's digest) and the config digest behind this adapter."]
+              "tamis scores every candidate answer's tokens after the prompt (mean log-probability per token) and "
+              "answers the most likely one." if answers else "tamis answers by greedy generation.", "",
+              *_how_to_load(base, merged_dtype)]
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -121,8 +122,7 @@ def read_new_images(path: str | os.PathLike[str], *, data: Any, preprocess: Any,
     prepare = ImagePreparer(preprocess, size=resolve_size(preprocess, model), max_pixels=data.max_image_pixels)
     for item in READERS[source.kind]().rows(source, data):
         if isinstance(item, Rejected):
-            yield NewImage(_name(item, base) if item.path else item.source, default_q or data.question,
-                           error=item.reason)
+            yield NewImage(_name(item, base), default_q or data.question, error=item.reason)
             continue
         out = NewImage(_name(item, base), question or item.question, label=item.answer)
         try:
@@ -191,7 +191,7 @@ def predict_path(path: str | os.PathLike[str], loaded: Any, *, choice: AdapterCh
     out: list[Prediction] = []
     chunk: list[NewImage] = []
     images = read_new_images(path, data=data, preprocess=preprocess, model=model, question=question)
-    for im in [*images, None]:
+    for im in itertools.chain(images, [None]):  # None: the end, which scores the last chunk
         if im is not None:
             chunk.append(im)
         if chunk and (im is None or len(chunk) >= CHUNK):

@@ -98,9 +98,10 @@ def test_predict_answers_new_images_and_reports_an_undecodable_file(project, tmp
     assert "rounds with an adapter: 1" in str(bad.exception)
 
 
-def test_predict_reads_a_manifest_with_questions_and_a_saved_dataset(project, tmp_path):
+def test_predict_reads_a_manifest_with_questions_and_a_saved_dataset(project, tmp_path, monkeypatch):
     import datasets
 
+    monkeypatch.setattr("pipeline.predict.CHUNK", 2)  # three rows: scored in two chunks, answered in input order
     config, art, states = project
     answers = load_config(config).data.answers
     adapter = states[1]["adapter"]["adapter_dir"]

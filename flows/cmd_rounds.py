@@ -143,12 +143,45 @@ def status_summary_of(cfg: Any) -> dict[str, Any]:
             "annotation_time": annotation_time(cfg.artifacts, next_batch=cfg.select.batch_size),
             "pool_eligible": states[-1]["pool"] if states else None,
             "rounds": [{k: s.get(k) for k in ("round", "labeled", "metrics", "strategy", "selected", "stopped",
-                                              "export_dir")} for s in states]}
+                                              "export_dir", "eval_dir")} for s in states]}
+
+
+def per_class_output(states: list[dict[str, Any]]) -> tuple[Any, str]:
+    """(a rich table, a line above it) of the latest evaluation's per-class (closed) or per-group (open) results."""
+    from rich.table import Table
+
+    from pipeline.perclass import load_eval_report
+    from pipeline.report import per_class_markdown
+
+    state = next((s for s in reversed(states) if s.get("eval_dir")), None)
+    ev = load_eval_report(state and state["eval_dir"])
+    if ev is None:
+        return None, ("no per-class evaluation yet: the first round that trains an adapter writes one (rounds "
+                      "evaluated by an older tamis have none; `tamis round --full` re-evaluates)")
+    where = f"round {state['round']}"
+    if ev.per_class:
+        pc = ev.per_class
+        table = Table(title=f"per-class results ({where})")
+        for col in ("answer", "precision", "recall", "F1", "support"):
+            table.add_column(col, justify="left" if col == "answer" else "right")
+        for r in pc["per_class"]:
+            table.add_row(r["answer"], f"{r['precision']:.3f}", f"{r['recall']:.3f}", f"{r['f1']:.3f}",
+                          str(r["support"]))
+        return table, per_class_markdown(pc)[0].replace("**", "") + f"\nevaluation folder: {ev.dir}"
+    pg = ev.per_group
+    table = Table(title=f"results by {pg['by'].replace('_', ' ')} ({where})")
+    for col in ("group", "n", *pg["metrics"]):
+        table.add_column(col, justify="left" if col == "group" else "right")
+    for g in pg["groups"]:
+        table.add_row(g["group"], str(g["n"]), *(f"{g[m]:.3f}" for m in pg["metrics"]))
+    return table, f"{pg['n']} test samples; evaluation folder: {ev.dir}"
 
 
 def status_cmd(
     config: ConfigOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print everything as one JSON object (for scripts).")] = False,
+    per_class: Annotated[bool, typer.Option("--per-class", help="Also print the latest evaluation's per-class "
+                                            "precision / recall / F1 / support (per group for open answers).")] = False,
 ) -> None:
     """Rounds so far, labeled / pool / quarantined counts, last metrics."""
     import json
@@ -158,6 +191,12 @@ def status_cmd(
 
     cfg = load(config)
     summary = status_summary_of(cfg)
+    if as_json and per_class:
+        from pipeline.perclass import load_eval_report
+
+        state = next((s for s in reversed(completed_rounds(cfg.artifacts)) if s.get("eval_dir")), None)
+        ev = load_eval_report(state and state["eval_dir"])
+        summary["per_class"] = ev and (ev.per_class or ev.per_group)
     if as_json:
         typer.echo(json.dumps(summary, default=str, indent=2))
         return
@@ -182,6 +221,11 @@ def status_cmd(
         lines.append(f"last evaluated round {summary['last_round_evaluated']}: {metrics}")
     lines += time_lines(summary["annotation_time"])
     out.print("\n".join(lines), highlight=False)
+    if per_class:
+        table, line = per_class_output(states)
+        out.print(line, highlight=False)
+        if table is not None:
+            out.print(table)
 
 
 def time_lines(t: dict[str, Any] | None) -> list[str]:

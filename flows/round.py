@@ -30,6 +30,7 @@ from pipeline.labelcheck import check_report_markdown, labels_spent
 from pipeline.lock import ProjectLock
 from pipeline.metrics import learning_curve, read_metrics
 from pipeline.model.resolve import resolve_configured
+from pipeline.perclass import load_eval_report
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids, explain_flags
 from pipeline.selection import planned_strategy
@@ -95,13 +96,15 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     state["adapter"] = adapter
     metrics_rows = read_metrics(art)
     label_report = check_report_markdown(check)
-    curve = learning_curve(art, metrics_rows)
+    curve = learning_curve(art, metrics_rows, answers=cfg.data.answers)
     # The file keeps the PNG's path (a data URI would make summary.md unreadable as text); the UI gets the picture.
-    rounds.write_round(plan, state, report.summary_markdown(state, metrics_rows, label_report, curve_path=curve))
+    evaluation = load_eval_report(state.get("eval_dir"))  # per-class metrics and the confusion matrix
+    rounds.write_round(plan, state, report.summary_markdown(state, metrics_rows, label_report, curve_path=curve,
+                                                            evaluation=evaluation))
     if cfg.rounds.simulate_annotator if simulate is None else simulate:
         rounds.answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                             seed=cfg.seed, crowd=cfg.rounds)
-    publish_round(cfg.artifacts, state, metrics_rows, label_report, curve,
+    publish_round(cfg.artifacts, state, metrics_rows, label_report, curve, evaluation=evaluation,
                   waiting=waiting.waits_for_labels(cfg, state))
     unchanged.record_round_inputs(cfg, state, inputs)
     progress.complete(report.state_message(state))

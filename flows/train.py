@@ -42,9 +42,9 @@ def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any]
     progress.start("evaluate")
     test = rounds.test_set(cfg, prep["prepare"], pool)
     ev = run_stage(evaluate_task, **rounds.evaluate_params(cfg, test=test, adapter=adapter))
-    state["metrics"] = ev["metrics"]
+    state["metrics"], state["eval_dir"] = ev["metrics"], ev["dir"]
     book_metrics(cfg.artifacts, round_index=plan.index, labels=len(plan.labels), metrics=ev["metrics"],
-                 strategy=state["strategy"])
+                 strategy=state["strategy"], intervals=ev.get("intervals"))
     if cfg.rounds.stop_set:
         state["stability"] = stop_set_agreement(cfg, plan, prep, adapter, pool.stop_set(cfg.rounds.stop_set, cfg.seed))
     progress.finish("evaluate")

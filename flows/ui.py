@@ -109,17 +109,21 @@ def detach(value: Any) -> Any:
 
 
 def publish_round(artifacts: Any, state: dict[str, Any], metrics_rows: list[dict], label_report: str, curve: Any, *,
-                  waiting: bool) -> None:
-    """The round in the Prefect UI: its summary (with the curve inline), the curve, and the export hand-off."""
+                  waiting: bool, evaluation: Any = None) -> None:
+    """The round in the Prefect UI: its summary (with the curve and the confusion matrix inline), the curve, and the
+    export hand-off."""
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
     from pipeline import report
     from pipeline.annotation import export
 
     uri = report.png_data_uri(curve) if curve else None
+    confusion = evaluation.confusion_png if evaluation is not None else None
     create_markdown_artifact(key="round-summary", description=f"Labeling round {state['round']}",
-                             markdown=report.summary_markdown(state, metrics_rows, label_report, curve_uri=uri,
-                                                              curve_path=curve))
+                             markdown=report.summary_markdown(
+                                 state, metrics_rows, label_report, curve_uri=uri, curve_path=curve,
+                                 evaluation=evaluation, confusion_uri=report.png_data_uri(confusion) if confusion
+                                 else None))
     if uri:
         create_image_artifact(key="learning-curve", image_url=uri,
                               description=f"Learning curve after round {state['round']} ({curve})")

@@ -83,13 +83,22 @@ def edit_similarity(preds: Sequence[str | None], refs: Sequence[str]) -> float:
     return total / len(refs)
 
 
-def score_answers(preds: Sequence[str | None], refs: Sequence[str], *, closed: bool) -> dict[str, float]:
-    """The metrics a round reports: accuracy + exact match for closed sets; exact match, token F1 and edit
-    similarity for open ones (exact match first: it is the learning curve's default metric)."""
+def row_scores(preds: Sequence[str | None], refs: Sequence[str], *, closed: bool) -> dict[str, list[float]]:
+    """Each metric's score per row (every metric here is the mean of these): accuracy + exact match for closed
+    sets; exact match, token F1 and edit similarity for open ones (exact match first: it is the learning curve's
+    default metric)."""
+    _pairs(preds, refs)
+    pairs = list(zip(preds, refs, strict=True))
+    em = [float(normalize_answer(p) == normalize_answer(r)) for p, r in pairs]
     if closed:
-        return {"accuracy": accuracy(preds, refs), "exact_match": exact_match(preds, refs)}
-    return {"exact_match": exact_match(preds, refs), "token_f1": token_f1(preds, refs),
-            "edit_similarity": edit_similarity(preds, refs)}
+        return {"accuracy": [float((p or "").strip() == r.strip()) for p, r in pairs], "exact_match": em}
+    return {"exact_match": em, "token_f1": [_f1(p, r) for p, r in pairs],
+            "edit_similarity": [edit_similarity([p], [r]) for p, r in pairs]}
+
+
+def score_answers(preds: Sequence[str | None], refs: Sequence[str], *, closed: bool) -> dict[str, float]:
+    """The metrics a round reports (row_scores' means)."""
+    return {name: sum(v) / len(v) for name, v in row_scores(preds, refs, closed=closed).items()}
 
 
 def predict_answers(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | None, *,
@@ -106,21 +115,27 @@ def predict_answers(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Seq
 
 def evaluate_model(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | None, *,
                    batch_size: int = 16, max_new_tokens: int = 16) -> dict[str, Any]:
-    """Metrics of `loaded` on labeled rows (`prepared`, `question`, `answer`) and the per-row predictions."""
+    """Metrics of `loaded` on labeled rows (`prepared`, `question`, `answer`), each with its 95 % bootstrap interval
+    (`intervals`), the per-row predictions, and the per-class (closed) or per-group (open) report."""
+    from pipeline.perclass import mean_interval, per_class_report, per_group_report
+
     if not rows:
         raise DataError("evaluation needs at least one test row with an answer (split: test); add a labeled held-out "
                         "source with `split: test` to data.sources")
     preds = predict_answers(loaded, rows, answers, batch_size=batch_size, max_new_tokens=max_new_tokens)
     refs = [r["answer"] for r in rows]
+    scores = row_scores(preds, refs, closed=bool(answers))
     return {
-        "metrics": score_answers(preds, refs, closed=bool(answers)),
+        "metrics": {name: sum(v) / len(v) for name, v in scores.items()},
+        "intervals": {name: mean_interval(v) for name, v in scores.items()},
         "n": len(rows),
         "predictions": [{"sample_id": r["sample_id"], "prediction": p, "answer": a}
                         for r, p, a in zip(rows, preds, refs, strict=True)],
+        "report": per_class_report(preds, refs, answers) if answers else per_group_report(rows, scores),
     }
 
 
-EVAL_VERSION = stage_version("1", "pipeline.evaluate")
+EVAL_VERSION = stage_version("2", "pipeline.evaluate")  # 2: per-class report, intervals
 
 
 def evaluate_stage(artifacts: str, test: dict, adapter: dict, model: dict, answers: list[str] | None,
@@ -131,6 +146,7 @@ def evaluate_stage(artifacts: str, test: dict, adapter: dict, model: dict, answe
 
     from pipeline.config import ModelConfig
     from pipeline.model.loading import load_model
+    from pipeline.perclass import CONFUSION_FILE, PER_CLASS_FILE, PER_GROUP_FILE, plot_confusion
     from pipeline.store import (
         atomic_write_json,
         atomic_write_jsonl,
@@ -149,9 +165,18 @@ def evaluate_stage(artifacts: str, test: dict, adapter: dict, model: dict, answe
                                 batch_size=batch_size, max_new_tokens=model_cfg.max_new_tokens)
         out = Path(out_dir)
         atomic_write_jsonl(out / "predictions.jsonl", result.pop("predictions"))
+        report = result.pop("report")
+        outputs = {"metrics": "metrics.json", "predictions": "predictions.jsonl"}
+        if answers:
+            atomic_write_json(out / PER_CLASS_FILE, report)
+            plot_confusion(report, out / CONFUSION_FILE)
+            outputs.update(per_class=PER_CLASS_FILE, confusion=CONFUSION_FILE)
+        else:
+            atomic_write_json(out / PER_GROUP_FILE, report)
+            outputs["per_group"] = PER_GROUP_FILE
         atomic_write_json(out / "metrics.json", result)
         return write_manifest(out, stage="evaluate", stage_version=EVAL_VERSION, inputs=inputs, config=config,
-                              outputs={"metrics": "metrics.json", "predictions": "predictions.jsonl"}, info=result)
+                              outputs=outputs, info=result)
 
     m = reuse_or_compute(out_dir, stage_key("evaluate", EVAL_VERSION, inputs, config), compute)
     return {"dir": out_dir, "digest": m.key, **m.info}

@@ -41,36 +41,74 @@ def merge_equal_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     return {" = ".join(names): value for value, names in groups.items()}
 
 
-def plot_learning_curve(
-    rows: Sequence[Mapping[str, Any]], out_png: str | os.PathLike[str], *, metric: str | None = None
-) -> Path:
-    """Metric vs number of labels, one line per strategy; `metric` defaults to the first one logged."""
+def _curve_lines(rows: Sequence[Mapping[str, Any]], metric: str) -> dict[str, dict[int, tuple[float, Any]]]:
+    """strategy → labels → (value, its 95 % interval or None); a re-evaluated round replaces its earlier value (the
+    log is append-only, newest wins)."""
+    lines: dict[str, dict[int, tuple[float, Any]]] = {}
+    for r in rows:
+        if r["metric"] == metric:
+            lines.setdefault(str(r.get("strategy") or "?"), {})[int(r["labels"])] = (float(r["value"]), r.get("ci95"))
+    return lines
+
+
+def curve_figure(rows: Sequence[Mapping[str, Any]], *, metric: str | None = None, chance: float | None = None) -> Any:
+    """The learning curve as a matplotlib Figure (the caller closes it): metric vs number of labels, one line per
+    strategy, each point with its 95 % bootstrap interval when logged.
+
+    The y-axis starts at `chance` (a closed answer set's 1 / number of answers, drawn as a line) or 0, and ends at 1:
+    a 3-point gain shows as 3 points of the whole scale, not as a cliff. Labels are integers on the x-axis; a single
+    round's point sits in the middle of a readable axis instead of between fractional ticks."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and workers
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     if not rows:
-        raise DataError(f"no metrics to plot into {out_png}: no round has been evaluated yet")
+        raise DataError("no metrics to plot: no round has been evaluated yet")
     metric = metric or rows[0]["metric"]
-    lines: dict[str, dict[int, float]] = {}
-    for r in rows:
-        if r["metric"] == metric:
-            # A re-evaluated round replaces its earlier value (the log is append-only, newest wins).
-            lines.setdefault(str(r.get("strategy") or "?"), {})[int(r["labels"])] = float(r["value"])
+    lines = _curve_lines(rows, metric)
     if not lines:
         raise DataError(f"no rows for metric {metric!r}; logged: {', '.join(sorted({r['metric'] for r in rows}))}")
+    xs_all = sorted({x for pts in lines.values() for x in pts})
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for strategy, pts in sorted(lines.items()):
+        xs = sorted(pts)
+        ys = [pts[x][0] for x in xs]
+        ci = [pts[x][1] or [pts[x][0], pts[x][0]] for x in xs]
+        err = [[y - lo for y, (lo, _) in zip(ys, ci, strict=True)], [hi - y for y, (_, hi) in zip(ys, ci, strict=True)]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=4, label=strategy)
+    # Chance level, or lower where a point or its interval falls below it (a model worse than chance shows so).
+    lows = [min(v, ci[0] if ci else v) for pts in lines.values() for v, ci in pts.values()]
+    floor = 0.0 if chance is None else min(float(chance), *lows)
+    if chance is not None:
+        ax.axhline(chance, color="grey", linestyle="--", linewidth=1, label=f"chance ({chance:.3f})")
+    ax.set_ylim(max(0.0, floor - 0.02), 1.0)  # the chance line just above the axis, visible
+    span = xs_all[-1] - xs_all[0]
+    pad = max(1, round(span * 0.1)) if span else max(1, round(xs_all[0] * 0.25))
+    ax.set_xlim(max(0, xs_all[0] - pad), xs_all[-1] + pad)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
+    has_ci = any(p[1] for pts in lines.values() for p in pts.values())
+    ax.set_xlabel("labeled samples")
+    ax.set_ylabel(metric + (" (95% bootstrap interval)" if has_ci else ""))
+    ax.set_title(f"Learning curve ({metric})")
+    ax.grid(True, alpha=0.3)
+    if len(lines) > 1 or chance is not None:
+        ax.legend(loc="best")
+    return fig
+
+
+def plot_learning_curve(
+    rows: Sequence[Mapping[str, Any]], out_png: str | os.PathLike[str], *, metric: str | None = None,
+    chance: float | None = None,
+) -> Path:
+    """curve_figure written as a PNG."""
+    if not rows:
+        raise DataError(f"no metrics to plot into {out_png}: no round has been evaluated yet")
+    fig = curve_figure(rows, metric=metric, chance=chance)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
     try:
-        for strategy, pts in sorted(lines.items()):
-            xs = sorted(pts)
-            ax.plot(xs, [pts[x] for x in xs], marker="o", label=strategy)
-        ax.set_xlabel("labeled samples")
-        ax.set_ylabel(metric)
-        ax.set_title(f"Learning curve ({metric})")
-        ax.grid(True, alpha=0.3)
-        if len(lines) > 1:
-            ax.legend()
         buf = io.BytesIO()
         # No timestamp / software metadata, so the same metrics give the same bytes.
         fig.savefig(buf, format="png", metadata={"Software": None})
@@ -80,18 +118,29 @@ def plot_learning_curve(
 
 
 def book_metrics(artifacts: str | os.PathLike[str], *, round_index: int, labels: int, metrics: Mapping[str, float],
-                 strategy: str) -> None:
-    """Log a round's evaluation once: a re-run of the round (or a resumed one) appends nothing it already holds."""
+                 strategy: str, intervals: Mapping[str, Sequence[float]] | None = None) -> None:
+    """Log a round's evaluation once: a re-run of the round (or a resumed one) appends nothing it already holds.
+    `intervals`: each metric's 95 % bootstrap interval, logged as the row's `ci95`."""
     recorded = {(m["round"], m["metric"]) for m in read_metrics(artifacts)}
     for name, value in metrics.items():
         if (round_index, name) not in recorded:
-            append_metrics(artifacts, {"round": round_index, "labels": labels, "metric": name, "value": value,
-                                       "strategy": strategy})
+            row = {"round": round_index, "labels": labels, "metric": name, "value": value, "strategy": strategy}
+            if intervals and name in intervals:
+                row["ci95"] = [float(x) for x in intervals[name]]
+            append_metrics(artifacts, row)
 
 
 CURVE_FILE = "learning_curve.png"
 
 
-def learning_curve(artifacts: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]]) -> Path | None:
-    """The project's learning curve (artifacts/learning_curve.png) from the metrics log; None before any metric."""
-    return plot_learning_curve(rows, Path(artifacts) / CURVE_FILE) if rows else None
+def learning_curve(artifacts: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]], *,
+                   answers: Sequence[str] | None = None) -> Path | None:
+    """The project's learning curve (artifacts/learning_curve.png) from the metrics log; None before any metric.
+    With a closed answer set the y-axis starts at chance level, 1 / len(answers).
+
+    No random baseline is drawn: benchmarks/label_efficiency.py runs with its own config and artifacts folder and
+    writes benchmarks/results/, and nothing there says whether it ran on this project's data (the same images, test
+    split and model), so a baseline beside this curve could be another data set's."""
+    if not rows:
+        return None
+    return plot_learning_curve(rows, Path(artifacts) / CURVE_FILE, chance=1 / len(answers) if answers else None)

@@ -113,11 +113,59 @@ def annotators_markdown(rec: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+PER_CLASS_ROWS = 30  # a larger answer set shows its lowest-F1 answers in the summary; per_class.json has them all
+
+
+def per_class_markdown(pc: Mapping[str, Any], *, limit: int = PER_CLASS_ROWS) -> list[str]:
+    """The per-class table of an evaluation (pipeline.perclass's per_class.json): precision, recall, F1, support
+    per answer, with accuracy and macro-F1 and their bootstrap intervals above it."""
+    rows = list(pc["per_class"])
+    lines = [f"Accuracy **{pc['accuracy']:.3f}** (95% CI {pc['accuracy_ci95'][0]:.3f}–{pc['accuracy_ci95'][1]:.3f}), "
+             f"macro-F1 **{pc['macro_f1']:.3f}** (95% CI {pc['macro_f1_ci95'][0]:.3f}–{pc['macro_f1_ci95'][1]:.3f}) on "
+             f"{pc['n']} test samples ({pc['bootstrap']['resamples']} bootstrap resamples).", ""]
+    if len(rows) > limit:
+        rows = sorted(rows, key=lambda r: (r["f1"], -r["support"]))[:limit]
+        lines += [f"The {limit} answers with the lowest F1 of {len(pc['per_class'])} (all in per_class.json):", ""]
+    lines += ["| answer | precision | recall | F1 | support |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['answer']} | {r['precision']:.3f} | {r['recall']:.3f} | {r['f1']:.3f} | {r['support']} |"
+              for r in rows]
+    if pc["confusion_columns"][-1] not in pc["answers"]:
+        other = sum(row[-1] for row in pc["confusion"])
+        lines += ["", f"{other} predictions fell outside the answer set (column {pc['confusion_columns'][-1]})."]
+    return lines
+
+
+def per_group_markdown(pg: Mapping[str, Any]) -> list[str]:
+    """Open answers: each metric per question or per answer-length bucket (pipeline.perclass's per_group.json)."""
+    names = list(pg["metrics"])
+    lines = [f"| {pg['by'].replace('_', ' ')} | n | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    lines += [f"| {g['group']} | {g['n']} | " + " | ".join(f"{g[m]:.3f}" for m in names) + " |" for g in pg["groups"]]
+    return lines
+
+
+def evaluation_markdown(evaluation: Any, confusion_uri: str | None = None) -> list[str]:
+    """The summary's section from an evaluation folder's report (pipeline.perclass.EvalReport)."""
+    if evaluation is None:
+        return []
+    lines = ["", "## Per-class results" if evaluation.per_class else "## Results by group", ""]
+    if evaluation.per_class:
+        lines += per_class_markdown(evaluation.per_class)
+        if confusion_uri:
+            lines += ["", f"![confusion matrix]({confusion_uri})"]
+        if evaluation.confusion_png:
+            lines += ["", f"Confusion matrix PNG: `{evaluation.confusion_png}`"]
+    if evaluation.per_group:
+        lines += per_group_markdown(evaluation.per_group)
+    return lines
+
+
 def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[str, Any]], label_report: str = "",
-                     *, curve_uri: str | None = None, curve_path: str | os.PathLike[str] | None = None) -> str:
+                     *, curve_uri: str | None = None, curve_path: str | os.PathLike[str] | None = None,
+                     evaluation: Any = None, confusion_uri: str | None = None) -> str:
     """The round-summary artifact (also artifacts/rounds/NNN/summary.md): counts, metrics, the learning curve as a
-    picture (`curve_uri`, a data URI, for the UI) and as a table, the hand-off, the label check and, with several
-    annotators a sample, their quality and the redundancy tasks."""
+    picture (`curve_uri`, a data URI, for the UI) and as a table, the per-class results (`evaluation`, a
+    pipeline.perclass.EvalReport, with the confusion matrix inline as `confusion_uri` for the UI), the hand-off, the
+    label check and, with several annotators a sample, their quality and the redundancy tasks."""
     lines = [f"# Labeling round {state['round']}", "",
              f"- labeled samples: **{state['labeled']}** (labels spent, re-labels included: "
              f"{state.get('labels_spent', state['labeled'])})",
@@ -163,6 +211,7 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
         if curve_path:
             lines += [f"PNG: `{Path(curve_path)}`", ""]
         lines += curve_table(metrics_rows)
+    lines += evaluation_markdown(evaluation, confusion_uri)
     if state.get("export_dir"):
         lines += ["", f"Export for annotators: `{state['export_dir']}` (artifact `export-folder`: what to do with it)"]
     if state.get("label_studio"):

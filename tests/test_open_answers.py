@@ -183,6 +183,11 @@ def test_make_scorer_generates_for_open_answers_and_the_evaluation_matches_the_s
                          batch_size=3, max_new_tokens=4)
     assert [p["prediction"] for p in res["predictions"]] == greedy
     assert res["metrics"] == score_answers(greedy, refs, closed=False)
+    # Per question (these rows ask several), each metric with its bootstrap interval.
+    assert len({r["question"] for r in rows}) > 1 and res["report"]["by"] == "question"
+    assert sum(g["n"] for g in res["report"]["groups"]) == 5
+    assert set(res["intervals"]) == set(res["metrics"])
+    assert all(lo <= res["metrics"][m] <= hi for m, (lo, hi) in res["intervals"].items())
 
 
 def test_open_answer_metrics():

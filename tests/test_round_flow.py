@@ -131,6 +131,9 @@ def check_round_runs_in_the_api(art, names):
             flow_run_filter=FlowRunFilter(id={"any_": [runs[1].id]}))}
     assert "![learning curve](data:image/png;base64," in arts["round-summary"].data
     assert "| round | labels | accuracy = exact_match |" in arts["round-summary"].data
+    # The evaluation's per-class table, with the confusion matrix inline as the curve is.
+    assert "| answer | precision | recall | F1 | support |" in arts["round-summary"].data
+    assert "![confusion matrix](data:image/png;base64," in arts["round-summary"].data
     assert arts["learning-curve"].type == "image" and arts["learning-curve"].data.startswith("data:image/png")
     assert "file://" not in arts["export-folder"].data
     assert str(art / "rounds" / "001" / "export") in arts["export-folder"].data

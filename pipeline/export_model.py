@@ -1,0 +1,331 @@
+"""`tamis export-model`: a round's model as a folder that stands on its own.
+
+    DIR/adapter/       the PEFT adapter (base_model_name_or_path = the model the project names), the processor with
+                       the image settings tamis used, and the chat template it trained with
+    DIR/README.md      the model card (Hugging Face YAML header): base model, mode, LoRA settings, the rounds, labels
+                       and annotators behind it, label-check verdicts, test metrics with intervals, prompt, loading
+    DIR/lineage.json   the ledger entries (ids and digests) behind the adapter, the config digest, the train key
+    DIR/merged/        with merge: base weights (4-bit ones dequantized) + the adapter merged, loadable by plain
+                       transformers
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ConfigError, ModelError
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What the model card and lineage.json say about a round's adapter, gathered once."""
+
+    round: int
+    state: dict[str, Any]
+    train_manifest: Any
+    labels: list[dict[str, Any]]  # one per training label: ledger entry fields, or source "seed"
+
+
+def round_state(artifacts: str | os.PathLike[str], round_index: int | None) -> dict[str, Any]:
+    """The finished round whose adapter is exported: `round_index`, else the latest round that trained one."""
+    from pipeline.rounds import completed_rounds
+
+    states = completed_rounds(artifacts)
+    trained = [s for s in states if s.get("adapter")]
+    pick = trained[-1] if round_index is None and trained else next(
+        (s for s in trained if s["round"] == round_index), None)
+    if pick is None:
+        raise ConfigError(f"{'round ' + str(round_index) if round_index is not None else 'no round'} in {artifacts} "
+                          f"has a trained adapter to export; rounds with one: "
+                          f"{', '.join(str(s['round']) for s in trained) or 'none yet (run `tamis round` until one has labels)'}")
+    return pick
+
+
+def training_labels(artifacts: str | os.PathLike[str], state: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The labels the round's adapter trained on (its labeled set, rounds/NNN/labeled/), each traced to the newest
+    ledger entry for that sample imported by that round, or marked as a seed label the data came with."""
+    import datasets
+
+    from pipeline.annotation.ledger import Ledger, ledger_path
+    from pipeline.rounds import round_dir
+
+    folder = round_dir(artifacts, state["round"]) / "labeled" / "dataset"
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: the round's labeled set is gone, so its labels cannot be traced; run "
+                          f"`tamis round --full` to rebuild it")
+    ds = datasets.load_from_disk(str(folder)).select_columns(["sample_id", "answer"])
+    newest: dict[str, dict[str, Any]] = {}
+    for e in Ledger(ledger_path(artifacts)).entries():
+        if "sample_id" in e and int(e.get("round", 0)) <= state["round"]:
+            newest[e["sample_id"]] = e
+    out = []
+    for sid, answer in zip(ds["sample_id"], ds["answer"], strict=True):
+        e = newest.get(sid)
+        if e is None:
+            out.append({"sample_id": sid, "label": answer, "source": "seed"})
+            continue
+        row = {"sample_id": sid, "label": answer, "source": "ledger", "entry_id": e.get("entry_id"),
+               "annotator": e.get("annotator"), "round": e.get("round"), "kind": e.get("kind"),
+               "source_file": e.get("source_file"), "source_digest": e.get("source_digest")}
+        if e.get("label") != answer:  # e.g. a consensus of several annotators' votes replaced the entry's label
+            row["ledger_label"] = e.get("label")
+        out.append(row)
+    return out
+
+
+def provenance(artifacts: str | os.PathLike[str], round_index: int | None) -> Provenance:
+    from pipeline.store import read_manifest
+
+    state = round_state(artifacts, round_index)
+    return Provenance(state["round"], state, read_manifest(state["adapter"]["dir"]),
+                      training_labels(artifacts, state))
+
+
+def lineage(prov: Provenance, *, model: Mapping[str, Any], train: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """lineage.json: which labels (ledger entry ids, their files' digests) and which config made the adapter."""
+    from pipeline.store import digest_json
+
+    ref, m = prov.state["adapter"], prov.train_manifest
+    return {
+        "round": prov.round,
+        "adapter": {"digest": ref.get("adapter_digest"), "train_key": ref.get("digest"), "train_dir": ref.get("dir"),
+                    "stage_version": m.stage_version, "inputs": dict(m.inputs)},
+        "config_digest": digest_json({"model": dict(model), "train": dict(train), "seed": seed}),
+        "train_config_digest": m.config_digest,
+        "labeled_digest": prov.state.get("labeled_digest"),
+        "counts": {"labels": len(prov.labels), "from_ledger": sum(r["source"] == "ledger" for r in prov.labels),
+                   "seed": sum(r["source"] == "seed" for r in prov.labels)},
+        "labels": prov.labels,
+    }
+
+
+def _intervals(evaluation: Any) -> dict[str, list[float]]:
+    """The evaluation's metric intervals (metrics.json's `intervals`), empty when it has none."""
+    path = evaluation.dir / "metrics.json" if evaluation is not None else None
+    if path is None or not path.is_file():
+        return {}
+    return json.loads(path.read_text(encoding="utf-8")).get("intervals") or {}
+
+
+def _prompt_example(loaded: Any, question: str) -> str:
+    return loaded.family.prompt(loaded.processor, question)
+
+
+def _how_to_load(base: str, merged_dtype: str | None) -> list[str]:
+    lines = ["## How to load it", "", "The adapter on its base model (PEFT):", "", "```python",
+             "from peft import PeftModel",
+             "from transformers import AutoModelForImageTextToText, AutoProcessor",
+             f'base = AutoModelForImageTextToText.from_pretrained("{base}")',
+             'model = PeftModel.from_pretrained(base, "adapter")',
+             'processor = AutoProcessor.from_pretrained("adapter")', "```", ""]
+    if merged_dtype:
+        lines += [f"The merged checkpoint (`merged/`, {merged_dtype} weights; no PEFT needed):", "", "```python",
+                  "from transformers import AutoModelForImageTextToText, AutoProcessor",
+                  'model = AutoModelForImageTextToText.from_pretrained("merged")',
+                  'processor = AutoProcessor.from_pretrained("merged")', "```", ""]
+    return lines + ["Or with tamis: `tamis predict IMAGES --adapter adapter` (same preparation and prompt).", "",
+                    "Lineage: `lineage.json` lists every training label's ledger entry (id, annotator, round, the "
+                    "imported file's digest) and the config digest behind this adapter."]
+
+
+def model_card(prov: Provenance, *, model_cfg: Any, loaded: Any, adapter_config: Mapping[str, Any],
+               rounds_done: int, consensus: str, question: str, answers: Sequence[str] | None,
+               evaluation: Any, base: str, preprocess_note: str, merged_dtype: str | None) -> str:
+    """README.md: a Hugging Face model card (YAML header) saying where the model came from and how to use it."""
+    from pipeline.report import per_class_markdown, per_group_markdown
+
+    state, labels = prov.state, prov.labels
+    annotators = sorted({r["annotator"] for r in labels if r.get("annotator")})
+    metrics = state.get("metrics") or {}
+    header = ["---", f"base_model: {base}", "library_name: peft", "pipeline_tag: image-text-to-text",
+              "tags:", "- tamis", "- active-learning", f"- {model_cfg.mode}", "---", ""]
+    lines = header + [
+        f"# tamis model: round {prov.round}", "",
+        "Trained by tamis (data-centric active learning for vision-language models) from the labels listed in "
+        "`lineage.json`.", "",
+        "## Provenance", "",
+        f"- base model: `{base}` (family `{loaded.family.name}`)",
+        f"- mode: **{model_cfg.mode}**" + (" (4-bit NF4 base + LoRA)" if model_cfg.mode == "qlora" else ""),
+        f"- LoRA: r = {adapter_config.get('r')}, alpha = {adapter_config.get('lora_alpha')}, dropout = "
+        f"{adapter_config.get('lora_dropout')}, target modules = `{adapter_config.get('target_modules')}`",
+        f"- rounds: this adapter is round {prov.round}'s; {rounds_done} rounds finished (0 … {prov.round})",
+        f"- labels: **{len(labels)}** ({sum(r['source'] == 'ledger' for r in labels)} from the label ledger, "
+        f"{sum(r['source'] == 'seed' for r in labels)} that came with the data)",
+        f"- annotators: {len(annotators)} ({', '.join(annotators) or 'none'}); consensus method: {consensus}",
+    ]
+    check = state.get("labelcheck")
+    if check:
+        lines.append(f"- label check ({check.get('method')}): " + (
+            f"could not judge yet ({check.get('checked')} labels checked)" if check.get("abstained") else
+            f"{check.get('issues')} likely label errors of {check.get('checked')} checked"))
+    else:
+        lines.append("- label check: none this round")
+    lines += ["", "## Test metrics", ""]
+    pc = evaluation.per_class if evaluation is not None else None
+    if pc:
+        lines += per_class_markdown(pc)
+    elif metrics:
+        ci = _intervals(evaluation)
+        lines += [", ".join(f"{k} = {v:.4f}" + (f" (95% CI {ci[k][0]:.3f}–{ci[k][1]:.3f})" if k in ci else "")
+                            for k, v in metrics.items())]
+        if evaluation is not None and evaluation.per_group:
+            lines += [""] + per_group_markdown(evaluation.per_group)
+    lines += ["", "## Prompt", "", f"Question: `{question}`" + (f"; answers: {', '.join(answers)}" if answers else
+                                                             " (open answers)"),
+              "", "The model sees this text (the image placeholder expands in the processor):", "", "```",
+              _prompt_example(loaded, question), "```", "", preprocess_note,
+              "tamis scores every candidate answer's tokens after the prompt (mean log-probability per token) and "
+              "answers the most likely one." if answers else "tamis answers by greedy generation.", "",
+              *_how_to_load(base, merged_dtype)]
+    return "\n".join(lines) + "\n"
+
+
+def load_processor(model_cfg: Any) -> Any:
+    """The base model's processor and family (a Loaded without weights: the card and the export need no model)."""
+    from transformers import AutoProcessor
+
+    from pipeline.model.loading import Loaded, resolve_family
+
+    try:
+        processor = AutoProcessor.from_pretrained(model_cfg.name_or_path)
+    except OSError as exc:
+        raise ModelError(f"{model_cfg.name_or_path}: cannot load the processor ({exc}); model.name_or_path must "
+                         "name the base model the adapter was trained on") from None
+    return Loaded(model=None, processor=processor, family=resolve_family(model_cfg))
+
+
+def processor_for_export(loaded: Any, image_size: int) -> Any:
+    """The processor with tamis's image settings as its defaults (the processor_kwargs every tamis call passes for
+    prepared images of `image_size`) and the chat template tamis rendered prompts with, so a plain call reproduces
+    tamis's inputs."""
+    processor, family = loaded.processor, loaded.family
+    kwargs = family.processor_kwargs(image_size, tile=family.tile_size(processor))
+    for name, value in kwargs.items():
+        setattr(processor.image_processor, name, value)
+    if not getattr(processor, "chat_template", None):
+        processor.chat_template = family.chat_template
+    return processor
+
+
+def write_adapter(adapter_dir: Path, out: Path, *, base: str, processor: Any) -> dict[str, Any]:
+    """DIR/adapter: the adapter's weights, its config pointing at `base`, the processor; returns the config."""
+    from pipeline.store import atomic_dir
+
+    with atomic_dir(out) as tmp:
+        for name in ADAPTER_FILES:
+            if (adapter_dir / name).is_file():
+                shutil.copy2(adapter_dir / name, tmp / name)
+        cfg = json.loads((tmp / "adapter_config.json").read_text(encoding="utf-8"))
+        cfg["base_model_name_or_path"] = base
+        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        processor.save_pretrained(tmp)
+    return cfg
+
+
+def merge_adapter(model_cfg: Any, adapter_dir: Path, out: Path, *, processor: Any, dtype: Any) -> None:
+    """DIR/merged: the base loaded as tamis loads it (4-bit NF4 for qlora), its 4-bit Linears dequantized to fp32
+    (transformers' `dequantize`: the weights the adapter was trained against, not the original ones), the LoRA
+    merged into them (peft's merge_and_unload), saved in `dtype`."""
+    import torch
+    from peft import PeftModel
+
+    from pipeline.model.loading import load_model
+    from pipeline.store import atomic_dir
+
+    if model_cfg.mode == "full":
+        from transformers import AutoModelForImageTextToText
+
+        merged = AutoModelForImageTextToText.from_pretrained(str(adapter_dir), dtype=dtype)
+    else:
+        base = load_model(model_cfg).model
+        if model_cfg.mode == "qlora":
+            base = base.dequantize(dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base.float(), str(adapter_dir)).merge_and_unload()
+        if getattr(merged, "hf_quantizer", None) is not None or getattr(merged.config, "quantization_config", None):
+            raise ModelError("the merged model still carries a quantization config after dequantizing; refusing to "
+                             "save a checkpoint plain transformers would load in 4-bit")
+    merged = merged.to(dtype)
+    with atomic_dir(out) as tmp:
+        merged.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    dir: Path
+    round: int
+    adapter: Path
+    card: Path
+    lineage: Path
+    labels: int
+    merged: Path | None
+    merged_dtype: str | None
+
+
+def storage_dtype(choice: str, model_cfg: Any) -> Any:
+    """The merged checkpoint's weights: `auto` is the dtype tamis computes in here (bf16 on GPUs that support it, fp32
+    on CPUs, where bf16 matmuls crawl and where the round's answers were computed in fp32)."""
+    from pipeline.model.loading import DTYPES, resolve_compute_dtype
+
+    if choice == "auto":
+        return resolve_compute_dtype(model_cfg)
+    if choice not in DTYPES:
+        raise ConfigError(f"--dtype {choice!r}: choose auto, {', '.join(DTYPES)}")
+    return DTYPES[choice]
+
+
+def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[str], sections: Mapping[str, Any],
+                 round_index: int | None = None, merge: bool = False, dtype: str = "auto") -> ExportResult:
+    """Write DIR/adapter, DIR/README.md, DIR/lineage.json (and DIR/merged with `merge`) for a round's adapter.
+    `sections`: the config sections read (data, preprocess, model, train, annotate) and `seed`."""
+    from pipeline.perclass import load_eval_report
+    from pipeline.preprocess import resolve_size
+    from pipeline.rounds import completed_rounds
+    from pipeline.store import atomic_write_json, atomic_write_text
+
+    data, pre, model_cfg = sections["data"], sections["preprocess"], sections["model"]
+    out = Path(out)
+    prov = provenance(artifacts, round_index)
+    adapter_src = Path(prov.state["adapter"]["adapter_dir"])
+    # Local folders are named absolutely (the adapter is read from elsewhere); a hub ID stays as the project names it.
+    base = str(Path(model_cfg.name_or_path).resolve()) if Path(model_cfg.name_or_path).exists() else model_cfg.name_or_path
+    loaded = load_processor(model_cfg)
+    size = resolve_size(pre, model_cfg)
+    processor = processor_for_export(loaded, size)
+    out.mkdir(parents=True, exist_ok=True)
+    if model_cfg.mode == "full":
+        adapter_cfg: dict[str, Any] = {}
+        adapter_out = out / "adapter"
+        merge = True  # a full fine-tune has no adapter: the whole model is the hand-off
+    else:
+        adapter_out = out / "adapter"
+        adapter_cfg = write_adapter(adapter_src, adapter_out, base=base, processor=processor)
+    merged_dtype = None
+    if merge:
+        dt = storage_dtype(dtype, model_cfg)
+        merge_adapter(model_cfg, adapter_src, out / "merged", processor=processor, dtype=dt)
+        merged_dtype = str(dt).removeprefix("torch.")
+    lin = lineage(prov, model=sections["model"].model_dump(mode="json"), train=sections["train"].model_dump(mode="json"),
+                  seed=sections["seed"])
+    atomic_write_json(out / "lineage.json", lin)
+    pad = f", padded square with {tuple(pre.pad_color)}" if pre.pad == "square" else ""
+    note = (f"Images are prepared as tamis prepares them: EXIF-rotated, RGB, longest side {size} px (aspect kept{pad}); "
+            "the exported processor carries tamis's image settings for images of that size.")
+    card = model_card(prov, model_cfg=model_cfg, loaded=loaded, adapter_config=adapter_cfg,
+                      rounds_done=len(completed_rounds(artifacts)), consensus=sections["annotate"].consensus,
+                      question=next((s.question for s in data.sources if s.question), None) or data.question,
+                      answers=data.answers, evaluation=load_eval_report(prov.state.get("eval_dir")), base=base,
+                      preprocess_note=note, merged_dtype=merged_dtype)
+    atomic_write_text(out / "README.md", card)
+    if adapter_out.is_dir():
+        atomic_write_text(adapter_out / "README.md", card)  # in place of PEFT's empty template
+    return ExportResult(out, prov.round, adapter_out, out / "README.md", out / "lineage.json", len(prov.labels),
+                        out / "merged" if merge else None, merged_dtype)

@@ -1,0 +1,218 @@
+"""`tamis predict`: a round's adapter on new images, batched through the scorer pool scoring and evaluation use.
+
+New images come from a folder, a JSONL / CSV manifest or a saved dataset, read by the ingest readers
+(pipeline/data/readers.py) and prepared by the preprocess stage's ImagePreparer, so the model sees what it saw in
+training and evaluation: the same preparation, the same prompt (the family's chat template around the question).
+A file that cannot be read or decoded becomes a row with its reason and no answer, never an exception.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import ConfigError, DataError
+
+CSV_COLUMNS = ("file", "question", "answer", "probability", "mean_logprob", "label", "adapter", "error")
+CHUNK = 256  # images decoded and scored at a time: a 10⁵-image folder is never held in memory at once
+
+
+@dataclass(frozen=True)
+class AdapterChoice:
+    """The adapter a prediction uses and why that one."""
+
+    dir: Path
+    round: int | None
+    digest: str | None
+    why: str
+
+
+def find_adapter(artifacts: str | os.PathLike[str], *, round_index: int | None = None,
+                 adapter: str | os.PathLike[str] | None = None) -> AdapterChoice:
+    """`adapter` when given; else round `round_index`'s adapter; else the latest finished round's that trained one.
+
+    A round records its adapter in round.json (`adapter`: the train stage's reference, whose `dir` holds the train
+    manifest and `adapter_dir` the PEFT folder); the manifest is verified, so a deleted or edited adapter is refused."""
+    from pipeline.rounds import completed_rounds
+    from pipeline.store import read_manifest
+
+    if adapter is not None:
+        path = Path(adapter)
+        if not (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            raise ConfigError(f"--adapter {path}: not an adapter folder (no adapter_config.json) nor a saved model "
+                              "(no config.json); give a round's artifacts/train/<key>/adapter folder")
+        return AdapterChoice(path, None, None, f"--adapter {path}")
+    states = completed_rounds(artifacts)
+    trained = [s for s in states if s.get("adapter")]
+    if round_index is not None:
+        state = next((s for s in states if s["round"] == round_index), None)
+        if state is None or not state.get("adapter"):
+            what = "is not a finished round" if state is None else "trained no adapter (a cold-start round)"
+            raise ConfigError(f"--round {round_index} {what}; rounds with an adapter: "
+                              f"{', '.join(str(s['round']) for s in trained) or 'none yet'}")
+        why = f"round {round_index} (--round)"
+    elif not trained:
+        raise ConfigError(f"no finished round in {artifacts} trained an adapter yet: run `tamis round` until one has "
+                          "labels (the first round only selects), or give --adapter DIR")
+    else:
+        state, why = trained[-1], f"the latest round that trained one, round {trained[-1]['round']}"
+    ref = state["adapter"]
+    read_manifest(ref["dir"])  # verifies the adapter's files against the train stage's digests
+    return AdapterChoice(Path(ref["adapter_dir"]), state["round"], ref.get("adapter_digest"), why)
+
+
+def source_for(path: str | os.PathLike[str], question: str | None) -> Any:
+    """The ingest source that reads `path`: a saved dataset (a folder with dataset_info.json or dataset_dict.json),
+    an image folder, a .jsonl or .csv manifest."""
+    from pipeline.config import SourceConfig
+
+    p = Path(path)
+    if p.is_dir():
+        saved = any((p / n).is_file() for n in ("dataset_info.json", "dataset_dict.json", "state.json"))
+        return SourceConfig(kind="hf" if saved else "folder", path=p, question=question)
+    if p.suffix.lower() in (".jsonl", ".csv") and p.is_file():
+        return SourceConfig(kind=p.suffix.lower().lstrip("."), path=p, question=question)
+    what = "does not exist" if not p.exists() else "is neither a folder nor a .jsonl / .csv manifest"
+    raise DataError(f"{p} {what}; give a folder of images, a JSONL or CSV manifest (an `image` path per row, "
+                    "optionally a `question`) or a dataset saved with save_to_disk")
+
+
+@dataclass
+class NewImage:
+    """One input row: its name in the output, its question, the prepared PNG, or why it has none."""
+
+    file: str
+    question: str
+    prepared: bytes | None = None
+    label: str | None = None  # the input's own answer (a class sub-folder, a manifest's answer), if it has one
+    error: str | None = None
+
+
+def _name(row: Any, base: Path) -> str:
+    """The input's own name for a row: its path relative to the input folder (or manifest's folder), else where the
+    reader found it (a saved dataset's row)."""
+    path = getattr(row, "image_path", "") or getattr(row, "path", "")
+    if path:
+        p = Path(path)
+        return str(p.relative_to(base)) if p.is_relative_to(base) else str(p)
+    return row.source
+
+
+def read_new_images(path: str | os.PathLike[str], *, data: Any, preprocess: Any, model: Any,
+                    question: str | None = None) -> Iterator[NewImage]:
+    """Every input row of `path`, prepared as the preprocess stage prepares training images (or with its error)."""
+    import cv2
+
+    from pipeline.data.images import ImageRejected
+    from pipeline.data.readers import READERS, Rejected
+    from pipeline.preprocess import ImagePreparer, encode_png, resolve_size
+
+    default_q = question or next((s.question for s in data.sources if s.question), None)
+    source = source_for(path, default_q)
+    base = (source.path if source.kind in ("folder", "hf") else source.path.parent).resolve()
+    prepare = ImagePreparer(preprocess, size=resolve_size(preprocess, model), max_pixels=data.max_image_pixels)
+    for item in READERS[source.kind]().rows(source, data):
+        if isinstance(item, Rejected):
+            yield NewImage(_name(item, base), default_q or data.question, error=item.reason)
+            continue
+        out = NewImage(_name(item, base), question or item.question, label=item.answer)
+        try:
+            out.prepared = encode_png(prepare(item.image)[0])
+        except (DataError, ValueError, OSError, cv2.error) as exc:
+            out.error = exc.reason if isinstance(exc, ImageRejected) else f"cannot decode: {exc.__class__.__name__}: {exc}"
+        yield out
+
+
+@dataclass
+class Prediction:
+    file: str
+    question: str
+    answer: str | None
+    probability: float | None
+    adapter: str
+    label: str | None = None
+    mean_logprob: float | None = None
+    distribution: dict[str, float] | None = None  # closed answers: every answer's probability
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def csv_row(self) -> dict[str, Any]:
+        row = {c: getattr(self, c) for c in CSV_COLUMNS}
+        return {k: "" if v is None else (f"{v:.6f}" if isinstance(v, float) else v) for k, v in row.items()}
+
+    def json_row(self) -> dict[str, Any]:
+        row = {c: getattr(self, c) for c in CSV_COLUMNS}
+        if self.distribution is not None:
+            row["distribution"] = self.distribution
+        return {k: v for k, v in row.items() if v is not None}
+
+
+def score_images(loaded: Any, images: Sequence[NewImage], answers: Sequence[str] | None, *, adapter: str,
+                 batch_size: int, length_normalize: bool, max_new_tokens: int) -> list[Prediction]:
+    """Predictions for decodable images through the scorer of pool scoring (pipeline.scoring.make_scorer); closed
+    answers: the most likely answer, its probability and the whole distribution; open answers: the greedy answer,
+    its mean token log-probability and `probability` = exp(mean log-prob), the per-token geometric mean."""
+    from pipeline.scoring import make_scorer
+
+    good = [im for im in images if im.error is None]
+    out = {id(im): Prediction(im.file, im.question, None, None, adapter, im.label, error=im.error) for im in images}
+    if good:
+        scorer = make_scorer(loaded, answers, length_normalize=length_normalize, max_new_tokens=max_new_tokens)
+        rows = [{"sample_id": im.file, "prepared": im.prepared, "question": im.question} for im in good]
+        res = scorer.score(rows, batch_size=batch_size)
+        for i, im in enumerate(good):
+            p = out[id(im)]
+            if answers:
+                probs = res.probs[i]
+                best = int(np.argmax(probs))
+                p.answer, p.probability = answers[best], float(probs[best])
+                p.distribution = {a: round(float(x), 6) for a, x in zip(answers, probs, strict=True)}
+            else:
+                lp = res.token_logprobs[i]
+                mean = float(np.nanmean(lp)) if np.isfinite(lp).any() else float("nan")
+                p.answer, p.mean_logprob = res.answers[i], mean
+                p.probability = math.exp(mean) if math.isfinite(mean) else None
+    return [out[id(im)] for im in images]
+
+
+def predict_path(path: str | os.PathLike[str], loaded: Any, *, choice: AdapterChoice, data: Any, preprocess: Any,
+                 model: Any, select: Any, question: str | None = None) -> list[Prediction]:
+    """Every row of `path` predicted with `loaded` (the model with `choice`'s adapter), in the input's order."""
+    name = str(choice.dir) if choice.round is None else f"round {choice.round}: {choice.dir}"
+    out: list[Prediction] = []
+    chunk: list[NewImage] = []
+    images = read_new_images(path, data=data, preprocess=preprocess, model=model, question=question)
+    for im in itertools.chain(images, [None]):  # None: the end, which scores the last chunk
+        if im is not None:
+            chunk.append(im)
+        if chunk and (im is None or len(chunk) >= CHUNK):
+            out += score_images(loaded, chunk, data.answers, adapter=name, batch_size=select.score_batch_size,
+                                length_normalize=select.length_normalize, max_new_tokens=model.max_new_tokens)
+            chunk = []
+    if not out:
+        raise DataError(f"{path}: no images found; put image files in the folder or rows in the manifest")
+    return out
+
+
+def write_predictions(preds: Sequence[Prediction], out_csv: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """The CSV (one row per input) and the JSONL beside it (same rows, plus the closed answers' distributions)."""
+    from pipeline.store import atomic_write_jsonl, atomic_write_text
+
+    out_csv = Path(out_csv)
+    buf = io.StringIO(newline="")
+    writer = csv.DictWriter(buf, fieldnames=list(CSV_COLUMNS), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(p.csv_row() for p in preds)
+    atomic_write_text(out_csv, buf.getvalue())
+    jsonl = out_csv.with_suffix(".jsonl")
+    atomic_write_jsonl(jsonl, [p.json_row() for p in preds])
+    return out_csv, jsonl

@@ -67,13 +67,16 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
                                              stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
     state.update(agreed, pool=len(pool_ids), strategy=rounds.round_strategy(cfg, cold=adapter is None),
                  labels_spent=labels_spent(len(plan.labels), art, before_round=plan.index))
+    outstanding = rounds.outstanding_tasks(art, plan)
     state["stopped"] = rounds.stop_reason(cfg, plan.index, state["labels_spent"], read_metrics(art), len(pool_ids),
-                                          state.get("stability"))
+                                          state.get("stability"), outstanding=outstanding)
     if not state["stopped"]:
         progress.start("score pool")
         sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=pool_ids, exclude=sorted(exclude), round_dir=plan.dir,
                          adapter=adapter and {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]},
-                         labels=plan.labels, history_dirs=plan.history_dirs(art))
+                         labels=plan.labels, history_dirs=plan.history_dirs(art),
+                         batch_size=rounds.budget_batch(cfg.rounds, cfg.select.batch_size, state["labels_spent"],
+                                                        outstanding))
         progress.skip("score pool", "select")
         progress.start("export")
         exp = export_ref(cfg, selection=sel, prepared=prep["prepare"], round_index=plan.index)

@@ -101,11 +101,11 @@ def embeddings_ref(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, An
 
 def select_ref(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
                pool_ids: list[str], exclude: list[str], round_dir: Path, labels: dict[str, str] | None = None,
-               history_dirs: list[Path] = ()) -> dict[str, Any]:
+               history_dirs: list[Path] = (), batch_size: int | None = None) -> dict[str, Any]:
     """Score the eligible pool (and the labeled samples) and select; writes round_dir/selection/. Call in a flow."""
     space = embeddings_ref(cfg, prepared)
     plan = sel.plan_selection(cfg, round_dir=round_dir, pool_ids=pool_ids, exclude=exclude, labels=dict(labels or {}),
-                              adapter=adapter, space=space, history_dirs=list(history_dirs))
+                              adapter=adapter, space=space, history_dirs=list(history_dirs), batch_size=batch_size)
     refs = score_pool(cfg, prepared=prepared, adapter=adapter, pool_ids=plan.candidates,
                       round_dir=round_dir) if plan.score else []
     ref = run_stage(select_task, **plan.stage_params(refs))

@@ -100,15 +100,18 @@ def save_rows(prepared: Any, ids: Sequence[str], out_dir: str | os.PathLike[str]
 
 
 def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Sequence[Mapping[str, Any]],
-                pool_left: int, stability: Mapping[str, Any] | None = None, hours: float | None = None) -> str | None:
+                pool_left: int, stability: Mapping[str, Any] | None = None, hours: float | None = None, *,
+                outstanding: int = 0) -> str | None:
     """Why no further batch should be selected, or None: max rounds, label budget, hours budget, target metric,
     plateau, stable predictions on the stop set (`stability`, pipeline.stopping), empty pool. `hours`: annotator
-    hours recorded so far (default: summed from the ledger's times)."""
+    hours recorded so far (default: summed from the ledger's times); `outstanding`: tasks exported earlier and still
+    with the annotators, which the label budget has already promised."""
     rc = cfg.rounds
     if round_index + 1 >= rc.max_rounds:
         return f"rounds.max_rounds = {rc.max_rounds} reached (this is round {round_index})"
-    if rc.label_budget is not None and n_labels >= rc.label_budget:
-        return f"label budget spent: {n_labels} labels ≥ rounds.label_budget = {rc.label_budget}"
+    if rc.label_budget is not None and n_labels + outstanding >= rc.label_budget:
+        out = f" + {outstanding} tasks still with the annotators" if outstanding else ""
+        return f"label budget spent: {n_labels} labels{out} ≥ rounds.label_budget = {rc.label_budget}"
     if rc.budget_hours is not None:
         spent = recorded_hours(cfg.artifacts) if hours is None else hours
         if spent >= rc.budget_hours:
@@ -128,6 +131,19 @@ def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Se
     if pool_left == 0:
         return "pool exhausted: no unlabeled samples left to select"
     return None
+
+
+def budget_batch(rounds_cfg: Any, batch_size: int, spent: int, outstanding: int = 0) -> int:
+    """The round's batch size: select.batch_size, cut to what rounds.label_budget has left after the labels spent
+    and the tasks still with the annotators (a budget is a cap: 90 with batches of 40 gives 40, 40, then 10)."""
+    if rounds_cfg.label_budget is None:
+        return batch_size
+    return max(0, min(batch_size, rounds_cfg.label_budget - spent - outstanding))
+
+
+def outstanding_tasks(artifacts: str | os.PathLike[str], plan: RoundPlan) -> int:
+    """Samples exported in earlier rounds and not labeled yet: the label budget has promised them already."""
+    return len(exported_before(artifacts, plan.index) - set(plan.labels))
 
 
 def recorded_hours(artifacts: str | os.PathLike[str]) -> float:

@@ -219,3 +219,46 @@ def test_the_last_round_trains_on_its_new_labels_and_selects_nothing(tmp_path, p
     assert again.index == 1 and again.rerun["stopped"] == reason and again.rerun["adapter"]["adapter_digest"] == "a1"
     # The same training job (warm from round 0's adapter, never its own): a cached re-run trains nothing.
     assert train_params(c, again, **refs) == job
+
+
+def _export(art, round_index, ids):
+    """A round's export as the export stage leaves it (only the task list matters to what is still out)."""
+    folder = round_dir(art, round_index) / "export"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / TASKS_FILE).write_text(json.dumps([{"data": {"sample_id": s}} for s in ids]))
+
+
+def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_path):
+    """rounds.label_budget 90 with batches of 40: 40, 40, then 10, and nothing after; a round run before all of the
+    last batch came back counts what is still with the annotators, so the budget is never exceeded."""
+    from pipeline.labelcheck import labels_spent
+    from pipeline.rounds import budget_batch, outstanding_tasks
+    from pipeline.selection import plan_selection
+
+    c = cfg(tmp_path, rounds={"max_rounds": 10, "label_budget": 90}, select={"batch_size": 40, "cold_start": "random"})
+    art = c.artifacts
+    pool = [f"p{i:03d}" for i in range(200)]
+    labels, batches = {}, []
+    for _ in range(5):
+        plan = plan_round(art, labels)
+        out = outstanding_tasks(art, plan)
+        spent = labels_spent(len(plan.labels), art, before_round=plan.index)
+        if stop_reason(c, plan.index, spent, [], len(pool), outstanding=out):
+            break
+        eligible = [s for s in pool if s not in labels]
+        sp = plan_selection(c, round_dir=plan.dir, pool_ids=eligible, exclude=sorted(labels), labels=plan.labels,
+                            adapter=None, space=None, history_dirs=[],
+                            batch_size=budget_batch(c.rounds, c.select.batch_size, spent, out))
+        # The select stage picks select.batch_size of its parameters (its key: a cut batch is another selection).
+        chosen = eligible[:sp.params["select"]["batch_size"]]
+        _export(art, plan.index, chosen)
+        finish(art, plan)
+        batches.append(len(chosen))
+        labels |= dict.fromkeys(chosen, "1")
+    assert batches == [40, 40, 10]
+    assert stop_reason(c, 3, 90, [], 100).startswith("label budget spent: 90 labels")
+    # Half of a batch of 40 still out: the budget holds them, so 90 - 50 - 20 = 20 is what the next round may send.
+    assert budget_batch(c.rounds, 40, 50, 20) == 20
+    assert stop_reason(c, 2, 70, [], 100, outstanding=20).startswith(
+        "label budget spent: 70 labels + 20 tasks still with the annotators ≥ rounds.label_budget = 90")
+    assert budget_batch(cfg(tmp_path).rounds, 40, 500) == 40  # no budget: never cut

@@ -145,5 +145,6 @@ def labeling_round(config_path: str | None = None, simulate: bool | None = None)
         logger.info("resumed: labels in inbox %s, file %r, note %r", answer.labels_in_inbox, answer.labels_file,
                     answer.note)
         if answer.labels_file.strip():
-            logger.info("labels file copied to %s", receive_labels(cfg.artifacts, answer.labels_file.strip()))
+            logger.info("labels file copied to %s", receive_labels(cfg.artifacts, answer.labels_file.strip(),
+                                                                   labels_from=cfg.rounds.labels_from))
         return waiting.final(_locked_round(cfg, simulate))

@@ -180,6 +180,7 @@ def _absolutize(cfg: ProjectConfig, root: Path) -> ProjectConfig:
     cfg.data.allowed_roots = [fix(p) for p in cfg.data.allowed_roots]
     cfg.data.ground_truth = fix(cfg.data.ground_truth)
     cfg.annotate.document_root = fix(cfg.annotate.document_root)
+    cfg.rounds.labels_from = fix(cfg.rounds.labels_from)
     cfg.select.embeddings.path = fix(cfg.select.embeddings.path)
     # A local model directory is a path; a hub ID ("org/name") is not, unless such a folder exists here.
     mp = Path(cfg.model.name_or_path)

@@ -191,6 +191,9 @@ class RoundsConfig(Section):
     # A deployed round suspends after its export until the annotators' labels are in (resumed from the Prefect UI or
     # `tamis resume`), then imports them and runs the next round in the same flow run.
     wait_for_labels: bool = False
+    # The folder (on the worker's machine) a resumed round may copy its `labels_file` from, besides the artifacts
+    # folder: the form can be filled in by anyone who reaches the Prefect API, so it never names any other file.
+    labels_from: Path | None = None
     # How long a suspended round waits; past it Prefect ends the run and the next scheduled run picks up.
     wait_timeout_s: int = Field(default=7 * 24 * 3600, ge=60)
     # A seeded sample of this many pool samples, never selected, that each round's adapter predicts: how much

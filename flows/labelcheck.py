@@ -20,6 +20,7 @@ from pipeline.labelcheck import (
     run_label_check,
     run_relabel,
 )
+from pipeline.model.identity import with_identity
 
 # flows/round.py reads the finished report through these.
 __all__ = ["label_check_ref", "relabel_ref", "report_agreement", "report_table", "report_verdict"]
@@ -45,7 +46,8 @@ def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: di
     def selection_space() -> dict[str, Any] | None:
         return embeddings_ref(cfg, prepared)
 
-    params = plan_label_check(artifacts=cfg.artifacts, model=cfg.model, train=cfg.train, select=cfg.select,
+    params = plan_label_check(artifacts=cfg.artifacts, model=with_identity(cfg.model, cfg.artifacts),
+                              train=cfg.train, select=cfg.select,
                               labelcheck=cfg.labelcheck, answers=cfg.data.answers, seed=cfg.seed, labeled=labeled,
                               previous=previous, round_dir=round_dir,
                               selection_space=None if prepared is None else selection_space)

@@ -290,8 +290,11 @@ def train_params(cfg: Any, plan: RoundPlan, *, labeled: dict[str, Any],
                  augmented: dict[str, Any] | None) -> dict[str, Any]:
     """The train stage's parameters (its cache key) and output folder for this round: the labeled set's content,
     never the pool's (labeled_set)."""
+    from pipeline.model.identity import keyed_model
+
     init = plan.warm_start(cfg.train.init)
-    sections = {"model": cfg.section("model"), "train": cfg.section("train")}
+    # The model's content and library versions too: new weights at the same path retrain (pipeline/model/identity.py).
+    sections = {"model": keyed_model(cfg.model, cfg.artifacts), "train": cfg.section("train")}
     key = digest_json({"labeled": labeled["digest"], **sections, "aug": augmented and augmented["digest"],
                        "init": init and init["adapter_digest"], "seed": cfg.seed})
     return dict(artifacts=str(cfg.artifacts), labeled=labeled, augmented=augmented, seed=cfg.seed,
@@ -313,8 +316,10 @@ def test_set(cfg: Any, prepared_ref: Mapping[str, Any], pool: PoolData) -> dict[
 
 def evaluate_params(cfg: Any, *, test: dict[str, str], adapter: dict[str, Any]) -> dict[str, Any]:
     """The evaluate stage's parameters (its cache key) and output folder for a trained adapter on the test set."""
+    from pipeline.model.identity import keyed_model
+
     key = digest_json({"test": test["digest"], "adapter": adapter["adapter_digest"]})
-    return dict(artifacts=str(cfg.artifacts), test=test, adapter=adapter, model=cfg.section("model"),
+    return dict(artifacts=str(cfg.artifacts), test=test, adapter=adapter, model=keyed_model(cfg.model, cfg.artifacts),
                 answers=cfg.data.answers, batch_size=cfg.select.score_batch_size,
                 out_dir=str(Path(cfg.artifacts) / "eval" / key[:16]))
 

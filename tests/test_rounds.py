@@ -262,3 +262,63 @@ def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_pat
     assert stop_reason(c, 2, 70, [], 100, outstanding=20).startswith(
         "label budget spent: 70 labels + 20 tasks still with the annotators ≥ rounds.label_budget = 90")
     assert budget_batch(cfg(tmp_path).rounds, 40, 500) == 40  # no budget: never cut
+
+
+def _reweigh(model_dir, scale=1.5):
+    """New weights at the same path: every floating tensor of the checkpoint scaled, saved over the old file."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(model_dir.glob("*.safetensors")):
+        tensors = {k: (v * scale if v.is_floating_point() else v) for k, v in load_file(f).items()}
+        save_file({k: t.contiguous() for k, t in tensors.items()}, f, metadata={"format": "pt"})
+    assert torch  # the checkpoint is torch's format
+
+
+def test_train_evaluate_and_score_keys_know_the_models_weights_and_libraries(tmp_path, tiny_models, monkeypatch):
+    """Issue 36: the keys held the model section (a path string): new weights at the same path reused the old
+    adapter. Now they hold the checkpoint's content and the library versions; a re-saved file with the same bytes
+    (a touch) keeps them."""
+    import os
+    import shutil
+
+    from pipeline.model import identity
+    from pipeline.rounds import evaluate_params
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_models["idefics3"], model_dir)
+    c = cfg(tmp_path, model={"name_or_path": str(model_dir), "family": "idefics3"})
+    plan = plan_round(c.artifacts, {"s03": "5"})
+    refs = dict(labeled={"dataset": "l", "digest": plan.labeled_digest}, augmented=None)
+    adapter = {"adapter_digest": "a0", "adapter_dir": "x0"}
+
+    def keys():
+        job = train_params(c, plan, **refs)
+        return job["out_dir"], job["model"], evaluate_params(c, test={"digest": "t"}, adapter=adapter)["model"]
+
+    before = keys()
+    assert before[1]["identity"]["checkpoint"].startswith("sha256:")
+    assert set(before[1]["identity"]["libraries"]) == {"torch", "transformers", "peft", "bitsandbytes"}
+    for f in model_dir.iterdir():  # the same bytes, a newer mtime: read again, the same digest
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 5_000_000_000))
+    assert keys() == before
+    _reweigh(model_dir)
+    after = keys()
+    assert after[0] != before[0] and after[1] != before[1] and after[2] != before[2]
+    monkeypatch.setattr(identity, "library_versions", lambda: {"torch": "9.9", "transformers": "1", "peft": "1",
+                                                               "bitsandbytes": "1"})
+    assert keys()[0] != after[0]  # a library upgrade retrains too
+    # The model section of stages not keyed on the content (config show, the embeddings stage) has no identity.
+    assert "identity" not in c.section("model")
+
+
+def test_a_hub_id_keys_on_the_revision_it_resolves_to(tmp_path, monkeypatch):
+    from pipeline.config import ModelConfig
+    from pipeline.model import identity
+
+    monkeypatch.setattr(identity, "hub_revision", lambda name: "3f9a0c1")
+    got = identity.model_identity(ModelConfig(name_or_path="HuggingFaceTB/SmolVLM-256M-Instruct"), tmp_path)
+    assert got["checkpoint"] == "hub:HuggingFaceTB/SmolVLM-256M-Instruct@3f9a0c1"
+    monkeypatch.setattr(identity, "hub_revision", lambda name: "77aa001")  # the ID moved on: another key
+    assert identity.model_identity(ModelConfig(name_or_path="HuggingFaceTB/SmolVLM-256M-Instruct"),
+                                   tmp_path)["checkpoint"].endswith("@77aa001")

@@ -237,6 +237,15 @@ def round_labels(pool: PoolData, ledger_labels: Mapping[str, str]) -> dict[str, 
     return {**pool.seed_labels(), **{s: ledger_labels[s] for s, k in zip(ids, known, strict=True) if k}}
 
 
+def labels_now(artifacts: str | os.PathLike[str], prepared_dir: str | os.PathLike[str], pool: PoolData, *,
+               round_index: int) -> dict[str, str]:
+    """The round's labels once labels have followed their re-saved or moved images to their new sample IDs
+    (pipeline/annotation/carry.py: a carry entry each, logged)."""
+    from pipeline.annotation.carry import follow_images
+
+    return round_labels(pool, follow_images(artifacts, prepared_dir, pool.index, round_index=round_index))
+
+
 @dataclass
 class RoundPlan:
     """Which round this run is, with what labels, and what came before it."""

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pipeline.annotation.carry import orphan_labels
 from pipeline.annotation.inbox import inbox_dir, inbox_files
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.metrics import read_metrics
@@ -32,6 +33,9 @@ def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
         "labeled": len({e["sample_id"] for e in entries if "sample_id" in e}),
         "ledger_entries": len(entries),
         "corrections": sum(e.get("kind") == "correction" for e in entries),
+        "carried": sum(e.get("kind") == "carry" for e in entries),
+        # Labels of no sample of the dataset any more (`tamis labels orphans`); None before any dataset.
+        "orphan_labels": None if (orphans := orphan_labels(artifacts)) is None else len(orphans),
         # Inbox files no ledger entry came from yet (a file whose rows were all rejected stays listed).
         "inbox_pending": [str(p) for p in inbox_files(inbox_dir(artifacts)) if digest_file(p) not in done],
         "last_round_evaluated": last_round,

@@ -506,7 +506,7 @@ PREPARE_LATEST = Path("prepare") / "latest.json"  # pipeline.preprocess.record_l
 INGEST_LATEST = Path("ingest") / "latest.json"  # pipeline.data.ingest.record_latest: the last ingested dataset
 
 
-def _latest_dataset(artifacts: Path) -> Path | None:
+def latest_dataset(artifacts: Path) -> Path | None:
     """The project's last prepared dataset, else its last ingested one: both hold every sample's IDs and paths."""
     for pointer, key in ((PREPARE_LATEST, "prepare"), (INGEST_LATEST, None)):
         try:
@@ -530,7 +530,7 @@ def project_index(artifacts: str | os.PathLike[str], dataset: str | os.PathLike[
 
     artifacts = Path(artifacts)
     exported = exported_sample_ids(artifacts)
-    folder = Path(dataset) if dataset is not None else _latest_dataset(artifacts)
+    folder = Path(dataset) if dataset is not None else latest_dataset(artifacts)
     if folder is None:
         return SampleIndex(sorted(exported), scope=(
             f"the {len(exported)} samples exported for labeling (no ingested dataset in {artifacts}: run "

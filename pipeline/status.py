@@ -30,7 +30,9 @@ def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
         "rounds_exported": exported,
         # Finished rounds (round.json written), as `tamis status` lists them; a round that stopped exports nothing.
         "rounds_done": len(completed_rounds(artifacts)),
-        "labeled": len({e["sample_id"] for e in entries if "sample_id" in e}),
+        # A label carried over to a re-saved image counts once: under the sample its image is now.
+        "labeled": len({e["sample_id"] for e in entries if "sample_id" in e}
+                       - {e.get("carried_from") for e in entries if e.get("kind") == "carry"}),
         "ledger_entries": len(entries),
         "corrections": sum(e.get("kind") == "correction" for e in entries),
         "carried": sum(e.get("kind") == "carry" for e in entries),

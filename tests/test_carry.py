@@ -88,7 +88,7 @@ def test_a_re_saved_or_moved_photo_keeps_its_label_and_a_removed_one_is_an_orpha
     assert orphan["label"] == "rocket" and orphan["image_path"] == str(photos / "rocket.png")
     res = runner.invoke(app, ["status", "--json", "--config", str(config)])
     status = json.loads(res.output)
-    assert status["orphan_labels"] == 1 and status["carried"] == 2
+    assert status["orphan_labels"] == 1 and status["carried"] == 2 and status["labeled"] == 3
 
 
 def test_other_pixels_at_the_same_path_do_not_take_the_label(project, tmp_path, prefect_harness):

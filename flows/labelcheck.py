@@ -64,10 +64,10 @@ def relabel_task(artifacts: str, check: dict, prepared: dict, annotate: dict, an
 
 
 def relabel_ref(cfg: ProjectConfig, *, check: dict[str, Any], prepared: dict[str, Any],
-                round_index: int) -> dict[str, Any]:
+                round_index: int, cap: int | None = None) -> dict[str, Any]:
     """Export the likely errors at least `labelcheck.min_confidence` likely wrong that no earlier round sent back,
-    at most `labelcheck.relabel_top_n`, to rounds/NNN/relabel/; {"count": 0} when there are none (an abstaining
-    check reports none)."""
+    at most `labelcheck.relabel_top_n` (and `cap`), to rounds/NNN/relabel/; {"count": 0} when there are none (an
+    abstaining check reports none)."""
     return run_stage(relabel_task, **plan_relabel(artifacts=cfg.artifacts, annotate=cfg.annotate,
                                                   labelcheck=cfg.labelcheck, answers=cfg.data.answers, check=check,
-                                                  prepared=prepared, round_index=round_index))
+                                                  prepared=prepared, round_index=round_index, cap=cap))

@@ -81,7 +81,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         exp = export_ref(cfg, selection=sel, prepared=prep["prepare"], round_index=plan.index)
         rounds.record_selection(state, sel, exp)
         if check is not None and cfg.labelcheck.relabel_top_n:
-            rel = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=plan.index)
+            rel = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=plan.index,
+                              cap=rounds.budget_left(cfg.rounds, state))
             state["relabel"] = rel["count"]
             if rel["count"]:
                 state["relabel_dir"] = rel["dir"]

@@ -141,6 +141,15 @@ def budget_batch(rounds_cfg: Any, batch_size: int, spent: int, outstanding: int 
     return max(0, min(batch_size, rounds_cfg.label_budget - spent - outstanding))
 
 
+def budget_left(rounds_cfg: Any, state: Mapping[str, Any]) -> int | None:
+    """What rounds.label_budget leaves after this round's batch (`state`: labels_spent, tasks_out, selected), for
+    the re-label queue sent with it; None without a budget."""
+    if rounds_cfg.label_budget is None:
+        return None
+    return budget_batch(rounds_cfg, rounds_cfg.label_budget, state["labels_spent"] + state.get("selected", 0),
+                        state.get("tasks_out", 0))
+
+
 def outstanding_tasks(artifacts: str | os.PathLike[str], plan: RoundPlan) -> int:
     """Samples exported in earlier rounds and not labeled yet: the label budget has promised them already."""
     return len(exported_before(artifacts, plan.index) - set(plan.labels))

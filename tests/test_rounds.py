@@ -262,6 +262,17 @@ def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_pat
     assert stop_reason(c, 2, 70, [], 100, outstanding=20).startswith(
         "label budget spent: 70 labels + 20 tasks still with the annotators ≥ rounds.label_budget = 90")
     assert budget_batch(cfg(tmp_path).rounds, 40, 500) == 40  # no budget: never cut
+    # The label check's re-label queue goes out with the batch: it gets what the batch left, no more.
+    from pipeline.labelcheck import plan_relabel
+    from pipeline.rounds import budget_left
+
+    c = cfg(tmp_path, rounds={"label_budget": 90}, labelcheck={"relabel_top_n": 20})
+    assert budget_left(c.rounds, {"labels_spent": 70, "selected": 10, "tasks_out": 5}) == 5
+    assert budget_left(c.rounds, {"labels_spent": 80, "selected": 10}) == 0
+    assert budget_left(cfg(tmp_path).rounds, {"labels_spent": 80, "selected": 10}) is None
+    relabel = {"artifacts": c.artifacts, "annotate": c.annotate, "labelcheck": c.labelcheck, "answers": None,
+               "check": {"dir": "x", "digest": "d"}, "prepared": {"dir": "p", "digest": "q"}, "round_index": 2}
+    assert plan_relabel(**relabel, cap=5)["top_n"] == 5 and plan_relabel(**relabel)["top_n"] == 20
 
 
 def _reweigh(model_dir, scale=1.5):

@@ -95,7 +95,8 @@ def labels_history(
             e["annotator"],
             str(e["round"]),
             Path(e["source_file"]).name,
-            f"{e['supersedes']} ({e.get('previous_label')})" if e.get("supersedes") else "",
+            f"{e['supersedes']} ({e.get('previous_label')})" if e.get("supersedes") else
+            f"from {e['carried_from']}" if e.get("carried_from") else "",
             "current" if i == len(hist) - 1 else "",
         )
     out.print(t)

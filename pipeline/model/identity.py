@@ -13,6 +13,7 @@ compute without changing that name. So those stages key on `model.identity` as w
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from importlib import metadata
@@ -51,6 +52,7 @@ def folder_digest(folder: Path, artifacts: str | os.PathLike[str] | None) -> str
     return digest_json(rows)
 
 
+@functools.lru_cache(maxsize=16)  # a round keys four stages on it: ask the hub once per process
 def hub_revision(name: str) -> str | None:
     """The commit a hub ID resolves to now: asked of the hub unless HF_HUB_OFFLINE, else the cached snapshot's."""
     from huggingface_hub import HfApi, snapshot_download

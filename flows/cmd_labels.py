@@ -1,4 +1,4 @@
-"""`tamis labels import|history|issues` and `tamis simulate-annotator`: the annotation round-trip from the command line."""
+"""`tamis labels import|history|issues|orphans` and `tamis simulate-annotator`: the annotation round-trip from the command line."""
 
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ def labels_history(
             e["annotator"],
             str(e["round"]),
             Path(e["source_file"]).name,
-            f"{e['supersedes']} ({e.get('previous_label')})" if e.get("supersedes") else "",
+            f"{e['supersedes']} ({e.get('previous_label')})" if e.get("supersedes") else
+            f"from {e['carried_from']}" if e.get("carried_from") else "",
             "current" if i == len(hist) - 1 else "",
         )
     out.print(t)
@@ -160,6 +161,38 @@ def labels_issues(
         out.print(f"sent back for re-labeling: {state['relabel_dir']}", highlight=False)
 
 
+def labels_orphans(
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the list as JSON (for scripts).")] = False,
+) -> None:
+    """Labels that match no sample of the dataset any more (their image changed pixels, or was renamed and re-encoded,
+    or removed): they stay in the ledger; relabel the new images or put the old ones back."""
+    import json
+
+    from pipeline.annotation.carry import orphan_labels
+    from pipeline.config import load_config
+
+    out = out_console(markup=False, highlight=False)
+    cfg = load_config(config)
+    rows = orphan_labels(cfg.artifacts)
+    if as_json:
+        typer.echo(json.dumps(rows or [], indent=2))
+        return
+    if rows is None:
+        out.print(f"no dataset in {cfg.artifacts} yet: run `tamis ingest` (or a round) first")
+        return
+    if not rows:
+        out.print("every label matches a sample of the dataset (re-saved images carried their labels over)")
+        return
+    t = Table(title=f"{len(rows)} labels matching no sample of the dataset")
+    for col in ("sample", "label", "annotator", "round", "image it had", "source file"):
+        t.add_column(col, no_wrap=col == "sample")
+    for r in rows:
+        t.add_row(r["sample_id"], r["label"], r["annotator"], str(r["round"]), r["image_path"] or "(unknown)",
+                  Path(r["source_file"]).name)
+    out.print(t)
+
+
 def simulate(
     round_index: Annotated[int, typer.Option("--round", help="The exported round to answer.")],
     config: ConfigOpt = None,
@@ -193,5 +226,6 @@ def register(app: typer.Typer) -> None:
     labels_app.command("history")(labels_history)
     labels_app.command("issues")(labels_issues)
     labels_app.command("annotators")(labels_annotators)
+    labels_app.command("orphans")(labels_orphans)
     app.add_typer(labels_app, name="labels")
     app.command("simulate-annotator")(simulate)

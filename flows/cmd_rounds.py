@@ -210,8 +210,10 @@ def status_cmd(
     lines = [
         f"rounds finished: {summary['rounds_done']} (exported for annotation: {len(summary['rounds_exported'])})",
         f"labeled samples: {summary['labeled']} in the ledger ({summary['ledger_entries']} entries, "
-        f"{summary['corrections']} corrections)"
+        f"{summary['corrections']} corrections, {summary['carried']} carried over to re-saved images)"
         + "".join(f"\n  not counted: {p}" for p in summary["ledger_problems"]),
+        f"labels matching no sample any more: {summary['orphan_labels'] or 0}"
+        + (" (`tamis labels orphans` lists them)" if summary["orphan_labels"] else ""),
         f"pool eligible: {'—' if summary['pool_eligible'] is None else summary['pool_eligible']}, "
         f"quarantined rows: {summary['quarantined_rows']}",
         f"inbox files not imported yet: {len(summary['inbox_pending'])}"

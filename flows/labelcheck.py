@@ -20,6 +20,7 @@ from pipeline.labelcheck import (
     run_label_check,
     run_relabel,
 )
+from pipeline.model.identity import with_identity
 
 # flows/round.py reads the finished report through these.
 __all__ = ["label_check_ref", "relabel_ref", "report_agreement", "report_table", "report_verdict"]
@@ -45,7 +46,8 @@ def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: di
     def selection_space() -> dict[str, Any] | None:
         return embeddings_ref(cfg, prepared)
 
-    params = plan_label_check(artifacts=cfg.artifacts, model=cfg.model, train=cfg.train, select=cfg.select,
+    params = plan_label_check(artifacts=cfg.artifacts, model=with_identity(cfg.model, cfg.artifacts),
+                              train=cfg.train, select=cfg.select,
                               labelcheck=cfg.labelcheck, answers=cfg.data.answers, seed=cfg.seed, labeled=labeled,
                               previous=previous, round_dir=round_dir,
                               selection_space=None if prepared is None else selection_space)
@@ -62,10 +64,10 @@ def relabel_task(artifacts: str, check: dict, prepared: dict, annotate: dict, an
 
 
 def relabel_ref(cfg: ProjectConfig, *, check: dict[str, Any], prepared: dict[str, Any],
-                round_index: int) -> dict[str, Any]:
+                round_index: int, cap: int | None = None) -> dict[str, Any]:
     """Export the likely errors at least `labelcheck.min_confidence` likely wrong that no earlier round sent back,
-    at most `labelcheck.relabel_top_n`, to rounds/NNN/relabel/; {"count": 0} when there are none (an abstaining
-    check reports none)."""
+    at most `labelcheck.relabel_top_n` (and `cap`), to rounds/NNN/relabel/; {"count": 0} when there are none (an
+    abstaining check reports none)."""
     return run_stage(relabel_task, **plan_relabel(artifacts=cfg.artifacts, annotate=cfg.annotate,
                                                   labelcheck=cfg.labelcheck, answers=cfg.data.answers, check=check,
-                                                  prepared=prepared, round_index=round_index))
+                                                  prepared=prepared, round_index=round_index, cap=cap))

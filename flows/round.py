@@ -23,7 +23,6 @@ from pipeline import report, rounds, unchanged
 from pipeline.annotation.inbox import import_inbox, receive_labels
 from pipeline.annotation.label_files import LabelKeys
 from pipeline.annotation.label_studio import pull_labels, push_batch
-from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.annotation.redundancy import queue_redundancy, settle_votes
 from pipeline.config import ProjectConfig, load_config
 from pipeline.labelcheck import check_report_markdown, labels_spent
@@ -57,7 +56,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     imports = pull_labels(cfg, known_ids=pool.index, round_index=start) + import_inbox(
         art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg))
     agreed = settle_votes(art, cfg.annotate, answers=cfg.data.answers, round_index=start)
-    plan = rounds.plan_round(art, rounds.round_labels(pool, Ledger(ledger_path(art)).labels()))
+    plan = rounds.plan_round(art, rounds.labels_now(art, prep["prepare"]["dir"], pool, round_index=start))
     state = {**plan.state(imports), "annotation_time": annotation_time(art, next_batch=cfg.select.batch_size),
              "strategy": planned_strategy(cfg, labels=plan.labels, history_dirs=plan.history_dirs(art)),
              "quality_flags": explain_flags(prep["quality"]["info"], cfg.quality)}
@@ -71,20 +70,24 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
 
     pool_ids, exclude = rounds.eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
                                              stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
-    state.update(agreed, pool=len(pool_ids), labels_spent=labels_spent(len(plan.labels), art, before_round=plan.index))
+    state.update(agreed, pool=len(pool_ids), labels_spent=labels_spent(len(plan.labels), art, before_round=plan.index),
+                 tasks_out=rounds.outstanding_tasks(art, plan))  # exported earlier, not labeled yet
     state["stopped"] = rounds.stop_reason(cfg, plan.index, state["labels_spent"], read_metrics(art), len(pool_ids),
-                                          state.get("stability"))
+                                          state.get("stability"), outstanding=state["tasks_out"])
     if not state["stopped"]:
         progress.start("score pool")
         sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=pool_ids, exclude=sorted(exclude), round_dir=plan.dir,
                          adapter=adapter and {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]},
-                         labels=plan.labels, history_dirs=plan.history_dirs(art))
+                         labels=plan.labels, history_dirs=plan.history_dirs(art),
+                         batch_size=rounds.budget_batch(cfg.rounds, cfg.select.batch_size, state["labels_spent"],
+                                                        state["tasks_out"]))
         progress.skip("score pool", "select")
         progress.start("export")
         exp = export_ref(cfg, selection=sel, prepared=prep["prepare"], round_index=plan.index)
         rounds.record_selection(state, sel, exp)
         if check is not None and cfg.labelcheck.relabel_top_n:
-            rel = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=plan.index)
+            rel = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=plan.index,
+                              cap=rounds.budget_left(cfg.rounds, state))
             state["relabel"] = rel["count"]
             if rel["count"]:
                 state["relabel_dir"] = rel["dir"]
@@ -149,5 +152,6 @@ def labeling_round(config_path: str | None = None, simulate: bool | None = None)
         logger.info("resumed: labels in inbox %s, file %r, note %r", answer.labels_in_inbox, answer.labels_file,
                     answer.note)
         if answer.labels_file.strip():
-            logger.info("labels file copied to %s", receive_labels(cfg.artifacts, answer.labels_file.strip()))
+            logger.info("labels file copied to %s", receive_labels(cfg.artifacts, answer.labels_file.strip(),
+                                                                   labels_from=cfg.rounds.labels_from))
         return waiting.final(_locked_round(cfg, simulate))

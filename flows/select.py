@@ -18,6 +18,7 @@ from flows.ui import detach
 from pipeline import selection as sel
 from pipeline.config import ProjectConfig
 from pipeline.embeddings import EMBEDDINGS_VERSION, embeddings_params, embeddings_stage
+from pipeline.model.identity import keyed_model
 from pipeline.scoring import (
     SCORE_VERSION,
     pool_shard_size,
@@ -78,7 +79,8 @@ def score_pool_flow(artifacts: str, model: dict[str, Any], scoring: dict[str, An
 def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
                pool_ids: list[str], round_dir: Path) -> list[dict[str, Any]]:
     """Score the pool in shards with the task runner `select.runner` asks for (also under a deployment's worker)."""
-    parts = dict(model=cfg.section("model"), scoring=score_config(cfg), adapter=adapter, prepared=prepared)
+    parts = dict(model=keyed_model(cfg.model, cfg.artifacts), scoring=score_config(cfg), adapter=adapter,
+                 prepared=prepared)
     pool_file = write_pool_file(round_dir, pool_ids)
     size = pool_shard_size(len(pool_ids), cfg.select.shard_size, cfg.select.max_tasks)
     shards = shard_params(cfg.artifacts, **parts, pool_ids=sorted(pool_ids), shard_size=size)
@@ -101,11 +103,11 @@ def embeddings_ref(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, An
 
 def select_ref(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
                pool_ids: list[str], exclude: list[str], round_dir: Path, labels: dict[str, str] | None = None,
-               history_dirs: list[Path] = ()) -> dict[str, Any]:
+               history_dirs: list[Path] = (), batch_size: int | None = None) -> dict[str, Any]:
     """Score the eligible pool (and the labeled samples) and select; writes round_dir/selection/. Call in a flow."""
     space = embeddings_ref(cfg, prepared)
     plan = sel.plan_selection(cfg, round_dir=round_dir, pool_ids=pool_ids, exclude=exclude, labels=dict(labels or {}),
-                              adapter=adapter, space=space, history_dirs=list(history_dirs))
+                              adapter=adapter, space=space, history_dirs=list(history_dirs), batch_size=batch_size)
     refs = score_pool(cfg, prepared=prepared, adapter=adapter, pool_ids=plan.candidates,
                       round_dir=round_dir) if plan.score else []
     ref = run_stage(select_task, **plan.stage_params(refs))

@@ -16,6 +16,8 @@ def prefect_env(artifacts: Path) -> dict[str, str]:
         "PREFECT_HOME": str(artifacts / "prefect"),
         "PREFECT_LOCAL_STORAGE_PATH": str(artifacts / "prefect" / "results"),
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
+        # Flow results too are JSON, never pickles (stage tasks set it themselves, flows.stages.RESULT_SERIALIZER).
+        "PREFECT_RESULTS_DEFAULT_SERIALIZER": "json",
         # The embedded server needs 20-36 s to start on small machines; Prefect's default gives up sooner.
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

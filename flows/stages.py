@@ -24,11 +24,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # stage name -> its code-aware version, filled as the flow modules define their tasks (import flows.round for all)
 STAGES: dict[str, str] = {}
+RESULT_SERIALIZER = "json"
 
 
 def stage_cache_key(stage: str, version: str, params: dict[str, Any]) -> str:
     # Prefect's cache keys are global across tasks and flows, so the stage name is part of the key.
     return f"{stage}-{version}-{digest_json(params)}"
+
+
+def result_key(stage: str, version: str, params: dict[str, Any]) -> str:
+    """The Prefect key (and result file name) of a stage task. Results are JSON; the suffix also means a result an
+    older tamis pickled under the bare key is never found, so never unpickled: that stage's body runs once more and
+    reuses its verified outputs on disk."""
+    return stage_cache_key(stage, version, params) + ".json"
 
 
 def stage_task(stage: str, version: str, *, artifacts_param: str = "artifacts", **task_options: Any) -> Callable[[F], F]:
@@ -47,9 +55,12 @@ def stage_task(stage: str, version: str, *, artifacts_param: str = "artifacts", 
 
         wrapped = task(
             name=stage,
-            cache_key_fn=lambda _ctx, params: stage_cache_key(stage, version, params),
+            cache_key_fn=lambda _ctx, params: result_key(stage, version, params),
             cache_expiration=None,
             persist_result=True,
+            # Never pickle: docs/scaling.md puts the results on storage every worker shares, and a pickle written
+            # there runs code in whoever reads it. A ref is paths, digests and numbers: JSON holds it.
+            result_serializer=RESULT_SERIALIZER,
             **task_options,
         )(body)
         wrapped.stage_version = version  # what run_stage checks a cached ref's folder against

@@ -25,7 +25,8 @@ class LabelsIn(RunInput):
                                   description="The annotators' export is in artifacts/inbox/ (or give its path below).")
     labels_file: str = Field(default="", title="Annotators' export file",
                              description="Path, on the worker's machine, of a Label Studio JSON export or a CSV / "
-                                         "JSONL with sample_id,label; copied into the inbox. Empty: use the inbox.")
+                                         "JSONL with sample_id,label, inside the artifacts folder or "
+                                         "rounds.labels_from; copied into the inbox. Empty: use the inbox.")
     note: str = Field(default="", title="Note", description="Written to the run's log.")
 
 

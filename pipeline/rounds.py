@@ -100,17 +100,20 @@ def save_rows(prepared: Any, ids: Sequence[str], out_dir: str | os.PathLike[str]
 
 
 def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Sequence[Mapping[str, Any]],
-                pool_left: int, stability: Mapping[str, Any] | None = None, hours: float | None = None) -> str | None:
+                pool_left: int, stability: Mapping[str, Any] | None = None, hours: float | None = None, *,
+                outstanding: int = 0) -> str | None:
     """Why no further batch should be selected, or None: max rounds, label budget, hours budget, target metric,
     plateau, stable predictions on the stop set (`stability`, pipeline.stopping), empty pool. `hours`: annotator
-    hours recorded so far (default: summed from the ledger's times)."""
+    hours recorded so far (default: summed from the ledger's times); `outstanding`: tasks exported earlier and still
+    with the annotators, which the label budget has already promised."""
     rc = cfg.rounds
     if round_index + 1 >= rc.max_rounds:
         # max_rounds counts every round, round 0 included (RoundsConfig.max_rounds says so, as docs/rounds.md).
         return (f"rounds.max_rounds = {rc.max_rounds}: round {round_index} is the last (0–{rc.max_rounds - 1}); "
                 "trained, selects nothing")
-    if rc.label_budget is not None and n_labels >= rc.label_budget:
-        return f"label budget spent: {n_labels} labels ≥ rounds.label_budget = {rc.label_budget}"
+    if rc.label_budget is not None and n_labels + outstanding >= rc.label_budget:
+        out = f" + {outstanding} tasks still with the annotators" if outstanding else ""
+        return f"label budget spent: {n_labels} labels{out} ≥ rounds.label_budget = {rc.label_budget}"
     if rc.budget_hours is not None:
         spent = recorded_hours(cfg.artifacts) if hours is None else hours
         if spent >= rc.budget_hours:
@@ -130,6 +133,28 @@ def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Se
     if pool_left == 0:
         return "pool exhausted: no unlabeled samples left to select"
     return None
+
+
+def budget_batch(rounds_cfg: Any, batch_size: int, spent: int, outstanding: int = 0) -> int:
+    """The round's batch size: select.batch_size, cut to what rounds.label_budget has left after the labels spent
+    and the tasks still with the annotators (a budget is a cap: 90 with batches of 40 gives 40, 40, then 10)."""
+    if rounds_cfg.label_budget is None:
+        return batch_size
+    return max(0, min(batch_size, rounds_cfg.label_budget - spent - outstanding))
+
+
+def budget_left(rounds_cfg: Any, state: Mapping[str, Any]) -> int | None:
+    """What rounds.label_budget leaves after this round's batch (`state`: labels_spent, tasks_out, selected), for
+    the re-label queue sent with it; None without a budget."""
+    if rounds_cfg.label_budget is None:
+        return None
+    return budget_batch(rounds_cfg, rounds_cfg.label_budget, state["labels_spent"] + state.get("selected", 0),
+                        state.get("tasks_out", 0))
+
+
+def outstanding_tasks(artifacts: str | os.PathLike[str], plan: RoundPlan) -> int:
+    """Samples exported in earlier rounds and not labeled yet: the label budget has promised them already."""
+    return len(exported_before(artifacts, plan.index) - set(plan.labels))
 
 
 def recorded_hours(artifacts: str | os.PathLike[str]) -> float:
@@ -223,6 +248,15 @@ def round_labels(pool: PoolData, ledger_labels: Mapping[str, str]) -> dict[str, 
     return {**pool.seed_labels(), **{s: ledger_labels[s] for s, k in zip(ids, known, strict=True) if k}}
 
 
+def labels_now(artifacts: str | os.PathLike[str], prepared_dir: str | os.PathLike[str], pool: PoolData, *,
+               round_index: int) -> dict[str, str]:
+    """The round's labels once labels have followed their re-saved or moved images to their new sample IDs
+    (pipeline/annotation/carry.py: a carry entry each, logged)."""
+    from pipeline.annotation.carry import follow_images
+
+    return round_labels(pool, follow_images(artifacts, prepared_dir, pool.index, round_index=round_index))
+
+
 @dataclass
 class RoundPlan:
     """Which round this run is, with what labels, and what came before it."""
@@ -276,8 +310,11 @@ def train_params(cfg: Any, plan: RoundPlan, *, labeled: dict[str, Any],
                  augmented: dict[str, Any] | None) -> dict[str, Any]:
     """The train stage's parameters (its cache key) and output folder for this round: the labeled set's content,
     never the pool's (labeled_set)."""
+    from pipeline.model.identity import keyed_model
+
     init = plan.warm_start(cfg.train.init)
-    sections = {"model": cfg.section("model"), "train": cfg.section("train")}
+    # The model's content and library versions too: new weights at the same path retrain (pipeline/model/identity.py).
+    sections = {"model": keyed_model(cfg.model, cfg.artifacts), "train": cfg.section("train")}
     key = digest_json({"labeled": labeled["digest"], **sections, "aug": augmented and augmented["digest"],
                        "init": init and init["adapter_digest"], "seed": cfg.seed})
     return dict(artifacts=str(cfg.artifacts), labeled=labeled, augmented=augmented, seed=cfg.seed,
@@ -299,8 +336,10 @@ def test_set(cfg: Any, prepared_ref: Mapping[str, Any], pool: PoolData) -> dict[
 
 def evaluate_params(cfg: Any, *, test: dict[str, str], adapter: dict[str, Any]) -> dict[str, Any]:
     """The evaluate stage's parameters (its cache key) and output folder for a trained adapter on the test set."""
+    from pipeline.model.identity import keyed_model
+
     key = digest_json({"test": test["digest"], "adapter": adapter["adapter_digest"]})
-    return dict(artifacts=str(cfg.artifacts), test=test, adapter=adapter, model=cfg.section("model"),
+    return dict(artifacts=str(cfg.artifacts), test=test, adapter=adapter, model=keyed_model(cfg.model, cfg.artifacts),
                 answers=cfg.data.answers, batch_size=cfg.select.score_batch_size,
                 out_dir=str(Path(cfg.artifacts) / "eval" / key[:16]))
 

@@ -253,9 +253,10 @@ def planned_strategy(cfg: Any, *, labels: Mapping[str, str], history_dirs: Seque
 
 def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclude: Collection[str],
                    labels: Mapping[str, str], adapter: dict[str, Any] | None, space: dict[str, Any] | None,
-                   history_dirs: Sequence[Path]) -> SelectionPlan:
+                   history_dirs: Sequence[Path], batch_size: int | None = None) -> SelectionPlan:
     """Plan the select stage of the round in `round_dir`: writes its candidate, exclusion and labeled ID files (they
-    are too long to be parameters), and decides the round's phase from earlier rounds' selections."""
+    are too long to be parameters), and decides the round's phase from earlier rounds' selections. `batch_size`:
+    the batch the label budget leaves (rounds.budget_batch), when below select.batch_size."""
     labeled_ids = sorted(labels) if adapter is not None else []
     phase = round_phase_of(cfg, labels=labels, history_dirs=history_dirs) if adapter is not None else None
     from pipeline.strategies.candidates import candidates_choice
@@ -276,7 +277,10 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
     atomic_write_jsonl(exclude_path, exclude_rows)
     atomic_write_jsonl(labeled_path, [{"sample_id": s} for s in labeled_ids])
     # The candidates travel as a file: their digest is what keys the stage on them (a cold start has no score refs).
-    params = dict(artifacts=str(cfg.artifacts), select=cfg.section("select"), answers=cfg.data.answers,
+    select = cfg.section("select")
+    if batch_size is not None and batch_size < select["batch_size"]:
+        select["batch_size"] = batch_size  # the key moves only for a cut batch: other rounds keep theirs
+    params = dict(artifacts=str(cfg.artifacts), select=select, answers=cfg.data.answers,
                   candidates_digest=digest_json(candidates),
                   exclude_digest=digest_json(exclude_rows), exclude_path=str(exclude_path),
                   labeled_path=str(labeled_path), pool_path=str(pool_path),

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pipeline.annotation.carry import orphan_labels
 from pipeline.annotation.inbox import inbox_dir, inbox_files
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.metrics import read_metrics
@@ -29,11 +30,16 @@ def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
         "rounds_exported": exported,
         # Finished rounds (round.json written), as `tamis status` lists them; a round that stopped exports nothing.
         "rounds_done": len(completed_rounds(artifacts)),
-        "labeled": len({e["sample_id"] for e in entries if "sample_id" in e}),
+        # A label carried over to a re-saved image counts once: under the sample its image is now.
+        "labeled": len({e["sample_id"] for e in entries if "sample_id" in e}
+                       - {e.get("carried_from") for e in entries if e.get("kind") == "carry"}),
         "ledger_entries": len(entries),
         "corrections": sum(e.get("kind") == "correction" for e in entries),
         # What the ledger holds besides committed entries: a torn last line, a damaged line (line numbers).
         "ledger_problems": [str(p) for p in read.problems],
+        "carried": sum(e.get("kind") == "carry" for e in entries),
+        # Labels of no sample of the dataset any more (`tamis labels orphans`); None before any dataset.
+        "orphan_labels": None if (orphans := orphan_labels(artifacts)) is None else len(orphans),
         # Inbox files no ledger entry came from yet (a file whose rows were all rejected stays listed).
         "inbox_pending": [str(p) for p in inbox_files(inbox_dir(artifacts)) if digest_file(p) not in done],
         "last_round_evaluated": last_round,

@@ -85,6 +85,7 @@ def round_inputs(cfg: ProjectConfig, *, sources: str | None = None) -> RoundInpu
     from pipeline.data.ingest import (
         source_digest,  # the ingest key's own input: a stat per image under verify=stat
     )
+    from pipeline.model.identity import library_versions
 
     art = Path(cfg.artifacts)
     model = Path(cfg.model.name_or_path)
@@ -95,6 +96,7 @@ def round_inputs(cfg: ProjectConfig, *, sources: str | None = None) -> RoundInpu
         "labels": {name: _stat(art / name) for name in _LABEL_FILES},
         "inbox": _listing(inbox_dir(art)),
         "model": _listing(model) if model.is_dir() else str(model),
+        "libraries": library_versions(),  # an upgraded torch / transformers / peft / bitsandbytes retrains
         "embeddings_file": _stat(cfg.select.embeddings.path),
         "ground_truth": _stat(cfg.data.ground_truth),
     }

@@ -11,6 +11,7 @@ os.environ.update(
     {
         "PREFECT_HOME": str(_PREFECT_HOME),
         "PREFECT_LOCAL_STORAGE_PATH": str(_PREFECT_HOME / "results"),
+        "PREFECT_RESULTS_DEFAULT_SERIALIZER": "json",  # as flows/settings.py sets it for a project
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",

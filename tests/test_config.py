@@ -77,3 +77,39 @@ def test_a_stage_config_hands_out_fresh_sections():
     cfg = StageConfig({"train": full, "seed": 1})
     cfg.section("train").pop("batch_size")
     assert cfg.section("train") == full and cfg.section("seed") == {"seed": 1}
+
+
+SECRET = "ls-9f8e7d6c5b4a39281706"  # as a Label Studio access token looks
+
+
+@pytest.mark.parametrize("section, field", [
+    ({"token": SECRET}, "annotate.label_studio.token"),  # a token in plain text
+    ({"api_key": SECRET, "url": "ftp://x"}, "annotate.label_studio.api_key"),  # with another error beside it
+    ({"token_env": SECRET + "!"}, "annotate.label_studio.token_env"),  # the token pasted where its variable goes
+    ({"url": f"https://admin:{SECRET}@ls.example.org"}, "annotate.label_studio.url"),  # credentials in a URL
+    ({"url": f"ftp://admin:{SECRET}@ls.example.org"}, "annotate.label_studio.url"),
+])
+def test_config_errors_never_echo_a_secret(tmp_path, section, field):
+    """`tamis config show` (as a user runs it) on a config holding a token: the error names the field and the fix,
+    never the value; it reaches the terminal and, in a deployed run, Prefect's logs."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"paths": {"artifacts": str(tmp_path / "a")},
+                                    "annotate": {"label_studio": section}}))
+    res = subprocess.run([str(Path(sys.executable).parent / "tamis"), "config", "show", "--config", str(path)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert SECRET not in res.stdout + res.stderr
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert field in res.stderr
+    if "token_env" not in field and "url" not in field:
+        assert "environment variable" in res.stderr
+
+
+def test_a_token_is_named_by_its_environment_variable():
+    cfg = parse_config({"annotate": {"label_studio": {"token": "${TEAM_LS_TOKEN}"}}})
+    assert cfg.annotate.label_studio.token_env == "TEAM_LS_TOKEN"
+    assert "    token_env: TEAM_LS_TOKEN" in cfg.to_yaml().splitlines()

@@ -286,7 +286,9 @@ def test_a_deployed_round_waits_for_its_annotators_and_resumes_into_the_next_rou
     project = tmp_path / "project"
     config = _tiny_project(project)
     cfg = yaml.safe_load(config.read_text())
-    cfg["rounds"].update(simulate_annotator=False, wait_for_labels=True, wait_timeout_s=3600)
+    # The form may name a file only inside the artifacts folder or rounds.labels_from: the annotators' folder here.
+    cfg["rounds"].update(simulate_annotator=False, wait_for_labels=True, wait_timeout_s=3600,
+                         labels_from=str(tmp_path / "annotators"))
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     art = project / "artifacts"
     env = {**env, "PWD": str(project), "PYTHONPATH": str(project)}

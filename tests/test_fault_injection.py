@@ -421,7 +421,7 @@ def test_a_torn_prefect_result_file_is_a_cache_miss_not_a_crash(tmp_path, prefec
     from prefect import flow
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 
-    from flows.stages import stage_cache_key, stage_task
+    from flows.stages import result_key, stage_task
 
     art = tmp_path / "artifacts"
 
@@ -435,7 +435,7 @@ def test_a_torn_prefect_result_file_is_a_cache_miss_not_a_crash(tmp_path, prefec
 
     assert f() == {"x": 3} and len(executions(art)) == 1
     assert f() == {"x": 3} and len(executions(art)) == 1  # cached
-    result = Path(PREFECT_LOCAL_STORAGE_PATH.value()) / stage_cache_key("faulttest", "1", {"artifacts": str(art), "x": 3})
+    result = Path(PREFECT_LOCAL_STORAGE_PATH.value()) / result_key("faulttest", "1", {"artifacts": str(art), "x": 3})
     data = result.read_bytes()
     result.write_bytes(data[: len(data) // 2])  # as a SIGKILL in Prefect's write would leave it
     assert f() == {"x": 3} and len(executions(art)) == 2  # the body ran again instead of reading half a result

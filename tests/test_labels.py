@@ -255,3 +255,50 @@ def test_cli_import_and_history(tmp_path, make_vqa, monkeypatch):
     kinds = [e["kind"] for e in Ledger(ledger_path(cfg.artifacts)).history("s000")]
     assert kinds == ["label", "correction"]
     assert runner.invoke(app, ["labels", "history", "s001", "-c", str(cfg_path)]).exit_code == 1
+
+
+def _ls_task(task_id, sid, *anns, task_set="001/export"):
+    """A task as a Label Studio JSON export gives it back: its own ID, each annotation's ID, the set tamis pushed it
+    in (data.tamis_set) and the image under that set's folder."""
+    t = _task(sid, *anns)
+    t["id"] = task_id
+    t["data"]["tamis_set"] = task_set
+    t["data"]["image"] = f"/data/local-files/?d=rounds/{task_set}/images/{sid}.png"
+    for a in anns:
+        a["id"] = task_id * 100 + a["completed_by"]
+    return t
+
+
+def test_a_whole_project_export_with_a_re_label_task_lands_the_correction(tmp_path, env):
+    """Issue 36: import the round's export, then the whole-project export (Label Studio's default) that holds the
+    round's task again and the label check's re-label task for the same sample: 3 → 8 is a correction, not a
+    conflict between annotators, and the round's answer already taken is not read as a new vote."""
+    led, run = env
+    round_task = _ls_task(11, "s003", _ann("3", 1))
+    run(_write(tmp_path / "round-001.json", [round_task, _ls_task(12, "s004", _ann("4", 1))]))
+    assert led.labels()["s003"] == "3"
+    relabel = _ls_task(31, "s003", _ann("8", 2), task_set="001/relabel")
+    project = [round_task, _ls_task(12, "s004", _ann("4", 1)), relabel]
+    rep = run(_write(tmp_path / "project.json", project), round_index=2)
+    assert rep.conflicts == [] and rep.rejected == [] and rep.corrections == 1, rep.summary()
+    assert rep.already_taken == 2 and rep.accounted  # the round's two annotations, taken by the first import
+    assert [(e["kind"], e["label"]) for e in led.history("s003")] == [("label", "3"), ("correction", "8")]
+    # The next whole-project export brings nothing new: a label corrected in tamis meanwhile is never reverted.
+    run(_write(tmp_path / "fix.csv", "sample_id,label\ns003,9\n"), round_index=3)
+    again = run(_write(tmp_path / "project-2.json", project + [_ls_task(13, "s005", _ann("5", 1))]), round_index=3)
+    assert again.already_taken == 3 and [e["sample_id"] for e in again.accepted] == ["s005"]
+    assert led.labels()["s003"] == "9"
+
+
+def test_a_round_task_and_its_re_label_task_first_seen_together_are_label_then_correction(tmp_path, env):
+    """Both tasks new in one export (the round's export never imported on its own): the round's answer is the label,
+    the re-label task's answer corrects it; a re-label task known only by its image folder counts the same."""
+    led, run = env
+    relabel = _ls_task(31, "s003", _ann("8", 2), task_set="001/relabel")
+    del relabel["data"]["tamis_set"]  # imported into Label Studio by hand, not pushed by tamis
+    rep = run(_write(tmp_path / "project.json", [_ls_task(11, "s003", _ann("3", 1)), relabel]))
+    assert rep.conflicts == [] and rep.rejected == [], rep.summary()
+    assert [(e["kind"], e["label"]) for e in led.history("s003")] == [("label", "3"), ("correction", "8")]
+    # Two annotators on one round task still vote (their tie is no correction).
+    tie = run(_write(tmp_path / "tie.json", [_ls_task(14, "s006", _ann("1", 1), _ann("2", 2))]))
+    assert [c.outcome for c in tie.conflicts] == ["tie"] and "s006" not in led.labels()

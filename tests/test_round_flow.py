@@ -344,3 +344,24 @@ def test_new_pool_images_do_not_retrain_or_re_evaluate_the_adapter(tmp_path, tin
     assert again["adapter"]["adapter_digest"] == first["adapter"]["adapter_digest"]
     # The same test rows: the adapter's evaluation is reused, metrics and all.
     assert ran["evaluate"] == 0 and again["metrics"] == first["metrics"]
+
+
+@pytest.mark.slow  # 158 s here: three rounds with training; tests/test_rounds.py checks the keys in a second
+def test_new_weights_in_the_model_folder_retrain_re_evaluate_and_re_score(tmp_path, tiny_models, prefect_harness):
+    """Issue 36: replace the model folder's weights and run the round again: the adapter is trained anew on the same
+    labels, evaluated and the pool scored with it (the keys held only the folder's path, and nothing retrained)."""
+    from test_rounds import _reweigh
+
+    from flows.round import labeling_round
+
+    config = write_project(tmp_path, tiny_models, limit=40)
+    art = load_config(config).artifacts
+    labeling_round(str(config))
+    first = labeling_round(str(config), simulate=False)
+    before = stage_runs(art)
+    _reweigh(tmp_path / "model")
+    again = labeling_round(str(config), simulate=False)
+    ran = stage_runs(art) - before
+    assert again["round"] == 1 and ran["train"] == 1 and ran["evaluate"] == 1 and ran["score_shard"] >= 1, ran
+    assert again["adapter"]["adapter_dir"] != first["adapter"]["adapter_dir"]
+    assert ran["ingest"] == 0 and ran["preprocess"] == 0  # the data did not change

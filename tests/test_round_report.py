@@ -125,16 +125,38 @@ def test_labels_received_by_a_resumed_round_land_in_the_inbox_once(tmp_path):
     export = tmp_path / "annotators" / "export.json"
     export.parent.mkdir()
     export.write_text('[{"data": {"sample_id": "a"}}]')
-    dest = receive_labels(art, export)
+    dest = receive_labels(art, export, labels_from=export.parent)
     assert dest == art / "inbox" / "export.json" and dest.read_bytes() == export.read_bytes()
-    assert receive_labels(art, export) == dest  # the same content is not copied twice
+    assert receive_labels(art, export, labels_from=export.parent) == dest  # the same content is not copied twice
     export.write_text('[{"data": {"sample_id": "b"}}]')
-    assert receive_labels(art, export) == art / "inbox" / "export-1.json"  # nothing in the inbox is overwritten
+    # nothing in the inbox is overwritten
+    assert receive_labels(art, export, labels_from=export.parent) == art / "inbox" / "export-1.json"
     with pytest.raises(DataError, match=r"missing\.json does not exist"):
-        receive_labels(art, tmp_path / "missing.json")
-    (tmp_path / "labels.xlsx").write_text("x")
+        receive_labels(art, tmp_path / "annotators" / "missing.json", labels_from=export.parent)
+    (tmp_path / "annotators" / "labels.xlsx").write_text("x")
     with pytest.raises(DataError, match=r"labels\.xlsx: the inbox reads only \.csv, \.json, \.jsonl"):
-        receive_labels(art, tmp_path / "labels.xlsx")
+        receive_labels(art, tmp_path / "annotators" / "labels.xlsx", labels_from=export.parent)
+
+
+def test_a_resumed_rounds_labels_file_must_lie_inside_a_configured_folder(tmp_path):
+    """The resume form is filled in by whoever reaches the Prefect API: a path outside the artifacts folder and
+    rounds.labels_from (a worker's secrets, another project's files; through a link too) is refused with the fix."""
+    art = tmp_path / "art"
+    secret = tmp_path / "home" / "credentials.json"
+    secret.parent.mkdir()
+    secret.write_text('{"aws": "key"}')
+    drop = tmp_path / "annotators"
+    drop.mkdir()
+    (drop / "link.json").symlink_to(secret)
+    for path, labels_from in ((secret, None), (secret, drop), (drop / "link.json", drop),
+                              (drop / ".." / "home" / "credentials.json", drop)):
+        with pytest.raises(DataError, match=r"lies outside the folders a resumed round may read labels from .*"
+                                            r"set rounds\.labels_from"):
+            receive_labels(art, path, labels_from=labels_from)
+    assert not (art / "inbox").exists()
+    (art / "rounds").mkdir(parents=True)
+    (art / "rounds" / "answers.json").write_text("[]")
+    assert receive_labels(art, art / "rounds" / "answers.json").parent == art / "inbox"  # the artifacts folder is fine
 
 
 def test_only_a_deployed_round_that_exported_waits_for_labels():

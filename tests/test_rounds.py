@@ -219,3 +219,117 @@ def test_the_last_round_trains_on_its_new_labels_and_selects_nothing(tmp_path, p
     assert again.index == 1 and again.rerun["stopped"] == reason and again.rerun["adapter"]["adapter_digest"] == "a1"
     # The same training job (warm from round 0's adapter, never its own): a cached re-run trains nothing.
     assert train_params(c, again, **refs) == job
+
+
+def _export(art, round_index, ids):
+    """A round's export as the export stage leaves it (only the task list matters to what is still out)."""
+    folder = round_dir(art, round_index) / "export"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / TASKS_FILE).write_text(json.dumps([{"data": {"sample_id": s}} for s in ids]))
+
+
+def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_path):
+    """rounds.label_budget 90 with batches of 40: 40, 40, then 10, and nothing after; a round run before all of the
+    last batch came back counts what is still with the annotators, so the budget is never exceeded."""
+    from pipeline.labelcheck import labels_spent
+    from pipeline.rounds import budget_batch, outstanding_tasks
+    from pipeline.selection import plan_selection
+
+    c = cfg(tmp_path, rounds={"max_rounds": 10, "label_budget": 90}, select={"batch_size": 40, "cold_start": "random"})
+    art = c.artifacts
+    pool = [f"p{i:03d}" for i in range(200)]
+    labels, batches = {}, []
+    for _ in range(5):
+        plan = plan_round(art, labels)
+        out = outstanding_tasks(art, plan)
+        spent = labels_spent(len(plan.labels), art, before_round=plan.index)
+        if stop_reason(c, plan.index, spent, [], len(pool), outstanding=out):
+            break
+        eligible = [s for s in pool if s not in labels]
+        sp = plan_selection(c, round_dir=plan.dir, pool_ids=eligible, exclude=sorted(labels), labels=plan.labels,
+                            adapter=None, space=None, history_dirs=[],
+                            batch_size=budget_batch(c.rounds, c.select.batch_size, spent, out))
+        # The select stage picks select.batch_size of its parameters (its key: a cut batch is another selection).
+        chosen = eligible[:sp.params["select"]["batch_size"]]
+        _export(art, plan.index, chosen)
+        finish(art, plan)
+        batches.append(len(chosen))
+        labels |= dict.fromkeys(chosen, "1")
+    assert batches == [40, 40, 10]
+    assert stop_reason(c, 3, 90, [], 100).startswith("label budget spent: 90 labels")
+    # Half of a batch of 40 still out: the budget holds them, so 90 - 50 - 20 = 20 is what the next round may send.
+    assert budget_batch(c.rounds, 40, 50, 20) == 20
+    assert stop_reason(c, 2, 70, [], 100, outstanding=20).startswith(
+        "label budget spent: 70 labels + 20 tasks still with the annotators ≥ rounds.label_budget = 90")
+    assert budget_batch(cfg(tmp_path).rounds, 40, 500) == 40  # no budget: never cut
+    # The label check's re-label queue goes out with the batch: it gets what the batch left, no more.
+    from pipeline.labelcheck import plan_relabel
+    from pipeline.rounds import budget_left
+
+    c = cfg(tmp_path, rounds={"label_budget": 90}, labelcheck={"relabel_top_n": 20})
+    assert budget_left(c.rounds, {"labels_spent": 70, "selected": 10, "tasks_out": 5}) == 5
+    assert budget_left(c.rounds, {"labels_spent": 80, "selected": 10}) == 0
+    assert budget_left(cfg(tmp_path).rounds, {"labels_spent": 80, "selected": 10}) is None
+    relabel = {"artifacts": c.artifacts, "annotate": c.annotate, "labelcheck": c.labelcheck, "answers": None,
+               "check": {"dir": "x", "digest": "d"}, "prepared": {"dir": "p", "digest": "q"}, "round_index": 2}
+    assert plan_relabel(**relabel, cap=5)["top_n"] == 5 and plan_relabel(**relabel)["top_n"] == 20
+
+
+def _reweigh(model_dir, scale=1.5):
+    """New weights at the same path: every floating tensor of the checkpoint scaled, saved over the old file."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(model_dir.glob("*.safetensors")):
+        tensors = {k: (v * scale if v.is_floating_point() else v) for k, v in load_file(f).items()}
+        save_file({k: t.contiguous() for k, t in tensors.items()}, f, metadata={"format": "pt"})
+    assert torch  # the checkpoint is torch's format
+
+
+def test_train_evaluate_and_score_keys_know_the_models_weights_and_libraries(tmp_path, tiny_models, monkeypatch):
+    """Issue 36: the keys held the model section (a path string): new weights at the same path reused the old
+    adapter. Now they hold the checkpoint's content and the library versions; a re-saved file with the same bytes
+    (a touch) keeps them."""
+    import os
+    import shutil
+
+    from pipeline.model import identity
+    from pipeline.rounds import evaluate_params
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_models["idefics3"], model_dir)
+    c = cfg(tmp_path, model={"name_or_path": str(model_dir), "family": "idefics3"})
+    plan = plan_round(c.artifacts, {"s03": "5"})
+    refs = dict(labeled={"dataset": "l", "digest": plan.labeled_digest}, augmented=None)
+    adapter = {"adapter_digest": "a0", "adapter_dir": "x0"}
+
+    def keys():
+        job = train_params(c, plan, **refs)
+        return job["out_dir"], job["model"], evaluate_params(c, test={"digest": "t"}, adapter=adapter)["model"]
+
+    before = keys()
+    assert before[1]["identity"]["checkpoint"].startswith("sha256:")
+    assert set(before[1]["identity"]["libraries"]) == {"torch", "transformers", "peft", "bitsandbytes"}
+    for f in model_dir.iterdir():  # the same bytes, a newer mtime: read again, the same digest
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 5_000_000_000))
+    assert keys() == before
+    _reweigh(model_dir)
+    after = keys()
+    assert after[0] != before[0] and after[1] != before[1] and after[2] != before[2]
+    monkeypatch.setattr(identity, "library_versions", lambda: {"torch": "9.9", "transformers": "1", "peft": "1",
+                                                               "bitsandbytes": "1"})
+    assert keys()[0] != after[0]  # a library upgrade retrains too
+    # The model section of stages not keyed on the content (config show, the embeddings stage) has no identity.
+    assert "identity" not in c.section("model")
+
+
+def test_a_hub_id_keys_on_the_revision_it_resolves_to(tmp_path, monkeypatch):
+    from pipeline.config import ModelConfig
+    from pipeline.model import identity
+
+    monkeypatch.setattr(identity, "hub_revision", lambda name: "3f9a0c1")
+    got = identity.model_identity(ModelConfig(name_or_path="HuggingFaceTB/SmolVLM-256M-Instruct"), tmp_path)
+    assert got["checkpoint"] == "hub:HuggingFaceTB/SmolVLM-256M-Instruct@3f9a0c1"
+    monkeypatch.setattr(identity, "hub_revision", lambda name: "77aa001")  # the ID moved on: another key
+    assert identity.model_identity(ModelConfig(name_or_path="HuggingFaceTB/SmolVLM-256M-Instruct"),
+                                   tmp_path)["checkpoint"].endswith("@77aa001")

@@ -322,3 +322,31 @@ def test_readme_server_commands_bind_loopback():
     assert all("--internal-host 127.0.0.1" in ln for ln in label_studio), label_studio
     # `dask scheduler` / `dask worker` lines are the multi-machine set-up, where binding beyond loopback is the point.
     assert not [ln for ln in lines if "0.0.0.0" in ln and not ln.startswith("dask ")]
+
+
+def test_prefect_results_are_json_never_pickles(tmp_path, prefect_harness):
+    """Task results sit on storage the workers share (docs/scaling.md): a pickle there runs code in its reader. After a
+    stage task and a flow ran, every result file under the results folder is a JSON record whose value is JSON."""
+    from prefect import flow
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
+
+    from flows.stages import result_key, stage_task
+
+    art = tmp_path / "artifacts"
+
+    @stage_task("resultformat", "1")
+    def body(artifacts: str, x: int) -> dict:
+        return {"dir": None, "x": x, "digest": "ab" * 8}
+
+    @flow
+    def f() -> dict:
+        return {"ref": body(artifacts=str(art), x=7)}
+
+    assert f() == {"ref": {"dir": None, "x": 7, "digest": "ab" * 8}}
+    results = Path(PREFECT_LOCAL_STORAGE_PATH.value())
+    files = [p for p in results.rglob("*") if p.is_file()]
+    assert results / result_key("resultformat", "1", {"artifacts": str(art), "x": 7}) in files
+    for p in files:
+        record = json.loads(p.read_bytes())  # a pickle is not JSON
+        assert record["metadata"]["serializer"]["type"] == "json", p
+        assert not record["result"].startswith(("gAS", "gAR")), p  # base64 of a pickle's \x80 protocol header

@@ -57,13 +57,21 @@ def import_inbox(artifacts: str | os.PathLike[str], *, index: SampleIndex | set[
     return reports
 
 
-def receive_labels(artifacts: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+def receive_labels(artifacts: str | os.PathLike[str], path: str | os.PathLike[str], *,
+                   labels_from: str | os.PathLike[str] | None = None) -> Path:
     """Put the annotators' export file into the inbox (a copy; the original stays where it is) → the inbox path.
 
-    A file whose content is already in the inbox is not copied twice; a different file with the same name gets a
-    numbered name, so nothing in the inbox is overwritten.
+    The file must lie inside the artifacts folder or `labels_from` (rounds.labels_from), links resolved: a resumed
+    run's form names it, and anyone who reaches the Prefect API can fill that in. A file whose content is already in
+    the inbox is not copied twice; a different file with the same name gets a numbered name, so nothing in the inbox
+    is overwritten.
     """
     src = Path(path).expanduser()
+    roots = [Path(r).resolve() for r in (artifacts, labels_from) if r is not None]
+    if not any(src.resolve().is_relative_to(r) for r in roots):
+        raise DataError(f"labels file {src} lies outside the folders a resumed round may read labels from "
+                        f"({', '.join(map(str, roots))}); move it into one of them, or set rounds.labels_from to the "
+                        "folder your annotators' exports land in")
     if not src.is_file():
         raise DataError(f"labels file {src} does not exist or is not a file; give the path of the annotators' export "
                         "(Label Studio JSON, or CSV / JSONL with sample_id,label) as the worker's machine sees it")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import unquote
 
 from pipeline.annotation.export import FROM_NAME
 from pipeline.errors import LabelImportError
@@ -36,6 +37,11 @@ class LabelRow:
     external_id: str | None = None  # the user's own ID of the sample (an `id` / id_column cell)
     image: str | None = None  # an image path or Label Studio image URL
     seconds: float | None = None  # the annotator's time on it (Label Studio's lead_time, a `seconds` column)
+    # Label Studio's IDs: its task, and the annotation as imported (ID + content digest, so an edited one is new).
+    task: str | None = None
+    annotation: str | None = None
+    # The re-label task set the row answers ("001/relabel"), "" for a round's task: its answer corrects the label.
+    relabel: str = ""
     # Filled in by SampleIndex.resolve: the tamis sample, which key matched it and the key's value.
     resolved: str | None = None
     matched_by: str | None = None
@@ -130,6 +136,28 @@ def json_array_items(text: str, name: str) -> list[tuple[int, Any]]:
         p = _WS.match(text, pos).end()
         raise LabelImportError(f"{name}:{_line_of(text, p)}: not valid JSON (extra data after the list)")
     return items
+
+
+def relabel_set(data: dict[str, Any], image: str | None) -> str:
+    """The re-label task set a task belongs to ("001/relabel"), "" otherwise: data.tamis_set, as tamis pushes its
+    tasks, else the export folder in its image path (rounds/001/relabel/images/…, a task set imported by hand)."""
+    named = data.get("tamis_set")
+    if isinstance(named, str) and named:
+        return named if named.endswith("/relabel") else ""
+    m = _RELABEL_IMAGE.search(unquote(image or ""))
+    return f"{m[1]}/relabel" if m else ""
+
+
+_RELABEL_IMAGE = re.compile(r"(?:^|[/=])rounds/(\d{3})/relabel/images/")
+
+
+def _taken_key(task: Any, annotation: Any, row: LabelRow) -> tuple[str | None, str | None]:
+    """(task ID, annotation key) of a Label Studio row, or Nones when the export lacks the IDs. The key holds the
+    annotation's content (an edited annotation is new) and its annotator (files numbered by hand reuse IDs)."""
+    if task is None or annotation is None:
+        return (None if task is None else str(task)), None
+    content = json.dumps([row.label, row.cancelled, row.annotator])
+    return str(task), f"{annotation}:{digest_bytes(content.encode())[:12]}"
 
 
 def _annotator(value: Any, fallback: str) -> str:
@@ -233,15 +261,17 @@ class LabelStudioReader(LabelReader):
                 who = _annotator(ann.get("completed_by"), f"annotation-{ann.get('id', f'{t}.{j}')}")
                 where = f"{name}:{line} ({task_name}, {ann_name})"
                 result = ann.get("result") or []
-                row = LabelRow(sid, None, who, line, where, external_id=ext, image=image)
+                row = LabelRow(sid, None, who, line, where, external_id=ext, image=image,
+                               relabel=relabel_set(data, image))
                 if ann.get("was_cancelled") or not result:
                     row.cancelled = True
-                    rows.append(row)
-                    continue
-                if not isinstance(result, list):
+                elif not isinstance(result, list):
                     raise LabelImportError(f"{where}: 'result' must be a list")
-                row.label, row.problem = _result_label(result)
-                rows.append(_timed(row, ann.get("lead_time")))
+                else:
+                    row.label, row.problem = _result_label(result)
+                    _timed(row, ann.get("lead_time"))
+                row.task, row.annotation = _taken_key(task.get("id"), ann.get("id"), row)
+                rows.append(row)
         return rows, unlabeled
 
 
@@ -269,13 +299,16 @@ class LabelStudioMinReader(LabelReader):
                 value = value[0] if len(value) == 1 else None
             who = _annotator(task.get("annotator"), f"annotation-{task.get('annotation_id', t)}")
             where = f"{name}:{line}" + (f" (task {task['id']})" if "id" in task else "")
-            rows.append(_timed(LabelRow(
+            image = self.keys.first(task, self.keys.image_columns)
+            row = _timed(LabelRow(
                 _cell(task.get("sample_id")), None if value is None else str(value), who, line, where,
                 problem=problem,
                 # JSON_MIN's own "id" is Label Studio's task ID, never the user's: only other ID columns count.
                 external_id=self.keys.first(task, self.keys.id_columns, skip=("id",)),
-                image=self.keys.first(task, self.keys.image_columns),
-            ), task.get("lead_time")))
+                image=image, relabel=relabel_set(task, image),
+            ), task.get("lead_time"))
+            row.task, row.annotation = _taken_key(task.get("id"), task.get("annotation_id"), row)
+            rows.append(row)
         return rows, unlabeled
 
 

@@ -10,6 +10,10 @@ Rows name their sample by, in this order (see `SampleIndex.resolve`): the tamis 
 at ingestion (`external_id`, read from the `id` column or a source's `id_column`); the image path (relative to its
 source, or any unique tail of it) or a Label Studio image URL (`/data/local-files/?d=…`, `/data/upload/…`, http URLs
 by file name when unique). The ledger entry records which key matched.
+
+Label Studio exports: tasks an earlier import took are skipped whole (pipeline/annotation/taken.py), so a
+whole-project export brings only what is new; a re-label task (the label check's, rounds/NNN/relabel/) is a later
+decision on its sample, a correction of the round's answer, never more votes beside it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -28,6 +32,7 @@ from urllib.parse import parse_qs, unquote, urlparse
 from pipeline.annotation.consensus import Majority, votes_path
 from pipeline.annotation.label_files import LabelFile, LabelKeys, LabelRow, read_label_file
 from pipeline.annotation.ledger import Ledger, make_entry
+from pipeline.annotation.taken import already_taken, remember, taken
 from pipeline.errors import LabelImportError
 from pipeline.evaluate import normalize_answer
 from pipeline.store import append_jsonl, atomic_write_jsonl, digest_bytes
@@ -66,6 +71,7 @@ class ImportReport:
     rejected: list[Rejection] = field(default_factory=list)
     conflicts: list[Conflict] = field(default_factory=list)
     skipped_cancelled: int = 0
+    already_taken: int = 0  # rows of Label Studio tasks an earlier import took (pipeline/annotation/taken.py)
     unlabeled_tasks: int = 0
     already_imported: bool = False
     rejections_file: str | None = None
@@ -76,7 +82,8 @@ class ImportReport:
 
     @property
     def accounted(self) -> bool:
-        return self.accepted_rows + len(self.rejected) + self.skipped_cancelled == self.rows_read
+        return (self.accepted_rows + len(self.rejected) + self.skipped_cancelled + self.already_taken
+                == self.rows_read)
 
     @property
     def corrections(self) -> int:
@@ -93,6 +100,7 @@ class ImportReport:
             f"{'would be appended (dry run)' if self.dry_run else 'appended'} "
             f"({self.corrections} corrections), {len(self.unchanged)} unchanged, {len(self.rejected)} rejected, "
             f"{self.skipped_cancelled} skipped/cancelled, {len(self.conflicts)} annotator conflicts"
+            + (f", {self.already_taken} taken by an earlier import" if self.already_taken else "")
             + (f"; rows matched: {keys}" if keys and set(self.matched_by) != {"sample_id"} else "")
             + (f"; {len(self.times)} timed annotations, {sum(t['seconds'] for t in self.times) / 3600:.2f} h"
                if self.times else "")
@@ -301,88 +309,61 @@ def _vote_row(sid: str, r: LabelRow, round_index: int, digest: str) -> dict[str,
     return {"sample_id": sid, "annotator": r.annotator, "label": r.label, "round": round_index, "source_digest": digest}
 
 
-def _apply(
-    lf: LabelFile,
-    *,
-    index: SampleIndex,
-    answers: Sequence[str] | None,
-    ledger: Ledger,
-    round_index: int,
-    rejections_dir: Path,
-    strict: bool,
-    dry_run: bool = False,
-) -> ImportReport:
-    name = str(lf.path)
-    rep = ImportReport(file=name, digest=lf.digest, format=lf.format, rows_read=len(lf.rows),
-                       unlabeled_tasks=lf.unlabeled_tasks, dry_run=dry_run)
-
-    def reject(r: LabelRow, reason: str) -> None:
-        key = r.resolved or r.sample_id or r.external_id or r.image
-        rep.rejected.append(Rejection(name, r.line, r.where, key, r.label, r.annotator, reason))
-
-    allowed = set(answers) if answers else None
-    votes: dict[str, list[LabelRow]] = {}
-    seen: dict[tuple[str, str, str], str] = {}
-    for r in lf.rows:
+def _validate(lf: LabelFile, rep: ImportReport, *, index: SampleIndex, allowed: set[str] | None,
+              answers: Sequence[str] | None, skip: set[int]) -> dict[tuple[str, str], list[LabelRow]]:
+    """Check each row on its own (rejections go to `rep`) → the votes per (sample, re-label set): a re-label task's
+    answers are a later decision on the sample, not more votes beside the round's. `skip`: rows of tasks taken
+    before (pipeline/annotation/taken.py)."""
+    votes: dict[tuple[str, str], list[LabelRow]] = {}
+    seen: dict[tuple[str, str, str, str], str] = {}
+    for i, r in enumerate(lf.rows):
         label = (r.label or "").strip()
-        if r.cancelled:
+        if i in skip:
+            rep.already_taken += 1
+        elif r.cancelled:
             rep.skipped_cancelled += 1
         elif r.problem:
-            reject(r, r.problem)
+            _reject(rep, r, r.problem)
         elif (why := index.resolve(r)) is not None:
-            reject(r, why)
+            _reject(rep, r, why)
         elif not label:
-            reject(r, "empty label; fill it in or delete the row")
+            _reject(rep, r, "empty label; fill it in or delete the row")
         elif allowed is not None and label not in allowed:
-            reject(r, f"label {label!r} is not in the answer set [{', '.join(answers or [])}]; use one of these")
-        elif (r.resolved, r.annotator, label) in seen:
-            reject(r, f"duplicate row: {r.resolved} by {r.annotator} already given at "
-                      f"{seen[r.resolved, r.annotator, label]}")
+            _reject(rep, r, f"label {label!r} is not in the answer set [{', '.join(answers or [])}]; use one of these")
+        elif (r.resolved, r.relabel, r.annotator, label) in seen:
+            _reject(rep, r, f"duplicate row: {r.resolved} by {r.annotator} already given at "
+                            f"{seen[r.resolved, r.relabel, r.annotator, label]}")
         else:
             # The same annotator (or an unnamed one: a CSV without an annotator column) giving two different
             # answers is a conflict, decided like two annotators: a tie is rejected, never first-row-wins.
-            seen[r.resolved, r.annotator, label] = r.where
+            seen[r.resolved, r.relabel, r.annotator, label] = r.where
             r.label = label
-            votes.setdefault(r.resolved, []).append(r)
+            votes.setdefault((r.resolved, r.relabel), []).append(r)
+    return votes
 
-    current = ledger.current()
+
+def _reject(rep: ImportReport, r: LabelRow, reason: str) -> None:
+    key = r.resolved or r.sample_id or r.external_id or r.image
+    rep.rejected.append(Rejection(rep.file, r.line, r.where, key, r.label, r.annotator, reason))
+
+
+def _decide(votes: dict[tuple[str, str], list[LabelRow]], rep: ImportReport, *, current: dict[str, Any],
+            open_answers: bool, round_index: int) -> None:
+    """Decide each sample's label from its votes (pure: the outcome goes to `rep`). A sample's round votes come
+    first, then each re-label set's in order, each a correction of the decision before it."""
     now = None
+    current = dict(current)
     # Open answers are compared normalised ("Seven." and "seven" agree) and stored verbatim: the winning answer as
     # its most common spelling.
-    same = (lambda x: x) if allowed is not None else _open_key
-    for sid, rows in votes.items():
-        if allowed is None:
+    same = _open_key if open_answers else (lambda x: x)
+    for (sid, _), rows in sorted(votes.items(), key=lambda kv: kv[0][1]):  # stable: round votes keep file order
+        if open_answers:
             spelled = Counter(r.label for r in rows)
             for r in rows:
                 r.label = max((a for a in spelled if same(a) == same(r.label)), key=lambda a: (spelled[a], a))
-        # The file's own decision is the majority part's (consensus.py): a fitted method, when configured, is
-        # derived afterwards from every raw vote (apply_consensus), and these votes go to its log either way.
-        decision = Majority.decide_one([r.label for r in rows])
-        one_annotator = len({r.annotator for r in rows}) == 1
-        if decision.outcome != "agreed":
-            tie = decision.label is None
-            rep.conflicts.append(Conflict(sid, decision.votes, decision.outcome, decision.label))
-            if not one_annotator:
-                rep.votes += [_vote_row(sid, r, round_index, lf.digest) for r in rows]
-                if tie:  # rejected as a label, still a vote that cost its annotator the time (accepted ones below)
-                    rep.times += [{"sample_id": sid, "annotator": r.annotator, "seconds": r.seconds,
-                                   "round": round_index, "source_digest": lf.digest}
-                                  for r in rows if r.seconds is not None]
-            if tie:
-                for r in rows:
-                    reject(r, f"conflicting answers for {sid} from {rows[0].annotator}: {decision.votes}; keep one "
-                           "row" if one_annotator else
-                           f"annotators tie on {sid}: {decision.votes}; add a deciding annotation")
-                continue
-        else:
-            rep.votes += [_vote_row(sid, r, round_index, lf.digest) for r in rows]
-        winner = decision.label
-        rep.accepted_rows += len(rows)
-        for r in rows:
-            rep.matched_by[r.matched_by or "sample_id"] = rep.matched_by.get(r.matched_by or "sample_id", 0) + 1
-        # Every accepted vote cost its annotator time, outvoted or repeating the current label alike.
-        rep.times += [{"sample_id": sid, "annotator": r.annotator, "seconds": r.seconds, "round": round_index,
-                       "source_digest": lf.digest} for r in rows if r.seconds is not None]
+        winner = _settle(sid, rows, rep, round_index)
+        if winner is None:
+            continue
         prev = current.get(sid)
         if prev is not None and same(prev["label"]) == same(winner):
             rep.unchanged.append(sid)
@@ -393,8 +374,8 @@ def _apply(
             sid, winner,
             annotator=",".join(who),
             round_index=round_index,
-            source_file=name,
-            source_digest=lf.digest,
+            source_file=rep.file,
+            source_digest=rep.digest,
             supersedes=prev,
             votes=[{"annotator": r.annotator, "label": r.label} for r in rows] if len(rows) > 1 else None,
             matched_by=first.matched_by,
@@ -403,6 +384,58 @@ def _apply(
         )
         now = entry["time"]  # one timestamp per import
         rep.accepted.append(entry)
+        current[sid] = entry  # a later re-label set of this file corrects this entry
+
+
+def _settle(sid: str, rows: list[LabelRow], rep: ImportReport, round_index: int) -> str | None:
+    """The majority of one decision's votes (consensus.py), its votes and times booked in `rep`; None on a tie."""
+    # The file's own decision is the majority part's (consensus.py): a fitted method, when configured, is
+    # derived afterwards from every raw vote (apply_consensus), and these votes go to its log either way.
+    decision = Majority.decide_one([r.label for r in rows])
+    one_annotator = len({r.annotator for r in rows}) == 1
+    times = [{"sample_id": sid, "annotator": r.annotator, "seconds": r.seconds, "round": round_index,
+              "source_digest": rep.digest} for r in rows if r.seconds is not None]
+    if decision.outcome != "agreed":
+        tie = decision.label is None
+        rep.conflicts.append(Conflict(sid, decision.votes, decision.outcome, decision.label))
+        if not one_annotator:
+            rep.votes += [_vote_row(sid, r, round_index, rep.digest) for r in rows]
+            if tie:  # rejected as a label, still a vote that cost its annotator the time (accepted ones below)
+                rep.times += times
+        if tie:
+            for r in rows:
+                _reject(rep, r, f"conflicting answers for {sid} from {rows[0].annotator}: {decision.votes}; keep "
+                        "one row" if one_annotator else
+                        f"annotators tie on {sid}: {decision.votes}; add a deciding annotation")
+            return None
+    else:
+        rep.votes += [_vote_row(sid, r, round_index, rep.digest) for r in rows]
+    rep.accepted_rows += len(rows)
+    for r in rows:
+        rep.matched_by[r.matched_by or "sample_id"] = rep.matched_by.get(r.matched_by or "sample_id", 0) + 1
+    # Every accepted vote cost its annotator time, outvoted or repeating the current label alike.
+    rep.times += times
+    return decision.label
+
+
+def _apply(
+    lf: LabelFile,
+    *,
+    index: SampleIndex,
+    answers: Sequence[str] | None,
+    ledger: Ledger,
+    round_index: int,
+    rejections_dir: Path,
+    strict: bool,
+    dry_run: bool = False,
+    skip: Collection[int] = (),
+) -> ImportReport:
+    name = str(lf.path)
+    rep = ImportReport(file=name, digest=lf.digest, format=lf.format, rows_read=len(lf.rows),
+                       unlabeled_tasks=lf.unlabeled_tasks, dry_run=dry_run)
+    allowed = set(answers) if answers else None
+    votes = _validate(lf, rep, index=index, allowed=allowed, answers=answers, skip=set(skip))
+    _decide(votes, rep, current=ledger.current(), open_answers=allowed is None, round_index=round_index)
     if not rep.accounted:  # a bug, not bad input: never write a ledger batch that lost rows
         raise AssertionError(f"{name}: row accounting broken: {rep.summary()}")
 
@@ -451,8 +484,14 @@ def import_labels(
             return ImportReport(file=str(path), digest=digest, already_imported=True, dry_run=dry_run)
     index = SampleIndex.of(known_ids)
     lf = _prepared_file(path, index, keys)
-    return _apply(lf, index=index, answers=answers, ledger=ledger, round_index=round_index,
-                  rejections_dir=Path(rejections_dir), strict=strict, dry_run=dry_run)
+    known = taken(ledger.path)
+    rep = _apply(lf, index=index, answers=answers, ledger=ledger, round_index=round_index,
+                 rejections_dir=Path(rejections_dir), strict=strict, dry_run=dry_run,
+                 skip=already_taken(lf.rows, known))
+    if not dry_run:  # after the ledger's write: a crash in between re-reads these tasks, never loses one
+        remember(ledger.path, (r for r in lf.rows if r.resolved), source_file=rep.file, source_digest=rep.digest,
+                 known=known)
+    return rep
 
 
 def _prepared_file(path: Path, index: SampleIndex, keys: LabelKeys | None) -> LabelFile:
@@ -467,7 +506,7 @@ PREPARE_LATEST = Path("prepare") / "latest.json"  # pipeline.preprocess.record_l
 INGEST_LATEST = Path("ingest") / "latest.json"  # pipeline.data.ingest.record_latest: the last ingested dataset
 
 
-def _latest_dataset(artifacts: Path) -> Path | None:
+def latest_dataset(artifacts: Path) -> Path | None:
     """The project's last prepared dataset, else its last ingested one: both hold every sample's IDs and paths."""
     for pointer, key in ((PREPARE_LATEST, "prepare"), (INGEST_LATEST, None)):
         try:
@@ -491,7 +530,7 @@ def project_index(artifacts: str | os.PathLike[str], dataset: str | os.PathLike[
 
     artifacts = Path(artifacts)
     exported = exported_sample_ids(artifacts)
-    folder = Path(dataset) if dataset is not None else _latest_dataset(artifacts)
+    folder = Path(dataset) if dataset is not None else latest_dataset(artifacts)
     if folder is None:
         return SampleIndex(sorted(exported), scope=(
             f"the {len(exported)} samples exported for labeling (no ingested dataset in {artifacts}: run "

@@ -20,7 +20,7 @@ from pipeline.store import LogProblem, LogRead, append_jsonl, digest_json, read_
 
 LEDGER_NAME = "labels.jsonl"
 TIMES_NAME = "annotation_times.jsonl"  # beside the ledger: seconds per annotation, when the file gave them
-KINDS = ("label", "correction")
+KINDS = ("label", "correction", "carry")  # carry: a label passed on to the sample its image became (carry.py)
 REQUIRED = ("sample_id", "label", "annotator", "round", "source_file", "source_digest", "kind")
 
 

@@ -25,6 +25,7 @@ from pipeline.config.annotate import (  # noqa: F401 (re-exported: callers impor
     StableRule,
 )
 from pipeline.config.base import Section  # noqa: F401 (re-exported)
+from pipeline.config.secrets import HIDDEN, is_secret_key, redact
 from pipeline.config.sections import (  # noqa: F401 (re-exported: callers import sections from pipeline.config)
     DASK_PROTOCOLS,
     AugmentConfig,
@@ -149,8 +150,10 @@ class StageConfig:
 
 
 def _describe(err: dict[str, Any]) -> str:
+    """One line per error; the input it quotes is redacted (pipeline/config/secrets.py): never a secret's value."""
     loc = ".".join(str(p) for p in err["loc"]) or "<top level>"
-    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    kind, ctx = err["type"], err.get("ctx") or {}
+    value = HIDDEN if any(is_secret_key(p) for p in err["loc"]) else redact(err.get("input"))
     if kind == "missing":
         return f"{loc}: is required but missing"
     if kind == "extra_forbidden":
@@ -162,7 +165,7 @@ def _describe(err: dict[str, Any]) -> str:
     if kind == "literal_error":
         return f"{loc}: {value!r} is not allowed; must be one of {ctx.get('expected')}"
     msg = err["msg"].removeprefix("Value error, ")
-    if kind == "value_error" and msg.startswith(f"{loc}:"):
+    if kind == "value_error" and msg.startswith((f"{loc}:", f"{loc}.")):
         return msg
     return f"{loc}: {value!r} is not allowed; {msg}"
 
@@ -177,6 +180,7 @@ def _absolutize(cfg: ProjectConfig, root: Path) -> ProjectConfig:
     cfg.data.allowed_roots = [fix(p) for p in cfg.data.allowed_roots]
     cfg.data.ground_truth = fix(cfg.data.ground_truth)
     cfg.annotate.document_root = fix(cfg.annotate.document_root)
+    cfg.rounds.labels_from = fix(cfg.rounds.labels_from)
     cfg.select.embeddings.path = fix(cfg.select.embeddings.path)
     # A local model directory is a path; a hub ID ("org/name") is not, unless such a folder exists here.
     mp = Path(cfg.model.name_or_path)

@@ -14,6 +14,7 @@ from pydantic import (
 )
 
 from pipeline.config.base import Section
+from pipeline.config.secrets import ENV_NAME, env_reference, redact
 
 
 class LabelStudioConfig(Section):
@@ -33,17 +34,43 @@ class LabelStudioConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_secret(cls, v: Any) -> Any:
-        if isinstance(v, dict) and {"token", "api_key"} & set(v):
-            raise ValueError("a token does not belong in the config file: export it in an environment variable and "
-                             "name that variable in token_env")
+    def _token_by_reference(cls, v: Any) -> Any:
+        """A token is named, never written: `token: ${VAR}` is read as token_env: VAR; a token in plain text is
+        refused, and the message does not repeat it (it reaches Prefect's logs in a deployed run)."""
+        if not isinstance(v, dict) or not {"token", "api_key"} & set(v):
+            return v
+        v = dict(v)
+        for key in ("token", "api_key"):
+            if key not in v:
+                continue
+            name = env_reference(v.pop(key))
+            if name is None:
+                raise ValueError(
+                    f"annotate.label_studio.{key}: a token in plain text is refused (its value is not shown); "
+                    f"export it in an environment variable and write `{key}: ${{LABEL_STUDIO_API_KEY}}` (or "
+                    "`token_env: LABEL_STUDIO_API_KEY`) with that variable's name, and change the token if this "
+                    "file was shared")
+            v["token_env"] = name
+        return v
+
+    @field_validator("token_env")
+    @classmethod
+    def _names_a_variable(cls, v: str) -> str:
+        if not ENV_NAME.fullmatch(v):
+            raise ValueError("annotate.label_studio.token_env: must name an environment variable (letters, digits, "
+                             "'_'; its value is not shown: it may be the token itself); put the token in a variable "
+                             "and name the variable here")
         return v
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
-            raise ValueError(f"{v!r} is not an http(s) URL of a Label Studio server")
+            raise ValueError(f"annotate.label_studio.url: {redact(v)!r} is not an http(s) URL of a Label Studio "
+                             "server")
+        if redact(v) != v:  # `config show` and every round's recorded config would print it
+            raise ValueError(f"annotate.label_studio.url: {redact(v)!r} carries a user and password (not shown); "
+                             "drop them: tamis authenticates with the token in the variable token_env names")
         return v.rstrip("/")
 
 
@@ -167,6 +194,9 @@ class RoundsConfig(Section):
     # A deployed round suspends after its export until the annotators' labels are in (resumed from the Prefect UI or
     # `tamis resume`), then imports them and runs the next round in the same flow run.
     wait_for_labels: bool = False
+    # The folder (on the worker's machine) a resumed round may copy its `labels_file` from, besides the artifacts
+    # folder: the form can be filled in by anyone who reaches the Prefect API, so it never names any other file.
+    labels_from: Path | None = None
     # How long a suspended round waits; past it Prefect ends the run and the next scheduled run picks up.
     wait_timeout_s: int = Field(default=7 * 24 * 3600, ge=60)
     # A seeded sample of this many pool samples, never selected, that each round's adapter predicts: how much

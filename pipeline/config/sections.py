@@ -154,6 +154,17 @@ class ModelConfig(Section):
     # Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy): auto = on when the `liger`
     # extra is installed and training runs on CUDA. Never applied on the CPU (Triton GPU kernels).
     liger: bool | Literal["auto"] = "auto"
+    # Set by tamis, never in a config file: the checkpoint's content and the library versions (pipeline/model/
+    # identity.py), filled into the section the train, evaluate, score and label-check stages are keyed on.
+    identity: dict[str, Any] | None = None
+
+    @model_serializer(mode="wrap")
+    def _identity_when_known(self, handler: Any) -> Any:
+        # Left out of the dump when unset: stages not keyed on the model's content keep their keys.
+        data = handler(self)
+        if isinstance(data, dict) and data.get("identity", ...) is None:
+            del data["identity"]
+        return data
 
     @model_validator(mode="after")
     def _one_way_to_pick_targets(self) -> ModelConfig:

@@ -137,14 +137,15 @@ def run_label_check(*, artifacts: str, labeled: Mapping[str, Any], model: Mappin
 
 def plan_relabel(*, artifacts: str | os.PathLike[str], annotate: AnnotateConfig, labelcheck: LabelCheckConfig,
                  answers: Sequence[str] | None, check: Mapping[str, Any], prepared: Mapping[str, Any],
-                 round_index: int) -> dict[str, Any]:
+                 round_index: int, cap: int | None = None) -> dict[str, Any]:
     """The relabel task's parameters: the likely errors of `check` (the labelcheck stage's ref) at least
-    labelcheck.min_confidence likely wrong that no earlier round sent back, at most labelcheck.relabel_top_n, go to
-    rounds/NNN/relabel/."""
+    labelcheck.min_confidence likely wrong that no earlier round sent back, at most labelcheck.relabel_top_n (and at
+    most `cap`, what rounds.label_budget has left: pipeline.rounds.budget_left), go to rounds/NNN/relabel/."""
     queued = sorted({s for ids in relabel_queued(artifacts, round_index).values() for s in ids})
     return {"artifacts": str(artifacts), "check": {"dir": check["dir"], "digest": check["digest"]},
             "prepared": prepared, "annotate": annotate.model_dump(mode="json"), "answers": answers,
-            "top_n": labelcheck.relabel_top_n, "min_confidence": labelcheck.min_confidence,
+            "top_n": labelcheck.relabel_top_n if cap is None else min(labelcheck.relabel_top_n, cap),
+            "min_confidence": labelcheck.min_confidence,
             "already_queued": queued, "round_index": round_index, "out_dir": str(relabel_dir(artifacts, round_index))}
 
 

@@ -1,0 +1,218 @@
+"""Labels follow their images: a labeled image whose bytes change but not its pixels keeps its label.
+
+A sample's ID is a digest of its image's bytes and question (pipeline/schema.py), so a PNG re-saved with another
+compression level, or an image re-encoded losslessly and moved, becomes a new sample: its paid label stopped
+counting and it re-entered the pool unlabeled. At each round's import step (`follow_images`):
+
+- every labeled sample of the pool has its image facts recorded once (labeled_images.jsonl beside the ledger:
+  image path, question, a digest of its decoded pixels);
+- a label whose sample is no longer in the pool (an orphan) looks for its successor: a pool sample with the same
+  question, the same decoded pixels (EXIF-transposed, as RGBA) and the same image path, or the same file name in
+  another folder (a move). Exactly one → a "carry" ledger entry for the successor, naming the orphan, and a log line;
+- an orphan that has no record yet is looked up once in the ingest shards still on disk (pipeline/data/shards.py:
+  earlier ingests' rows stay there until deleted);
+- the rest stay orphans: counted by `tamis status`, listed by `tamis labels orphans`, never dropped from the ledger.
+
+What is not recognised: an image re-encoded with loss (other pixels) or renamed as well as re-encoded; those are
+listed as orphans with their old path, so a person can relabel or map them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path, PurePath
+from typing import Any
+
+from pipeline.annotation.ledger import Ledger, ledger_path, make_entry
+from pipeline.store import append_jsonl, arrow_column, digest_json, read_jsonl
+
+log = logging.getLogger(__name__)
+
+RECORD_NAME = "labeled_images.jsonl"  # beside the ledger: what each labeled sample's image was
+FACT_COLUMNS = ("sample_id", "image", "image_path", "question")
+
+
+@dataclass(frozen=True)
+class ImageFacts:
+    """What a labeled sample's image was: enough to recognise it under another sample ID."""
+
+    sample_id: str
+    path: str
+    question: str
+    pixels: str | None  # None: recorded as not found (the orphan's row is nowhere on disk any more)
+
+
+def pixel_digest(image: bytes) -> str | None:
+    """sha256 of the decoded pixels (EXIF-transposed, RGBA, with the size): equal for a lossless re-save."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(image)) as im:
+            rgba = ImageOps.exif_transpose(im).convert("RGBA")
+    except (UnidentifiedImageError, OSError, ValueError):
+        return None
+    return hashlib.sha256(f"{rgba.width}x{rgba.height}\0".encode() + rgba.tobytes()).hexdigest()
+
+
+def record_path(artifacts: str | os.PathLike[str]) -> Path:
+    return Path(artifacts) / RECORD_NAME
+
+
+def recorded(artifacts: str | os.PathLike[str]) -> dict[str, ImageFacts]:
+    return {r["sample_id"]: ImageFacts(**r) for r in read_jsonl(record_path(artifacts))}
+
+
+def _facts(ds: Any, ids: list[str]) -> list[ImageFacts]:
+    """The facts of `ids` in dataset `ds` (the rows it has)."""
+    from pipeline.idindex import IdIndex
+
+    at = [int(i) for i in IdIndex.of_dataset(ds).rows(ids) if i >= 0]
+    if not at:
+        return []
+    rows = ds.select(sorted(at)).select_columns([c for c in FACT_COLUMNS if c in ds.column_names])
+    return [ImageFacts(r["sample_id"], r.get("image_path") or "", r.get("question") or "", pixel_digest(r["image"]))
+            for r in rows]
+
+
+def _record(artifacts: Path, facts: Iterable[ImageFacts], known: dict[str, ImageFacts]) -> None:
+    new = [f for f in facts if f.sample_id not in known]
+    if new:
+        append_jsonl(record_path(artifacts), [asdict(f) for f in new])
+        known.update((f.sample_id, f) for f in new)
+
+
+def _from_shards(artifacts: Path, ids: list[str]) -> list[ImageFacts]:
+    """Facts of `ids` from the ingest shards still on disk (their rows outlive a changed source)."""
+    import datasets
+
+    from pipeline.data.shards import shards_root
+
+    found: dict[str, ImageFacts] = {}
+    for folder in sorted(shards_root(artifacts).glob("*/dataset")):
+        wanted = [s for s in ids if s not in found]
+        if not wanted:
+            break
+        try:
+            ds = datasets.load_from_disk(str(folder))
+        except (FileNotFoundError, ValueError):
+            continue
+        found.update((f.sample_id, f) for f in _facts(ds, wanted))
+    return [found.get(s) or ImageFacts(s, "", "", None) for s in ids]
+
+
+@dataclass(frozen=True)
+class Carry:
+    orphan: str
+    successor: str
+    why: str
+
+
+def successors(orphans: Iterable[ImageFacts], ds: Any, taken: set[str]) -> list[Carry]:
+    """Each orphan's successor in dataset `ds` (pure but for decoding candidates): same question and pixels, at the
+    same path, else under the same file name elsewhere; a sample already labeled (`taken`) never is one."""
+    orphans = [f for f in orphans if f.pixels is not None]
+    if not orphans:
+        return []
+    paths = arrow_column(ds, "image_path").to_pylist()
+    sids = arrow_column(ds, "sample_id").to_pylist()
+    by_path: dict[str, list[str]] = {}
+    by_name: dict[str, list[str]] = {}
+    wanted = {f.path for f in orphans} | {PurePath(f.path).stem for f in orphans}
+    for sid, path in zip(sids, paths, strict=True):
+        if path and sid not in taken:
+            if path in wanted:
+                by_path.setdefault(path, []).append(sid)
+            if (stem := PurePath(path).stem) in wanted:
+                by_name.setdefault(stem, []).append(sid)
+    candidates = {s for f in orphans for s in by_path.get(f.path, []) + by_name.get(PurePath(f.path).stem, [])}
+    facts = {f.sample_id: f for f in _facts(ds, sorted(candidates))}
+    out = []
+    for f in orphans:
+        for where, pool in (("at the same path", by_path.get(f.path, [])),
+                            ("moved", by_name.get(PurePath(f.path).stem, []))):
+            same = [s for s in pool if facts[s].pixels == f.pixels and facts[s].question == f.question]
+            if len(same) == 1 and same[0] != f.sample_id:
+                new = facts[same[0]]
+                why = (f"same pixels {where}" + (f" ({f.path} → {new.path})" if where == "moved" else f" ({f.path})"))
+                out.append(Carry(f.sample_id, same[0], why))
+                taken.add(same[0])
+                break
+    return out
+
+
+def carry_entry(c: Carry, label_entry: Mapping[str, Any], *, round_index: int) -> dict[str, Any]:
+    """The ledger entry that gives the successor the orphan's label (kind "carry", naming both)."""
+    e = make_entry(c.successor, label_entry["label"], annotator=label_entry["annotator"], round_index=round_index,
+                   source_file=label_entry["source_file"], source_digest=f"carry:{label_entry['entry_id']}")
+    del e["entry_id"]
+    e.update(kind="carry", carried_from=c.orphan, carried_entry=label_entry["entry_id"], reason=c.why)
+    e["entry_id"] = digest_json(e)[:16]
+    return e
+
+
+def orphans_of(current: Mapping[str, Mapping[str, Any]], known: Iterable[bool], ids: list[str]) -> list[str]:
+    """Labeled samples not in the dataset whose label no carry entry passed on."""
+    carried = {e.get("carried_from") for e in current.values() if e.get("kind") == "carry"}
+    return [s for s, k in zip(ids, known, strict=True) if not k and s not in carried]
+
+
+def follow_images(artifacts: str | os.PathLike[str], prepared_dir: str | os.PathLike[str], index: Any, *,
+                  round_index: int) -> dict[str, str]:
+    """Carry labels over to the samples their images became (module docstring), then the ledger's labels.
+
+    `index`: the pool's SampleIndex (pipeline.annotation.labels); `prepared_dir`: the prepare stage's folder."""
+    from pipeline.preprocess import load_prepared
+
+    artifacts = Path(artifacts)
+    ledger = Ledger(ledger_path(artifacts))
+    current = ledger.current()
+    ids = list(current)
+    known_rows = index.knows(ids)
+    facts = recorded(artifacts)
+    ds = None
+    missing = [s for s, k in zip(ids, known_rows, strict=True) if k and s not in facts]
+    if missing:
+        ds = load_prepared(prepared_dir)
+        _record(artifacts, _facts(ds, missing), facts)
+    orphans = orphans_of(current, known_rows, ids)
+    unrecorded = [s for s in orphans if s not in facts]
+    if unrecorded:
+        _record(artifacts, _from_shards(artifacts, unrecorded), facts)
+    if orphans:
+        ds = ds if ds is not None else load_prepared(prepared_dir)
+        taken = {s for s, k in zip(ids, known_rows, strict=True) if k}
+        carries = successors([facts[s] for s in orphans], ds, taken)
+        if carries:
+            ledger.append([carry_entry(c, current[c.orphan], round_index=round_index) for c in carries])
+            for c in carries:
+                log.info("label of %s carried over to %s: %s", c.orphan, c.successor, c.why)
+        left = len(orphans) - len(carries)
+        if left:
+            log.warning("%d labels match no sample of the dataset any more (their images changed or were removed); "
+                        "`tamis labels orphans` lists them", left)
+    return ledger.labels()
+
+
+def orphan_labels(artifacts: str | os.PathLike[str]) -> list[dict[str, Any]] | None:
+    """The labels matching no sample of the project's last prepared (or ingested) dataset, with what their image
+    was; None before any dataset exists."""
+    import datasets
+
+    from pipeline.annotation.labels import SampleIndex, latest_dataset
+
+    folder = latest_dataset(Path(artifacts))
+    if folder is None:
+        return None
+    current = Ledger(ledger_path(artifacts)).current()
+    ids = list(current)
+    index = SampleIndex.from_dataset(datasets.load_from_disk(str(folder)).select_columns(["sample_id"]))
+    facts = recorded(artifacts)
+    return [{"sample_id": s, "label": current[s]["label"], "annotator": current[s]["annotator"],
+             "round": current[s]["round"], "source_file": current[s]["source_file"],
+             "image_path": facts[s].path if s in facts else None}
+            for s in orphans_of(current, index.knows(ids), ids)]

@@ -31,6 +31,7 @@ from pipeline.lock import ProjectLock
 from pipeline.metrics import learning_curve, read_metrics
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids
+from pipeline.roundreport import try_round_report
 from pipeline.status import annotation_time
 
 log = logging.getLogger(__name__)
@@ -94,11 +95,12 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     curve = learning_curve(art, metrics_rows)
     # The file keeps the PNG's path (a data URI would make summary.md unreadable as text); the UI gets the picture.
     rounds.write_round(plan, state, report.summary_markdown(state, metrics_rows, label_report, curve_path=curve))
+    round_report = try_round_report(cfg, state, prep, metrics_rows)
     if cfg.rounds.simulate_annotator if simulate is None else simulate:
         rounds.answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                             seed=cfg.seed, crowd=cfg.rounds)
     publish_round(cfg.artifacts, state, metrics_rows, label_report, curve,
-                  waiting=waiting.waits_for_labels(cfg, state))
+                  waiting=waiting.waits_for_labels(cfg, state), round_report=round_report)
     unchanged.record_round_inputs(cfg, state, inputs)
     progress.complete(report.state_message(state))
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),

@@ -109,17 +109,23 @@ def detach(value: Any) -> Any:
 
 
 def publish_round(artifacts: Any, state: dict[str, Any], metrics_rows: list[dict], label_report: str, curve: Any, *,
-                  waiting: bool) -> None:
-    """The round in the Prefect UI: its summary (with the curve inline), the curve, and the export hand-off."""
+                  waiting: bool, round_report: Any = None) -> None:
+    """The round in the Prefect UI: its summary (with the curve, the batch's contact sheet and the confusion matrix
+    inline, and where the round's report.html is), the curve, and the export hand-off. `round_report`:
+    pipeline.roundreport.RoundReport, or None when the report could not be built."""
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
     from pipeline import report
     from pipeline.annotation import export
 
     uri = report.png_data_uri(curve) if curve else None
+    pictures = {k: report.png_data_uri(p) for k, p in (("batch_uri", getattr(round_report, "batch_png", None)),
+                                                       ("confusion_uri", getattr(round_report, "confusion_png", None)))
+                if p}
     create_markdown_artifact(key="round-summary", description=f"Labeling round {state['round']}",
                              markdown=report.summary_markdown(state, metrics_rows, label_report, curve_uri=uri,
-                                                              curve_path=curve))
+                                                              curve_path=curve, **pictures,
+                                                              report_path=getattr(round_report, "html", None)))
     if uri:
         create_image_artifact(key="learning-curve", image_url=uri,
                               description=f"Learning curve after round {state['round']} ({curve})")

@@ -110,10 +110,13 @@ def annotators_markdown(rec: Mapping[str, Any]) -> str:
 
 
 def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[str, Any]], label_report: str = "",
-                     *, curve_uri: str | None = None, curve_path: str | os.PathLike[str] | None = None) -> str:
+                     *, curve_uri: str | None = None, curve_path: str | os.PathLike[str] | None = None,
+                     batch_uri: str | None = None, confusion_uri: str | None = None,
+                     report_path: str | os.PathLike[str] | None = None) -> str:
     """The round-summary artifact (also artifacts/rounds/NNN/summary.md): counts, metrics, the learning curve as a
-    picture (`curve_uri`, a data URI, for the UI) and as a table, the hand-off, the label check and, with several
-    annotators a sample, their quality and the redundancy tasks."""
+    picture (`curve_uri`, a data URI, for the UI) and as a table, the batch's contact sheet and the confusion matrix
+    (`batch_uri`, `confusion_uri`, for the UI), where the round's report is, the hand-off, the label check and, with
+    several annotators a sample, their quality and the redundancy tasks."""
     lines = [f"# Labeling round {state['round']}", "",
              f"- labeled samples: **{state['labeled']}** (labels spent, re-labels included: "
              f"{state.get('labels_spent', state['labeled'])})",
@@ -149,6 +152,13 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
                      + f"; forecast for this batch of {c['next_batch']}: {c['next_batch_hours']:.2f} h")
     for imp in state.get("imports", []):
         lines.append(f"- inbox: {imp.get('summary') or 'REJECTED ' + imp['file'] + ': ' + imp['error']}")
+    if report_path:
+        lines += ["", f"Round report (contact sheet, pool map, errors, quality; one HTML file): `{Path(report_path)}` "
+                  f"— `tamis report --round {state['round']} --open`"]
+    if batch_uri:
+        lines += ["", "## The batch", "", f"![batch contact sheet]({batch_uri})"]
+    if confusion_uri:
+        lines += ["", "## Confusion matrix (test split)", "", f"![confusion matrix]({confusion_uri})"]
     if metrics_rows:
         lines += ["", "## Learning curve", ""]
         if curve_uri:

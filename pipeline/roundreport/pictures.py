@@ -44,7 +44,7 @@ def thumbnail(png: bytes, side: int = THUMB) -> tuple[bytes, str, tuple[int, int
     compress best as PNG, photographs as JPEG."""
     img = _fit(_open(png), side)
     out = []
-    for fmt, mime, opts in (("PNG", "image/png", {"optimize": True}), ("JPEG", "image/jpeg", {"quality": 85})):
+    for fmt, mime, opts in (("PNG", "image/png", {}), ("JPEG", "image/jpeg", {"quality": 85})):
         buf = io.BytesIO()
         img.save(buf, format=fmt, **opts)
         out.append((len(buf.getvalue()), buf.getvalue(), mime))
@@ -92,7 +92,7 @@ def contact_sheet(items: Sequence[BatchItem], images: Mapping[str, bytes], *, li
         for n, line in enumerate(item_lines(item)):
             draw.text((x + 6, y + cw - 4 + 12 * n), line, fill=(20, 20, 20), font=font)
     buf = io.BytesIO()
-    sheet.save(buf, format="PNG", optimize=True)
+    sheet.save(buf, format="PNG")
     return buf.getvalue()
 
 

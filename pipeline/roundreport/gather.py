@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -228,11 +229,15 @@ def pool_map_points(sources: ReportSources, state: Mapping[str, Any], batch: Seq
                    space, len(rows), len(ids))
 
 
+_ID = re.compile(r'"sample_id":\s*"((?:[^"\\]|\\.)*)"')
+
+
 def _sorted_ids(path: Path) -> np.ndarray:
     """A JSONL list of sample IDs as a sorted bytes array, for membership by binary search."""
     if not path.is_file():
         return np.zeros(0, dtype="S1")
-    ids = [json.loads(line)["sample_id"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    # One regex pass over the file: a json.loads per line is most of a 10⁶-candidate report's time.
+    ids = _ID.findall(path.read_text(encoding="utf-8"))
     return np.sort(np.char.encode(np.asarray(ids, dtype=str), "utf-8")) if ids else np.zeros(0, dtype="S1")
 
 

@@ -16,7 +16,7 @@ from PIL import Image, ImageDraw, ImageFont
 from pipeline.roundreport.gather import KINDS, BatchItem, PoolMap
 
 THUMB = 96  # CSS pixels = image pixels: the page shows thumbnails at their own size (sharp, and checkable)
-SHEET_CELL = (132, 178)  # the contact sheet's cell: a 120 px thumbnail and four lines of text
+SHEET_CELL = (150, 196)  # the contact sheet's cell: a 138 px thumbnail and four lines of text
 SHEET_COLUMNS = 8
 SHEET_MAX = 40  # samples on the Prefect UI's contact sheet (the page shows the whole batch)
 
@@ -60,20 +60,27 @@ def _font(size: int) -> Any:
 
 
 def item_lines(item: BatchItem) -> list[str]:
-    """The caption of a batch sample on the contact sheet: rank, the model's answers, the uncertainty, the reason."""
-    lines = [f"#{item.rank + 1}"]
+    """The caption of a batch sample on the contact sheet: rank and the model's answer, its runner-up, the
+    uncertainty, the reason."""
     if item.top:
-        lines.append("  ".join(f"{a} {p:.2f}" for a, p in item.top[:3]))
+        lines = [f"#{item.rank + 1}  {item.top[0][0]} {item.top[0][1]:.2f}",
+                 "  ".join(f"{a} {p:.2f}" for a, p in item.top[1:3])]
     elif item.answer is not None:
-        lines.append(f"“{item.answer[:18]}”" + (f" {item.confidence:.2f}" if item.confidence is not None else ""))
+        lines = [f"#{item.rank + 1}  “{item.answer}”", "" if item.confidence is None else f"{item.confidence:.2f}"]
     else:
-        lines.append("no model answer yet")
-    if item.entropy is not None:
-        lines.append(f"entropy {item.entropy:.2f}")
-    elif item.score is not None:
-        lines.append(f"score {item.score:.3f}")
-    lines.append(item.reason.split(";")[0][:24])
-    return lines
+        lines = [f"#{item.rank + 1}", "no model answer yet"]
+    lines.append(f"entropy {item.entropy:.2f}" if item.entropy is not None else
+                 f"score {item.score:.3f}" if item.score is not None else "")
+    return [*lines, item.reason.split(";")[0].split(", spread")[0]]
+
+
+def _clip(draw: Any, text: str, font: Any, width: int) -> str:
+    """`text` cut (with an ellipsis) to fit `width` pixels: a long answer must not run into the next cell."""
+    if draw.textlength(text, font=font) <= width:
+        return text
+    while text and draw.textlength(text + "…", font=font) > width:
+        text = text[:-1]
+    return text + "…"
 
 
 def contact_sheet(items: Sequence[BatchItem], images: Mapping[str, bytes], *, limit: int = SHEET_MAX) -> bytes | None:
@@ -90,7 +97,7 @@ def contact_sheet(items: Sequence[BatchItem], images: Mapping[str, bytes], *, li
         thumb = _fit(_open(images[item.sample_id]), cw - 12)
         sheet.paste(thumb, (x + (cw - thumb.width) // 2, y + 4 + (cw - 12 - thumb.height) // 2))
         for n, line in enumerate(item_lines(item)):
-            draw.text((x + 6, y + cw - 4 + 12 * n), line, fill=(20, 20, 20), font=font)
+            draw.text((x + 6, y + cw - 4 + 12 * n), _clip(draw, line, font, cw - 10), fill=(20, 20, 20), font=font)
     buf = io.BytesIO()
     sheet.save(buf, format="PNG")
     return buf.getvalue()

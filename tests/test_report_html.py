@@ -230,3 +230,22 @@ def test_the_report_renders_in_headless_chromium_with_the_batch_images(photo_rou
         res = cv2.matchTemplate(shot[:700].astype(np.float32), thumb.astype(np.float32), cv2.TM_SQDIFF)
         best = res.min() / thumb.size
         assert best < 4.0, f"a batch thumbnail is not on the screenshot (mean squared difference {best:.1f})"
+
+
+def test_the_prefect_round_summary_shows_the_contact_sheet_and_the_confusion_matrix(photo_rounds):
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    _, art, _ = photo_rounds
+    with get_client(sync_client=True) as client:
+        summaries = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["round-summary"])),
+                                          sort=ArtifactSort.CREATED_DESC)
+    md = next(a.data for a in summaries if str(art / "rounds/001") in a.data)
+    sheet = (art / "rounds/001/batch.png").read_bytes()
+    assert f"![batch contact sheet](data:image/png;base64,{base64.b64encode(sheet).decode()})" in md
+    confusion = (art / "rounds/001/confusion.png").read_bytes()
+    assert f"![confusion matrix](data:image/png;base64,{base64.b64encode(confusion).decode()})" in md
+    assert f"`{art / 'rounds/001' / REPORT_FILE}`" in md and "tamis report --round 1 --open" in md
+    # summary.md (the file) stays readable text: no pictures inline.
+    assert "data:image" not in (art / "rounds/001/summary.md").read_text()

@@ -125,6 +125,16 @@ STYLE = {"other": dict(c="#d9d9d9", s=6, label="rest of the pool"),
          "selected": dict(facecolors="none", edgecolors="#d62728", s=70, linewidths=1.6, label="selected this round")}
 
 
+def class_colours(n: int) -> list[Any]:
+    """Per-class colours without the greys the unlabeled pool is drawn in: tab10 less its grey plus navy up to 10
+    classes, tab20's dark then light hues (greys left out) beyond."""
+    plt = _plt()
+    if n <= 10:
+        return [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7] + ["#000075"]
+    tab20 = plt.get_cmap("tab20").colors
+    return [tab20[i] for i in [*range(0, 20, 2), *range(1, 20, 2)] if i not in (14, 15)]
+
+
 def pool_map_png(pm: PoolMap) -> bytes:
     """The projected sample: the pool in greys, labeled points in their class's colour, outliers as crosses, the
     batch as red rings on top."""
@@ -132,7 +142,7 @@ def pool_map_png(pm: PoolMap) -> bytes:
     fig, ax = plt.subplots(figsize=(7.5, 6), dpi=90)
     kinds = np.array(pm.kind)
     classes = sorted({lab for lab in pm.label if lab is not None})
-    cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20")
+    colours = class_colours(len(classes))
     for kind in KINDS:
         mask = kinds == kind
         if not mask.any():
@@ -140,7 +150,7 @@ def pool_map_png(pm: PoolMap) -> bytes:
         if kind == "labeled":
             for k, c in enumerate(classes):
                 m = mask & np.array([lab == c for lab in pm.label])
-                ax.scatter(pm.xy[m, 0], pm.xy[m, 1], s=16, color=cmap(k % cmap.N), label=f"labeled: {c}"
+                ax.scatter(pm.xy[m, 0], pm.xy[m, 1], s=16, color=colours[k % len(colours)], label=f"labeled: {c}"
                            if len(classes) <= 20 else None)
         else:
             ax.scatter(pm.xy[mask, 0], pm.xy[mask, 1], **STYLE[kind])

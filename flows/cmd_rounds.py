@@ -124,6 +124,8 @@ def demo_cmd(
         if state.get("stopped"):
             break
     out.print(f"learning curve: {cfg.artifacts / 'learning_curve.png'}", highlight=False)
+    out.print(f"round reports: {cfg.artifacts / 'rounds'}/NNN/report.html (`tamis report --open` opens the last)",
+              highlight=False)
     last_export = next((s["export_dir"] for s in reversed(states) if s.get("export_dir")), None)
     if last_export:
         out.print(f"last export for annotators: {last_export}", highlight=False)

@@ -32,6 +32,7 @@ from pipeline.model.resolve import resolve_configured
 from pipeline.perclass import load_eval_report
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids, explain_flags
+from pipeline.roundreport import try_round_report
 from pipeline.selection import planned_strategy
 from pipeline.status import annotation_time
 
@@ -104,11 +105,12 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     evaluation = load_eval_report(state.get("eval_dir"))  # per-class metrics and the confusion matrix
     rounds.write_round(plan, state, report.summary_markdown(state, metrics_rows, label_report, curve_path=curve,
                                                             evaluation=evaluation))
+    round_report = try_round_report(cfg, state, prep, metrics_rows)
     if cfg.rounds.simulate_annotator if simulate is None else simulate:
         rounds.answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                             seed=cfg.seed, crowd=cfg.rounds)
     publish_round(cfg.artifacts, state, metrics_rows, label_report, curve, evaluation=evaluation,
-                  waiting=waiting.waits_for_labels(cfg, state))
+                  waiting=waiting.waits_for_labels(cfg, state), round_report=round_report)
     unchanged.record_round_inputs(cfg, state, inputs)
     progress.complete(report.state_message(state))
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),

@@ -109,9 +109,11 @@ def detach(value: Any) -> Any:
 
 
 def publish_round(artifacts: Any, state: dict[str, Any], metrics_rows: list[dict], label_report: str, curve: Any, *,
-                  waiting: bool, evaluation: Any = None) -> None:
-    """The round in the Prefect UI: its summary (with the curve and the confusion matrix inline), the curve, and the
-    export hand-off."""
+                  waiting: bool, evaluation: Any = None, round_report: Any = None) -> None:
+    """The round in the Prefect UI: its summary (with the curve, the batch's contact sheet and the confusion matrix
+    inline, and where the round's report.html is), the curve, and the export hand-off. `evaluation`:
+    pipeline.perclass.EvalReport or None; `round_report`: pipeline.roundreport.RoundReport, or None when the report
+    could not be built."""
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
     from pipeline import report
@@ -119,11 +121,13 @@ def publish_round(artifacts: Any, state: dict[str, Any], metrics_rows: list[dict
 
     uri = report.png_data_uri(curve) if curve else None
     confusion = evaluation.confusion_png if evaluation is not None else None
+    batch = getattr(round_report, "batch_png", None)
     create_markdown_artifact(key="round-summary", description=f"Labeling round {state['round']}",
                              markdown=report.summary_markdown(
                                  state, metrics_rows, label_report, curve_uri=uri, curve_path=curve,
                                  evaluation=evaluation, confusion_uri=report.png_data_uri(confusion) if confusion
-                                 else None))
+                                 else None, batch_uri=report.png_data_uri(batch) if batch else None,
+                                 report_path=getattr(round_report, "html", None)))
     if uri:
         create_image_artifact(key="learning-curve", image_url=uri,
                               description=f"Learning curve after round {state['round']} ({curve})")

@@ -104,13 +104,20 @@ def score_answers(preds: Sequence[str | None], refs: Sequence[str], *, closed: b
 def predict_answers(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | None, *,
                     batch_size: int = 16, max_new_tokens: int = 16) -> list[str]:
     """The model's answer per row: the most likely candidate for closed sets, greedy generation for open answers."""
+    return predict_with_confidence(loaded, rows, answers, batch_size=batch_size, max_new_tokens=max_new_tokens)[0]
+
+
+def predict_with_confidence(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | None, *,
+                            batch_size: int = 16, max_new_tokens: int = 16) -> tuple[list[str], list[float | None]]:
+    """(answers, confidences): predict_answers and the model's confidence in each answer (its probability for
+    closed sets, the geometric mean of its tokens' for open ones), which orders the round report's errors."""
     from pipeline.scoring import make_scorer
+    from pipeline.selection import predictions
 
     scorer = make_scorer(loaded, answers, max_new_tokens=max_new_tokens)
     res = scorer.score(list(rows), batch_size=batch_size)
-    if answers:
-        return [answers[i] for i in res.probs.argmax(1)]
-    return list(res.answers or [])
+    preds, confidence = predictions(res, list(answers) if answers else None)
+    return [p if p is not None else "" for p in preds], confidence
 
 
 def evaluate_model(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | None, *,
@@ -122,15 +129,16 @@ def evaluate_model(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequ
     if not rows:
         raise DataError("evaluation needs at least one test row with an answer (split: test); add a labeled held-out "
                         "source with `split: test` to data.sources")
-    preds = predict_answers(loaded, rows, answers, batch_size=batch_size, max_new_tokens=max_new_tokens)
+    preds, confidence = predict_with_confidence(loaded, rows, answers, batch_size=batch_size,
+                                                max_new_tokens=max_new_tokens)
     refs = [r["answer"] for r in rows]
     scores = row_scores(preds, refs, closed=bool(answers))
     return {
         "metrics": {name: sum(v) / len(v) for name, v in scores.items()},
         "intervals": {name: mean_interval(v) for name, v in scores.items()},
         "n": len(rows),
-        "predictions": [{"sample_id": r["sample_id"], "prediction": p, "answer": a}
-                        for r, p, a in zip(rows, preds, refs, strict=True)],
+        "predictions": [{"sample_id": r["sample_id"], "prediction": p, "answer": a, "confidence": c}
+                        for r, p, a, c in zip(rows, preds, refs, confidence, strict=True)],
         "report": per_class_report(preds, refs, answers) if answers else per_group_report(rows, scores),
     }
 

@@ -161,11 +161,13 @@ def evaluation_markdown(evaluation: Any, confusion_uri: str | None = None) -> li
 
 def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[str, Any]], label_report: str = "",
                      *, curve_uri: str | None = None, curve_path: str | os.PathLike[str] | None = None,
-                     evaluation: Any = None, confusion_uri: str | None = None) -> str:
+                     evaluation: Any = None, confusion_uri: str | None = None, batch_uri: str | None = None,
+                     report_path: str | os.PathLike[str] | None = None) -> str:
     """The round-summary artifact (also artifacts/rounds/NNN/summary.md): counts, metrics, the learning curve as a
-    picture (`curve_uri`, a data URI, for the UI) and as a table, the per-class results (`evaluation`, a
-    pipeline.perclass.EvalReport, with the confusion matrix inline as `confusion_uri` for the UI), the hand-off, the
-    label check and, with several annotators a sample, their quality and the redundancy tasks."""
+    picture (`curve_uri`, a data URI, for the UI) and as a table, the batch's contact sheet (`batch_uri`, for the UI),
+    where the round's report is, the per-class results (`evaluation`, a pipeline.perclass.EvalReport, with the
+    confusion matrix inline as `confusion_uri` for the UI), the hand-off, the label check and, with several annotators
+    a sample, their quality and the redundancy tasks."""
     lines = [f"# Labeling round {state['round']}", "",
              f"- labeled samples: **{state['labeled']}** (labels spent, re-labels included: "
              f"{state.get('labels_spent', state['labeled'])})",
@@ -204,6 +206,11 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
                      + f"; forecast for this batch of {c['next_batch']}: {c['next_batch_hours']:.2f} h")
     for imp in state.get("imports", []):
         lines.append(f"- inbox: {imp.get('summary') or 'REJECTED ' + imp['file'] + ': ' + imp['error']}")
+    if report_path:
+        lines += ["", f"Round report (contact sheet, pool map, errors, quality; one HTML file): `{Path(report_path)}` "
+                  f"— `tamis report --round {state['round']} --open`"]
+    if batch_uri:
+        lines += ["", "## The batch", "", f"![batch contact sheet]({batch_uri})"]
     if metrics_rows:
         lines += ["", "## Learning curve", ""]
         if curve_uri:

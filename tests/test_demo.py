@@ -37,3 +37,9 @@ def test_demo_accuracy_rises_over_rounds(tmp_path, prefect_harness):
     # The simulated annotator makes no errors: at most 2 alarms a round, or the check says it cannot judge yet.
     assert all(c["abstained"] or c["issues"] <= 2 for c in checks), checks
     assert all((tmp_path / "artifacts" / "rounds" / f"{s['round']:03d}" / "summary.md").is_file() for s in states)
+    # Every round's report (docs/report.md): the batch as a contact sheet, the pool map, and once a round is
+    # evaluated, the confusion matrix and the learning curve.
+    for s in states:
+        html = (tmp_path / "artifacts" / "rounds" / f"{s['round']:03d}" / "report.html").read_text()
+        assert html.count('<img class="thumb"') == s.get("selected", 0) and 'alt="pool map"' in html
+        assert ('alt="confusion matrix"' in html and 'alt="learning curve"' in html) == bool(s["metrics"])

@@ -1,0 +1,161 @@
+"""Build a round's report: gather what it shows, draw the pictures, write report.html (and the batch's contact sheet
+and the confusion matrix as PNGs, for the Prefect UI's round summary) into the round's folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline import __version__
+from pipeline.errors import ArtifactError, DataError
+from pipeline.metrics import merge_equal_metrics
+from pipeline.roundreport import gather, pictures
+from pipeline.roundreport.page import render_page
+from pipeline.roundreport.sources import ReportSources, resolve_sources
+from pipeline.store import atomic_write_bytes, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+REPORT_FILE = "report.html"
+BATCH_PNG = "batch.png"  # the contact sheet (first pictures.SHEET_MAX picks)
+CONFUSION_PNG = "confusion.png"
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What a build wrote: the page, and the pictures the Prefect UI's summary shows (None where the round has none)."""
+
+    html: Path
+    batch_png: Path | None
+    confusion_png: Path | None
+    bytes: int
+    seconds: float
+
+
+def _thumbs(ids: Sequence[str], images: gather.Images) -> dict[str, dict[str, Any]]:
+    out = {}
+    for sid, png in images.png(list(dict.fromkeys(ids))).items():
+        data, mime, (w, h) = pictures.thumbnail(png)
+        out[sid] = {"uri": pictures.data_uri(data, mime), "w": w, "h": h}
+    return out
+
+
+def _time_line(t: Mapping[str, Any] | None) -> str:
+    if not t:
+        return ""
+    return (f"{t['hours']:.2f} h over {t['timed']} timed labels (median {t['median_s']:.0f} s, p90 {t['p90_s']:.0f} s)"
+            + (f"; next batch of {t['next_batch']} ≈ {t['next_batch_hours']:.2f} h" if t.get("next_batch") else ""))
+
+
+def _header(state: Mapping[str, Any], sources: ReportSources) -> dict[str, Any]:
+    phase = state.get("phase") or {}
+    metrics = ", ".join(f"{k} = {v:.4f}" for k, v in merge_equal_metrics(state.get("metrics") or {}).items())
+    return {"round": state["round"], "labeled": state.get("labeled", 0), "pool": state.get("pool", 0),
+            "selected": state.get("selected", 0), "strategy": state.get("strategy", ""), "phase": phase.get("phase"),
+            "phase_reason": phase.get("reason"), "metrics": metrics, "stopped": state.get("stopped"),
+            "round_dir": sources.round_dir}
+
+
+def build_report(sources: ReportSources, state: Mapping[str, Any],
+                 metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport:
+    """Write report.html (and batch.png, confusion.png) for the round `state` from `sources`."""
+    start = time.perf_counter()
+    rd = Path(sources.round_dir)
+    labels = gather.labeled_answers(rd)
+    batch = gather.read_batch(sources, state)
+    pool_map = gather.pool_map_points(sources, state, [b.sample_id for b in batch], labels)
+    pc = gather.per_class_metrics(sources.eval_dir, sources.answers) if sources.eval_dir else None
+    wrong = gather.confident_errors(sources.eval_dir) if sources.eval_dir else []
+    issues, check_message = gather.label_errors(sources.labelcheck_dir)
+    flags, checked = gather.quality_flags(sources.quality_dir)
+    images = gather.Images(sources.prepared_dir)
+    batch_png = images.png([b.sample_id for b in batch[:pictures.SHEET_MAX]])
+    thumbs = _thumbs([b.sample_id for b in batch] + [w["sample_id"] for w in wrong] + [i["sample_id"] for i in issues]
+                     + [f.example for f in flags if f.example], images)
+    sheet = pictures.contact_sheet(batch, batch_png)
+    confusion = pictures.confusion_png(pc, sources.eval_dir) if pc else None
+    curve = pictures.curve_png(metrics_rows, state["round"])
+    balance = gather.class_balance(labels, sources.answers)
+    c = state.get("candidates")
+    view = {
+        "r": _header(state, sources), "version": __version__,
+        "candidates": c and f"Scored {c['candidates']} candidates of {c['eligible']} eligible samples ("
+                            + ", ".join(f"{n} {s}" for s, n in c["sources"].items()) + "; select.candidates).",
+        "batch": [{**asdict(b), "thumb": thumbs.get(b.sample_id)} for b in batch],
+        "pool_map": pool_map and pictures.data_uri(pictures.pool_map_png(pool_map)),
+        "map_note": pool_map and (
+            f"{pool_map.sampled:,} of {pool_map.total:,} points drawn (seed {sources.seed}): every selected sample, "
+            f"at most {gather.MAP_EXTRA:,} labeled and outliers, {gather.MAP_POINTS:,} at random; projected by a PCA "
+            f"fitted on them. " + ", ".join(f"{pool_map.kind.count(k)} {k}" for k in gather.KINDS)),
+        "pc": pc, "confusion": confusion and pictures.data_uri(confusion), "evaluated": bool(sources.eval_dir),
+        "wrong": [{"sample_id": w["sample_id"], "answer": w["answer"], "prediction": w.get("prediction"),
+                   "confidence": w.get("confidence"), "thumb": thumbs.get(w["sample_id"])} for w in wrong],
+        "issues": [{"sample_id": i["sample_id"], "given_label": i.get("given_label"),
+                    "suggested_label": i.get("suggested_label"), "confidence": i.get("confidence"),
+                    "annotators": i.get("annotators") or [], "thumb": thumbs.get(i["sample_id"])} for i in issues],
+        "check_message": check_message,
+        "flags": [{**asdict(f), "thumb": thumbs.get(f.example) if f.example else None} for f in flags],
+        "checked": checked, "curve": curve and pictures.data_uri(curve), "balance": balance,
+        "balance_max": max([n for _, n in balance] or [1]) or 1, "time": _time_line(state.get("annotation_time")),
+        "annotators": state.get("consensus"), "seconds": time.perf_counter() - start,
+    }
+    html = atomic_write_text(rd / REPORT_FILE, render_page(view))
+    sheet_path = atomic_write_bytes(rd / BATCH_PNG, sheet) if sheet else None
+    confusion_path = atomic_write_bytes(rd / CONFUSION_PNG, confusion) if confusion else None
+    return RoundReport(html, sheet_path, confusion_path, html.stat().st_size, time.perf_counter() - start)
+
+
+def write_round_report(cfg: Any, state: Mapping[str, Any], prepared: dict[str, Any] | None,
+                       metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport:
+    """A finished round's report: resolve its sources (kept in report_sources.json for later rebuilds), build it."""
+    sources = resolve_sources(cfg, dict(state), prepared)
+    sources.save()
+    return build_report(sources, state, metrics_rows)
+
+
+def try_round_report(cfg: Any, state: Mapping[str, Any], prepared: dict[str, Any] | None,
+                     metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport | None:
+    """write_round_report at the end of a round. The report is a view of a round whose round.json is already
+    written: a failure to draw it is logged with the command that retries it, and never fails the round (a failed
+    round would be re-run with the same labels, and fail the same way, instead of going on to the next)."""
+    try:
+        return write_round_report(cfg, state, prepared, metrics_rows)
+    except Exception as exc:  # noqa: BLE001 - any failure of a view; the round itself is done
+        log.warning("round %d: report.html not built (%s: %s); retry with `tamis report --round %d --debug`",
+                    state["round"], type(exc).__name__, exc, state["round"])
+        return None
+
+
+def rebuild_report(cfg: Any, round_index: int | None = None) -> RoundReport:
+    """`tamis report`: the report of round `round_index` (default: the last finished one) rebuilt from the sources
+    its round kept, or, for a round finished before reports existed, resolved from the project's latest data."""
+    from pipeline.metrics import read_metrics
+    from pipeline.preprocess import latest_refs
+    from pipeline.roundreport.sources import SOURCES_FILE
+    from pipeline.rounds import ROUND_FILE, completed_rounds, round_dir
+
+    done = [s["round"] for s in completed_rounds(cfg.artifacts)]
+    if not done:
+        raise DataError(f"no finished round in {cfg.artifacts}/rounds (a round is finished once its {ROUND_FILE} is "
+                        "written); run `tamis round` first")
+    r = done[-1] if round_index is None else round_index
+    if r not in done:
+        raise DataError(f"round {r} is not a finished round in {cfg.artifacts}/rounds; finished: "
+                        f"{', '.join(map(str, done))}")
+    rd = round_dir(cfg.artifacts, r)
+    state = json.loads((rd / ROUND_FILE).read_text(encoding="utf-8"))
+    if (rd / SOURCES_FILE).is_file():
+        sources = ReportSources.load(rd)
+    else:
+        try:
+            prepared = latest_refs(cfg.artifacts)
+        except ArtifactError:
+            prepared = None  # no prepared data: the report shows what the round's own files hold
+        sources = resolve_sources(cfg, state, prepared)
+        sources.save()
+    return build_report(sources, state, read_metrics(cfg.artifacts))

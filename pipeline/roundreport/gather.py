@@ -1,0 +1,340 @@
+"""What a round's report shows, read from the round's files: the batch with the model's answers, a bounded sample of
+the selection space, the evaluation's per-class metrics and errors, the likely label errors, the quality flags.
+
+Every reader is bounded by what it shows, not by the pool: the batch's score shards, a fixed number of map points, a
+few examples per list, so a 10⁶-sample pool costs reading its ID files once."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import ArtifactError
+from pipeline.roundreport.sources import ReportSources
+from pipeline.store import read_jsonl, read_manifest
+
+log = logging.getLogger(__name__)
+
+TOP_ANSWERS = 3  # the model's answers shown per batch sample
+MAP_POINTS = 4000  # background points of the pool map (plus every selected, and at most MAP_EXTRA of each kind)
+MAP_EXTRA = 1000
+EXAMPLES = 12  # test errors and likely label errors shown
+
+
+# ------------------------------------------------------------------------------------------------- images
+class Images:
+    """Prepared images by sample ID, from the prepare stage (one indexed lookup per list, never the whole pool)."""
+
+    def __init__(self, prepared_dir: str | None):
+        self._dir, self._ds, self._index = prepared_dir, None, None
+
+    def png(self, ids: Sequence[str]) -> dict[str, bytes]:
+        if not self._dir or not ids:
+            return {}
+        if self._ds is None:
+            from pipeline.idindex import IdIndex
+            from pipeline.preprocess import load_prepared
+
+            self._ds = load_prepared(self._dir)
+            self._index = IdIndex.of_dataset(self._ds)
+        rows = self._index.rows(list(ids))
+        found = sorted({int(r) for r in rows if r >= 0})
+        if not found:
+            return {}
+        sub = self._ds.select(found).select_columns(["sample_id", "prepared"])
+        return dict(zip(sub["sample_id"], sub["prepared"], strict=True))
+
+
+# ------------------------------------------------------------------------------------------------- the batch
+@dataclass
+class BatchItem:
+    sample_id: str
+    rank: int
+    reason: str  # why it was picked
+    score: float | None  # the selector's score (the heuristic's, for uncertainty)
+    top: list[tuple[str, float]] = field(default_factory=list)  # the model's top answers and probabilities
+    answer: str | None = None  # its answer (the top one, or the generated one for open answers)
+    confidence: float | None = None
+    entropy: float | None = None  # of the answer probabilities: the same uncertainty whatever the strategy
+
+
+def pick_reason(row: Mapping[str, Any], state: Mapping[str, Any]) -> str:
+    """Why a selection row was picked, in the words of the round's phase: coverage of the selection space (no model
+    score), or uncertainty (the heuristic's score) spread by the diversity selector."""
+    from pipeline.strategies.candidates import picks_by_space
+    from pipeline.strategies.registry import get_heuristic
+
+    strategy, diversity = row.get("strategy", "random"), row.get("diversity", "top_k")
+    if picks_by_space(strategy, diversity):
+        why = f"coverage ({diversity})" + (" — cold start, no model yet" if not state.get("adapter") else "")
+    elif get_heuristic(strategy).input == "none":
+        why = f"{strategy} draw" + (f", spread by {diversity}" if diversity != "top_k" else "")
+    else:
+        why = f"uncertainty ({strategy} {row.get('score', 0):.3f})" + (
+            f", spread by {diversity}" if diversity != "top_k" else "")
+    if c := state.get("candidates"):
+        why += f"; among {c['candidates']} candidates ({', '.join(c['sources'])})"
+    return why
+
+
+def shard_scores(shards: Sequence[tuple[str, str]], ids: Sequence[str]) -> dict[str, tuple[Any, str | None]]:
+    """{sample ID: (probability row or None, generated answer or None)} from the shards holding `ids` (shards are
+    sorted by their first ID, as plan_shards cuts them); a missing shard leaves its samples out, with a warning."""
+    from pipeline.scoring import load_scores
+
+    firsts = [f for f, _ in shards]
+    wanted: dict[int, list[str]] = {}
+    for sid in ids:
+        if (k := bisect.bisect_right(firsts, sid) - 1) >= 0:
+            wanted.setdefault(k, []).append(sid)
+    out: dict[str, tuple[Any, str | None]] = {}
+    for k, sids in wanted.items():
+        try:
+            s = load_scores(shards[k][1])
+        except (ArtifactError, OSError) as exc:
+            log.warning("report: score shard %s unreadable (%s); its samples show no model answers", shards[k][1], exc)
+            continue
+        at = {sid: i for i, sid in enumerate(s.sample_ids)}
+        for sid in sids:
+            if sid in at:
+                i = at[sid]
+                out[sid] = (None if s.probs is None else s.probs[i], s.answers[i] if s.answers else None)
+    return out
+
+
+def read_batch(sources: ReportSources, state: Mapping[str, Any]) -> list[BatchItem]:
+    """The round's batch in pick order (selection/selection.jsonl) with the model's answers from its score shards."""
+    rows = read_jsonl(Path(sources.round_dir) / "selection" / "selection.jsonl")
+    scores = shard_scores(sources.shards, [r["sample_id"] for r in rows]) if sources.shards else {}
+    items = []
+    for r in rows:
+        item = BatchItem(r["sample_id"], int(r.get("rank", len(items))), pick_reason(r, state), r.get("score"),
+                         answer=r.get("prediction"), confidence=r.get("confidence"))
+        probs, generated = scores.get(r["sample_id"], (None, None))
+        if probs is not None and sources.answers:
+            order = np.argsort(-probs)[:TOP_ANSWERS]
+            item.top = [(sources.answers[i], float(probs[i])) for i in order]
+            p = np.clip(probs.astype(np.float64), 1e-12, 1.0)
+            item.entropy = float(-(p * np.log(p)).sum())
+        item.answer = generated if generated is not None else item.answer
+        items.append(item)
+    return items
+
+
+# ------------------------------------------------------------------------------------------------- the pool map
+KINDS = ("other", "candidate", "labeled", "outlier", "selected")  # drawing order; a point's kind is its last
+
+
+@dataclass
+class PoolMap:
+    xy: np.ndarray  # [n, 2] the seeded projection of the sampled points
+    kind: list[str]  # KINDS, per point
+    label: list[str | None]  # the labeled points' class
+    space: str  # which embeddings
+    sampled: int  # points drawn of `total`
+    total: int
+
+
+def labeled_answers(round_dir: str | Path) -> dict[str, str]:
+    """The labels the round trained on (its labeled set; none before the first labels)."""
+    folder = Path(round_dir) / "labeled" / "dataset"
+    if not folder.is_dir():
+        return {}
+    import datasets
+
+    ds = datasets.load_from_disk(str(folder)).select_columns(["sample_id", "answer"])
+    return dict(zip(ds["sample_id"], ds["answer"], strict=True))
+
+
+def _shard_space(sources: ReportSources, ids: Sequence[str], rng: np.random.Generator) -> tuple[list[str], Any]:
+    """The model's embeddings of `ids` plus whole random shards up to MAP_POINTS rows: the map's space when
+    selection reads the scorer's embeddings (no embeddings stage)."""
+    from pipeline.scoring import load_scores
+
+    firsts = [f for f, _ in sources.shards]
+    take = {k for sid in ids if (k := bisect.bisect_right(firsts, sid) - 1) >= 0}
+    per_shard = _shard_len(sources)
+    for k in rng.permutation(len(sources.shards)):
+        if len(take) * per_shard >= MAP_POINTS + len(ids):
+            break
+        take.add(int(k))
+    out_ids, parts = [], []
+    for k in sorted(take):
+        try:
+            s = load_scores(sources.shards[k][1])
+        except (ArtifactError, OSError):
+            continue
+        out_ids += s.sample_ids
+        parts.append(s.embeddings)
+    return out_ids, (np.concatenate(parts) if parts else np.zeros((0, 2), np.float32))
+
+
+def _shard_len(sources: ReportSources) -> int:
+    """Rows per shard (all shards but the last hold the same number), read from the first shard's ID file."""
+    try:
+        return len(json.loads((Path(sources.shards[0][1]) / "scores.json").read_text())["sample_ids"])
+    except (OSError, ValueError, KeyError):
+        return 256
+
+
+def pool_map_points(sources: ReportSources, state: Mapping[str, Any], batch: Sequence[str],
+                    labels: Mapping[str, str]) -> PoolMap | None:
+    """A bounded, seeded sample of the selection space (every selected sample, at most MAP_EXTRA labeled and
+    outliers, MAP_POINTS drawn uniformly) projected to 2-D by a PCA fitted on that sample, with each point's kind."""
+    from pipeline.idindex import IdIndex
+
+    rng = np.random.default_rng(sources.seed)
+    rd = Path(sources.round_dir)
+    outliers = [r["sample_id"] for r in read_jsonl(rd / "selection" / "outliers.jsonl")][:MAP_EXTRA]
+    lab = sorted(labels)
+    lab = [lab[i] for i in np.sort(rng.choice(len(lab), MAP_EXTRA, replace=False))] if len(lab) > MAP_EXTRA else lab
+    if sources.space_dir and Path(sources.space_dir).is_dir():
+        from pipeline.embeddings import load_selection_embeddings
+
+        ids, emb = load_selection_embeddings(sources.space_dir)
+        space = f"selection embeddings ({sources.space_source})"
+    elif sources.shards:
+        ids, emb = _shard_space(sources, [*batch, *lab[:200], *outliers], rng)
+        space = "the model's embeddings (select.embeddings: model)"
+    else:
+        return None
+    if not len(ids):
+        return None
+    index = IdIndex(ids)
+    background = rng.choice(len(ids), min(MAP_POINTS, len(ids)), replace=False)
+    kind_of: dict[int, str] = {int(r): "other" for r in background}
+    cand = _sorted_ids(rd / "candidates.jsonl")
+    for r in background:
+        if cand.size and _member(cand, ids[int(r)]):
+            kind_of[int(r)] = "candidate"
+    for kind, wanted in (("labeled", lab), ("outlier", outliers), ("selected", list(batch))):
+        for r in index.rows(wanted):
+            if r >= 0:
+                kind_of[int(r)] = kind
+    rows = np.array(sorted(kind_of), dtype=np.int64)
+    x = np.asarray(emb[rows], dtype=np.float32)
+    xy = _project(x, sources.seed)
+    kinds = [kind_of[int(r)] for r in rows]
+    return PoolMap(xy, kinds, [labels.get(ids[int(r)]) if k == "labeled" else None for r, k in zip(rows, kinds,
+                                                                                              strict=True)],
+                   space, len(rows), len(ids))
+
+
+_ID = re.compile(r'"sample_id":\s*"((?:[^"\\]|\\.)*)"')
+
+
+def _sorted_ids(path: Path) -> np.ndarray:
+    """A JSONL list of sample IDs as a sorted bytes array, for membership by binary search."""
+    if not path.is_file():
+        return np.zeros(0, dtype="S1")
+    # One regex pass over the file: a json.loads per line is most of a 10⁶-candidate report's time.
+    ids = _ID.findall(path.read_text(encoding="utf-8"))
+    return np.sort(np.char.encode(np.asarray(ids, dtype=str), "utf-8")) if ids else np.zeros(0, dtype="S1")
+
+
+def _member(sorted_ids: np.ndarray, sid: str) -> bool:
+    key = sid.encode("utf-8")
+    i = int(np.searchsorted(sorted_ids, key))
+    return i < len(sorted_ids) and sorted_ids[i] == key
+
+
+def _project(x: np.ndarray, seed: int) -> np.ndarray:
+    """2-D PCA of the sample, seeded (randomized SVD), its sign fixed by the largest loading so re-runs agree."""
+    if len(x) < 3 or x.shape[1] < 2:
+        return np.zeros((len(x), 2), np.float32) if x.shape[1] < 2 else x[:, :2]
+    from sklearn.decomposition import PCA
+
+    pca = PCA(n_components=2, svd_solver="randomized", random_state=seed)
+    xy = pca.fit_transform(x)
+    signs = np.sign(pca.components_[np.arange(2), np.abs(pca.components_).argmax(1)])
+    return (xy * np.where(signs == 0, 1, signs)).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------- the errors
+def per_class_metrics(eval_dir: str | Path, answers: Sequence[str] | None) -> dict[str, Any] | None:
+    """The per_class.json of an evaluate stage folder (pipeline.perclass); an evaluation written before it existed
+    (EVAL_VERSION 1) gets the same report computed from its predictions.jsonl. None for open answers or without
+    predictions."""
+    from pipeline.perclass import PER_CLASS_FILE, per_class_report
+
+    folder = Path(eval_dir)
+    if (done := folder / PER_CLASS_FILE).is_file():
+        return json.loads(done.read_text(encoding="utf-8"))
+    rows = read_jsonl(folder / "predictions.jsonl")
+    if not rows or not answers:
+        return None
+    return per_class_report([r["prediction"] for r in rows], [r["answer"] for r in rows], list(answers))
+
+
+def confident_errors(eval_dir: str | Path, top: int = EXAMPLES) -> list[dict[str, Any]]:
+    """Test rows the model got wrong, most confident first (rows without a recorded confidence last)."""
+    rows = read_jsonl(Path(eval_dir) / "predictions.jsonl")
+    wrong = [r for r in rows if str(r.get("prediction") or "").strip() != str(r["answer"]).strip()]
+    return sorted(wrong, key=lambda r: -(r.get("confidence") if r.get("confidence") is not None else -1.0))[:top]
+
+
+def label_errors(labelcheck_dir: str | None, top: int = EXAMPLES) -> tuple[list[dict[str, Any]], str]:
+    """(the label check's likely label errors, most likely first; its verdict's sentence)."""
+    if not labelcheck_dir or not Path(labelcheck_dir).is_dir():
+        return [], "no label check this round"
+    folder = Path(labelcheck_dir)
+    verdict = folder / "verdict.json"
+    message = json.loads(verdict.read_text(encoding="utf-8")).get("message", "") if verdict.is_file() else ""
+    return read_jsonl(folder / "issues.jsonl")[:top], message
+
+
+# ------------------------------------------------------------------------------------------------- quality
+@dataclass
+class FlagRow:
+    flag: str
+    count: int
+    share: float
+    example: str | None  # a sample ID carrying the flag
+    reason: str
+
+
+def quality_flags(quality_dir: str | None) -> tuple[list[FlagRow], int]:
+    """(one row per flag with its share of the prepared pool and a first example, rows checked): counts from the
+    stage's manifest; examples read in table order, stopping once every flag that occurs has one."""
+    from pipeline.quality import FLAGS
+
+    if not quality_dir or not Path(quality_dir).is_dir():
+        return [], 0
+    folder = Path(quality_dir)
+    m = read_manifest(folder)
+    counts, total = m.info.get("counts", {}), int(m.info.get("rows", 0))
+    need = {f for f in FLAGS if counts.get(f)}
+    examples: dict[str, tuple[str, str]] = {}
+    tables = ([Path(p) / "quality.jsonl" for p in json.loads(m.path_of("parts", folder).read_text())]
+              if "parts" in m.outputs else [m.path_of("table", folder)])
+    for table in tables:
+        if need <= set(examples):
+            break
+        with open(table, encoding="utf-8") as fh:
+            for line in fh:
+                if '"flags": []' in line:  # most rows carry no flag: skip them without parsing
+                    continue
+                row = json.loads(line)
+                for f in row["flags"]:
+                    examples.setdefault(f, (row["sample_id"], "; ".join(row.get("reasons", []))))
+                if need <= set(examples):
+                    break
+    return [FlagRow(f, int(counts.get(f, 0)), counts.get(f, 0) / max(total, 1), *examples.get(f, (None, "")))
+            for f in FLAGS], total
+
+
+def class_balance(labels: Mapping[str, str], answers: Sequence[str] | None) -> list[tuple[str, int]]:
+    """Labels per class: the answer set's order (every class, zeros included), else most common first."""
+    counts = Counter(labels.values())
+    if answers:
+        return [(a, counts.get(a, 0)) for a in answers] + [(a, n) for a, n in counts.items() if a not in answers]
+    return counts.most_common()

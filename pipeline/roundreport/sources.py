@@ -1,0 +1,98 @@
+"""Where a round's report reads from: the folders of the stages that made the round, resolved once when the round
+ends and kept beside it (report_sources.json), so `tamis report --round N` rebuilds the same report after new images
+changed the prepared dataset's digest (and with it the folder every later stage is keyed by)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ArtifactError
+from pipeline.store import atomic_write_json
+
+SOURCES_FILE = "report_sources.json"
+
+
+@dataclass(frozen=True)
+class ReportSources:
+    """The files one round's report reads; None (or empty) where the round has no such stage output."""
+
+    round: int
+    round_dir: str
+    artifacts: str
+    answers: list[str] | None  # the closed answer set (data.answers), None for open answers
+    seed: int
+    prepared_dir: str | None = None  # the prepare stage: images by sample ID
+    quality_dir: str | None = None  # the quality stage: flags and their counts
+    space_dir: str | None = None  # the selection-embeddings stage; None when selection reads the model's embeddings
+    space_source: str = "model"  # select.embeddings.source
+    shards: list[tuple[str, str]] = field(default_factory=list)  # (first sample ID, folder) of each score shard
+    eval_dir: str | None = None  # the evaluate stage of the round's adapter
+    labelcheck_dir: str | None = None
+
+    def save(self) -> Path:
+        return atomic_write_json(Path(self.round_dir) / SOURCES_FILE, asdict(self))
+
+    @classmethod
+    def load(cls, round_dir: str | os.PathLike[str]) -> ReportSources:
+        path = Path(round_dir) / SOURCES_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ArtifactError(f"{path}: cannot read the report's sources ({exc}); delete it and run `tamis report "
+                                "--round N` again to resolve them from the project's config") from exc
+        data["shards"] = [tuple(s) for s in data.get("shards", [])]
+        return cls(**data)
+
+
+def find_eval_dir(artifacts: str | os.PathLike[str], adapter_digest: str) -> str | None:
+    """The evaluate stage folder of an adapter (its manifest's `adapter` input), newest first: one folder per trained
+    round and test set, so a scan of their manifests costs nothing."""
+    found = []
+    for m in Path(artifacts, "eval").glob("*/manifest.json"):
+        try:
+            data = json.loads(m.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if data.get("stage") == "evaluate" and data.get("inputs", {}).get("adapter") == adapter_digest:
+            found.append((m.stat().st_mtime, str(m.parent)))
+    return max(found)[1] if found else None
+
+
+def score_shards(cfg: Any, round_dir: Path, prepared_ref: dict[str, Any] | None,
+                 adapter: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """(first sample ID, folder) of the score shards the round's select stage read: the same plan as
+    flows/select.score_pool (the round's pool.jsonl, its shard size, the adapter and prepared data keying them)."""
+    from pipeline.scoring import POOL_FILE, pool_shard_size, read_pool_file, score_config, shard_params
+
+    pool_file = round_dir / POOL_FILE
+    if prepared_ref is None or not pool_file.is_file():
+        return []
+    ids = read_pool_file(pool_file)
+    size = pool_shard_size(len(ids), cfg.select.shard_size, cfg.select.max_tasks)
+    ad = adapter and {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]}
+    params = shard_params(cfg.artifacts, model=cfg.section("model"), scoring=score_config(cfg), adapter=ad,
+                          prepared=prepared_ref, pool_ids=ids, shard_size=size)
+    return [(p["shard_ids"][0], p["out_dir"]) for p in params]
+
+
+def resolve_sources(cfg: Any, state: dict[str, Any], prepared: dict[str, Any] | None) -> ReportSources:
+    """The report's sources for a finished round (`state`, its round.json) of the project `cfg`; `prepared` holds the
+    round's prepare and quality stage refs ({"prepare": ref, "quality": ref}, as flows/prepare returns them)."""
+    from pipeline.embeddings import embeddings_params
+    from pipeline.rounds import round_dir
+
+    rd = round_dir(cfg.artifacts, state["round"])
+    prep = (prepared or {}).get("prepare")
+    space = embeddings_params(cfg, prep) if prep else None
+    adapter = state.get("adapter")
+    eval_dir = state.get("eval_dir") or (adapter and find_eval_dir(cfg.artifacts, adapter["adapter_digest"]))
+    return ReportSources(
+        round=state["round"], round_dir=str(rd), artifacts=str(cfg.artifacts), answers=cfg.data.answers,
+        seed=cfg.seed, prepared_dir=prep and prep["dir"], quality_dir=((prepared or {}).get("quality") or {}).get("dir"),
+        space_dir=space and space["out_dir"], space_source=cfg.select.embeddings.source,
+        shards=score_shards(cfg, rd, prep, adapter), eval_dir=eval_dir,
+        labelcheck_dir=(state.get("labelcheck") or {}).get("dir"))

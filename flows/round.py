@@ -25,14 +25,13 @@ from pipeline.annotation.label_files import LabelKeys
 from pipeline.annotation.label_studio import pull_labels, push_batch
 from pipeline.annotation.redundancy import queue_redundancy, settle_votes
 from pipeline.config import ProjectConfig, load_config
-from pipeline.labelcheck import check_report_markdown, labels_spent
+from pipeline.labelcheck import labels_spent
 from pipeline.lock import ProjectLock
-from pipeline.metrics import learning_curve, read_metrics
+from pipeline.metrics import read_metrics
 from pipeline.model.resolve import resolve_configured
-from pipeline.perclass import load_eval_report
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids, explain_flags
-from pipeline.roundreport import try_round_report
+from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy
 from pipeline.status import annotation_time
 
@@ -98,19 +97,11 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
                                       prepared_dir=prep["prepare"]["dir"], round_index=plan.index))
 
     state["adapter"] = adapter
-    metrics_rows = read_metrics(art)
-    label_report = check_report_markdown(check)
-    curve = learning_curve(art, metrics_rows, answers=cfg.data.answers)
-    # The file keeps the PNG's path (a data URI would make summary.md unreadable as text); the UI gets the picture.
-    evaluation = load_eval_report(state.get("eval_dir"))  # per-class metrics and the confusion matrix
-    rounds.write_round(plan, state, report.summary_markdown(state, metrics_rows, label_report, curve_path=curve,
-                                                            evaluation=evaluation))
-    round_report = try_round_report(cfg, state, prep, metrics_rows)
+    up = write_up(cfg, plan, state, prep, check)
     if cfg.rounds.simulate_annotator if simulate is None else simulate:
         rounds.answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                             seed=cfg.seed, crowd=cfg.rounds)
-    publish_round(cfg.artifacts, state, metrics_rows, label_report, curve, evaluation=evaluation,
-                  waiting=waiting.waits_for_labels(cfg, state), round_report=round_report)
+    publish_round(cfg.artifacts, state, up, waiting=waiting.waits_for_labels(cfg, state))
     unchanged.record_round_inputs(cfg, state, inputs)
     progress.complete(report.state_message(state))
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),

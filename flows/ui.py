@@ -108,26 +108,25 @@ def detach(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
-def publish_round(artifacts: Any, state: dict[str, Any], metrics_rows: list[dict], label_report: str, curve: Any, *,
-                  waiting: bool, evaluation: Any = None, round_report: Any = None) -> None:
+def publish_round(artifacts: Any, state: dict[str, Any], up: Any, *, waiting: bool) -> None:
     """The round in the Prefect UI: its summary (with the curve, the batch's contact sheet and the confusion matrix
-    inline, and where the round's report.html is), the curve, and the export hand-off. `evaluation`:
-    pipeline.perclass.EvalReport or None; `round_report`: pipeline.roundreport.RoundReport, or None when the report
-    could not be built."""
+    inline, and where the round's report.html is), the curve, and the export hand-off. `up`: what the round wrote
+    (pipeline.roundreport.writeup.WriteUp)."""
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
     from pipeline import report
     from pipeline.annotation import export
 
+    curve = up.curve
     uri = report.png_data_uri(curve) if curve else None
-    confusion = evaluation.confusion_png if evaluation is not None else None
-    batch = getattr(round_report, "batch_png", None)
+    confusion = up.evaluation.confusion_png if up.evaluation is not None else None
+    batch = getattr(up.round_report, "batch_png", None)
     create_markdown_artifact(key="round-summary", description=f"Labeling round {state['round']}",
                              markdown=report.summary_markdown(
-                                 state, metrics_rows, label_report, curve_uri=uri, curve_path=curve,
-                                 evaluation=evaluation, confusion_uri=report.png_data_uri(confusion) if confusion
+                                 state, up.metrics_rows, up.label_report, curve_uri=uri, curve_path=curve,
+                                 evaluation=up.evaluation, confusion_uri=report.png_data_uri(confusion) if confusion
                                  else None, batch_uri=report.png_data_uri(batch) if batch else None,
-                                 report_path=getattr(round_report, "html", None)))
+                                 report_path=getattr(up.round_report, "html", None)))
     if uri:
         create_image_artifact(key="learning-curve", image_url=uri,
                               description=f"Learning curve after round {state['round']} ({curve})")

@@ -1,0 +1,42 @@
+"""The written record of a finished round, in the order a crash needs: the metrics so far, the label check's table,
+the learning curve and the per-class results, then summary.md and round.json (which marks the round finished), then
+report.html, a view that never fails the round. The flow hands what it returns to the Prefect UI."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.labelcheck import check_report_markdown
+from pipeline.metrics import learning_curve, read_metrics
+from pipeline.perclass import EvalReport, load_eval_report
+from pipeline.report import summary_markdown
+from pipeline.roundreport.build import RoundReport, try_round_report
+from pipeline.rounds import RoundPlan, write_round
+
+
+@dataclass(frozen=True)
+class WriteUp:
+    """What the round wrote, for the UI: the metrics log, the label check's markdown, the curve's PNG, the
+    evaluation's per-class report and the round's report (None where the round has none)."""
+
+    metrics_rows: list[dict[str, Any]]
+    label_report: str
+    curve: Path | None
+    evaluation: EvalReport | None
+    round_report: RoundReport | None
+
+
+def write_up(cfg: Any, plan: RoundPlan, state: Mapping[str, Any], prepared: dict[str, Any] | None,
+             check: Mapping[str, Any] | None) -> WriteUp:
+    """Write the round's summary.md, round.json and report.html (`cfg`: the project, as try_round_report reads it;
+    `prepared`: the round's prepare refs; `check`: the label check's ref or None)."""
+    rows = read_metrics(cfg.artifacts)
+    label_report = check_report_markdown(check)
+    curve = learning_curve(cfg.artifacts, rows, answers=cfg.data.answers)
+    evaluation = load_eval_report(state.get("eval_dir"))  # per-class metrics and the confusion matrix
+    # The file keeps the PNG's path (a data URI would make summary.md unreadable as text); the UI gets the picture.
+    write_round(plan, state, summary_markdown(state, rows, label_report, curve_path=curve, evaluation=evaluation))
+    return WriteUp(rows, label_report, curve, evaluation, try_round_report(cfg, state, prepared, rows))

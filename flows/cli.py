@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from flows import cmd_data, cmd_labels, cmd_model, cmd_prepare, cmd_rounds
+from flows import cmd_data, cmd_labels, cmd_listen, cmd_model, cmd_prepare, cmd_rounds
 from flows.cli_common import ConfigOpt
 from flows.cli_logging import configure_logging
 from pipeline import __version__
@@ -58,7 +58,7 @@ def config_show(config: ConfigOpt = None) -> None:
     typer.echo(load_config(config).to_yaml(), nl=False)
 
 
-for _module in (cmd_data, cmd_prepare, cmd_model, cmd_labels, cmd_rounds):
+for _module in (cmd_data, cmd_prepare, cmd_model, cmd_labels, cmd_rounds, cmd_listen):
     _module.register(app)
 
 

@@ -14,6 +14,7 @@ from pydantic import (
 )
 
 from pipeline.config.base import Section
+from pipeline.config.trigger import TriggerConfig
 
 
 class LabelStudioConfig(Section):
@@ -172,6 +173,8 @@ class RoundsConfig(Section):
     stop_set: int = Field(default=0, ge=0)
     # Stop once the adapters agree on the stop set (needs rounds.stop_set); None = never on this rule.
     stop_when_stable: StableRule | None = None
+    # Rounds started by Label Studio's webhooks (`tamis listen`, docs/webhooks.md); None = cron or by hand only.
+    trigger: TriggerConfig | None = None
 
     @model_validator(mode="after")
     def _stable_needs_a_stop_set(self) -> RoundsConfig:

@@ -37,10 +37,11 @@ test: $(STAMP)
 # SIGKILLed at every stage, the deployment's suspend/resume, Dask against the local runner and on a real cluster,
 # data-parallel training, the open-answer kill/resume, the live Label Studio round trip (pinned server, own venv),
 # the round's label check at demo size, a code edit recomputing only its stage, cache keys stable across revisions,
-# rounds with a crowd of annotators.
+# rounds with a crowd of annotators, rounds started by Label Studio's webhooks.
 CLAIMS := tests/test_demo.py tests/test_fault_injection.py tests/test_deployment.py tests/test_dask_scoring.py \
 	tests/test_dask_cluster.py tests/test_distributed_train.py tests/test_open_round.py tests/test_label_studio_live.py \
-	tests/test_round_labelcheck.py tests/test_code_keys.py tests/test_cache_stability.py tests/test_consensus.py
+	tests/test_round_labelcheck.py tests/test_code_keys.py tests/test_cache_stability.py tests/test_consensus.py \
+	tests/test_webhooks_live.py
 test-claims: $(STAMP)
 	$(PY) -m pytest -m "slow and not gpu" -q --durations=0 $(CLAIMS)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,13 +36,21 @@ def _trigger(cfg: Any, command: str) -> Any:
     return cfg.rounds.trigger
 
 
+def _labeling_round(config_path: str | None) -> dict[str, Any]:
+    """The round `tamis round` runs: the labeling-round flow (a flow run on PREFECT_API_URL's server when set)."""
+    from flows.round import labeling_round
+
+    return labeling_round(config_path)
+
+
 class Listener:
     """The trigger loop of one project: pending events → decision → a round, one at a time."""
 
-    def __init__(self, config: Path | None, cfg: Any):
+    def __init__(self, config: Path | None, cfg: Any, run_round: Callable[[str | None], dict] | None = None):
         from pipeline.annotation.webhooks import EventQueue
 
         self.config, self.cfg, self.trigger = config, cfg, _trigger(cfg, "listen")
+        self.run_round = run_round or _labeling_round
         self.queue = EventQueue(cfg.artifacts)
         self.wake = threading.Event()
         self.retry_at: float | None = None
@@ -71,9 +80,7 @@ class Listener:
         self.retry_at = None
         self.rounds_started += 1
         try:
-            from flows.round import labeling_round
-
-            state = labeling_round(str(self.config) if self.config else None)
+            state = self.run_round(str(self.config) if self.config else None)
         except LockError as exc:  # a round by hand or by cron is running: this trigger waits for it, once
             log.info("%s; looking again in %.0f s", exc, LOCK_RETRY_S)
             self.retry_at = time.time() + LOCK_RETRY_S

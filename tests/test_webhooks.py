@@ -162,3 +162,111 @@ def test_a_short_secret_is_refused_with_the_fix(monkeypatch):
     monkeypatch.setenv("TAMIS_WEBHOOK_SECRET", "short")
     with pytest.raises(ConfigError, match="at least 16 characters"):
         secret_from_env(TriggerConfig())
+
+
+# ------------------------------------------------------------------------------------- the listener's loop, the CLI
+def _listener_project(tmp_path, **trigger):
+    """A project whose round 0 sent out a batch of a, b, c (as its round.json and export say) to project 7."""
+    import yaml
+
+    from pipeline.annotation.export import TASKS_FILE
+
+    art = tmp_path / "art"
+    export = art / "rounds/000/export"
+    export.mkdir(parents=True)
+    (export / TASKS_FILE).write_text(json.dumps([{"data": {"sample_id": s}} for s in "abc"]))
+    (art / "rounds/000/round.json").write_text(json.dumps({"round": 0, "export_dir": str(export), "stopped": None}))
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({
+        "paths": {"artifacts": str(art)}, "annotate": {"label_studio": {"project": 7}},
+        "rounds": {"trigger": {"port": _free_port(), **trigger}}}))
+    return config
+
+
+def _annotated(queue, *samples, first_id=1):
+    for i, s in enumerate(samples, start=first_id):
+        queue.append(parse_event(ann_payload(CREATED, i, s, "1", f"t{i}"), float(i)))
+
+
+def _pull_all(art):
+    """What a round's pull leaves: every annotation event's key in pulled.json."""
+    from pipeline.annotation.label_studio import pulled_path
+
+    keys = [e["ann_key"] for e in EventQueue(art).events() if "ann_key" in e]
+    pulled_path(art, 7).parent.mkdir(parents=True, exist_ok=True)
+    pulled_path(art, 7).write_text(json.dumps(keys))
+
+
+def test_a_trigger_during_a_running_round_starts_one_more_round_and_a_lock_waits(tmp_path):
+    from flows.cmd_listen import LOCK_RETRY_S, Listener
+    from pipeline.config import load_config
+    from pipeline.errors import LockError
+
+    config = _listener_project(tmp_path, min_new_labels=2)
+    cfg = load_config(config)
+    calls = []
+
+    def a_round(config_path):  # the flow: it pulls what is in; meanwhile two more annotations arrive
+        calls.append(config_path)
+        if len(calls) == 1:
+            raise LockError("Another labeling round is running for this project")
+        _pull_all(cfg.artifacts)
+        if len(calls) == 2:
+            _annotated(listener.queue, "d", "e", first_id=10)
+        return {"round": len(calls) - 1}
+
+    listener = Listener(config, cfg, run_round=a_round)
+    _annotated(listener.queue, "a", "b")
+    assert listener.step() is None and len(calls) == 1  # started, found the lock
+    assert listener.retry_at is not None and listener.step() > LOCK_RETRY_S - 2  # waits for the lock, starts nothing
+    assert len(calls) == 1
+    listener.retry_at = 0.0  # the wait is over
+    assert listener.step() is None and len(calls) == 2  # the round ran; two labels came in while it did
+    assert listener.step() is None and len(calls) == 3  # ... which start exactly one more round
+    assert listener.step() == 30.0 and len(calls) == 3  # nothing new: it sleeps until the next event
+
+
+def test_a_round_that_leaves_the_labels_unimported_is_retried_after_retry_s(tmp_path):
+    import time
+
+    from flows.cmd_listen import Listener
+    from pipeline.config import load_config
+
+    config = _listener_project(tmp_path, retry_s=120)
+    calls = []
+    outcome = {"raise": None}
+
+    def a_round(path):  # Label Studio is down: the round pulls nothing; later the round itself fails
+        calls.append(path)
+        if outcome["raise"]:
+            raise outcome["raise"]
+        return {"round": 1}
+
+    listener = Listener(config, load_config(config), run_round=a_round)
+    _annotated(listener.queue, "a", "b", "c")
+    assert listener.step() is None and len(calls) == 1
+    assert listener.retry_at == pytest.approx(time.time() + 120, abs=5)
+    assert listener.step() == 30.0 and len(calls) == 1  # not again at once (it looks again in POLL_S): no hammering
+
+    outcome["raise"] = RuntimeError("CUDA out of memory")
+    listener.retry_at = 0.0
+    assert listener.step() is None and len(calls) == 2 and listener.retry_at > time.time() + 100  # survives it
+
+
+def test_listen_and_setup_webhook_without_a_trigger_say_what_to_add(tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from pipeline.errors import ConfigError
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"artifacts": str(tmp_path / "art")}}))
+    for command in ("listen", "setup-webhook"):
+        res = CliRunner().invoke(app, [command, "--config", str(config)])
+        assert isinstance(res.exception, ConfigError), res.output
+        assert "rounds.trigger is not set" in str(res.exception) and "batch_complete" in str(res.exception)
+    config.write_text(yaml.safe_dump({"paths": {"artifacts": str(tmp_path / "art")},
+                                      "rounds": {"trigger": {"batch_complete": False}}}))
+    res = CliRunner().invoke(app, ["listen", "--config", str(config)])
+    assert isinstance(res.exception, ConfigError) and "no rule would ever start a round" in str(res.exception)

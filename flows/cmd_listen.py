@@ -3,7 +3,8 @@
 The receiver runs in a thread and only queues events; this process's main thread asks the library whether the next
 round starts (pipeline.annotation.webhooks.decide) after each event and when a quiet period or a retry ends, and
 runs it as `tamis round` does: the `labeling-round` flow (pull from Label Studio, import, train, select, push the
-next batch), one at a time, under the project lock.
+next batch), one at a time, under the project lock. With rounds.wait_for_labels, a deployed round suspended waiting
+for these labels is resumed instead (as `tamis resume` does), so its worker runs the round.
 """
 
 from __future__ import annotations
@@ -36,6 +37,29 @@ def _trigger(cfg: Any, command: str) -> Any:
     return cfg.rounds.trigger
 
 
+def resume_waiting_round(config: Path | None, note: str) -> str | None:
+    """Resume this project's deployed round suspended waiting for its labels (rounds.wait_for_labels), as
+    `tamis resume` does; its name, or None when none waits (or no Prefect server is configured)."""
+    from prefect.flow_runs import resume_flow_run
+    from prefect.settings import get_current_settings
+
+    from flows.cmd_rounds import waiting_rounds
+
+    if not get_current_settings().api.url:
+        return None  # Prefect's embedded server: no deployment, nothing can be suspended
+
+    def same(path: str | None) -> bool:
+        return (path is None and config is None) or (
+            path is not None and config is not None and Path(path).resolve() == Path(config).resolve())
+
+    mine = sorted((r for r in waiting_rounds() if same(r.parameters.get("config_path"))), key=lambda r: r.created)
+    if not mine:
+        return None
+    run = mine[-1]
+    resume_flow_run(run.id, run_input={"labels_in_inbox": True, "labels_file": "", "note": note})
+    return run.name
+
+
 def _labeling_round(config_path: str | None) -> dict[str, Any]:
     """The round `tamis round` runs: the labeling-round flow (a flow run on PREFECT_API_URL's server when set)."""
     from flows.round import labeling_round
@@ -46,11 +70,13 @@ def _labeling_round(config_path: str | None) -> dict[str, Any]:
 class Listener:
     """The trigger loop of one project: pending events → decision → a round, one at a time."""
 
-    def __init__(self, config: Path | None, cfg: Any, run_round: Callable[[str | None], dict] | None = None):
+    def __init__(self, config: Path | None, cfg: Any, run_round: Callable[[str | None], dict] | None = None,
+                 resume: Callable[[Path | None, str], str | None] | None = None):
         from pipeline.annotation.webhooks import EventQueue
 
         self.config, self.cfg, self.trigger = config, cfg, _trigger(cfg, "listen")
         self.run_round = run_round or _labeling_round
+        self.resume = resume or resume_waiting_round
         self.queue = EventQueue(cfg.artifacts)
         self.wake = threading.Event()
         self.retry_at: float | None = None
@@ -79,6 +105,8 @@ class Listener:
         log.info("starting the next round: %s", d.reason)
         self.retry_at = None
         self.rounds_started += 1
+        if self.cfg.rounds.wait_for_labels and self._resumed(d.reason):
+            return None
         try:
             state = self.run_round(str(self.config) if self.config else None)
         except LockError as exc:  # a round by hand or by cron is running: this trigger waits for it, once
@@ -97,6 +125,20 @@ class Listener:
                         len(p.new & self.pending().new), self.trigger.retry_s)
             self.retry_at = time.time() + self.trigger.retry_s
         return None
+
+    def _resumed(self, reason: str) -> bool:
+        """A deployed round suspended for these labels is resumed on its worker (and shows in the UI as resumed);
+        meanwhile nothing else starts for retry_s, unless its pull takes the labels first."""
+        try:
+            name = self.resume(self.config, f"tamis listen: {reason}")
+        except Exception as exc:  # noqa: BLE001 - the server is unreachable: run the round here instead
+            log.warning("could not look for a suspended round to resume (%s); running the round here", exc)
+            return False
+        if name is None:
+            return False
+        log.info("resumed %s, suspended waiting for these labels; its worker runs the round", name)
+        self.retry_at = time.time() + self.trigger.retry_s
+        return True
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

@@ -270,3 +270,41 @@ def test_listen_and_setup_webhook_without_a_trigger_say_what_to_add(tmp_path):
                                       "rounds": {"trigger": {"batch_complete": False}}}))
     res = CliRunner().invoke(app, ["listen", "--config", str(config)])
     assert isinstance(res.exception, ConfigError) and "no rule would ever start a round" in str(res.exception)
+
+
+def test_with_wait_for_labels_the_suspended_deployed_round_is_resumed_not_run_twice(tmp_path, prefect_harness):
+    """rounds.wait_for_labels: the project's round suspended on the server (as a deployed run suspends) is resumed
+    with the form's answer, as `tamis resume` would; the listener runs nothing itself, and a run of another project
+    is left alone."""
+    import yaml
+    from prefect import flow, get_client
+    from prefect.states import Suspended
+
+    from flows.cmd_listen import Listener, resume_waiting_round
+    from flows.waiting import WAIT_KEY
+    from pipeline.config import load_config
+
+    config = _listener_project(tmp_path)
+    data = yaml.safe_load(config.read_text())
+    data["rounds"]["wait_for_labels"] = True
+    config.write_text(yaml.safe_dump(data))
+
+    @flow(name="labeling-round")
+    def stand_in(config_path: str | None = None) -> None:  # the server only needs the flow's name
+        pass
+
+    with get_client(sync_client=True) as client:  # two deployed runs, suspended as a waiting round suspends
+        deployment = client.create_deployment(flow_id=client.create_flow(stand_in), name="scheduled",
+                                              entrypoint="flows/round.py:labeling_round")
+        other, mine = (client.create_flow_run_from_deployment(deployment, parameters={"config_path": str(path)},
+                                                               state=Suspended(pause_key=WAIT_KEY))
+                       for path in (tmp_path / "other.yaml", config))
+    calls = []
+    listener = Listener(config, load_config(config), run_round=calls.append)
+    _annotated(listener.queue, "a", "b", "c")
+    assert listener.step() is None and calls == []  # resumed, not run here
+    assert listener.retry_at is not None and listener.step() > 0 and calls == []  # and not again meanwhile
+    with get_client(sync_client=True) as client:
+        resumed, left = client.read_flow_run(mine.id), client.read_flow_run(other.id)
+        assert not resumed.state.is_paused() and left.state.is_paused()
+    assert resume_waiting_round(config, "again") is None  # nothing of this project waits any more

@@ -144,6 +144,9 @@ def test_receiver_refuses_without_the_secret_and_queues_once(tmp_path):
         assert status == 200 and answer["queued"] is True
         assert _post(trigger.url, body, {SECRET_HEADER: SECRET}) == (200, {"queued": False, "key": answer["key"]})
         assert _post(trigger.url, b"{not json", {SECRET_HEADER: SECRET})[0] == 400
+        odd = ann_payload(CREATED, 1, "a", "3", "t1")
+        odd["annotation"]["id"] = [1]
+        assert _post(trigger.url, json.dumps(odd).encode(), {SECRET_HEADER: SECRET})[0] == 400
         assert _post(trigger.url.replace("/label-studio", "/other"), body, {SECRET_HEADER: SECRET})[0] == 404
         other = json.dumps({"action": "TASKS_CREATED", "tasks": []}).encode()
         assert _post(trigger.url, other, {SECRET_HEADER: SECRET}) == (200, {

@@ -117,73 +117,81 @@ def write_webhook_project(root: Path, tiny_models: Any, server_url: str, token_e
     return config
 
 
-def round_trip(server: Any, root: Path, tiny_models: Any, *, token: str, token_env: str, prefect_api: str,
-               extra_path: list[str]) -> dict[str, Any]:
-    """Run the scenario; returns what the test checks and the benchmark records."""
+def _round0_and_webhook(server: Any, root: Path, tiny_models: Any, token: str, token_env: str,
+                        env: dict[str, str]) -> dict[str, Any]:
+    """Round 0 pushes its batch; `tamis setup-webhook` registers the webhook as a user runs it."""
     from flows.round import labeling_round
     from pipeline.config import load_config
 
-    port = free_port()
-    config = write_webhook_project(root, tiny_models, server.url, token_env, port)
-    cfg = load_config(config)
+    config = write_webhook_project(root, tiny_models, server.url, token_env, free_port())
     os.environ[token_env] = token
     first = labeling_round(str(config))
     pid = first["label_studio"]["project"]
     batch = _tasks(server, pid)
     assert len(batch) == first["selected"] == first["label_studio"]["pushed"], first
-
-    env = {**os.environ, token_env: token, SECRET_ENV: SECRET, "PREFECT_API_URL": prefect_api,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *extra_path]), "COLUMNS": "240"}
     setup = subprocess.run([sys.executable, "-m", "flows.cli", "setup-webhook", "--config", str(config)], cwd=root,
                            env=env, capture_output=True, text=True, timeout=300)
     assert setup.returncode == 0, setup.stderr[-3000:]
-    hooks = server.api("GET", f"/api/webhooks/?project={pid}")
-    url = cfg.rounds.trigger.url
-    receiver = Receiver(root, config, env, url.replace("/label-studio", "/health"))
-    out: dict[str, Any] = {"project": pid, "batch": len(batch), "hooks": hooks, "url": url, "setup": setup.stdout}
+    return {"config": config, "cfg": load_config(config), "first": first, "project": pid, "batch_tasks": batch,
+            "hooks": server.api("GET", f"/api/webhooks/?project={pid}"), "setup": setup.stdout}
+
+
+def _first_half_restart_correction(server: Any, scene: dict[str, Any], receiver: Receiver, url: str,
+                                   events: Any) -> dict[str, str]:
+    """Half the batch annotated; the receiver SIGKILLed and restarted; one annotation corrected in Label Studio;
+    Label Studio's first (now stale) body for it replayed twice. Returns the labels so far (sample → answer)."""
+    batch, truth, half = scene["batch_tasks"], {}, len(scene["batch_tasks"]) // 2
+    for i, t in enumerate(batch[:half]):
+        _annotate(server, t, truth.setdefault(t["data"]["sample_id"], str(i)))
+    _wait("the first half's events", lambda: events() == half, 30, receiver)
+    ann = server.api("GET", f"/api/tasks/{batch[0]['id']}/annotations/")[0]
+    stale = {"action": "ANNOTATION_CREATED", "annotation": ann, "task": batch[0], "project": {"id": scene["project"]}}
+
+    receiver.kill()  # SIGKILL in the middle; a restart must lose nothing and count nothing twice
+    receiver.start()
+    server.api("PATCH", f"/api/annotations/{ann['id']}/", {"result": [
+        {"from_name": "answer", "to_name": "image", "type": "choices", "value": {"choices": ["9"]}}]})
+    truth[batch[0]["data"]["sample_id"]] = "9"  # corrected in Label Studio before the batch was done
+    _wait("the correction's event", lambda: events() == half + 1, 30, receiver)
+    scene["replays"] = [_deliver(url, stale, SECRET) for _ in range(2)]  # out of order and duplicated
+    scene["events_before_last"] = events()
+    return truth
+
+
+def round_trip(server: Any, root: Path, tiny_models: Any, *, token: str, token_env: str, prefect_api: str,
+               extra_path: list[str]) -> dict[str, Any]:
+    """Run the scenario; returns what the test checks and the benchmark records."""
+    from pipeline.rounds import completed_rounds
+
+    env = {**os.environ, token_env: token, SECRET_ENV: SECRET, "PREFECT_API_URL": prefect_api,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *extra_path]), "COLUMNS": "240"}
+    out = _round0_and_webhook(server, root, tiny_models, token, token_env, env)
+    cfg, pid, batch = out["cfg"], out["project"], out["batch_tasks"]
+    out.update(batch=len(batch), url=(url := cfg.rounds.trigger.url))
+    receiver = Receiver(root, out["config"], env, url.replace("/label-studio", "/health"))
     receiver.start()
     try:
         out["refused"] = [_deliver(url, {"action": "ANNOTATION_CREATED"}, None),
                           _deliver(url, {"action": "ANNOTATION_CREATED"}, "wrong-" + SECRET)]
         queue = cfg.artifacts / "webhooks" / "events.jsonl"
-        n_events = lambda: len(queue.read_text().splitlines()) if queue.is_file() else 0  # noqa: E731
-
-        truth, half = {}, len(batch) // 2
-        for i, t in enumerate(batch[:half]):
+        truth = _first_half_restart_correction(
+            server, out, receiver, url, lambda: len(queue.read_text().splitlines()) if queue.is_file() else 0)
+        for i, t in enumerate(batch[len(batch) // 2:-1], start=len(batch) // 2):
             _annotate(server, t, truth.setdefault(t["data"]["sample_id"], str(i)))
-        _wait("the first half's events", lambda: n_events() == half, 30, receiver)
-        # Label Studio's own body for the first annotation, to replay later (stale once it is corrected).
-        ann = server.api("GET", f"/api/tasks/{batch[0]['id']}/annotations/")[0]
-        stale = {"action": "ANNOTATION_CREATED", "annotation": ann, "task": batch[0], "project": {"id": pid}}
-
-        receiver.kill()  # SIGKILL in the middle; a restart must lose nothing and count nothing twice
-        receiver.start()
-        server.api("PATCH", f"/api/annotations/{ann['id']}/", {"result": [
-            {"from_name": "answer", "to_name": "image", "type": "choices", "value": {"choices": ["9"]}}]})
-        truth[batch[0]["data"]["sample_id"]] = "9"  # corrected in Label Studio before the batch was done
-        _wait("the correction's event", lambda: n_events() == half + 1, 30, receiver)
-        out["replays"] = [_deliver(url, stale, SECRET) for _ in range(2)]  # out of order and duplicated
-        out["events_before_last"] = n_events()
-
-        for i, t in enumerate(batch[half:-1], start=half):
-            _annotate(server, t, truth.setdefault(t["data"]["sample_id"], str(i)))
-        last = batch[-1]
         t_last = time.monotonic()
-        _annotate(server, last, truth.setdefault(last["data"]["sample_id"], "7"))
+        _annotate(server, batch[-1], truth.setdefault(batch[-1]["data"]["sample_id"], "7"))
         out["ack_s"] = time.monotonic() - t_last  # the annotation POST includes Label Studio's synchronous delivery
 
         def next_batch() -> bool:
-            return sum(t["data"].get("tamis_set") == "001/export" for t in _tasks(server, pid)) == first["selected"]
+            new = sum(t["data"].get("tamis_set") == "001/export" for t in _tasks(server, pid))
+            return new == out["first"]["selected"]
 
-        out["next_batch_s"] = time.monotonic() - t_last + _wait("the next batch in Label Studio", next_batch,
-                                                               NEXT_BATCH_WITHIN_S, receiver, every=0.5)
-        from pipeline.rounds import completed_rounds
-
+        waited = _wait("the next batch in Label Studio", next_batch, NEXT_BATCH_WITHIN_S, receiver, every=0.5)
+        out["next_batch_s"] = out["ack_s"] + waited
         _wait("round 1's state", lambda: len(completed_rounds(cfg.artifacts)) == 2, 120, receiver)
         time.sleep(3)  # had the trigger fired twice, a second round would start now
-        out["rounds"] = completed_rounds(cfg.artifacts)
-        out["truth"] = truth
-        out["log"] = " ".join(receiver.log().split())  # log lines as one line each, however wrapped
+        out.update(rounds=completed_rounds(cfg.artifacts), truth=truth,
+                   log=" ".join(receiver.log().split()))  # log lines as one line each, however wrapped
     finally:
         receiver.kill(signal.SIGINT)
     return out

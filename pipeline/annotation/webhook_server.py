@@ -72,8 +72,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._answer(413, {"error": f"body of {length} bytes; at most {MAX_BODY}"})
         try:
             record = parse_event(json.loads(self.rfile.read(length)), time.time())
-        except ValueError as exc:  # JSONDecodeError included
-            return self._answer(400, {"error": str(exc)})
+        except (ValueError, TypeError) as exc:  # JSONDecodeError included; an ID that is not a number
+            return self._answer(400, {"error": f"not a Label Studio annotation event: {exc}"})
         if record is None:
             return self._answer(200, {"queued": False, "reason": f"only {', '.join(ACTIONS)} are read"})
         try:

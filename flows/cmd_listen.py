@@ -120,9 +120,9 @@ class Listener:
             return None
         log.info("round %s finished: %s selected, export %s", state.get("round"), state.get("selected"),
                  state.get("export_dir"))
-        if p.new & self.pending().new:  # Label Studio was down during the pull, or the import refused them
-            log.warning("%d labels the round started for are still not imported; next try in %.0f s",
-                        len(p.new & self.pending().new), self.trigger.retry_s)
+        if left := p.new & self.pending().new:  # Label Studio was down during the pull
+            log.warning("%d labels the round started for are still not imported; next try in %.0f s", len(left),
+                        self.trigger.retry_s)
             self.retry_at = time.time() + self.trigger.retry_s
         return None
 

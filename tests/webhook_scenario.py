@@ -105,25 +105,28 @@ def _wait(what: str, check: Any, timeout: float, receiver: Receiver, every: floa
     raise AssertionError(f"{what}: not within {timeout:.0f} s\n{receiver.log_tail()}")
 
 
-def write_webhook_project(root: Path, tiny_models: Any, server_url: str, token_env: str, port: int) -> Path:
+def write_webhook_project(root: Path, tiny_models: Any, server_url: str, token_env: str, port: int,
+                          title: str = "tamis webhook test", document_root: Path | None = None) -> Path:
     from test_round_flow import write_project
 
     config = write_project(root, tiny_models)
     data = yaml.safe_load(config.read_text())
     data["rounds"].update(simulate_annotator=False, trigger={"batch_complete": True, "port": port,
                                                              "secret_env": SECRET_ENV})
-    data["annotate"] = {"label_studio": {"url": server_url, "project": "tamis webhook test", "token_env": token_env}}
+    data["annotate"] = {"label_studio": {"url": server_url, "project": title, "token_env": token_env},
+                        **({"document_root": str(document_root)} if document_root else {})}
     config.write_text(yaml.safe_dump(data))
     return config
 
 
 def _round0_and_webhook(server: Any, root: Path, tiny_models: Any, token: str, token_env: str,
-                        env: dict[str, str]) -> dict[str, Any]:
+                        env: dict[str, str], title: str, document_root: Path | None) -> dict[str, Any]:
     """Round 0 pushes its batch; `tamis setup-webhook` registers the webhook as a user runs it."""
     from flows.round import labeling_round
     from pipeline.config import load_config
 
-    config = write_webhook_project(root, tiny_models, server.url, token_env, free_port())
+    config = write_webhook_project(root, tiny_models, server.url, token_env, free_port(), title,
+                                   document_root)
     os.environ[token_env] = token
     first = labeling_round(str(config))
     pid = first["label_studio"]["project"]
@@ -159,13 +162,15 @@ def _first_half_restart_correction(server: Any, scene: dict[str, Any], receiver:
 
 
 def round_trip(server: Any, root: Path, tiny_models: Any, *, token: str, token_env: str, prefect_api: str,
-               extra_path: list[str]) -> dict[str, Any]:
-    """Run the scenario; returns what the test checks and the benchmark records."""
+               extra_path: list[str], title: str = "tamis webhook test", document_root: Path | None = None
+               ) -> dict[str, Any]:
+    """Run the scenario in a new Label Studio project `title` (`document_root`: the server's, when it is not the
+    project's artifacts folder); returns what the test checks and the benchmark records."""
     from pipeline.rounds import completed_rounds
 
     env = {**os.environ, token_env: token, SECRET_ENV: SECRET, "PREFECT_API_URL": prefect_api,
            "PYTHONPATH": os.pathsep.join([str(ROOT), *extra_path]), "COLUMNS": "240"}
-    out = _round0_and_webhook(server, root, tiny_models, token, token_env, env)
+    out = _round0_and_webhook(server, root, tiny_models, token, token_env, env, title, document_root)
     cfg, pid, batch = out["cfg"], out["project"], out["batch_tasks"]
     out.update(batch=len(batch), url=(url := cfg.rounds.trigger.url))
     receiver = Receiver(root, out["config"], env, url.replace("/label-studio", "/health"))

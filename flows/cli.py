@@ -13,7 +13,17 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from flows import cmd_data, cmd_init, cmd_labels, cmd_model, cmd_prepare, cmd_report, cmd_rounds, cmd_use
+from flows import (
+    cmd_data,
+    cmd_init,
+    cmd_labels,
+    cmd_listen,
+    cmd_model,
+    cmd_prepare,
+    cmd_report,
+    cmd_rounds,
+    cmd_use,
+)
 from flows.cli_common import ConfigOpt
 from flows.cli_logging import configure_logging
 from pipeline import __version__
@@ -58,7 +68,7 @@ def config_show(config: ConfigOpt = None) -> None:
     typer.echo(load_config(config).to_yaml(), nl=False)
 
 
-for _module in (cmd_init, cmd_data, cmd_prepare, cmd_model, cmd_labels, cmd_rounds, cmd_use, cmd_report):
+for _module in (cmd_init, cmd_data, cmd_prepare, cmd_model, cmd_labels, cmd_rounds, cmd_use, cmd_report, cmd_listen):
     _module.register(app)
 
 

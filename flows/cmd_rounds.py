@@ -258,17 +258,9 @@ def resume_cmd(
         raise DataError(f"--labels {labels}: no such file; give the annotators' export (Label Studio JSON, or CSV / "
                         "JSONL with sample_id,label)")
     server_url_for("tamis resume")
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter
-    from prefect.client.schemas.filters import FlowRunFilterState as State
-    from prefect.client.schemas.filters import FlowRunFilterStateType as StateTypes
-    from prefect.client.schemas.objects import StateType
     from prefect.flow_runs import resume_flow_run
 
-    with get_client(sync_client=True) as client:
-        waiting = client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=["labeling-round"])),
-            flow_run_filter=FlowRunFilter(state=State(type=StateTypes(any_=[StateType.PAUSED]))))
+    waiting = waiting_rounds()
     if run_id is not None:
         waiting = [r for r in waiting if str(r.id) == run_id]
     if len(waiting) != 1:
@@ -281,6 +273,20 @@ def resume_cmd(
     resume_flow_run(run.id, run_input=answer)
     out_console().print(f"resumed {run.name} ({run.id}); its worker imports the labels and runs the next round",
                         highlight=False)
+
+
+def waiting_rounds() -> list[Any]:
+    """The labeling rounds suspended (or paused) on the Prefect server, waiting for their labels."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter
+    from prefect.client.schemas.filters import FlowRunFilterState as State
+    from prefect.client.schemas.filters import FlowRunFilterStateType as StateTypes
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["labeling-round"])),
+            flow_run_filter=FlowRunFilter(state=State(type=StateTypes(any_=[StateType.PAUSED]))))
 
 
 def server_url_for(command: str) -> str:

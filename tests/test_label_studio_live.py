@@ -69,8 +69,9 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, exe: Path, workdir: Path, document_root: Path):
+    def __init__(self, exe: Path, workdir: Path, document_root: Path, env: dict[str, str] | None = None):
         self.exe, self.workdir, self.document_root = exe, workdir, document_root
+        self.extra_env = env or {}
         self.data = workdir / "data"
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -82,7 +83,7 @@ class Server:
         # A clean environment: Label Studio also reads bare HOST, PORT, USERNAME… variables.
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
                "LABEL_STUDIO_LOCAL_FILES_SERVING_ENABLED": "true",
-               "LABEL_STUDIO_LOCAL_FILES_DOCUMENT_ROOT": str(self.document_root)}
+               "LABEL_STUDIO_LOCAL_FILES_DOCUMENT_ROOT": str(self.document_root), **self.extra_env}
         self.log = self.workdir / f"label-studio-{port}.log"
         self.proc = subprocess.Popen(
             ["nice", "-n", "10", str(self.exe), "start", "--no-browser", "--internal-host", "127.0.0.1", "--port",
@@ -124,9 +125,10 @@ class Server:
         return json.loads(raw) if raw and r.headers.get_content_type() == "application/json" else raw
 
 
-def start_server(workdir: Path, document_root: Path) -> Server:
-    """The pinned Label Studio on a copy of the cached migrated database (made on the first start)."""
-    server = Server(_ensure_installed(), workdir, document_root)
+def start_server(workdir: Path, document_root: Path, env: dict[str, str] | None = None) -> Server:
+    """The pinned Label Studio on a copy of the cached migrated database (made on the first start); `env`: more
+    settings for this server only."""
+    server = Server(_ensure_installed(), workdir, document_root, env)
     cached = (LS_DB_CACHE / "label_studio.sqlite3").is_file()
     if cached:
         shutil.copytree(LS_DB_CACHE, server.data)

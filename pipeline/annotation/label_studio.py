@@ -153,9 +153,7 @@ class LabelStudioProject:
         tasks = json.loads((export_dir / TASKS_FILE).read_text(encoding="utf-8"))
         label_config = (export_dir / LABEL_CONFIG_FILE).read_text(encoding="utf-8")
         pid = self.project_id(label_config)
-        rounds = (Path(self.cfg.artifacts) / "rounds").resolve()
-        where = export_dir.resolve()
-        task_set = where.relative_to(rounds).as_posix() if where.is_relative_to(rounds) else where.name
+        task_set = task_set_name(self.cfg.artifacts, export_dir)
         have = {(str(d.get("sample_id")), d.get("tamis_set")) for t in self._tasks(pid)
                 if isinstance(d := _plain(t).get("data"), dict)}
         new = [{**t, "data": {**t["data"], "tamis_set": task_set}} for t in tasks
@@ -178,7 +176,7 @@ class LabelStudioProject:
 
     # --------------------------------------------------------------------------------------------------- pull
     def _state_path(self, pid: int) -> Path:
-        return Path(self.cfg.artifacts) / STATE_DIR / f"project-{pid}" / PULLED_FILE
+        return pulled_path(self.cfg.artifacts, pid)
 
     def pulled(self, pid: int) -> set[str]:
         p = self._state_path(pid)
@@ -195,7 +193,7 @@ class LabelStudioProject:
         pid = self.project_id()
         seen = self.pulled(pid)
         tasks = sorted((_task_json(t) for t in self._tasks(pid)), key=lambda t: t["id"])
-        new = [t for t in tasks if t["annotations"] and not {_ann_key(a) for a in t["annotations"]} <= seen]
+        new = [t for t in tasks if t["annotations"] and not {annotation_key(a) for a in t["annotations"]} <= seen]
         if not new:
             log.info("Label Studio: project %s has no new annotations", pid)
             return None, set()
@@ -204,14 +202,25 @@ class LabelStudioProject:
         if not out.is_file():
             atomic_write_text(out, text)
         log.info("Label Studio: project %s → %d tasks with new annotations in %s", pid, len(new), out)
-        return out, {_ann_key(a) for t in new for a in t["annotations"]}
+        return out, {annotation_key(a) for t in new for a in t["annotations"]}
 
     def mark_pulled(self, keys: set[str]) -> None:
         pid = self.project_id()
         atomic_write_text(self._state_path(pid), json.dumps(sorted(self.pulled(pid) | keys), indent=0) + "\n")
 
 
-def _ann_key(a: Mapping[str, Any]) -> str:
+def pulled_path(artifacts: str | os.PathLike[str], pid: int) -> Path:
+    """The annotation keys already pulled from project `pid` into the ledger."""
+    return Path(artifacts) / STATE_DIR / f"project-{pid}" / PULLED_FILE
+
+
+def task_set_name(artifacts: str | os.PathLike[str], export_dir: str | os.PathLike[str]) -> str:
+    """The `data.tamis_set` of an exported task set's tasks: its folder under rounds/, e.g. "001/export"."""
+    rounds, where = (Path(artifacts) / "rounds").resolve(), Path(export_dir).resolve()
+    return where.relative_to(rounds).as_posix() if where.is_relative_to(rounds) else where.name
+
+
+def annotation_key(a: Mapping[str, Any]) -> str:
     """An annotation as pulled: its ID and its content, so an annotation edited in Label Studio is pulled again."""
     return f"{a.get('id')}:{digest_json([a.get('result'), a.get('was_cancelled')])[:12]}"
 

@@ -48,6 +48,7 @@ from pipeline.config.sections import (  # noqa: F401 (re-exported: callers impor
     TextAugmentConfig,
     TrainConfig,
 )
+from pipeline.config.trigger import TriggerConfig  # noqa: F401 (re-exported)
 from pipeline.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "demo.yaml"

@@ -15,6 +15,7 @@ from pydantic import (
 
 from pipeline.config.base import Section
 from pipeline.config.secrets import ENV_NAME, env_reference, redact
+from pipeline.config.trigger import TriggerConfig
 
 
 class LabelStudioConfig(Section):
@@ -205,6 +206,8 @@ class RoundsConfig(Section):
     stop_set: int = Field(default=0, ge=0)
     # Stop once the adapters agree on the stop set (needs rounds.stop_set); None = never on this rule.
     stop_when_stable: StableRule | None = None
+    # Rounds started by Label Studio's webhooks (`tamis listen`, docs/webhooks.md); None = cron or by hand only.
+    trigger: TriggerConfig | None = None
 
     @model_validator(mode="after")
     def _stable_needs_a_stop_set(self) -> RoundsConfig:

@@ -1,0 +1,193 @@
+"""`tamis listen` and `tamis setup-webhook`: rounds that start when Label Studio's annotations arrive.
+
+The receiver runs in a thread and only queues events; this process's main thread asks the library whether the next
+round starts (pipeline.annotation.webhooks.decide) after each event and when a quiet period or a retry ends, and
+runs it as `tamis round` does: the `labeling-round` flow (pull from Label Studio, import, train, select, push the
+next batch), one at a time, under the project lock. With rounds.wait_for_labels, a deployed round suspended waiting
+for these labels is resumed instead (as `tamis resume` does), so its worker runs the round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from flows.cli_common import ConfigOpt, load, out_console
+from pipeline.errors import ConfigError, LockError
+
+log = logging.getLogger(__name__)
+
+POLL_S = 30.0  # the loop looks again at least this often (a round started by hand changes what is pending)
+LOCK_RETRY_S = 10.0  # another round holds the project lock: look again this soon, the trigger stays queued (once)
+
+
+def _trigger(cfg: Any, command: str) -> Any:
+    if cfg.rounds.trigger is None:
+        raise ConfigError(f"`tamis {command}`: rounds.trigger is not set in the config; add e.g. `rounds: {{trigger: "
+                          "{batch_complete: true}}}` (docs/webhooks.md)")
+    if cfg.annotate.label_studio is None:
+        raise ConfigError(f"`tamis {command}`: annotate.label_studio is not set; the rounds it starts pull their "
+                          "labels from a Label Studio project: add {url, project, token_env}")
+    return cfg.rounds.trigger
+
+
+def resume_waiting_round(config: Path | None, note: str) -> str | None:
+    """Resume this project's deployed round suspended waiting for its labels (rounds.wait_for_labels), as
+    `tamis resume` does; its name, or None when none waits (or no Prefect server is configured)."""
+    from prefect.flow_runs import resume_flow_run
+    from prefect.settings import get_current_settings
+
+    from flows.cmd_rounds import waiting_rounds
+
+    if not get_current_settings().api.url:
+        return None  # Prefect's embedded server: no deployment, nothing can be suspended
+
+    def same(path: str | None) -> bool:
+        return (path is None and config is None) or (
+            path is not None and config is not None and Path(path).resolve() == Path(config).resolve())
+
+    mine = sorted((r for r in waiting_rounds() if same(r.parameters.get("config_path"))), key=lambda r: r.created)
+    if not mine:
+        return None
+    run = mine[-1]
+    resume_flow_run(run.id, run_input={"labels_in_inbox": True, "labels_file": "", "note": note})
+    return run.name
+
+
+def _labeling_round(config_path: str | None) -> dict[str, Any]:
+    """The round `tamis round` runs: the labeling-round flow (a flow run on PREFECT_API_URL's server when set)."""
+    from flows.round import labeling_round
+
+    return labeling_round(config_path)
+
+
+class Listener:
+    """The trigger loop of one project: pending events → decision → a round, one at a time."""
+
+    def __init__(self, config: Path | None, cfg: Any, run_round: Callable[[str | None], dict] | None = None,
+                 resume: Callable[[Path | None, str], str | None] | None = None):
+        from pipeline.annotation.webhooks import EventQueue
+
+        self.config, self.cfg, self.trigger = config, cfg, _trigger(cfg, "listen")
+        self.run_round = run_round or _labeling_round
+        self.resume = resume or resume_waiting_round
+        self.queue = EventQueue(cfg.artifacts)
+        self.wake = threading.Event()
+        self.retry_at: float | None = None
+        self.rounds_started = 0
+
+    def pending(self) -> Any:
+        from pipeline.annotation.webhooks import current_batch, pending, pulled_keys
+        from pipeline.rounds import completed_rounds
+
+        art = self.cfg.artifacts
+        states = completed_rounds(art)
+        last = states[-1] if states else None
+        events = self.queue.events()
+        return pending(events, pulled_keys(art, {e.get("project") for e in events}), current_batch(art, last),
+                       stopped=(last or {}).get("stopped"))
+
+    def step(self) -> float | None:
+        """Decide once and run the round when due; the seconds to wait before the next look (None: look again now)."""
+        from pipeline.annotation.webhooks import decide
+
+        p = self.pending()
+        d = decide(self.trigger, p, now=time.time(), retry_at=self.retry_at)
+        if not d.start:
+            log.debug("no round yet: %s", d.reason)
+            return POLL_S if d.wake_at is None else max(0.05, min(POLL_S, d.wake_at - time.time()))
+        log.info("starting the next round: %s", d.reason)
+        self.retry_at = None
+        self.rounds_started += 1
+        if self.cfg.rounds.wait_for_labels and self._resumed(d.reason):
+            return None
+        try:
+            state = self.run_round(str(self.config) if self.config else None)
+        except LockError as exc:  # a round by hand or by cron is running: this trigger waits for it, once
+            log.info("%s; looking again in %.0f s", exc, LOCK_RETRY_S)
+            self.retry_at = time.time() + LOCK_RETRY_S
+            return None
+        except Exception:  # noqa: BLE001 - a failed round must not end the listener; the labels stay pending
+            log.exception("the round failed; its labels stay pending, next try in %.0f s (rounds.trigger.retry_s)",
+                          self.trigger.retry_s)
+            self.retry_at = time.time() + self.trigger.retry_s
+            return None
+        log.info("round %s finished: %s selected, export %s", state.get("round"), state.get("selected"),
+                 state.get("export_dir"))
+        if left := p.new & self.pending().new:  # Label Studio was down during the pull
+            log.warning("%d labels the round started for are still not imported; next try in %.0f s", len(left),
+                        self.trigger.retry_s)
+            self.retry_at = time.time() + self.trigger.retry_s
+        return None
+
+    def _resumed(self, reason: str) -> bool:
+        """A deployed round suspended for these labels is resumed on its worker (and shows in the UI as resumed);
+        meanwhile nothing else starts for retry_s, unless its pull takes the labels first."""
+        try:
+            name = self.resume(self.config, f"tamis listen: {reason}")
+        except Exception as exc:  # noqa: BLE001 - the server is unreachable: run the round here instead
+            log.warning("could not look for a suspended round to resume (%s); running the round here", exc)
+            return False
+        if name is None:
+            return False
+        log.info("resumed %s, suspended waiting for these labels; its worker runs the round", name)
+        self.retry_at = time.time() + self.trigger.retry_s
+        return True
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            wait = self.step()
+            if wait is not None:
+                self.wake.wait(wait)
+                self.wake.clear()
+
+
+def listen_cmd(config: ConfigOpt = None) -> None:
+    """Receive Label Studio's webhooks and start the next round when rounds.trigger says so; Ctrl-C stops."""
+    from pipeline.annotation.webhook_server import WebhookServer, secret_from_env
+
+    cfg = load(config)
+    listener = Listener(config.resolve() if config else None, cfg)
+    server = WebhookServer(listener.trigger, listener.queue, secret_from_env(listener.trigger),
+                           on_event=lambda record: listener.wake.set())
+    server.serve_in_thread()
+    host, port = server.server_address[:2]
+    log.info("listening for Label Studio webhooks on http://%s:%s (Label Studio calls %s); events in %s", host, port,
+             listener.trigger.url, listener.queue.path)
+    out_console().print(f"listening on http://{host}:{port}; events go to {listener.queue.path}", highlight=False)
+    stop = threading.Event()
+    try:
+        listener.run(stop)
+    except KeyboardInterrupt:
+        log.info("stopped")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def setup_webhook_cmd(
+    config: ConfigOpt = None,
+    url: Annotated[str | None, typer.Option("--url", help="The URL Label Studio calls (default: "
+                                             "rounds.trigger.public_url, else http://host:port of the receiver).")] = None,
+) -> None:
+    """Register (or update) the Label Studio project's webhook that calls `tamis listen`, with the secret header."""
+    from pipeline.annotation.webhook_server import register_webhook, secret_from_env
+
+    cfg = load(config)
+    trigger = _trigger(cfg, "setup-webhook")
+    done = register_webhook(cfg, url or trigger.url, secret_from_env(trigger))
+    verb = "created" if done["created"] else "updated"
+    out_console().print(f"webhook {done['webhook']} {verb} on Label Studio project {done['project']}: it calls "
+                        f"{url or trigger.url} on annotation events; run `tamis listen` to receive them",
+                        highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("listen")(listen_cmd)
+    app.command("setup-webhook")(setup_webhook_cmd)

@@ -398,7 +398,7 @@ def test_label_imports_sigkilled_in_their_ledger_write_land_every_label_exactly_
         try:
             killed = len(ledger.entries()) - 1  # all of the file's labels or none
         except ValueError as exc:  # old code: a torn UTF-8 line (the answers' é) made the whole ledger unreadable
-            lost.append(f"{where}: killed at {size} bytes, the ledger cannot be read: {exc!r}")
+            lost.append(f"{where}: killed at {size} bytes, the ledger cannot be read: {type(exc).__name__}: {exc}")
             continue
         again = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
         assert again.returncode == 0, f"{where}: the restart failed: {again.stderr[-3000:]}"

@@ -420,8 +420,10 @@ def _set_aside(fd: int, path: Path) -> tuple[int, bool]:
     tail = os.pread(fd, min(size, 4096), size - min(size, 4096))
     last = tail[:-1].rpartition(b"\n")[2]
     with contextlib.suppress(ValueError):  # the usual case: the log ends with a commit record, nothing to read
-        if tail.endswith(b"\n") and (b"\n" in tail[:-1] or size <= 4096) and COMMIT in json.loads(last):
-            return size, False
+        if tail.endswith(b"\n") and (b"\n" in tail[:-1] or size <= 4096):
+            record = json.loads(last)
+            if isinstance(record, dict) and COMMIT in record:
+                return size, False
     read = _parse_log(os.pread(fd, size, 0), str(path))
     if read.committed_end < size:
         aside = path.with_name(f"{path.name}.cut-{read.committed_end}-{time.time_ns()}")
@@ -458,18 +460,20 @@ def append_jsonl(path: str | os.PathLike[str], rows: list[Mapping[str, Any]], *,
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)  # the umask applies
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # one writer at a time: another's batch in progress is not a torn tail
-        start, unterminated = _set_aside(fd, path)
-        payload = b"\n" + payload if unterminated else payload
-        view, written = memoryview(payload), 0
+        start = None
         try:
+            start, unterminated = _set_aside(fd, path)
+            payload = b"\n" + payload if unterminated else payload
+            view, written = memoryview(payload), 0
             # os.write may write only part (a nearly full disk): the rest must follow or the batch is cut back.
             while written < len(payload):
                 written += os.write(fd, view[written:])
             if fsync:
                 os.fsync(fd)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, start)
+            if start is not None:  # cut back to where the batch began: no part of it may count
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)
             if (err := _disk_full(exc, path, f"{len(rows)} lines ({len(payload):,} bytes)")) is not None:
                 raise err from exc
             raise

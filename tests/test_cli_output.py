@@ -117,7 +117,12 @@ def test_demo_data_and_prepare_print_no_library_chatter(project):
     assert not LIBRARY_CHATTER.search(prep.stderr), prep.stderr
     assert "warn" not in prep.stderr.lower(), prep.stderr
 
-    debug = tamis("--debug", "prepare", "--config", str(config), env=env)
+    # Nothing changed since: the same table, no flow. A project of its own makes the debug run do the work again.
+    again = tamis("prepare", "--config", str(config), env=env)
+    assert "nothing changed since the last prepare" in again.stdout and "Beginning flow run" not in again.stderr
+    fresh = config.with_name("fresh.yaml")
+    fresh.write_text(config.read_text().replace(str(config.parent / "art"), str(config.parent / "art-debug")))
+    debug = tamis("--debug", "prepare", "--config", str(fresh), env=env)
     assert "Loading faiss" in debug.stderr  # --debug still shows the libraries' INFO lines
     assert "Beginning flow run" in debug.stderr
 

@@ -24,7 +24,7 @@ DIGITS = [str(d) for d in range(10)]
 QUESTION = "Which digit is shown in the image?"
 POOL = 14  # shard_size 4 → shards of 4, 4, 4, 2
 ROW_FIELDS = {"sample_id", "rank", "score", "scores", "strategy", "diversity", "adapter_digest", "prediction",
-              "confidence"}
+              "confidence", "round_strategy"}
 
 
 def make_prepared_pool(out_dir: Path, n: int, *, seed: int = 0) -> dict[str, str]:

@@ -64,9 +64,12 @@ def _stat(path: Path | None) -> list[Any] | None:
 
 
 def _listing(folder: Path | None) -> list[Any] | None:
-    """Every file under `folder` with its stat, sorted; None for a missing folder."""
-    if folder is None or not folder.is_dir():
+    """Every file under `folder` with its stat, sorted; None without a folder to look at. A missing folder lists
+    as an empty one: a round makes the inbox it reads, and that alone changes nothing."""
+    if folder is None:
         return None
+    if not folder.is_dir():
+        return []
     return sorted([str(p.relative_to(folder)), _stat(p)] for p in folder.rglob("*") if p.is_file())
 
 

@@ -302,3 +302,15 @@ def test_a_round_task_and_its_re_label_task_first_seen_together_are_label_then_c
     # Two annotators on one round task still vote (their tie is no correction).
     tie = run(_write(tmp_path / "tie.json", [_ls_task(14, "s006", _ann("1", 1), _ann("2", 2))]))
     assert [c.outcome for c in tie.conflicts] == ["tie"] and "s006" not in led.labels()
+
+
+def test_the_first_import_makes_the_inbox_and_a_made_inbox_changes_no_round_input(tmp_path):
+    """Round 0's message says "put the labeled file in artifacts/inbox": that folder must exist then (`cp f.csv
+    artifacts/inbox` into a missing folder makes a file named inbox), and making it must not count as a change."""
+    from pipeline.annotation.inbox import import_inbox, inbox_dir
+    from pipeline.unchanged import _listing
+
+    art = tmp_path / "artifacts"
+    before = _listing(inbox_dir(art))
+    assert import_inbox(art, index=set(), answers=None, round_index=0) == []
+    assert inbox_dir(art).is_dir() and _listing(inbox_dir(art)) == before == []

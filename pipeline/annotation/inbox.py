@@ -38,7 +38,10 @@ def inbox_files(inbox: str | os.PathLike[str]) -> list[Path]:
 
 def import_inbox(artifacts: str | os.PathLike[str], *, index: SampleIndex | set[str], answers: Sequence[str] | None,
                  round_index: int, keys: LabelKeys | None = None) -> list[dict[str, Any]]:
-    """Import every inbox file (sorted by name) into the ledger; one report dict per file, in that order."""
+    """Import every inbox file (sorted by name) into the ledger; one report dict per file, in that order. The inbox
+    folder is made on the way: from round 0 on, the folder every message tells the annotators to use exists (a file
+    copied to a missing `inbox/` would become a file named inbox)."""
+    inbox_dir(artifacts).mkdir(parents=True, exist_ok=True)
     ledger = Ledger(ledger_path(artifacts))
     index = SampleIndex.of(index)
     reports = []

@@ -31,10 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # purpose (model.end_token, model.train, model.liger, train.optimizer, train.activation_offload), moving every key
 # those sections are in, at the merge 5197e7d. Issue 24 made every stage version code-aware, moving every key once:
 # the reference is the first commit with those keys as they stand, e925e55 (on the cache-keys branch: merge it, do not
-# squash it; 6c4b02a had them too, but with the key module in every closure). To
+# squash it; 6c4b02a had them too, but with the key module in every closure). Issues 34 and 36 moved keys on purpose:
+# select.candidates auto and its choice in the select stage's parameters, model.identity (the checkpoint's content and
+# the library versions) in the train, evaluate, score and label-check keys, and Prefect keys ending in .json: the
+# reference is the merge of both, e02b3c3. To
 # move it: run this test at the new commit's tree, check the stages it re-executes are the ones meant, set the full
 # hash here and add it to this history.
-KEYS_SINCE = "e925e556e9c66ee89ae6e01c0cf50d08ce120b81"
+KEYS_SINCE = "e02b3c3941d0965851abfa6be7c399ae55986412"
 VERSIONS = "import json, flows.round; from flows.stages import STAGES; print(json.dumps(STAGES))"
 # stage -> the stages that read its output (directly): a stage whose output changed may rerun these, and only these.
 CONSUMERS = {

@@ -18,12 +18,10 @@ from flows.ui import detach
 from pipeline import selection as sel
 from pipeline.config import ProjectConfig
 from pipeline.embeddings import EMBEDDINGS_VERSION, embeddings_params, embeddings_stage
-from pipeline.model.identity import keyed_model
 from pipeline.scoring import (
     SCORE_VERSION,
-    pool_shard_size,
+    plan_pool_scoring,
     read_pool_file,
-    score_config,
     score_shard,
     scored_on_disk,
     shard_params,
@@ -79,20 +77,17 @@ def score_pool_flow(artifacts: str, model: dict[str, Any], scoring: dict[str, An
 def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
                pool_ids: list[str], round_dir: Path) -> list[dict[str, Any]]:
     """Score the pool in shards with the task runner `select.runner` asks for (also under a deployment's worker)."""
-    parts = dict(model=keyed_model(cfg.model, cfg.artifacts), scoring=score_config(cfg), adapter=adapter,
-                 prepared=prepared)
+    plan = plan_pool_scoring(cfg, prepared=prepared, adapter=adapter, pool_ids=pool_ids)
     pool_file = write_pool_file(round_dir, pool_ids)
-    size = pool_shard_size(len(pool_ids), cfg.select.shard_size, cfg.select.max_tasks)
-    shards = shard_params(cfg.artifacts, **parts, pool_ids=sorted(pool_ids), shard_size=size)
-    if (refs := scored_on_disk(shards)) is not None:
+    if (refs := scored_on_disk(plan.shards)) is not None:
         # A subflow of cached tasks would only cost API round trips (about a second per 20 shards).
         log.info("pool scoring: all %d shards already scored (outputs verified); nothing to run", len(refs))
         return refs
     runner_flow = score_pool_flow.with_options(task_runner=make_task_runner(cfg),
                                                flow_run_name=f"round-{round_dir.name}-score-pool")
     # A plain copy: the subflow's own result, passed on to the select task, would make the Task Runs tab list nothing.
-    return detach(runner_flow(artifacts=str(cfg.artifacts), **parts, pool_file=pool_file,
-                              shard_size=size))
+    return detach(runner_flow(artifacts=str(cfg.artifacts), **plan.parts, pool_file=pool_file,
+                              shard_size=plan.shard_size))
 
 
 def embeddings_ref(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, Any] | None:

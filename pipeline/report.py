@@ -83,10 +83,11 @@ def curve_table(metrics_rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def candidates_line(c: Mapping[str, Any]) -> str:
+def candidates_line(c: Mapping[str, Any], *, reason: bool = True) -> str:
     """What a round scored: "scored N candidates of M eligible (...)" when restricted, "scored all M eligible" when
-    select.candidates: auto chose not to; then why (the reason auto gave)."""
-    why = f" — {c['reason']}" if c.get("reason") else ""
+    select.candidates: auto chose not to; then why (the reason auto gave), unless `reason` is False (the round
+    report's batch cards, whose page says it once)."""
+    why = f" — {c['reason']}" if reason and c.get("reason") else ""
     if c.get("method") == "all":
         return f"scored all {c['eligible']} eligible samples (select.candidates){why}"
     parts = ", ".join(f"{n} {name}" for name, n in c["sources"].items())

@@ -450,6 +450,32 @@ def shard_params(artifacts: str | Path, *, model: dict[str, Any], scoring: dict[
             for ids in plan_shards(pool_ids, shard_size)]
 
 
+@dataclass(frozen=True)
+class PoolScoring:
+    """How a round scores its pool: what every shard shares (`parts`: the model section with its identity, the
+    scoring settings, the adapter, the prepared data), the shard size, and each shard's stage parameters.
+
+    The one place that plans a round's shards: the select flow scores them and the round report reads them back, so
+    the two cannot drift apart (the report once keyed its look-up on the model section without its identity and
+    found no shard)."""
+
+    parts: dict[str, Any]
+    shard_size: int
+    shards: list[dict[str, Any]]
+
+
+def plan_pool_scoring(cfg: Any, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
+                      pool_ids: Sequence[str]) -> PoolScoring:
+    """The score shards of the pool `pool_ids` for the adapter `adapter` ({dir, digest}, None for the base model) on
+    the prepared data `prepared` (its stage ref), keyed as the score stage keys them."""
+    from pipeline.model.identity import keyed_model
+
+    parts = dict(model=keyed_model(cfg.model, cfg.artifacts), scoring=score_config(cfg), adapter=adapter,
+                 prepared=prepared)
+    size = pool_shard_size(len(pool_ids), cfg.select.shard_size, cfg.select.max_tasks)
+    return PoolScoring(parts, size, shard_params(cfg.artifacts, **parts, pool_ids=sorted(pool_ids), shard_size=size))
+
+
 POOL_FILE = "pool.jsonl"
 
 

@@ -120,6 +120,21 @@ def test_every_round_writes_its_report_with_the_batch_map_errors_and_curve(photo
     assert (art / "rounds/001/batch.png").is_file() and (art / "rounds/001/confusion.png").is_file()
 
 
+def test_why_picked_says_what_the_round_scored_restricted_or_all():
+    from pipeline.roundreport.gather import pick_reason
+
+    row = {"strategy": "margin", "diversity": "top_k", "score": 0.25}
+    # select.candidates: auto that scored every eligible sample records no candidates nor sources (KeyError before).
+    every = {"method": "all", "eligible": 64, "scored": 70, "reason": "64 eligible samples fit the scoring budget"}
+    assert pick_reason(row, {"adapter": {}, "candidates": every}) == (
+        "uncertainty (margin 0.250); scored all 64 eligible samples (select.candidates)")
+    restricted = {"method": "restrict", "candidates": 40, "eligible": 1300, "scored": 46, "reason": "too many",
+                  "sources": {"neighbors": 20, "clusters": 12, "random": 8}}
+    assert pick_reason(row, {"adapter": {}, "candidates": restricted}) == (
+        "uncertainty (margin 0.250); scored 40 candidates of 1300 eligible (20 neighbors, 12 clusters, 8 random; "
+        "select.candidates) and the 6 labeled samples")
+
+
 def test_per_class_metrics_agree_with_the_evaluation_and_prefer_its_own_file(photo_rounds, tmp_path):
     _, art, states = photo_rounds
     sources = ReportSources.load(art / "rounds/001")

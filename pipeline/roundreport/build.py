@@ -14,6 +14,7 @@ from typing import Any
 from pipeline import __version__
 from pipeline.errors import ArtifactError, DataError
 from pipeline.metrics import merge_equal_metrics
+from pipeline.report import candidates_line
 from pipeline.roundreport import gather, pictures
 from pipeline.roundreport.page import render_page
 from pipeline.roundreport.sources import ReportSources, resolve_sources
@@ -52,6 +53,10 @@ def _time_line(t: Mapping[str, Any] | None) -> str:
             + (f"; next batch of {t['next_batch']} ≈ {t['next_batch_hours']:.2f} h" if t.get("next_batch") else ""))
 
 
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
+
+
 def _header(state: Mapping[str, Any], sources: ReportSources) -> dict[str, Any]:
     phase = state.get("phase") or {}
     metrics = ", ".join(f"{k} = {v:.4f}" for k, v in merge_equal_metrics(state.get("metrics") or {}).items())
@@ -84,8 +89,7 @@ def build_report(sources: ReportSources, state: Mapping[str, Any],
     c = state.get("candidates")
     view = {
         "r": _header(state, sources), "version": __version__,
-        "candidates": c and f"Scored {c['candidates']} candidates of {c['eligible']} eligible samples ("
-                            + ", ".join(f"{n} {s}" for s, n in c["sources"].items()) + "; select.candidates).",
+        "candidates": c and _sentence(candidates_line(c)),
         "batch": [{**asdict(b), "thumb": thumbs.get(b.sample_id)} for b in batch],
         "pool_map": pool_map and pictures.data_uri(pictures.pool_map_png(pool_map)),
         "map_note": pool_map and (

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import ArtifactError
+from pipeline.report import candidates_line
 from pipeline.roundreport.sources import ReportSources
 from pipeline.store import read_jsonl, read_manifest
 
@@ -81,8 +82,8 @@ def pick_reason(row: Mapping[str, Any], state: Mapping[str, Any]) -> str:
     else:
         why = f"uncertainty ({strategy} {row.get('score', 0):.3f})" + (
             f", spread by {diversity}" if diversity != "top_k" else "")
-    if c := state.get("candidates"):
-        why += f"; among {c['candidates']} candidates ({', '.join(c['sources'])})"
+    if c := state.get("candidates"):  # restricted ({candidates, sources}) or all eligible scored (select.candidates)
+        why += f"; {candidates_line(c, reason=False)}"
     return why
 
 

@@ -64,19 +64,17 @@ def find_eval_dir(artifacts: str | os.PathLike[str], adapter_digest: str) -> str
 
 def score_shards(cfg: Any, round_dir: Path, prepared_ref: dict[str, Any] | None,
                  adapter: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """(first sample ID, folder) of the score shards the round's select stage read: the same plan as
-    flows/select.score_pool (the round's pool.jsonl, its shard size, the adapter and prepared data keying them)."""
-    from pipeline.scoring import POOL_FILE, pool_shard_size, read_pool_file, score_config, shard_params
+    """(first sample ID, folder) of the score shards the round's select stage read: the round's pool.jsonl planned
+    by pipeline.scoring.plan_pool_scoring, as flows/select.score_pool plans it (same adapter, prepared data, model
+    identity and shard size), so every folder is one the score stage wrote."""
+    from pipeline.scoring import POOL_FILE, plan_pool_scoring, read_pool_file
 
     pool_file = round_dir / POOL_FILE
     if prepared_ref is None or not pool_file.is_file():
         return []
-    ids = read_pool_file(pool_file)
-    size = pool_shard_size(len(ids), cfg.select.shard_size, cfg.select.max_tasks)
     ad = adapter and {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]}
-    params = shard_params(cfg.artifacts, model=cfg.section("model"), scoring=score_config(cfg), adapter=ad,
-                          prepared=prepared_ref, pool_ids=ids, shard_size=size)
-    return [(p["shard_ids"][0], p["out_dir"]) for p in params]
+    plan = plan_pool_scoring(cfg, prepared=prepared_ref, adapter=ad, pool_ids=read_pool_file(pool_file))
+    return [(p["shard_ids"][0], p["out_dir"]) for p in plan.shards]
 
 
 def resolve_sources(cfg: Any, state: dict[str, Any], prepared: dict[str, Any] | None) -> ReportSources:

@@ -20,7 +20,14 @@ import pytest
 
 from pipeline.config import ConfigError, parse_config
 from pipeline.model.distributed import dask_runner_options, process_cluster
-from pipeline.scoring import plan_shards, pool_shard_size, score_config, scored_on_disk, shard_params
+from pipeline.scoring import (
+    plan_pool_scoring,
+    plan_shards,
+    pool_shard_size,
+    score_config,
+    scored_on_disk,
+    shard_params,
+)
 from pipeline.store import executions, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,9 +168,9 @@ def test_real_cluster_selects_as_locally_and_a_killed_worker_costs_one_shard(pre
         assert ran == {"score_shard": 5, "select": 1}
         pids = {e["pid"] for e in executions(cfg.artifacts) if e["stage"] == "score_shard"}
         assert os.getpid() not in pids and killed["pid"] in pids
-        shards = shard_params(cfg.artifacts, model=cfg.section("model"), scoring=score_config(cfg),
-                              adapter=pool["adapter"], prepared=prepared, pool_ids=ids, shard_size=4)
-        assert scored_on_disk(shards) is not None  # all four shards have verified scores
+        plan = plan_pool_scoring(cfg, prepared=prepared, adapter=pool["adapter"], pool_ids=ids)
+        assert plan.shard_size == 4  # keyed as the score stage keys them (the model's identity included)
+        assert scored_on_disk(plan.shards) is not None  # all four shards have verified scores
 
         # The round's re-run finds every shard scored: nothing is executed again.
         _, ran_again = run_select(cfg, pool)

@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from pipeline.store import read_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "tamis-webhook-live-secret-0123456789"
 SECRET_ENV = "TAMIS_TEST_WEBHOOK_SECRET"
@@ -180,7 +182,7 @@ def round_trip(server: Any, root: Path, tiny_models: Any, *, token: str, token_e
                           _deliver(url, {"action": "ANNOTATION_CREATED"}, "wrong-" + SECRET)]
         queue = cfg.artifacts / "webhooks" / "events.jsonl"
         truth = _first_half_restart_correction(
-            server, out, receiver, url, lambda: len(queue.read_text().splitlines()) if queue.is_file() else 0)
+            server, out, receiver, url, lambda: len(read_jsonl(queue)))  # committed events (the log frames batches)
         for i, t in enumerate(batch[len(batch) // 2:-1], start=len(batch) // 2):
             _annotate(server, t, truth.setdefault(t["data"]["sample_id"], str(i)))
         t_last = time.monotonic()

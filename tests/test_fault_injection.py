@@ -568,7 +568,7 @@ def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_pat
 
     # Training resumed from its last whole checkpoint each time, never from the half-written one; so did the label
     # check's fold 1, killed with its adapter written (its checkpoints at steps 2 and 4 whole).
-    ck = next(art.glob("train/*")) / "checkpoints"
+    ck = next(p for p in art.glob("train/*") if p.is_dir()) / "checkpoints"  # beside it: the model file index
     fold_ck = next(art.glob("labelcheck/oos/*/fold-1")) / "checkpoints"
     at = next(i for i, (_, k) in enumerate(plan) if k and ".step-4" in (k.on_replace or ""))  # killed mid-checkpoint
     assert [_resumed_from(run) for run in runs[at:at + 4]] == [[f"{ck / 'step-2'} (step 2 of 6)"]] * 2 + [

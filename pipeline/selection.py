@@ -67,6 +67,10 @@ def heuristic_input(scores: Any, strategy: str) -> np.ndarray | None:
         return scores.token_entropy
     if kind == "agreement":
         return agreement_codes(scores.mc_answers) if scores.mc_answers else None
+    if kind == "meanings":
+        from pipeline.meaning import meaning_codes
+
+        return meaning_codes(scores.mc_answers) if scores.mc_answers else None
     if kind == "mc_probs":
         return scores.mc_probs
     if kind == "none":
@@ -436,7 +440,7 @@ def select_step(
     emb = embeddings if embeddings is not None else (space.rows(ids) if space is not None else None)
     labeled_emb = None
     if labeled and emb is not None:
-        if space is not None:
+        if space is not None and embeddings is None:  # given embeddings win: the labeled rows must share their space
             labeled_emb = space.rows(sorted(labeled))
         else:
             at = {s: i for i, s in enumerate(ids)}

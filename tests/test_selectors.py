@@ -10,7 +10,7 @@ import pytest
 from pipeline.config import SelectConfig
 from pipeline.errors import SelectionError
 from pipeline.strategies import SELECTORS, k_center_greedy, kmeans_labels, select_batch
-from pipeline.strategies.coverage import Blocks, MaxHerding, ProbCover, TypiClust
+from pipeline.strategies.coverage import Blocks, MaxHerding, ProbCover, TypiClust, UncertaintyHerding
 from pipeline.strategies.selectors import ClusterMargin, KCenter, Stratified, Typical
 
 
@@ -374,6 +374,39 @@ def test_maxherding_lazy_greedy_equals_plain_greedy():
         cur = np.maximum(cur, kern[want[-1]])
     assert picks.tolist() == want
     assert sel.info["coverage"] == pytest.approx(cur.mean(), rel=1e-5)
+
+
+def test_uncertainty_herding_equals_weighted_greedy():
+    """Each pick maximises Σ_i U_i max(0, k(x_i, x_c) - cur_i) (Bae et al. 2025), U = score / max score."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((120, 4)).astype(np.float32)
+    scores = rng.random(120) * 0.7
+    sel = UncertaintyHerding(bandwidth=0.9, n_neighbors=119)
+    picks = sel.select(20, scores=scores, embeddings=x, seed=0)
+    kern = np.exp(-(np.linalg.norm(x[:, None] - x[None], axis=-1) ** 2) / (2 * 0.9**2))
+    u = scores / scores.max()
+    cur, want = np.zeros(120), []
+    for _ in range(20):
+        gain = (u[None] * np.maximum(kern - cur[None], 0)).sum(1)
+        gain[want] = -1
+        want.append(int(np.argmax(gain)))
+        cur = np.maximum(cur, kern[want[-1]])
+    assert picks.tolist() == want
+    assert sel.info["uncertainty_coverage"] == pytest.approx((u * cur).sum() / u.sum(), rel=1e-5)
+
+
+def test_uncertainty_herding_moves_from_coverage_to_uncertainty():
+    """Flat scores (a model that knows nothing): MaxHerding's picks exactly. Uncertainty in one blob: most picks go
+    there, spread over it, while the other blobs still get their first pick when the weight allows."""
+    x, blob = noisy_blobs()
+    flat = np.full(len(x), 0.9)
+    uh = UncertaintyHerding().select(5, scores=flat, embeddings=x, seed=0)
+    assert uh.tolist() == MaxHerding().select(5, scores=flat, embeddings=x, seed=0).tolist()
+    unsure = np.where(blob == 2, 1.0, 0.01)
+    picks = UncertaintyHerding().select(6, scores=unsure, embeddings=x, seed=0)
+    assert (blob[picks] == 2).sum() >= 4
+    assert len(set(picks.tolist())) == 6
+    assert MaxHerding().select(6, scores=unsure, embeddings=x, seed=0).tolist() != picks.tolist()
 
 
 def test_maxherding_reports_its_bandwidth():

@@ -258,7 +258,8 @@ class ScheduleConfig(Section):
 # The protocols a Dask scheduler address can name (distributed.comm's registry).
 DASK_PROTOCOLS = ("tcp", "tls", "ws", "wss", "ucx", "inproc")
 
-Diversity = Literal["top_k", "k_center", "cluster_margin", "stratified", "typiclust", "probcover", "maxherding"]
+Diversity = Literal["top_k", "k_center", "cluster_margin", "stratified", "typiclust", "probcover", "maxherding",
+                    "uncertainty_herding"]
 
 
 class CandidatesConfig(Section):
@@ -302,7 +303,8 @@ class SelectConfig(Section):
     batch_size: int = Field(default=32, ge=1)
     # Heuristic name, one of pipeline.strategies.HEURISTICS.
     strategy: Literal[
-        "random", "least_confidence", "margin", "entropy", "bald", "token_entropy", "answer_disagreement"
+        "random", "least_confidence", "margin", "entropy", "bald", "token_entropy", "answer_disagreement",
+        "semantic_entropy",
     ] = "entropy"
     diversity: Diversity = "top_k"
     # The first batch, before any model exists: typical (the legacy TypiClust-style pick), random, or a coverage

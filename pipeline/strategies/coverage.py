@@ -1,4 +1,5 @@
-"""Coverage selectors for low budgets and cold starts: TypiClust, ProbCover, MaxHerding.
+"""Coverage selectors for low budgets and cold starts: TypiClust, ProbCover, MaxHerding, and Uncertainty Herding,
+which weights MaxHerding's coverage by the model's uncertainty and so moves from coverage to uncertainty by itself.
 
 All three pick candidates that represent dense, not yet covered regions of the embedding space; model scores are
 ignored (only validated), so they work before any model exists. Labeled embeddings count as already covered.
@@ -448,13 +449,19 @@ class MaxHerding(Selector):
             e, cost = e[keep], cost[keep]
         e = np.ascontiguousarray(e, dtype=np.float32)
         x, n = (np.concatenate([e, lab]) if len(lab) else e), len(e)
-        picks = self._herd(x, n, k, cost, seed)
+        weight = self._weights(s if keep is None else s[keep], len(lab))
+        picks = self._herd(x, n, k, cost, seed, weight)
         if keep is not None:
             self.info["sampled"] = {"candidates": len(s), "kept": len(keep), "rate": round(len(keep) / len(s), 6)}
             picks = keep[picks]
         return picks
 
-    def _herd(self, x: np.ndarray, n: int, k: int, cost: np.ndarray, seed: int) -> np.ndarray:
+    def _weights(self, scores: np.ndarray, n_labeled: int) -> np.ndarray | None:
+        """Each point's weight in the coverage it gains (None: all equal, MaxHerding's plain coverage)."""
+        return None
+
+    def _herd(self, x: np.ndarray, n: int, k: int, cost: np.ndarray, seed: int,
+              weight: np.ndarray | None = None) -> np.ndarray:
         big_n = len(x)
         with faiss_threads(_threads(big_n)):
             blocks = Blocks(x, seed=seed)
@@ -485,7 +492,10 @@ class MaxHerding(Selector):
             def gains(rows: np.ndarray) -> np.ndarray:
                 lens = ptr[rows + 1] - ptr[rows]  # >= 1: every row holds its self-loop
                 at = np.repeat(ptr[rows] - np.r_[0, np.cumsum(lens)[:-1]], lens) + np.arange(lens.sum())
-                return np.add.reduceat(np.maximum(val[at] - cur[nbr[at]], 0.0), np.r_[0, np.cumsum(lens)[:-1]])
+                gain = np.maximum(val[at] - cur[nbr[at]], 0.0)
+                if weight is not None:
+                    gain *= weight[nbr[at]]
+                return np.add.reduceat(gain, np.r_[0, np.cumsum(lens)[:-1]])
 
             heap = [(-float(g), i) for i, g in enumerate(gains(np.arange(n)) / cost)]
             heapq.heapify(heap)
@@ -511,6 +521,7 @@ class MaxHerding(Selector):
             "bandwidth": float(sigma),
             "bandwidth_rule": "given" if self.bandwidth else f"median distance to neighbour {self.bandwidth_neighbors}",
             "coverage": float(cur.mean()),
+            **({} if weight is None else {"uncertainty_coverage": _weighted_mean(cur[:n], weight[:n])}),
             "gain_evaluations": evals,
             "n_neighbors": nn,
         }
@@ -527,3 +538,44 @@ class MaxHerding(Selector):
             pos = np.sqrt(dist[(idx >= 0) & (dist > 0)])
             sigma = float(np.median(pos)) if len(pos) else 1.0
         return sigma
+
+
+def _weighted_mean(x: np.ndarray, w: np.ndarray) -> float:
+    return float((x * w).sum() / max(float(w.sum()), 1e-12))
+
+
+class UncertaintyHerding(MaxHerding):
+    """Uncertainty Herding (Bae et al., ICLR 2025, arXiv 2412.20644): MaxHerding's greedy coverage, each covered
+    point weighted by the model's uncertainty about it.
+
+    UC(S) = (1/N) Σ_i U(x_i) max_{s∈S∪labeled} k(x_i, x_s); each pick is the candidate with the largest gain
+    Σ_i U(x_i) max(0, k(x_i, x_c) - cur_i). U is the round's heuristic score (select.strategy, e.g. margin's
+    1 - (p1 - p2)), scaled to [0, 1] by its maximum. While the model knows little, U is nearly flat and the picks
+    are MaxHerding's (coverage of dense regions); as it learns, U concentrates near its decision boundaries and the
+    picks become uncertain points that still cover their neighbourhoods, so no switch point has to be set. When every
+    score is equal (or zero) U is uniform and this is MaxHerding exactly.
+
+    The paper's choices and tamis's: the kernel is MaxHerding's Gaussian with its local-scale bandwidth (the median
+    distance to the 10th neighbour; the paper adapts σ to the labeled set); U is the heuristic's score as given (the
+    paper temperature-scales the softmax on held-out labels first; tamis's scores are those the round computed).
+    benchmarks/label_efficiency.py measures these defaults against maxherding_margin's hand-set switch.
+    """
+
+    name = "uncertainty_herding"
+    needs_scores = True
+
+    def _weights(self, scores: np.ndarray, n_labeled: int) -> np.ndarray | None:
+        s = np.maximum(np.asarray(scores, dtype=np.float64), 0.0)
+        top = float(s.max()) if len(s) else 0.0
+        if not top > 0 or float(s.min()) == top:  # no uncertainty signal: plain coverage
+            self._flat = True
+            return None
+        self._flat = False
+        # Labeled points are covered (cur = 1), so their weight never counts; 1 keeps the array whole.
+        return np.r_[s / top, np.ones(n_labeled)]
+
+    def select(self, k, *, scores, embeddings=None, predicted=None, seed, labeled_embeddings=None, costs=None):
+        picks = super().select(k, scores=scores, embeddings=embeddings, predicted=predicted, seed=seed,
+                               labeled_embeddings=labeled_embeddings, costs=costs)
+        self.info["uncertainty"] = "uniform (scores all equal)" if self._flat else "heuristic score / max"
+        return picks

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipeline.errors import SelectionError
 from pipeline.strategies.base import Selector
-from pipeline.strategies.coverage import MaxHerding, ProbCover, TypiClust
+from pipeline.strategies.coverage import MaxHerding, ProbCover, TypiClust, UncertaintyHerding
 from pipeline.strategies.heuristics import (
     BALD,
     AnswerDisagreement,
@@ -17,6 +17,7 @@ from pipeline.strategies.heuristics import (
     LeastConfidence,
     Margin,
     Random,
+    SemanticEntropy,
     TokenEntropy,
 )
 from pipeline.strategies.selectors import ClusterMargin, KCenter, Stratified, TopK, Typical
@@ -29,6 +30,7 @@ HEURISTICS: dict[str, type[Heuristic]] = {
     "bald": BALD,
     "token_entropy": TokenEntropy,
     "answer_disagreement": AnswerDisagreement,
+    "semantic_entropy": SemanticEntropy,
 }
 
 SELECTORS: dict[str, type[Selector]] = {
@@ -40,6 +42,7 @@ SELECTORS: dict[str, type[Selector]] = {
     "typiclust": TypiClust,
     "probcover": ProbCover,
     "maxherding": MaxHerding,
+    "uncertainty_herding": UncertaintyHerding,
 }
 
 

@@ -52,6 +52,13 @@ CASES: dict[str, dict[str, object]] = {
         "nan": [[1.0, 2.0], [1.0, NAN]],
         "bad_ndim": [[[1, 2]]],
     },
+    "semantic_entropy": {
+        # four meanings (ln 4) > 2 + 1 + 1 (1.04) > 2 + 2 (ln 2) > 3 + 1 (0.56) > one meaning (0)
+        "ordered": [[0, 1, 2, 3], [0, 0, 1, 2], [5, 5, 6, 6], [4, 4, 4, 1], [7, 7, 7, 7]],
+        "tie": [3, 3, 1, 2],
+        "nan": [[1.0, 2.0], [1.0, NAN]],
+        "bad_ndim": [[[1, 2]]],
+    },
 }
 
 
@@ -180,3 +187,26 @@ def test_unknown_strategy_lists_choices():
 def test_rank_rejects_nan():
     with pytest.raises(SelectionError, match="1 of 3 scores are NaN"):
         rank(np.array([0.1, NAN, 0.3]), seed=0)
+
+
+def test_semantic_entropy_values_and_meaning_groups():
+    """Entropy in nats over the groups' shares; answers that mean the same (case, articles, number words) group."""
+    from pipeline.meaning import meaning_codes, meaning_key
+
+    se = get_heuristic("semantic_entropy")
+    got = se.score(np.array([[0, 0, 1, 1], [0, 0, 0, 1], [0, 1, 2, 3]]))
+    assert got == pytest.approx([math.log(2), -(0.75 * math.log(0.75) + 0.25 * math.log(0.25)), math.log(4)])
+    assert meaning_key("The Seven.") == meaning_key("7") == "7"
+    assert meaning_key("odd") != meaning_key("even")
+    codes = meaning_codes([["Seven.", "7", "the seven", "six"], ["odd", "Odd!", "an odd", "odd"]])
+    assert se.score(codes).tolist() == pytest.approx([-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)), 0.0])
+    # answer_disagreement on the same codes sees only the modal share: 2 + 2 and 2 + 1 + 1 tie there, not here.
+    ad = get_heuristic("answer_disagreement")
+    pair, split = np.array([[0, 0, 1, 1]]), np.array([[0, 0, 1, 2]])
+    assert ad.score(pair) == ad.score(split)
+    assert se.score(split) > se.score(pair)
+
+
+def test_semantic_entropy_needs_two_samples():
+    with pytest.raises(SelectionError, match="mc_dropout_passes >= 2"):
+        get_heuristic("semantic_entropy").score(np.array([[1], [2]]))

@@ -13,6 +13,7 @@ bald                 [n, c, k] MC-dropout samples (k >= 2)
 token_entropy        [n, t] per-token entropies (or log-probs, `kind="logprob"`), NaN-padded to t
 answer_disagreement  [n, k] answer ids of k sampled generations (ints or normalised strings),
                      or [n] agreement fractions in [0, 1]
+semantic_entropy     [n, k] meaning ids of k sampled generations (pipeline.meaning.meaning_codes)
 ==================== ================================================================================
 """
 
@@ -86,7 +87,8 @@ class Heuristic:
 
     `input` names the array a round feeds it (pipeline.selection.heuristic_input reads it, so a new heuristic needs
     no caller that knows its name): "probs" candidate probabilities (MC samples averaged when only they exist),
-    "mc_probs" MC-dropout samples, "token_entropy" per-token entropies, "agreement" sampled answers, "none" nothing.
+    "mc_probs" MC-dropout samples, "token_entropy" per-token entropies, "agreement" sampled answers, "meanings" sampled answers grouped by meaning,
+    "none" nothing.
     `requires` says which setting produces that input, for the error when it is missing.
     """
 
@@ -252,6 +254,36 @@ class AnswerDisagreement(Heuristic):
         run_start = np.maximum.accumulate(np.where(change, pos, 0), axis=1)
         longest = (pos - run_start + 1).max(axis=1)
         return 1.0 - longest / k
+
+
+class SemanticEntropy(Heuristic):
+    """Discrete semantic entropy (Kuhn, Gal & Farquhar, ICLR 2023; Farquhar et al., Nature 2024): the k sampled
+    answers are grouped by meaning (pipeline.meaning) and the score is the entropy, in nats, of the groups' shares.
+
+    Unlike answer_disagreement (1 - the modal group's share) it sees how the rest split: 2 + 2 of 4 samples
+    (ln 2) ranks above 2 + 1 + 1 (1.04) only by entropy's own order, and four different meanings (ln 4) rank highest.
+    """
+
+    name = "semantic_entropy"
+    input = "meanings"
+    requires = "select.mc_dropout_passes >= 2"
+
+    def score(self, probs: np.ndarray) -> np.ndarray:
+        a = _array(probs, self.name, ndims=(2,))
+        if a.shape[1] < 2:
+            raise SelectionError(
+                f"semantic_entropy: needs >= 2 sampled answers per sample, got shape {a.shape}; "
+                "set select.mc_dropout_passes >= 2"
+            )
+        n, k = a.shape
+        s = np.sort(a, axis=1)
+        # Group sizes from runs of equal sorted codes: share = run length / k at each run's last position.
+        end = np.ones((n, k), dtype=bool)
+        end[:, :-1] = s[:, 1:] != s[:, :-1]
+        pos = np.broadcast_to(np.arange(k), (n, k))
+        start = np.maximum.accumulate(np.where(np.c_[np.ones((n, 1), bool), end[:, :-1]], pos, 0), axis=1)
+        share = np.where(end, (pos - start + 1) / k, 1.0)
+        return -(share * np.log(share)).sum(axis=1)
 
 
 def rank(scores: np.ndarray, *, seed: int) -> np.ndarray:

@@ -126,9 +126,11 @@ def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Se
         best_before = max(curve[: -rc.plateau_rounds])
         if max(curve[-rc.plateau_rounds:]) <= best_before + 0.005:
             return f"plateau: {main} has not improved by 0.005 over the last {rc.plateau_rounds} rounds"
-    from pipeline.stopping import stable_reason
+    from pipeline.stopping import converged_reason, stable_reason
 
     if (why := stable_reason(stability, rc.stop_when_stable)) is not None:
+        return why
+    if (why := converged_reason(stability, rc.stop_when_converged)) is not None:
         return why
     if pool_left == 0:
         return "pool exhausted: no unlabeled samples left to select"

@@ -4,6 +4,12 @@
 answers on a large unlabeled stop set (Cohen's kappa >= 0.99 over a few rounds), more labels stop changing the
 model. Bloodgood & Grothendieck (arXiv:1504.06329) bound the change of the F-score between two such models by
 4(1 - kappa) / kappa. Nothing here reads a test label.
+
+A fixed kappa does not fit every pool: the digits probe's disagreement keeps falling past 0.99 long after its
+accuracy stopped rising (6.8 rounds late at 0.99 × 3), while a VLM's retraining noise can hold it at a floor
+below 0.97 for good. `converged_reason` (rounds.stop_when_converged, the default) reads the trend instead: the
+disagreement of the last rounds fitted as geometric decay forecasts how much of the stop set later rounds would
+still change, and a disagreement that has stopped falling is at its floor.
 """
 
 from __future__ import annotations
@@ -75,10 +81,52 @@ def forecast(history: Sequence[float], target: float) -> tuple[int | None, str]:
     return n, f"stable in about {n} rounds at this trend (agreement {history[-1]:.4f} → {target})"
 
 
+def remaining_change(history: Sequence[float], *, n: int, window: int = 4) -> tuple[float | None, float | None]:
+    """(forecast share of stop-set answers that all later rounds will still change, the disagreement's ratio per
+    round): the last `window` disagreements 1 - agreement fitted as d·q^t and summed beyond the last, d·q/(1-q).
+    None before three agreements. inf when the disagreement is not falling: q >= 1, or its fitted fall over the
+    window is under one standard error of a disagreement measured on n samples (sqrt(d(1-d)/n)), so what looks
+    like a trend is the stop set's sampling noise. A disagreement below half a stop-set answer (0.5 / n) cannot be
+    measured, so it counts as that."""
+    if len(history) < 3:
+        return None, None
+    n = max(n, 1)
+    d = np.maximum(1 - np.asarray(history[-window:], dtype=float), 0.5 / n)
+    q = math.exp(float(np.polyfit(np.arange(len(d)), np.log(d), 1)[0]))
+    last = float(d[-1])
+    fall = last * (q ** -(len(d) - 1) - 1)  # the fitted curve's drop from the window's first round to its last
+    if q >= 1 or fall < math.sqrt(max(last * (1 - last), 0.5 / n) / n):
+        return math.inf, q
+    return last * q / (1 - q), q
+
+
+def converged_reason(stability: Mapping[str, Any] | None, rule: Any) -> str | None:
+    """Why to stop on `rounds.stop_when_converged`, or None: the forecast change still to come is at most
+    rule.remaining_change, or the disagreement has not fallen over rule.window rounds (its floor)."""
+    if rule is None or not stability:
+        return None
+    history = stability.get("history", [])
+    left, q = remaining_change(history, n=int(stability.get("n") or 0), window=rule.window)
+    if left is None or q is None:
+        return None
+    d = 1 - history[-1]
+    if math.isinf(left):
+        if len(history) < rule.window:
+            return None
+        return (f"converged: the stop set's disagreement between successive adapters stopped falling over the last "
+                f"{rule.window} rounds (now {d:.4f}): more labels move the answers only at that floor "
+                "(rounds.stop_when_converged)")
+    if left <= rule.remaining_change:
+        return (f"converged: forecast {left:.3f} of the stop set's answers left to change over all later rounds ≤ "
+                f"rounds.stop_when_converged.remaining_change = {rule.remaining_change} (disagreement {d:.4f}, "
+                f"×{q:.2f} a round)")
+    return None
+
+
 def record_stop_set(round_dir: str | os.PathLike[str], previous_dir: str | os.PathLike[str] | None, *,
                     ids: Sequence[str], predictions: Sequence[Any], closed: bool, target: float) -> dict[str, Any]:
     """Write this round's stop-set predictions (round_dir/stopset.json) and compare them with the previous round's:
-    {n, agreement?, kappa?, f_change_bound?, history, rounds_to_stable, forecast}."""
+    {n, agreement?, kappa?, f_change_bound?, history, rounds_to_stable, remaining_change?, forecast}."""
     prev = _read(previous_dir)
     out: dict[str, Any] = {"n": len(ids)}
     if prev is not None and prev["ids"] == list(ids):
@@ -87,6 +135,11 @@ def record_stop_set(round_dir: str | os.PathLike[str], previous_dir: str | os.Pa
     else:  # the first round with an adapter, or a pool that changed: no comparison yet
         out["history"] = []
     out["rounds_to_stable"], out["forecast"] = forecast(out["history"], target)
+    left, _ = remaining_change(out["history"], n=len(ids))
+    if left is not None:
+        out["remaining_change"] = None if math.isinf(left) else round(left, 4)
+        out["forecast"] += ("; disagreement not falling (at its floor)" if math.isinf(left) else
+                            f"; forecast change still to come: {left:.3f} of the stop set's answers")
     atomic_write_json(Path(round_dir) / STOPSET_FILE, {"ids": list(ids), "predictions": list(predictions),
                                                        "history": out["history"]})
     return out

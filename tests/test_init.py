@@ -120,6 +120,9 @@ def test_init_writes_a_config_load_config_accepts_and_never_overwrites(tmp_path,
     assert cfg.preprocess.size == 32 and cfg.model.lora_r == 64 and cfg.train.init == "warm"
     assert cfg.select.embeddings.source == "pool" and cfg.select.candidates.method == "auto"
     assert cfg.select.batch_size == 2 and "# the tiny stand-in was built for 32 px" in res.text
+    # A 20-image pool cannot spare a stop set: the default stop stays off and the file says why.
+    assert cfg.rounds.stop_set == 0 and "cannot spare a stop set" in res.text
+    assert cfg.rounds.stop_when_converged is not None
     assert any("tamis round -c" in s for s in res.next_steps)
     before = out.read_text()
     with pytest.raises(ConfigError, match="already exists; tamis init never overwrites a config: pass --force"):
@@ -168,3 +171,11 @@ def test_cli_init_then_round_exports_the_first_batch_by_original_file_name(tmp_p
     assert {t["data"]["original_image"] for t in tasks} == {r["original_image"] for r in rows}
     assert str(export) in " ".join(rnd.stdout.split())  # the CLI says where the batch is
     assert yaml.safe_load((tmp_path / "tamis.yaml").read_text())["select"]["candidates"] == "auto"
+
+
+def test_init_sizes_the_stop_set_to_the_pool():
+    from pipeline.project_init.settings import stop_set_size
+
+    assert stop_set_size(150).value == 0
+    assert stop_set_size(3_000).value == 300 and "a tenth of the 3,000-image pool" in stop_set_size(3_000).why
+    assert stop_set_size(1_000_000).value == 500

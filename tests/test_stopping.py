@@ -12,8 +12,10 @@ from pipeline.stopping import (
     STOPSET_FILE,
     agreement,
     cohen_kappa,
+    converged_reason,
     forecast,
     record_stop_set,
+    remaining_change,
     stable_reason,
     stop_set,
 )
@@ -82,5 +84,50 @@ def test_stop_when_stable_needs_window_rounds_at_the_target(tmp_path):
     assert stable_reason({"history": [0.97, 0.99]}, cfg.rounds.stop_when_stable) is None
     assert stop_reason(cfg, 3, 10, [], 5, {"history": [0.9, 0.985, 0.99]}).startswith("stable predictions")
     assert stop_reason(cfg, 3, 10, [], 5, None) is None  # no adapter yet: no stability, no stop
-    off = parse_config({"rounds": {"max_rounds": 50, "stop_set": 20}})
-    assert stop_reason(off, 3, 10, [], 5, {"history": [1.0, 1.0, 1.0]}) is None  # measured, but not a stop rule
+    off = parse_config({"rounds": {"max_rounds": 50, "stop_set": 20, "stop_when_converged": None}})
+    # measured, but not a stop rule
+    assert stop_reason(off, 3, 10, [], 5, {"history": [1.0, 1.0, 1.0, 1.0], "n": 20}) is None
+
+
+def test_remaining_change_sums_the_fitted_geometric_decay():
+    # disagreement 0.2, 0.1, 0.05, 0.025: halves every round, so 0.025 · (1/2 + 1/4 + …) = 0.025 is left to change
+    left, q = remaining_change([0.8, 0.9, 0.95, 0.975], n=1000)
+    assert q == pytest.approx(0.5) and left == pytest.approx(0.025)
+    assert remaining_change([0.8, 0.9], n=1000) == (None, None)  # two points are no trend
+    # Agreement 1.0 on 500 samples counts as half an answer changed (0.001): a finite forecast, not log(0).
+    left, q = remaining_change([0.99, 0.998, 1.0, 1.0], n=500)
+    assert 0 < q < 1 and left == pytest.approx(0.001 * q / (1 - q))
+    assert remaining_change([0.90, 0.88, 0.89, 0.87], n=150)[0] == float("inf")  # not falling
+
+
+def test_stop_when_converged_is_the_default_and_reads_the_trend():
+    cfg = parse_config({"rounds": {"max_rounds": 50, "stop_set": 150}})
+    rule = cfg.rounds.stop_when_converged
+    assert (rule.remaining_change, rule.window) == (0.06, 4)
+    # Falling by half a round: 0.05 then 0.025 left; stops once the forecast is ≤ 0.06.
+    assert converged_reason({"history": [0.6, 0.8, 0.9], "n": 150}, rule) is None
+    why = stop_reason(cfg, 5, 100, [], 50, {"history": [0.6, 0.8, 0.9, 0.95], "n": 150})
+    assert why.startswith("converged: forecast 0.050 of the stop set's answers left to change")
+    # A VLM's retraining noise: agreement stuck near 0.87 never reaches a kappa target; the trend says stop.
+    noisy = {"history": [0.7, 0.86, 0.88, 0.86, 0.87], "n": 150}
+    assert "stopped falling over the last 4 rounds" in converged_reason(noisy, rule)
+    assert stable_reason(noisy, parse_config({"rounds": {"stop_set": 150, "stop_when_stable": {}}})
+                         .rounds.stop_when_stable) is None
+    # Still falling fast from far away: no stop.
+    assert converged_reason({"history": [0.3, 0.5, 0.65, 0.75], "n": 150}, rule) is None
+    # Without a stop set there is no history and the default rule never acts.
+    assert stop_reason(parse_config({"rounds": {"max_rounds": 50}}), 5, 100, [], 50, None) is None
+
+
+def test_the_round_summary_shows_the_forecast_change(tmp_path):
+    ids = [f"s{i}" for i in range(10)]
+    preds = ["1"] * 10
+    out = None
+    for r, changed in enumerate([None, 6, 3, 2, 1]):
+        if changed is not None:
+            preds = [("2" if p == "1" else "1") if i < changed else p for i, p in enumerate(preds)]
+        out = record_stop_set(tmp_path / f"{r:03d}", tmp_path / f"{r - 1:03d}" if r else None, ids=ids,
+                              predictions=list(preds), closed=False, target=0.99)
+    assert out["history"] == [0.4, 0.7, 0.8, 0.9]
+    assert out["remaining_change"] == pytest.approx(remaining_change(out["history"], n=10)[0], abs=1e-4)
+    assert "forecast change still to come" in out["forecast"]

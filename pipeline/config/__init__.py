@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from pipeline.config.annotate import (  # noqa: F401 (re-exported: callers import sections from pipeline.config)
     AnnotateConfig,
+    ConvergedRule,
     LabelCheckConfig,
     LabelStudioConfig,
     RedundancyRule,

@@ -104,5 +104,8 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
               "labelcheck:", "  method: heldout                      # scores new labels with the last adapter",
               "rounds:", "  # Rounds in all, round 0 included; the last one trains and evaluates but selects nothing.",
               "  max_rounds: 10",
+              f"  # {s.stop_set.why}", f"  stop_set: {s.stop_set.value}",
+              "  # The default stop (rounds.stop_when_converged): once the stop set's agreement trend forecasts that",
+              "  # later rounds would change at most 6 % of its answers, or the agreement stopped rising.",
               "  simulate_annotator: false"]
     return "\n".join(lines) + "\n"

@@ -25,6 +25,7 @@ from pipeline.model.resolve import ResolvedModel
 
 ENCODER_MAX_POOL = 20_000  # select.embeddings: pool fits its encoder on at most this many images anyway
 LARGE_POOL = 50_000  # above it, larger score shards (fewer tasks, same memory per shard)
+STOP_SET_MAX = 500  # rounds.stop_set: enough for agreement to resolve 0.2 % changes, cheap to score each round
 NATIVE_MAX = 512  # the largest native size of the registered families' one-tile inputs (SmolVLM's SigLIP tile)
 
 
@@ -75,6 +76,7 @@ class Settings:
     score_batch_size: Choice
     num_proc: Choice
     hardware: str
+    stop_set: Choice = field(default_factory=lambda: Choice(0, "no stop set"))
     train_plan: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -93,6 +95,17 @@ def image_size(sizes: list[tuple[int, int]], facts: ModelFacts) -> Choice:
         return Choice(size, f"{why}; capped at the model's native {cap} px (larger only costs image tokens)")
     return Choice(size, f"{why}; rounded up to {size} px, below the model's native {cap} px: upscaling small "
                   "images only blurs them")
+
+
+def stop_set_size(pool: int) -> Choice:
+    """The stop set the default label-free stop reads (rounds.stop_when_converged): a tenth of the pool, at most 500
+    (Bloodgood & Vijay-Shanker's stabilizing predictions use a few hundred to a few thousand), none under 200."""
+    if pool < 200:
+        return Choice(0, f"a {pool:,}-image pool cannot spare a stop set (200 or more): the label-free stop is off "
+                      "until the pool grows")
+    size = min(STOP_SET_MAX, pool // 10)
+    return Choice(size, f"a tenth of the {pool:,}-image pool, at most {STOP_SET_MAX}: never selected, its answers "
+                  "by successive adapters drive the default stop (rounds.stop_when_converged)")
 
 
 def selection_space(pool: int, facts: ModelFacts) -> Choice:
@@ -125,6 +138,7 @@ def choose_settings(pool: int, sizes: list[tuple[int, int]], facts: ModelFacts, 
         num_proc=Choice(max(1, min(4, hw.cpu_count // 2)), f"half of the {hw.cpu_count} CPU cores, at most 4"),
         hardware=described,
     )
+    s.stop_set = stop_set_size(pool)
     s.train_plan = train_plan(facts, hw, s.size.value)
     if not pool:
         s.notes.append("every image found is labeled: there is no unlabeled pool to select from; add a source of "

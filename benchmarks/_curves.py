@@ -129,6 +129,8 @@ def summarize(curves: dict[str, list[dict[str, Any]]], full: list[float], baseli
             rec = [r["recall"][-1].get(c) for r, c in zip(runs, rarest, strict=True)]
             s["rarest_class_recall"] = round(float(np.mean(rec)), 4)
             s["rarest_class_recall_per_seed"] = rec
+        if runs and all("agreement" in r for r in runs):
+            s["agreement_per_seed"] = [[round(a, 4) for a in r["agreement"]] for r in runs]
         if runs and "phases" in runs[0]:
             s["phases"] = runs[0]["phases"]
         out[name] = s

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline.config import ProjectConfig, ScheduleConfig, parse_config
 from pipeline.errors import ConfigError
+from pipeline.strategies import HEURISTICS, get_heuristic
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "label_efficiency.yaml"
@@ -79,8 +80,10 @@ class Bench(BaseModel):
         return next(n for n, s in self.strategies.items() if s.is_random_baseline)
 
 
-def load_bench_config(path: str | os.PathLike[str], *, quick: bool = False) -> tuple[ProjectConfig, Bench]:
-    """(project config, benchmark parameters) from the YAML; `quick` applies its `benchmark.quick` overrides."""
+def load_bench_config(path: str | os.PathLike[str], *, quick: bool = False,
+                      strategies: list[str] | None = None) -> tuple[ProjectConfig, Bench]:
+    """(project config, benchmark parameters) from the YAML; `quick` applies its `benchmark.quick` overrides;
+    `strategies` keeps only those of benchmark.strategies (and the baseline, which every ratio needs)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: benchmark config not found; pass an existing YAML file with --config")
@@ -103,6 +106,14 @@ def load_bench_config(path: str | os.PathLike[str], *, quick: bool = False) -> t
                                   "does not define")
             raw["strategies"] = {k: v for k, v in raw["strategies"].items() if k in keep}
         raw.update(over)
+    if strategies:
+        missing = sorted(set(strategies) - set(raw.get("strategies") or {}))
+        if missing:
+            raise ConfigError(f"--strategies {missing}: not in {path}'s benchmark.strategies "
+                              f"{sorted(raw.get('strategies') or {})}")
+        base = {"cold_start": "random", "strategy": "random", "diversity": "top_k"}
+        raw["strategies"] = {k: v for k, v in raw["strategies"].items()
+                             if k in strategies or all((v or {}).get(f) == x for f, x in base.items())}
     try:
         bench = Bench.model_validate(raw)
     except ValidationError as exc:
@@ -123,11 +134,11 @@ def load_bench_config(path: str | os.PathLike[str], *, quick: bool = False) -> t
         if bench.longtail is not None or bench.reference_learner:
             raise ConfigError(f"{path}: open answers (project.data.answers: null) have no classes: set "
                               "benchmark.longtail: null and benchmark.reference_learner: false")
-        bad = [n for n, sp in bench.strategies.items() if sp.strategy not in ("random", "token_entropy",
-                                                                                "answer_disagreement")]
+        bad = [n for n, sp in bench.strategies.items() if get_heuristic(sp.strategy).input in ("probs", "mc_probs")]
         if bad:
+            ok = sorted(h for h, cls in HEURISTICS.items() if cls.input not in ("probs", "mc_probs"))
             raise ConfigError(f"{path}: strategies {bad} read class probabilities, which open answers do not have; "
-                              "use random, token_entropy or answer_disagreement")
+                              f"use one of {ok}")
     elif bench.metric != "accuracy":
         raise ConfigError(f"{path}: benchmark.metric {bench.metric!r} is for open answers; a closed answer set "
                           "(project.data.answers) is measured by accuracy")

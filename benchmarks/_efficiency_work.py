@@ -144,12 +144,12 @@ class Work:
         return Adapter(res.adapter_dir, res.manifest.outputs["adapter"].digest)
 
     def evaluate(self, adapter: Adapter, metric: str = "accuracy") -> dict[str, Any]:
-        """{"accuracy" (the benchmark's metric), "metrics" (all of them), "recall": {answer: recall}} on the test
-        split."""
+        """{"accuracy" (the benchmark's metric), "metrics" (all of them), "recall": {answer: recall}, "predictions"}
+        on the test split."""
         from pipeline.evaluate import evaluate_model
 
         test = self.data.test
-        key = {"v": 2, "adapter": adapter.digest, "test": [r["sample_id"] for r in test],
+        key = {"v": 3, "adapter": adapter.digest, "test": [r["sample_id"] for r in test],
                "answers": self.cfg.data.answers, "model": self.cfg.section("model"), "weights": self.model}
         key = digest_json(key if metric == "accuracy" else {**key, "metric": metric})
         path = self.art / "eval" / f"{key[:16]}.json"
@@ -161,8 +161,10 @@ class Work:
                              batch_size=self.cfg.select.score_batch_size, max_new_tokens=self.cfg.model.max_new_tokens)
         preds = [p["prediction"] for p in res["predictions"]]
         refs = [r["answer"] for r in test]
+        # The predictions: successive adapters' agreement on these never-selected rows is the label-free stop
+        # signal benchmarks/annotators.py evaluates (the rule reads the predictions only, never `refs`).
         out = {"accuracy": res["metrics"][metric], "recall": per_class_recall(preds, refs), "n": res["n"],
-               "adapter": adapter.digest}
+               "adapter": adapter.digest, "predictions": preds}
         if metric != "accuracy":
             out["metrics"] = res["metrics"]
         atomic_write_json(path, out)

@@ -33,6 +33,7 @@ annotator reads it; a pool sample without an answer is refused before any work s
     python benchmarks/label_efficiency.py --json-out benchmarks/results/label_efficiency.json
     python benchmarks/label_efficiency.py --quick          # 3 strategies, 2 seeds, 2 rounds: a few minutes
     python benchmarks/label_efficiency.py --config my.yaml # any image-classification-style manifest
+    python benchmarks/label_efficiency.py --strategies margin,uncertainty_herding   # a subset (+ the random baseline)
     python benchmarks/label_efficiency.py --config configs/label_efficiency_open.yaml \
         --json-out benchmarks/results/label_efficiency_open.json   # open answers (data.answers: null)
 
@@ -71,6 +72,7 @@ from benchmarks._results import write_result  # noqa: E402
 from pipeline.config import ProjectConfig, ScheduleConfig, SelectConfig  # noqa: E402
 from pipeline.errors import ConfigError, DataError  # noqa: E402
 from pipeline.selection import Space, cold_start_choice, round_phase, select_step  # noqa: E402
+from pipeline.stopping import agreement  # noqa: E402
 from pipeline.store import (  # noqa: E402
     MANIFEST_NAME,
     atomic_write_json,
@@ -81,10 +83,10 @@ from pipeline.store import (  # noqa: E402
 from pipeline.strategies import get_heuristic, get_selector  # noqa: E402
 from pipeline.strategies.schedule import phase_label  # noqa: E402
 
-MC_INPUTS = ("mc_probs", "agreement")  # heuristics that read MC-dropout samples or sampled answers
+MC_INPUTS = ("mc_probs", "agreement", "meanings")  # heuristics that read MC-dropout samples or sampled answers
 
 log = logging.getLogger("label_efficiency")
-BENCH_VERSION = "2"
+BENCH_VERSION = "3"  # 3: curves carry the test rows' agreement between successive adapters
 COLD_STARTS = ("random", "typical", "typiclust", "probcover", "maxherding")
 VARIANTS = ("main", "longtail")
 
@@ -291,7 +293,8 @@ def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench
                      n_classes=n_classes)
     selection = sel.rows()
     labels_curve, acc, recall, phases, previous, asked = [], [], [], ["cold start"], [], set()
-    adapter = None
+    agree: list[float] = []  # agreement[r - 1]: rounds r and r - 1 on the test rows (pipeline.stopping.agreement)
+    adapter, preds = None, None
     for r in range(bench.rounds + 1):
         labels = annotate(cfg, data, run_dir, selection, r, bench.annotator_noise, work.timer, asked)
         if r:
@@ -301,6 +304,9 @@ def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench
         acc.append(ev["accuracy"])
         recall.append(ev["recall"])
         labels_curve.append(len(labels))
+        if preds is not None:
+            agree.append(agreement(preds, ev["predictions"], closed=bool(cfg.data.answers))["agreement"])
+        preds = ev["predictions"]
         log.info("%s seed %d %-18s round %d: %4d labels → %s %.4f", tag, cfg.seed, name, r, len(labels),
                  bench.metric, acc[-1])
         if r == bench.rounds:
@@ -316,10 +322,12 @@ def run_strategy(name: str, spec: StrategySpec, cfg: ProjectConfig, bench: Bench
         predicted = scores.probs.argmax(1) if scores is not None and scores.probs is not None else None
         sel = select_step(pool, k=bench.batch, strategy=strategy, diversity=diversity, seed=cfg.seed * 1000 + r + 1,
                           labeled=labels, space=space, probs=probs, predicted=predicted,
-                          embeddings=None if scores is None else scores.embeddings, n_classes=n_classes,
+                          # The selection space when there is one, as a project's round selects (select_round).
+                          embeddings=None if scores is None or space is not None else scores.embeddings,
+                          n_classes=n_classes,
                           options=spec.options)
         selection = selection_rows(sel, scores, adapter, cfg.data.answers)
-    return {"labels": labels_curve, "accuracy": acc, "recall": recall, "phases": phases,
+    return {"labels": labels_curve, "accuracy": acc, "recall": recall, "phases": phases, "agreement": agree,
             "seconds": round(time.monotonic() - t_start, 1), "run_dir": str(run_dir),
             "class_counts": dict(Counter(labels.values()))}
 
@@ -619,6 +627,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--png-out", type=Path, default=None, help="default: --json-out with .png, else the work folder")
     ap.add_argument("--seeds", type=str, default=None, help="comma-separated subset of the config's seeds")
+    ap.add_argument("--strategies", type=str, default=None,
+                    help="comma-separated subset of the config's strategies (the baseline is always kept)")
     ap.add_argument("--variants", type=str, default=",".join(VARIANTS), help="main, longtail or both")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: the tiny model's ops are too small to split, and extra threads "
@@ -641,7 +651,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
 
-    cfg, bench = load_bench_config(args.config, quick=args.quick)
+    keep = [n.strip() for n in args.strategies.split(",") if n.strip()] if args.strategies else None
+    cfg, bench = load_bench_config(args.config, quick=args.quick, strategies=keep)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     if seeds and set(seeds) - set(bench.seeds):
         raise ConfigError(f"--seeds {sorted(set(seeds) - set(bench.seeds))} are not among benchmark.seeds "

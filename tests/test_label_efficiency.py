@@ -36,6 +36,11 @@ def test_shipped_config_loads_and_quick_overrides_apply():
     q = yaml.safe_load(le.DEFAULT_CONFIG.read_text(encoding="utf-8"))["benchmark"]["quick"]
     assert set(quick.strategies) == set(q["strategies"]) and quick.seeds == q["seeds"]
     assert qcfg.train.max_steps == q.get("train_steps", cfg.train.max_steps) and quick.rounds == q["rounds"]
+    # --strategies: a subset, the random baseline kept for the ratios; a name the config lacks is refused.
+    _, sub = le.load_bench_config(le.DEFAULT_CONFIG, strategies=["uncertainty_herding", "maxherding_margin"])
+    assert set(sub.strategies) == {"random", "uncertainty_herding", "maxherding_margin"}
+    with pytest.raises(ConfigError, match=r"--strategies \['nope'\]: not in"):
+        le.load_bench_config(le.DEFAULT_CONFIG, strategies=["nope"])
 
 
 @pytest.mark.parametrize(("mutate", "fragment"), [

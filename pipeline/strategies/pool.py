@@ -81,9 +81,9 @@ def select_batch(
 ) -> Selection:
     """Pick `k` of `candidates.ids` with heuristic `strategy` and selector `diversity`.
 
-    `probs`, `embeddings` and `predicted` (fields of `candidates`) are row-aligned with its ids (shapes: see
-    heuristics.py). `exclude` holds IDs that must never be picked: already labeled, quarantined, excluded by
-    quality, exported but not yet labeled. Candidates are put in sample-ID order first, so the result does not depend on the order shards
+    `probs`, `embeddings` and `predicted` (fields of `candidates`) are row-aligned with its ids (heuristics.py).
+    `exclude` holds IDs that must never be picked: already labeled, quarantined, excluded by quality, exported but
+    not yet labeled. Candidates are put in sample-ID order first, so the result does not depend on the order shards
     arrived in: the same inputs and seed give the same IDs. `options` are passed to the selector's constructor
     (e.g. {"uncertainty": "product"} for k_center); `labeled_embeddings` seed k_center's core-set and count as
     covered for the coverage selectors. Without `probs` only `random` or a selector with `needs_scores = False`

@@ -109,7 +109,7 @@ def _one_seed(seed: int, ds: Any, truth: dict[str, str], pool: list[str], test: 
                         "annotate": {"formats": ["label_studio"]}}, root=work)
     export = work / "artifacts" / "rounds" / "000" / "export"
     sel = [{"sample_id": s, "rank": k, "score": 0.0, "scores": {}} for k, s in enumerate(pool)]
-    export_selection(sel, ds.filter(lambda r: r["split"] == "pool"), cfg, export, round_index=0)
+    export_selection(sel, ds.filter(lambda r: r["split"] == "pool"), cfg.annotate, cfg.data.answers, cfg.artifacts, export, round_index=0)
     crowd = [SimulatedAnnotator(name=n, accuracy=a, seconds=30.0) for n, a in CROWD]
     f = simulate_annotators(export, gt, cfg.artifacts / "inbox", annotators=crowd, redundancy=LABELS_PER_SAMPLE,
                             round_index=0, seed=seed)

@@ -212,7 +212,7 @@ def annotate(cfg: ProjectConfig, data: Data, run_dir: Path, selection: list[dict
     t0 = time.monotonic()
     run_cfg = seeded(cfg, cfg.seed, run_dir)
     out = export_dir(run_dir, round_index)
-    export_selection(selection, data.prepared, run_cfg, out, round_index=round_index)
+    export_selection(selection, data.prepared, run_cfg.annotate, run_cfg.data.answers, run_cfg.artifacts, out, round_index=round_index)
     answered = simulate_annotator(out, cfg.data.ground_truth, run_dir / "inbox", round_index=round_index,
                                   noise=noise, seed=cfg.seed)
     ledger = Ledger(ledger_path(run_dir))

@@ -144,7 +144,7 @@ def prepare_data(cfg: ProjectConfig, bench: Bench) -> Data:
     ing = art / "ingest" / sd[:16]
     m = find_valid_manifest(ing, stage_key("ingest", INGEST_VERSION, {"sources": sd},
                                            ingest_key_config(cfg.section("data"))))
-    m = m or ingest(cfg, ing, digest=sd)
+    m = m or ingest(cfg.data, cfg.artifacts, ing, digest=sd)
     size = resolve_size(cfg.preprocess, cfg.model)
     pconf = {**cfg.section("preprocess"), "size": size, "max_pixels": cfg.data.max_image_pixels}
     inputs = {"dataset": m.outputs["dataset"].digest}
@@ -216,7 +216,12 @@ def selection_space(cfg: ProjectConfig, data: Data, pool: list[str], work: Work)
     """Fit the configured selection embeddings on `pool`'s images only (never labels, never the test split), then
     embed the pool and the test rows; cached by the rows' content and the embeddings config. Returns the space
     (None for source "model": the current adapter's embeddings) and the fit's seconds."""
-    from pipeline.embeddings import compute_selection_embeddings, embeddings_key, load_selection_embeddings
+    from pipeline.embeddings import (
+        compute_selection_embeddings,
+        embeddings_key,
+        embeddings_spec,
+        load_selection_embeddings,
+    )
 
     source = cfg.select.embeddings.source
     if source == "model":
@@ -227,12 +232,12 @@ def selection_space(cfg: ProjectConfig, data: Data, pool: list[str], work: Work)
     # Only the pool's rows keep split "pool", so only they are fitted on.
     sub = data.prepared.select(idx)
     inputs = {"prepared": data.digest, "rows": digest_json(sorted(keep)), "pool": digest_json(pool)}
-    key = embeddings_key(cfg, inputs)
+    key = embeddings_key(embeddings_spec(cfg), inputs)
     out = work.art / "embeddings" / key[:16]
     t0 = time.monotonic()
     computed = find_valid_manifest(out, key) is None
     if computed:
-        compute_selection_embeddings(cfg, sub, out, inputs=inputs)
+        compute_selection_embeddings(embeddings_spec(cfg), sub, out, inputs=inputs)
         work.made("embeddings", key, time.monotonic() - t0)
     else:
         work.reused("embeddings", key)

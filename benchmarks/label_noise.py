@@ -104,12 +104,17 @@ def digits_dataset(out: Path, n_train: int, n_pool: int, n_test: int, seed: int)
 
 def selection_embeddings(cfg, ds, out: Path) -> tuple[list[str], object]:
     """The selection embeddings of every row (fitted on the pool split only), cached in `out`."""
-    from pipeline.embeddings import compute_selection_embeddings, embeddings_key, load_selection_embeddings
+    from pipeline.embeddings import (
+        compute_selection_embeddings,
+        embeddings_key,
+        embeddings_spec,
+        load_selection_embeddings,
+    )
     from pipeline.store import find_valid_manifest
 
     inputs = {"prepared": "label-noise-benchmark"}
-    if find_valid_manifest(out, embeddings_key(cfg, inputs)) is None:
-        compute_selection_embeddings(cfg, ds, out, inputs=inputs)
+    if find_valid_manifest(out, embeddings_key(embeddings_spec(cfg), inputs)) is None:
+        compute_selection_embeddings(embeddings_spec(cfg), ds, out, inputs=inputs)
     return load_selection_embeddings(out)
 
 
@@ -119,7 +124,7 @@ def noisy_labels(cfg, ds, gt: Path, train_ids: list[str], noise: float, work: Pa
     from pipeline.annotation.simulate import sidecar_path
 
     export = work / "artifacts" / "rounds" / "000" / "export"
-    export_selection([{"sample_id": s, "rank": i, "score": 0.0} for i, s in enumerate(train_ids)], ds, cfg, export,
+    export_selection([{"sample_id": s, "rank": i, "score": 0.0} for i, s in enumerate(train_ids)], ds, cfg.annotate, cfg.data.answers, cfg.artifacts, export,
                      round_index=0)
     f = simulate_annotator(export, gt, work / "inbox", round_index=0, noise=noise, seed=cfg.seed)
     ledger = Ledger(work / "labels.jsonl")

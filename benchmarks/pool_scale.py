@@ -206,7 +206,7 @@ def score_child(spec: dict[str, Any]) -> dict[str, Any]:
     from pipeline.model.loading import load_model
     from pipeline.preprocess import load_prepared
     from pipeline.scoring import ClosedSetScorer, concat_scores, load_scores, plan_shards, save_scores
-    from pipeline.strategies import select_batch
+    from pipeline.strategies import Candidates, select_batch
 
     torch.set_num_threads(spec["threads"])
     out = Path(spec["out_dir"])
@@ -231,9 +231,9 @@ def score_child(spec: dict[str, Any]) -> dict[str, Any]:
     rss_scored = _rss_peak_mb()
     t = time.perf_counter()
     scores = concat_scores([load_scores(out / f"{j:06d}") for j in range(len(shards))])
-    sel = select_batch(scores.sample_ids, k=spec["k"], strategy="entropy", diversity=spec["diversity"],
-                       probs=scores.probs, embeddings=scores.embeddings, predicted=scores.probs.argmax(1),
-                       seed=0)
+    cands = Candidates(scores.sample_ids, probs=scores.probs, embeddings=scores.embeddings,
+                       predicted=scores.probs.argmax(1))
+    sel = select_batch(cands, k=spec["k"], strategy="entropy", diversity=spec["diversity"], seed=0)
     select_s = time.perf_counter() - t
     return {
         "rss_mb": round(_rss_peak_mb(), 1),

@@ -52,7 +52,7 @@ def labels_import(
             round_index=import_round(artifacts) if round_index is None else round_index,
             rejections_dir=artifacts / "rejections",
             strict=strict,
-            keys=LabelKeys.from_config(cfg),
+            keys=LabelKeys.from_config(cfg.data),
             dry_run=dry_run,
         )
     out.print(rep.summary())

@@ -181,7 +181,7 @@ def setup_webhook_cmd(
 
     cfg = load(config)
     trigger = _trigger(cfg, "setup-webhook")
-    done = register_webhook(cfg, url or trigger.url, secret_from_env(trigger))
+    done = register_webhook(cfg.annotate, cfg.artifacts, url or trigger.url, secret_from_env(trigger))
     verb = "created" if done["created"] else "updated"
     out_console().print(f"webhook {done['webhook']} {verb} on Label Studio project {done['project']}: it calls "
                         f"{url or trigger.url} on annotation events; run `tamis listen` to receive them",

@@ -20,5 +20,5 @@ def export_ref(cfg: ProjectConfig, *, selection: dict[str, Any], prepared: dict[
                     annotate=cfg.section("annotate"), answers=cfg.data.answers, round_index=round_index,
                     out_dir=str(export_dir(cfg.artifacts, round_index)))
     if cfg.annotate.label_studio is not None:
-        ref = {**ref, "label_studio": push_batch(cfg, ref["dir"])}
+        ref = {**ref, "label_studio": push_batch(cfg.annotate, cfg.artifacts, ref["dir"])}
     return ref

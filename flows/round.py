@@ -53,12 +53,12 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     progress.start("import labels")
     pool, start = rounds.PoolData.of(load_prepared(prep["prepare"]["dir"])), rounds.import_round(art)
     # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
-    imports = pull_labels(cfg, known_ids=pool.index, round_index=start) + import_inbox(
-        art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg))
+    imports = pull_labels(cfg.annotate, cfg.data, art, known_ids=pool.index, round_index=start) + import_inbox(
+        art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg.data))
     agreed = settle_votes(art, cfg.annotate, answers=cfg.data.answers, round_index=start)
     plan = rounds.plan_round(art, rounds.labels_now(art, prep["prepare"]["dir"], pool, round_index=start))
     state = {**plan.state(imports), "annotation_time": annotation_time(art, next_batch=cfg.select.batch_size),
-             "strategy": planned_strategy(cfg, labels=plan.labels, history_dirs=plan.history_dirs(art)),
+             "strategy": planned_strategy(cfg.select, cfg.data.answers, plan.labels, plan.history_dirs(art)),
              "quality_flags": explain_flags(prep["quality"]["info"], cfg.quality)}
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
              report.run_tags(plan.index, rerun=plan.rerun is not None))
@@ -92,7 +92,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
             if rel["count"]:
                 state["relabel_dir"] = rel["dir"]
                 if cfg.annotate.label_studio is not None:
-                    state["label_studio_relabel"] = push_batch(cfg, rel["dir"])
+                    state["label_studio_relabel"] = push_batch(cfg.annotate, cfg.artifacts, rel["dir"])
         state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.answers,
                                       prepared_dir=prep["prepare"]["dir"], round_index=plan.index))
 

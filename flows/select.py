@@ -18,7 +18,7 @@ from flows.ui import detach
 from pipeline import selection as sel
 from pipeline.config import ProjectConfig
 from pipeline.embeddings import EMBEDDINGS_VERSION, embeddings_params, embeddings_stage
-from pipeline.scoring import (
+from pipeline.score_stage import (
     SCORE_VERSION,
     plan_pool_scoring,
     read_pool_file,
@@ -105,7 +105,7 @@ def select_ref(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[st
                               adapter=adapter, space=space, history_dirs=list(history_dirs), batch_size=batch_size)
     refs = score_pool(cfg, prepared=prepared, adapter=adapter, pool_ids=plan.candidates,
                       round_dir=round_dir) if plan.score else []
-    ref = run_stage(select_task, **plan.stage_params(refs))
+    ref = run_stage(select_task, params=plan.stage_params(refs))
     rows = sel.selection_rows(ref)
     create_table_artifact(key="selection", table=sel.selection_table(rows),
                           description=f"Top of the selection ({len(rows)} samples)")

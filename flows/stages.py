@@ -10,6 +10,7 @@ together. docs/architecture.md, "What invalidates what", lists every cause.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -27,9 +28,17 @@ STAGES: dict[str, str] = {}
 RESULT_SERIALIZER = "json"
 
 
+def plain_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A stage that takes one frozen parameters dataclass (pipeline.selection.SelectParams) is keyed on its fields,
+    `asdict()`, as a stage of plain keyword parameters is on those."""
+    if len(params) == 1 and dataclasses.is_dataclass(one := next(iter(params.values()))):
+        return dataclasses.asdict(one)
+    return params
+
+
 def stage_cache_key(stage: str, version: str, params: dict[str, Any]) -> str:
     # Prefect's cache keys are global across tasks and flows, so the stage name is part of the key.
-    return f"{stage}-{version}-{digest_json(params)}"
+    return f"{stage}-{version}-{digest_json(plain_params(params))}"
 
 
 def result_key(stage: str, version: str, params: dict[str, Any]) -> str:
@@ -50,7 +59,8 @@ def stage_task(stage: str, version: str, *, artifacts_param: str = "artifacts", 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def body(**params: Any) -> Any:
-            record_execution(params[artifacts_param], stage, stage_cache_key(stage, version, params), version=version)
+            record_execution(plain_params(params)[artifacts_param], stage, stage_cache_key(stage, version, params),
+                             version=version)
             return fn(**params)
 
         wrapped = task(

@@ -9,6 +9,7 @@ from flows.prepare import augment_ref
 from flows.stages import run_stage, stage_task
 from flows.ui import progress_sink
 from pipeline import report, rounds
+from pipeline.augment import training_rows
 from pipeline.config import ProjectConfig
 from pipeline.evaluate import EVAL_VERSION, evaluate_stage
 from pipeline.metrics import book_metrics
@@ -25,7 +26,7 @@ def train_task(artifacts: str, labeled: dict, augmented: dict | None, model: dic
         return report.StepReporter(total, progress_sink("training-progress", f"training ({total} steps)"),
                                    every=max(1, total // 20))
 
-    return train_stage(artifacts, labeled, augmented, model, train, seed, init_adapter, out_dir,
+    return train_stage(artifacts, training_rows(labeled, augmented), model, train, seed, init_adapter, out_dir,
                        progress=progress)
 
 

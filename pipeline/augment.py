@@ -323,6 +323,20 @@ def load_augmented(folder: str | os.PathLike[str]) -> datasets.Dataset:
     return load_stage_dataset(folder, STAGE)
 
 
+TRAIN_COLUMNS = ["sample_id", "prepared", "question", "answer"]
+
+
+def training_rows(labeled: Mapping[str, Any], augmented: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The train stage's rows (pipeline.model.train_stage): the labeled set (its ref, rounds.labeled_set) and, when
+    the round augments, the augment stage's copies (its ref), in the columns training reads."""
+    import datasets
+
+    rows = list(datasets.load_from_disk(labeled["dataset"]).select_columns(TRAIN_COLUMNS))
+    if augmented is not None:
+        rows += list(load_augmented(augmented["dir"]).select_columns(TRAIN_COLUMNS))
+    return rows
+
+
 def augment_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str, augment: dict[str, Any],
                   seed: int, wordnet: bool) -> dict[str, Any]:
     """The augment stage: copies of the labeled `dataset` in artifacts/augment/<key>/ (or the verified folder

@@ -13,11 +13,13 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from pipeline.config import ModelConfig, PoolEncoderConfig, ProjectConfig, SelectConfig
+from pipeline.config import EmbeddingsConfig, ModelConfig, PoolEncoderConfig, SelectConfig
 from pipeline.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -27,6 +29,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHUNK = 256  # images embedded at a time
+
+
+@dataclass(frozen=True)
+class EmbeddingsSpec:
+    """What the selection-embeddings code reads of a project: select.embeddings, the seed, the base model (the
+    vision tower's), the batch the tower runs at, and the artifacts folder (where a sharded pool keeps its fits).
+    The round's stage is keyed on select.embeddings, the seed and the model (vision_tower) only: it runs the tower
+    at the default batch size, as it always has (the embeddings do not depend on it)."""
+
+    embeddings: EmbeddingsConfig
+    seed: int
+    model: ModelConfig | None = None
+    batch_size: int = SelectConfig.model_fields["score_batch_size"].default
+    artifacts: Path | None = None
+
+    @classmethod
+    def of(cls, select: SelectConfig, *, seed: int, model: ModelConfig | None = None,
+           artifacts: str | Path | None = None) -> EmbeddingsSpec:
+        return cls(select.embeddings, seed, model, select.score_batch_size,
+                   None if artifacts is None else Path(artifacts))
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -61,7 +83,7 @@ class Embedder:
     max_fit_images: int | None = None
 
     @classmethod
-    def from_config(cls, cfg: ProjectConfig) -> Embedder:
+    def from_config(cls, spec: EmbeddingsSpec) -> Embedder:
         raise NotImplementedError
 
     def fit(self, images: Iterable[np.ndarray]) -> Embedder:
@@ -97,8 +119,8 @@ class PixelsEmbedder(Embedder):
         self.scale: np.ndarray | None = None  # [k] standard deviation along each component
 
     @classmethod
-    def from_config(cls, cfg: ProjectConfig) -> PixelsEmbedder:
-        e = cfg.select.embeddings
+    def from_config(cls, spec: EmbeddingsSpec) -> PixelsEmbedder:
+        e = spec.embeddings
         return cls(side=e.pixels_side, dim=e.pca_dim)
 
     def features(self, images: Iterable[np.ndarray]) -> np.ndarray:
@@ -226,8 +248,8 @@ class PoolEncoderEmbedder(Embedder):
         self.losses: list[float] = []
 
     @classmethod
-    def from_config(cls, cfg: ProjectConfig) -> PoolEncoderEmbedder:
-        return cls(cfg.select.embeddings.encoder, seed=cfg.seed)
+    def from_config(cls, spec: EmbeddingsSpec) -> PoolEncoderEmbedder:
+        return cls(spec.embeddings.encoder, seed=spec.seed)
 
     def _tensor(self, batch: np.ndarray) -> torch.Tensor:
         import torch
@@ -330,14 +352,11 @@ class VisionTowerEmbedder(Embedder):
         self._loaded: Any = None
 
     @classmethod
-    def from_config(cls, cfg: ProjectConfig) -> VisionTowerEmbedder:
-        try:
-            batch_size = cfg.select.score_batch_size
-        except ConfigError:
-            # The round's embeddings stage is keyed on select.embeddings only, so it is not given the batch size:
-            # it runs the tower at the default one, as it always has (the embeddings do not depend on it).
-            batch_size = SelectConfig.model_fields["score_batch_size"].default
-        return cls(cfg.model, batch_size=batch_size)
+    def from_config(cls, spec: EmbeddingsSpec) -> VisionTowerEmbedder:
+        if spec.model is None:
+            raise ConfigError("select.embeddings.source 'vision_tower' needs the model section; build the "
+                              "EmbeddingsSpec with model=")
+        return cls(spec.model, batch_size=spec.batch_size)
 
     @property
     def loaded(self) -> Any:
@@ -369,11 +388,11 @@ EMBEDDERS: dict[str, type[Embedder]] = {
 }
 
 
-def make_embedder(cfg: ProjectConfig) -> Embedder:
-    source = cfg.select.embeddings.source
+def make_embedder(spec: EmbeddingsSpec) -> Embedder:
+    source = spec.embeddings.source
     if source not in EMBEDDERS:
         raise ConfigError(f"select.embeddings.source {source!r} has no embedder here: 'model' embeddings come from "
                           f"the scoring pass and 'file' ones are read; fitted sources: {', '.join(EMBEDDERS)}")
-    return EMBEDDERS[source].from_config(cfg)
+    return EMBEDDERS[source].from_config(spec)
 
 

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.codeversion import stage_version
-from pipeline.config import EmbeddingsConfig, ProjectConfig
+from pipeline.config import EmbeddingsConfig, ModelConfig, ProjectConfig
 from pipeline.data.shards import dataset_shards
-from pipeline.embedders import make_embedder
+from pipeline.embedders import EmbeddingsSpec, make_embedder
 from pipeline.errors import ArtifactError, ConfigError, DataError
 from pipeline.idindex import IdIndex
 from pipeline.preprocess import decode_prepared
@@ -198,9 +198,14 @@ def load_file_embeddings(cfg: EmbeddingsConfig, ids: list[str], images: list[str
 
 
 # ------------------------------------------------------------------------------------------------ stage
-def file_inputs(cfg: ProjectConfig) -> dict[str, str]:
+def embeddings_spec(cfg: ProjectConfig) -> EmbeddingsSpec:
+    """A project's EmbeddingsSpec (the sections the embeddings code reads), for callers that hold a whole config."""
+    return EmbeddingsSpec.of(cfg.select, seed=cfg.seed, model=cfg.model, artifacts=cfg.artifacts)
+
+
+def file_inputs(emb: EmbeddingsConfig) -> dict[str, str]:
     """Digests of a file source's embeddings (and ids sidecar): part of every cache key that depends on them."""
-    e = cfg.select.embeddings
+    e = emb
     if e.source != "file" or e.path is None:
         return {}
     path = Path(e.path)
@@ -211,16 +216,16 @@ def file_inputs(cfg: ProjectConfig) -> dict[str, str]:
     return found
 
 
-def _stage_config(cfg: ProjectConfig) -> dict[str, Any]:
-    config: dict[str, Any] = {"embeddings": cfg.select.embeddings.model_dump(mode="json"), "seed": cfg.seed}
-    if cfg.select.embeddings.source == "vision_tower":
-        config["model"] = cfg.section("model")
+def _stage_config(spec: EmbeddingsSpec) -> dict[str, Any]:
+    config: dict[str, Any] = {"embeddings": spec.embeddings.model_dump(mode="json"), "seed": spec.seed}
+    if spec.embeddings.source == "vision_tower":
+        config["model"] = spec.model.model_dump(mode="json") if spec.model is not None else None
     return config
 
 
-def embeddings_key(cfg: ProjectConfig, inputs: dict[str, str]) -> str:
+def embeddings_key(spec: EmbeddingsSpec, inputs: dict[str, str]) -> str:
     """Cache key of `compute_selection_embeddings` for these inputs (a file source's contents included)."""
-    return stage_key(STAGE, EMBEDDINGS_VERSION, {**inputs, **file_inputs(cfg)}, _stage_config(cfg))
+    return stage_key(STAGE, EMBEDDINGS_VERSION, {**inputs, **file_inputs(spec.embeddings)}, _stage_config(spec))
 
 
 def _images(table: datasets.Dataset, rows: Sequence[int] | None = None) -> Iterator[np.ndarray]:
@@ -234,20 +239,20 @@ def _images(table: datasets.Dataset, rows: Sequence[int] | None = None) -> Itera
         yield from (decode_prepared(png) for png in batch)
 
 
-def _fit_rows(cfg: ProjectConfig, embedder: Any, splits: Sequence[str]) -> list[int]:
+def _fit_rows(spec: EmbeddingsSpec, embedder: Any, splits: Sequence[str]) -> list[int]:
     """Rows the embedder is fitted on: the pool split's, a seeded sample of them above its max_fit_images; none for
     an embedder with nothing to fit."""
     if not embedder.needs_fit:
         return []
     pool = [i for i, s in enumerate(splits) if s == "pool"]
     if not pool:
-        raise DataError(f"no rows with split 'pool' to fit the {cfg.select.embeddings.source} embeddings on; the "
+        raise DataError(f"no rows with split 'pool' to fit the {spec.embeddings.source} embeddings on; the "
                         "pool is empty")
     cap = embedder.max_fit_images
     if cap is None or len(pool) <= cap:
         return pool
     log.info("embeddings: fitting on a seeded sample of %d of %d pool images", cap, len(pool))
-    pick = np.random.default_rng(cfg.seed).choice(len(pool), cap, replace=False)
+    pick = np.random.default_rng(spec.seed).choice(len(pool), cap, replace=False)
     return [pool[i] for i in np.sort(pick)]
 
 
@@ -265,14 +270,14 @@ def _embed(embedder: Any, table: datasets.Dataset) -> np.ndarray:
 
 
 def compute_selection_embeddings(
-    cfg: ProjectConfig, prepared: datasets.Dataset, out_dir: str | os.PathLike[str], *, inputs: dict[str, str],
+    spec: EmbeddingsSpec, prepared: datasets.Dataset, out_dir: str | os.PathLike[str], *, inputs: dict[str, str],
 ) -> Manifest:
     """Fit the configured embedder on the pool split's images, embed every row; write embeddings.npy (float32
     [rows, d], dataset order), ids.json (sample IDs) and the manifest into `out_dir`.
 
     Reads only sample_id, split and prepared (image_path for file embeddings keyed by image): never an answer.
     """
-    e = cfg.select.embeddings
+    e = spec.embeddings
     if e.source == "model":
         raise ConfigError("select.embeddings.source is 'model': those embeddings come from the scoring pass of the "
                           "current model; compute_selection_embeddings handles pool, pixels, vision_tower and file")
@@ -294,8 +299,8 @@ def compute_selection_embeddings(
         images = [str(x) for x in column(table, "image_path")] if "image_path" in need else None
         vectors = load_file_embeddings(e, ids, images)
     else:
-        embedder = make_embedder(cfg)
-        fit_rows = _fit_rows(cfg, embedder, column(table, "split"))
+        embedder = make_embedder(spec)
+        fit_rows = _fit_rows(spec, embedder, column(table, "split"))
         if fit_rows:
             embedder.fit(_images(table, fit_rows))
         vectors = _embed(embedder, table)
@@ -309,8 +314,8 @@ def compute_selection_embeddings(
     log.info("embeddings: %s, %d rows × %d dims (fitted on %d pool images) in %.1f s", e.source, len(ids), dim,
              len(fit_rows), seconds)
     return write_manifest(
-        out_dir, stage=STAGE, stage_version=EMBEDDINGS_VERSION, inputs={**inputs, **file_inputs(cfg)},
-        config=_stage_config(cfg), outputs={"embeddings": EMBEDDINGS_FILE, "ids": IDS_FILE},
+        out_dir, stage=STAGE, stage_version=EMBEDDINGS_VERSION, inputs={**inputs, **file_inputs(e)},
+        config=_stage_config(spec), outputs={"embeddings": EMBEDDINGS_FILE, "ids": IDS_FILE},
         info={"source": e.source, "dim": dim, "rows": len(ids), "fit_images": len(fit_rows), "seconds": seconds},
     )
 
@@ -343,15 +348,16 @@ def lookup(ids_all: Sequence[str] | IdIndex, emb_all: np.ndarray, wanted_ids: Se
     return emb_all[rows] if len(rows) else emb_all[:0]
 
 
-def embeddings_params(cfg: Any, prepared: dict[str, Any]) -> dict[str, Any] | None:
+def embeddings_params(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, Any] | None:
     """The selection-embeddings stage's parameters (its cache key), or None when selection uses the model's own
     embeddings. Keyed by the prepared data's content, the embeddings config, the seed, the base model
-    (vision_tower) and the user's file (file), never by the adapter."""
+    (vision_tower) and the user's file (file), never by the adapter. A round's planning function: it reads the
+    select, model, paths and seed sections and hands the stage only what keys it."""
     emb = cfg.select.embeddings
     if emb.source == "model":
         return None
     # Prefect's cache sees only parameters: a changed embeddings file must change them.
-    file_digest = digest_json(file_inputs(cfg)) if emb.source == "file" else None
+    file_digest = digest_json(file_inputs(emb)) if emb.source == "file" else None
     params = {"prepared": prepared, "select": {"embeddings": cfg.section("select")["embeddings"]},
               "model": cfg.section("model") if emb.source == "vision_tower" else None,
               "file_digest": file_digest, "seed": cfg.seed}
@@ -367,16 +373,16 @@ STATE_FILE, VECTORS_FILE = "state.npz", "vectors.npy"
 REFIT_GROWTH = 2.0
 
 
-def _fitted(cfg: ProjectConfig, table: datasets.Dataset, artifacts: Path) -> tuple[Any, dict[str, Any]]:
+def _fitted(spec: EmbeddingsSpec, table: datasets.Dataset, artifacts: Path) -> tuple[Any, dict[str, Any]]:
     """(the embedder, how it was fitted): the project's current fit for this config when the pool has not outgrown
     it (REFIT_GROWTH), else fitted on this pool's sample and made the current one (artifacts/embeddings/fit/)."""
-    embedder = make_embedder(cfg)
+    embedder = make_embedder(spec)
     if not embedder.needs_fit:
         return embedder, {"fit": None}
     splits = column(table, "split")
     pool = sum(1 for s in splits if s == "pool")
     root = artifacts / "embeddings" / "fit"
-    current = root / f"current-{stage_key(FIT_STAGE, EMBEDDINGS_VERSION, {}, _stage_config(cfg))[:16]}.json"
+    current = root / f"current-{stage_key(FIT_STAGE, EMBEDDINGS_VERSION, {}, _stage_config(spec))[:16]}.json"
     if current.is_file():
         was = json.loads(current.read_text(encoding="utf-8"))
         m = find_valid_manifest(was["dir"], was["key"])
@@ -385,10 +391,10 @@ def _fitted(cfg: ProjectConfig, table: datasets.Dataset, artifacts: Path) -> tup
                 embedder.load_state(dict(z))
             return embedder, {"fit": was["key"], "fit_pool": was["pool"], "fit_images": m.info["fit_images"],
                               "fitted_now": False}
-    rows = _fit_rows(cfg, embedder, splits)
+    rows = _fit_rows(spec, embedder, splits)
     ids = column(table, "sample_id")
     inputs = {"fit_ids": digest_json([ids[i] for i in rows])}
-    key = stage_key(FIT_STAGE, EMBEDDINGS_VERSION, inputs, _stage_config(cfg))
+    key = stage_key(FIT_STAGE, EMBEDDINGS_VERSION, inputs, _stage_config(spec))
     out = root / key[:16]
     m = find_valid_manifest(out, key)
     if m is None:
@@ -397,7 +403,7 @@ def _fitted(cfg: ProjectConfig, table: datasets.Dataset, artifacts: Path) -> tup
         np.savez(buf, **embedder.state())
         atomic_write_bytes(out / STATE_FILE, buf.getvalue())
         m = write_manifest(out, stage=FIT_STAGE, stage_version=EMBEDDINGS_VERSION, inputs=inputs,
-                           config=_stage_config(cfg), outputs={"state": STATE_FILE},
+                           config=_stage_config(spec), outputs={"state": STATE_FILE},
                            info={"pool": pool, "fit_images": len(rows)})
     else:
         with np.load(m.path_of("state", out), allow_pickle=False) as z:
@@ -406,13 +412,13 @@ def _fitted(cfg: ProjectConfig, table: datasets.Dataset, artifacts: Path) -> tup
     return embedder, {"fit": key, "fit_pool": pool, "fit_images": len(rows), "fitted_now": True}
 
 
-def _shard_vectors(cfg: ProjectConfig, embedder: Any, fit: str | None, folder: Path, digest: str,
+def _shard_vectors(spec: EmbeddingsSpec, embedder: Any, fit: str | None, folder: Path, digest: str,
                    artifacts: Path, done: list[str]) -> Path:
     """A prepared shard's embeddings (vectors.npy, ids.json), keyed by its content and the fit: computed once."""
     import datasets
 
     inputs = {"dataset": digest, "fit": fit or "none"}
-    key = stage_key(SHARD_STAGE, EMBEDDINGS_VERSION, inputs, _stage_config(cfg))
+    key = stage_key(SHARD_STAGE, EMBEDDINGS_VERSION, inputs, _stage_config(spec))
     out = artifacts / "embeddings" / "shards" / key[:16]
 
     def compute() -> Manifest:
@@ -424,25 +430,28 @@ def _shard_vectors(cfg: ProjectConfig, embedder: Any, fit: str | None, folder: P
         atomic_write_bytes(out / VECTORS_FILE, buf.getvalue())
         atomic_write_json(out / IDS_FILE, column(table, "sample_id"), indent=None)
         return write_manifest(out, stage=SHARD_STAGE, stage_version=EMBEDDINGS_VERSION, inputs=inputs,
-                              config=_stage_config(cfg), outputs={"vectors": VECTORS_FILE, "ids": IDS_FILE},
+                              config=_stage_config(spec), outputs={"vectors": VECTORS_FILE, "ids": IDS_FILE},
                               info={"rows": len(vectors)})
 
     reuse_or_compute(out, key, compute)
     return out
 
 
-def compute_sharded_embeddings(cfg: ProjectConfig, prepared: datasets.Dataset, shards: list[tuple[str, Path, str]],
+def compute_sharded_embeddings(spec: EmbeddingsSpec, prepared: datasets.Dataset, shards: list[tuple[str, Path, str]],
                                out_dir: str | os.PathLike[str], *, inputs: dict[str, str]) -> Manifest:
     """compute_selection_embeddings for a prepared dataset made of shards (pipeline.data.shards): the fitted
     embedder is kept (_fitted), each shard embedded once, and the stage's embeddings.npy assembled from them, so
     new images cost their own embedding plus a copy of the rest. The same vectors as the whole-dataset stage while
     the pool has not grown; after that, the space of the fit it kept."""
-    out_dir, artifacts = Path(out_dir), Path(cfg.artifacts)
+    if spec.artifacts is None:
+        raise ConfigError("sharded selection embeddings keep their fits under the artifacts folder; build the "
+                          "EmbeddingsSpec with artifacts=")
+    out_dir, artifacts = Path(out_dir), spec.artifacts
     t0 = time.perf_counter()
     table = prepared.select_columns(["sample_id", "split", "prepared"])
-    embedder, fit = _fitted(cfg, table, artifacts)
+    embedder, fit = _fitted(spec, table, artifacts)
     done: list[str] = []
-    parts = [_shard_vectors(cfg, embedder, fit["fit"], folder, digest, artifacts, done) for _, folder, digest in shards]
+    parts = [_shard_vectors(spec, embedder, fit["fit"], folder, digest, artifacts, done) for _, folder, digest in shards]
     arrays = [np.load(p / VECTORS_FILE, mmap_mode="r", allow_pickle=False) for p in parts]
     ids = [s for p in parts for s in json.loads((p / IDS_FILE).read_text(encoding="utf-8"))]
     if len(set(ids)) != len(ids):
@@ -459,12 +468,12 @@ def compute_sharded_embeddings(cfg: ProjectConfig, prepared: datasets.Dataset, s
     atomic_write_stream(out_dir / EMBEDDINGS_FILE, write, f"{len(ids):,} × {dim} embeddings")
     atomic_write_json(out_dir / IDS_FILE, ids, indent=None)
     seconds = round(time.perf_counter() - t0, 3)
-    log.info("embeddings: %s, %d rows × %d dims, %d of %d shards embedded (%s) in %.1f s", cfg.select.embeddings.source,
+    log.info("embeddings: %s, %d rows × %d dims, %d of %d shards embedded (%s) in %.1f s", spec.embeddings.source,
              len(ids), dim, len(done), len(shards), "fitted now" if fit.get("fitted_now") else "fit kept", seconds)
     return write_manifest(
-        out_dir, stage=STAGE, stage_version=EMBEDDINGS_VERSION, inputs=inputs, config=_stage_config(cfg),
+        out_dir, stage=STAGE, stage_version=EMBEDDINGS_VERSION, inputs=inputs, config=_stage_config(spec),
         outputs={"embeddings": EMBEDDINGS_FILE, "ids": IDS_FILE},
-        info={"source": cfg.select.embeddings.source, "dim": dim, "rows": len(ids), "seconds": seconds,
+        info={"source": spec.embeddings.source, "dim": dim, "rows": len(ids), "seconds": seconds,
               "shards": len(shards), "shards_computed": len(done), **fit},
     )
 
@@ -473,18 +482,18 @@ def embeddings_stage(artifacts: str, prepared: dict[str, Any], select: dict[str,
                      file_digest: str | None, seed: int, out_dir: str) -> dict[str, Any]:
     """The selection-embeddings stage: fitted on the pool's images only, written to `out_dir` (or reused there);
     on a sharded dataset, per shard (compute_sharded_embeddings)."""
-    from pipeline.config import StageConfig
     from pipeline.preprocess import load_prepared
 
-    cfg = StageConfig({"select": select, "seed": seed, **({"model": model} if model else {})}, artifacts=artifacts)
+    spec = EmbeddingsSpec(EmbeddingsConfig.model_validate(select["embeddings"]), int(seed),
+                          ModelConfig.model_validate(model) if model else None, artifacts=Path(artifacts))
     inputs = {"prepared": prepared["digest"]}
     dataset, _ = stage_dataset(prepared)
-    shards = dataset_shards(dataset) if cfg.select.embeddings.source != "file" else None
+    shards = dataset_shards(dataset) if spec.embeddings.source != "file" else None
 
     def compute() -> Manifest:
         if shards is None:
-            return compute_selection_embeddings(cfg, load_prepared(prepared["dir"]), out_dir, inputs=inputs)
-        return compute_sharded_embeddings(cfg, load_prepared(prepared["dir"]), shards, out_dir, inputs=inputs)
+            return compute_selection_embeddings(spec, load_prepared(prepared["dir"]), out_dir, inputs=inputs)
+        return compute_sharded_embeddings(spec, load_prepared(prepared["dir"]), shards, out_dir, inputs=inputs)
 
-    m = reuse_or_compute(out_dir, embeddings_key(cfg, inputs), compute)
+    m = reuse_or_compute(out_dir, embeddings_key(spec, inputs), compute)
     return {"dir": out_dir, "digest": m.key}

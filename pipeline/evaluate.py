@@ -5,8 +5,6 @@ The metrics log and learning curve live in pipeline/metrics.py, the project stat
 
 from __future__ import annotations
 
-import re
-import string
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -14,15 +12,7 @@ from typing import Any
 
 from pipeline.codeversion import stage_version
 from pipeline.errors import DataError
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = str.maketrans("", "", string.punctuation)
-
-
-def normalize_answer(s: str | None) -> str:
-    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
-    s = (s or "").lower().translate(_PUNCT)
-    return " ".join(_ARTICLES.sub(" ", s).split())
+from pipeline.meaning import normalize_answer  # noqa: F401 (re-exported: the metrics' normalisation)
 
 
 def _pairs(preds: Sequence[str | None], refs: Sequence[str]) -> None:

@@ -8,17 +8,26 @@ answers of more than `SHORT_WORDS` words group only when they normalise to the s
 
 from __future__ import annotations
 
+import re
+import string
 from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.evaluate import normalize_answer
-
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = str.maketrans("", "", string.punctuation)
 SHORT_WORDS = 8  # answers up to here are compared as short answers (every word read, numbers folded)
 
 _NUMBERS = {w: str(i) for i, w in enumerate(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
     "seventeen eighteen nineteen twenty".split())}
+
+
+def normalize_answer(s: str | None) -> str:
+    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces (pipeline.evaluate's metrics
+    compare answers after it too)."""
+    s = (s or "").lower().translate(_PUNCT)
+    return " ".join(_ARTICLES.sub(" ", s).split())
 
 
 def meaning_key(text: str | None) -> str:

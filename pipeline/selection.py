@@ -2,26 +2,31 @@
 selection space, the labeled set, what may not be picked, the uncertainty history, and the round's phase.
 
 No Prefect here: flows/select.py orders the stages; `plan_selection` writes the round's ID files and returns the
-select stage's parameters, `select_stage` is that stage's body (load, `select_round`, write).
+select stage's parameters (one SelectParams), `select_stage` is that stage's body (load, `select_round`, write).
+The round's phase travels as a typed `Phase` (pipeline.strategies.schedule) and the candidates of a step as one
+`Candidates` (pipeline.strategies.pool); both become JSON only where they are written.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline.codeversion import stage_version
-from pipeline.config import SelectConfig
+from pipeline.config import ProjectConfig, SelectConfig
 from pipeline.errors import SelectionError
 from pipeline.idindex import IdIndex
 from pipeline.store import atomic_write_jsonl, digest_file, digest_json, read_jsonl, write_manifest
-from pipeline.strategies import get_heuristic, get_selector, select_batch
+from pipeline.strategies import Candidates, Selection, get_heuristic, get_selector, select_batch
 from pipeline.strategies.schedule import Phase, choose_phase, newest_label_accuracy, strategy_label
+
+if TYPE_CHECKING:
+    from pipeline.strategies.candidates import CandidateSet
 
 SELECT_VERSION = stage_version("3", "pipeline.selection")
 UNCERTAINTY_FILE = "uncertainty.json"
@@ -126,70 +131,48 @@ def select_round(
     history: list[dict[str, float]],
     cold_start: bool,
     seed: int,
-    phase: Mapping[str, str] | None = None,
+    phase: Phase | None = None,
     seconds: Mapping[str, float] | None = None,
 ) -> RoundSelection:
     """Pick the round's batch.
 
     `scores` (a ScoreResult, row-aligned with its own sample_ids) may be None only at a cold start, with `space`
     giving the embeddings; then `candidate_ids` are the candidates. Embeddings for diversity, coverage and outliers
-    come from `space` when given, else from the scores. `phase` ({strategy, diversity}) overrides the configured
-    pair after the cold start (the schedule's choice). `seconds` (recorded seconds per labeled sample) feed the
-    cost model when `select.cost` is predicted (`round_cost`).
+    come from `space` when given, else from the scores. `phase` (the schedule's choice) overrides the configured
+    strategy × diversity after the cold start. `seconds` (recorded seconds per labeled sample) feed the cost model
+    when `select.cost` is predicted (`round_cost`).
     """
-    from pipeline.strategies.outliers import find_outliers
-
     labeled = set(labeled)
-    exclude = set(exclude)
     if scores is None and (space is None or not cold_start):
         raise SelectionError("select: a round after the cold start needs the pool's scores; score the pool first")
     ids = list(scores.sample_ids) if scores is not None else sorted(candidate_ids)
     emb = space.rows(ids) if space is not None else (scores.embeddings if scores is not None else None)
     out = RoundSelection([], "", "")
-    if not cold_start and scores is not None and (u := pool_uncertainty(scores)) is not None:
-        pool = [i for i, s in enumerate(ids) if s not in labeled]
-        out.uncertainty = ([ids[i] for i in pool], u[pool])
-    downweight: list[str] = []
-    if not cold_start and emb is not None:
-        report = find_outliers(ids, emb, history, labeled_ids=labeled, k=sel_cfg.outlier_neighbors,
-                               z_threshold=sel_cfg.outlier_z, min_rounds=sel_cfg.uncertain_rounds,
-                               policy=sel_cfg.outliers)
-        out.outliers = report.rows()
-        out.info["outliers"] = {"flagged": len(out.outliers), "far": int(report.far.sum()),
-                                "persistent": int(report.persistent.sum()), "policy": sel_cfg.outliers}
-        if sel_cfg.outliers == "exclude":
-            exclude |= {r["sample_id"] for r in out.outliers}
-        elif sel_cfg.outliers == "downweight":
-            downweight = [r["sample_id"] for r in out.outliers]
-    if cold_start:
-        strategy, diversity = cold_start_choice(sel_cfg.cold_start)
-        probs = None
-    else:
-        strategy = (phase or {}).get("strategy", sel_cfg.strategy)
-        diversity = (phase or {}).get("diversity", sel_cfg.diversity)
-        probs = heuristic_input(scores, strategy)
-        heuristic = get_heuristic(strategy)
-        if probs is None and heuristic.input != "none":
-            raise SelectionError(f"select.strategy {strategy!r} needs {heuristic.requires}; the pool was scored "
-                                 f"with {sel_cfg.mc_dropout_passes} MC passes")
-    predicted = scores.probs.argmax(1) if scores is not None and scores.probs is not None else None
+    exclude, downweight = set(exclude), []
+    if not cold_start:
+        out.uncertainty = _pool_uncertainty(scores, ids, labeled)
+        if emb is not None:
+            flagged = _flag_outliers(sel_cfg, out, ids, emb, history, labeled)
+            exclude |= set(flagged) if sel_cfg.outliers == "exclude" else set()
+            downweight = flagged if sel_cfg.outliers == "downweight" else []
+    strategy, diversity, probs = round_pair(sel_cfg, scores, cold_start=cold_start, phase=phase)
     costs, cost_x, cost_model = (None, None, None) if cold_start else round_cost(
         sel_cfg, ids=ids, emb=emb, scores=scores, labeled=labeled, seconds=seconds, seed=seed)
-    selection = select_step(ids, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, seed=seed,
-                            labeled=labeled, exclude=exclude, probs=probs, predicted=predicted, space=space,
-                            embeddings=emb, n_classes=len(answers) if answers else None, downweight=downweight,
-                            downweight_weight=sel_cfg.outlier_weight, costs=costs)
+    cands = Candidates(ids, probs=probs, embeddings=emb, labeled_embeddings=labeled_rows(labeled, ids, emb, space),
+                       predicted=scores.probs.argmax(1) if scores is not None and scores.probs is not None else None,
+                       exclude=exclude | labeled, costs=costs)
+    selection = select_batch(cands, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, seed=seed,
+                             options=selector_options(diversity, len(answers) if answers else None),
+                             downweight=downweight, downweight_weight=sel_cfg.outlier_weight)
     if cost_model is not None:
         from pipeline.strategies.cost import forecast_hours
 
         out.info["cost"] = {**cost_model.report, "next_batch": len(selection.positions),
                             "next_batch_hours": round(forecast_hours(cost_model, cost_x[selection.positions]), 4)}
-    if scores is not None:
-        predicted_answer, confidence = predictions(scores, answers)
-    else:
-        predicted_answer, confidence = [None] * len(ids), [None] * len(ids)
+    predicted_answer, confidence = predictions(scores, answers) if scores is not None else ([None] * len(ids),) * 2
     # `strategy` / `diversity` are the heuristic and selector that ran; `round_strategy` the round's one name.
-    label = strategy_label(sel_cfg.cold_start, sel_cfg.strategy, sel_cfg.diversity, cold=cold_start, phase=phase)
+    label = strategy_label(sel_cfg.cold_start, sel_cfg.strategy, sel_cfg.diversity, cold=cold_start,
+                           phase=phase.as_dict() if phase is not None else None)
     for row, i in zip(selection.rows(), selection.positions, strict=True):
         out.rows.append({**row, "rank": row["rank"] - 1, "prediction": predicted_answer[i],
                          "confidence": confidence[i], "scores": {strategy: row["score"]}, "round_strategy": label})
@@ -200,6 +183,64 @@ def select_round(
     if getattr(selection, "info", None):
         out.info["selector"] = selection.info
     return out
+
+def _pool_uncertainty(scores: Any, ids: list[str], labeled: set[str]) -> tuple[list[str], np.ndarray] | None:
+    """The unlabeled samples' uncertainty (pool_uncertainty), for later rounds' outlier history."""
+    if scores is None or (u := pool_uncertainty(scores)) is None:
+        return None
+    pool = [i for i, s in enumerate(ids) if s not in labeled]
+    return [ids[i] for i in pool], u[pool]
+
+
+def _flag_outliers(sel_cfg: SelectConfig, out: RoundSelection, ids: list[str], emb: np.ndarray,
+                   history: list[dict[str, float]], labeled: set[str]) -> list[str]:
+    """The samples find_outliers flags (far from the labels and persistently uncertain), recorded in `out`; what
+    happens to them (select.outliers) is the caller's."""
+    from pipeline.strategies.outliers import find_outliers
+
+    report = find_outliers(ids, emb, history, labeled_ids=labeled, k=sel_cfg.outlier_neighbors,
+                           z_threshold=sel_cfg.outlier_z, min_rounds=sel_cfg.uncertain_rounds, policy=sel_cfg.outliers)
+    out.outliers = report.rows()
+    out.info["outliers"] = {"flagged": len(out.outliers), "far": int(report.far.sum()),
+                            "persistent": int(report.persistent.sum()), "policy": sel_cfg.outliers}
+    return [r["sample_id"] for r in out.outliers]
+
+
+def round_pair(sel_cfg: SelectConfig, scores: Any | None, *, cold_start: bool,
+               phase: Phase | None) -> tuple[str, str, np.ndarray | None]:
+    """(strategy, diversity, the array the heuristic reads) of a round: the cold-start pair, else the phase's (the
+    schedule's choice), else the configured one."""
+    if cold_start:
+        return (*cold_start_choice(sel_cfg.cold_start), None)
+    strategy = phase.strategy if phase is not None else sel_cfg.strategy
+    diversity = phase.diversity if phase is not None else sel_cfg.diversity
+    probs = heuristic_input(scores, strategy)
+    heuristic = get_heuristic(strategy)
+    if probs is None and heuristic.input != "none":
+        raise SelectionError(f"select.strategy {strategy!r} needs {heuristic.requires}; the pool was scored "
+                             f"with {sel_cfg.mc_dropout_passes} MC passes")
+    return strategy, diversity, probs
+
+
+def labeled_rows(labeled: Collection[str], ids: Sequence[str], emb: np.ndarray | None,
+                 space: Space | None) -> np.ndarray | None:
+    """The labeled samples' embeddings (Candidates.labeled_embeddings): from `space` when given, else the rows of
+    `emb` (row-aligned with `ids`) that are labeled; None without embeddings or labels. A caller that gives its own
+    `emb` passes no space: the labeled rows must share the candidates' space."""
+    if not labeled or emb is None:
+        return None
+    if space is not None:
+        return space.rows(sorted(labeled))
+    at = {s: i for i, s in enumerate(ids)}
+    rows = [at[s] for s in sorted(labeled) if s in at]
+    return emb[rows] if rows else None
+
+
+def selector_options(diversity: str, n_classes: int | None, options: Mapping[str, Any] | None = None) -> dict:
+    """The round's facts a selector asks for (`Selector.wants`, e.g. n_classes), unless `options` sets them;
+    unknown facts are left out."""
+    facts = {"n_classes": n_classes}
+    return {**{f: facts[f] for f in get_selector(diversity).wants if facts.get(f) is not None}, **(options or {})}
 
 
 def round_cost(sel_cfg: SelectConfig, *, ids: Sequence[str], emb: np.ndarray | None, scores: Any | None,
@@ -226,6 +267,31 @@ def uncertainty_history(round_dirs: Sequence[Path]) -> list[dict[str, str]]:
     return [{"path": str(f), "digest": digest_file(f)} for f in files if f.is_file()]
 
 
+@dataclass(frozen=True)
+class SelectParams:
+    """The select stage's parameters, built by plan_selection; its cache key is their `asdict()`. The ID files
+    (candidates, exclusions, labeled) are too long to be parameters: their digests key the stage on them."""
+
+    artifacts: str
+    select: dict[str, Any]  # the select section as JSON data (batch_size cut to what the label budget leaves)
+    answers: list[str] | None
+    candidates_digest: str
+    exclude_digest: str
+    exclude_path: str
+    labeled_path: str
+    pool_path: str
+    history: list[dict[str, str]]  # earlier rounds' uncertainty files (uncertainty_history)
+    cold_start: bool
+    phase: Phase | None
+    space: dict[str, Any] | None  # the selection-embeddings stage's ref; None = the model's own embeddings
+    adapter_digest: str | None
+    seed: int
+    out_dir: str
+    candidates: dict[str, Any] | None = None  # how a restricted (or auto) round's candidates were chosen
+    seconds: dict[str, str] | None = None  # {path, digest} of the labeled samples' seconds (select.cost: predicted)
+    shard_refs: list[dict[str, Any]] = field(default_factory=list)  # the pool's score shards, added once scored
+
+
 @dataclass
 class SelectionPlan:
     """What the select stage of a round needs: the candidates to score (pool + labeled samples, whose embeddings
@@ -233,37 +299,40 @@ class SelectionPlan:
 
     candidates: list[str]
     score: bool  # a cold start in a non-model selection space scores nothing
-    params: dict[str, Any]  # select stage parameters, all but shard_refs
+    params: SelectParams  # all but shard_refs
 
-    def stage_params(self, shard_refs: list[dict[str, Any]]) -> dict[str, Any]:
-        return {**self.params, "shard_refs": shard_refs}
+    def stage_params(self, shard_refs: list[dict[str, Any]]) -> SelectParams:
+        return replace(self.params, shard_refs=shard_refs)
 
 
-def round_phase_of(cfg: Any, *, labels: Mapping[str, str], history_dirs: Sequence[Path]) -> dict[str, str]:
+def round_phase_of(select: SelectConfig, answers: list[str] | None, *, labels: Mapping[str, str],
+                   history_dirs: Sequence[Path]) -> Phase:
     """round_phase for a round after the cold start, from earlier rounds' selection files (`history_dirs`): known
     before the round trains, so its metrics and its selection name the same phase."""
     previous = [read_jsonl(f) for d in history_dirs if (f := Path(d) / "selection" / SELECTION_FILE).is_file()]
-    return round_phase(cfg.select, labels=labels, n_classes=len(cfg.data.answers) if cfg.data.answers else None,
-                       previous_selections=previous).as_dict()
+    return round_phase(select, labels=labels, n_classes=len(answers) if answers else None,
+                       previous_selections=previous)
 
 
-def planned_strategy(cfg: Any, *, labels: Mapping[str, str], history_dirs: Sequence[Path]) -> str:
+def planned_strategy(select: SelectConfig, answers: list[str] | None, labels: Mapping[str, str],
+                     history_dirs: Sequence[Path]) -> str:
     """The round's one strategy name (strategy_label) before it trains: a cold start without labels, else its phase
     (round_phase_of), so the metrics booked after training and the selection made after it carry the same name."""
-    phase = round_phase_of(cfg, labels=labels, history_dirs=history_dirs) if labels else None
-    return strategy_label(cfg.select.cold_start, cfg.select.strategy, cfg.select.diversity, cold=not labels,
-                          phase=phase)
+    phase = round_phase_of(select, answers, labels=labels, history_dirs=history_dirs).as_dict() if labels else None
+    return strategy_label(select.cold_start, select.strategy, select.diversity, cold=not labels, phase=phase)
 
 
-def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclude: Collection[str],
+def plan_selection(cfg: ProjectConfig, *, round_dir: Path, pool_ids: Sequence[str], exclude: Collection[str],
                    labels: Mapping[str, str], adapter: dict[str, Any] | None, space: dict[str, Any] | None,
                    history_dirs: Sequence[Path], batch_size: int | None = None) -> SelectionPlan:
     """Plan the select stage of the round in `round_dir`: writes its candidate, exclusion and labeled ID files (they
     are too long to be parameters), and decides the round's phase from earlier rounds' selections. `batch_size`:
-    the batch the label budget leaves (rounds.budget_batch), when below select.batch_size."""
+    the batch the label budget leaves (rounds.budget_batch), when below select.batch_size. A round's planning
+    function: it reads the select, data, paths and seed sections, and hands the stage only its SelectParams."""
     labeled_ids = sorted(labels) if adapter is not None else []
-    phase = round_phase_of(cfg, labels=labels, history_dirs=history_dirs) if adapter is not None else None
-    from pipeline.strategies.candidates import candidates_choice
+    answers = cfg.data.answers
+    phase = round_phase_of(cfg.select, answers, labels=labels, history_dirs=history_dirs) if adapter else None
+    from pipeline.strategies.candidates import candidates_choice  # its module imports the embeddings' lookup
 
     restricted = choice = None
     if adapter is not None:
@@ -271,8 +340,9 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
         choice = candidates_choice(cfg.select.candidates, eligible=len(pool_ids),
                                    embeddings_source=cfg.select.embeddings.source)
         if choice.method == "restrict":
-            restricted = restrict_candidates(cfg, pool_ids=pool_ids, labeled_ids=labeled_ids, space=space,
-                                             phase=phase)
+            restricted = restrict_candidates(cfg.select, n_classes=len(answers) if answers else None, seed=cfg.seed,
+                                             cache_dir=Path(cfg.artifacts) / "candidates", pool_ids=pool_ids,
+                                             labeled_ids=labeled_ids, space=space, phase=phase)
     candidates = sorted(set(restricted.ids if restricted is not None else pool_ids) | set(labeled_ids))
     pool_path, exclude_path, labeled_path = (round_dir / "candidates.jsonl", round_dir / "exclude.jsonl",
                                              round_dir / "labeled_ids.jsonl")
@@ -284,21 +354,20 @@ def plan_selection(cfg: Any, *, round_dir: Path, pool_ids: Sequence[str], exclud
     select = cfg.section("select")
     if batch_size is not None and batch_size < select["batch_size"]:
         select["batch_size"] = batch_size  # the key moves only for a cut batch: other rounds keep theirs
-    params = dict(artifacts=str(cfg.artifacts), select=select, answers=cfg.data.answers,
-                  candidates_digest=digest_json(candidates),
-                  exclude_digest=digest_json(exclude_rows), exclude_path=str(exclude_path),
-                  labeled_path=str(labeled_path), pool_path=str(pool_path),
-                  history=uncertainty_history(list(history_dirs)), cold_start=adapter is None, phase=phase,
-                  space=space, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
-                  out_dir=str(round_dir / "selection"))
+    how = None
     if restricted is not None:
-        params["candidates"] = {**restricted.info, "method": "restrict", "scored": len(candidates), "reason": choice.reason}
+        how = {**restricted.info, "method": "restrict", "scored": len(candidates), "reason": choice.reason}
     elif choice is not None and cfg.select.candidates.method == "auto":
-        # Said only for auto: a project that asked for all scores every eligible sample and keeps its select key.
-        params["candidates"] = {"method": "all", "eligible": len(pool_ids), "scored": len(candidates),
-                                "reason": choice.reason}
-    if cfg.select.cost == "predicted" and adapter is not None:
-        params["seconds"] = labeled_seconds(cfg.artifacts, round_dir, labeled_ids)
+        # Said only for auto: a project that asked for all scores every eligible sample.
+        how = {"method": "all", "eligible": len(pool_ids), "scored": len(candidates), "reason": choice.reason}
+    seconds = labeled_seconds(cfg.artifacts, round_dir, labeled_ids) if (
+        cfg.select.cost == "predicted" and adapter is not None) else None
+    params = SelectParams(artifacts=str(cfg.artifacts), select=select, answers=answers,
+                          candidates_digest=digest_json(candidates), exclude_digest=digest_json(exclude_rows),
+                          exclude_path=str(exclude_path), labeled_path=str(labeled_path), pool_path=str(pool_path),
+                          history=uncertainty_history(list(history_dirs)), cold_start=adapter is None, phase=phase,
+                          space=space, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
+                          out_dir=str(round_dir / "selection"), candidates=how, seconds=seconds)
     return SelectionPlan(candidates, adapter is not None or space is None, params)
 
 
@@ -318,10 +387,11 @@ def coverage_picker(strategy: str, diversity: str, *, space: Space, labeled: Col
     return diversity, pick
 
 
-def restrict_candidates(cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Sequence[str],
-                        space: dict[str, Any] | None, phase: Mapping[str, str] | None = None) -> Any:
+def restrict_candidates(select: SelectConfig, *, n_classes: int | None, seed: int, cache_dir: Path,
+                        pool_ids: Sequence[str], labeled_ids: Sequence[str], space: dict[str, Any] | None,
+                        phase: Phase | None = None) -> CandidateSet:
     """The round's candidates under `select.candidates: restrict`, from the selection-embeddings stage `space`
-    (pipeline.strategies.candidates); its k-means labels are cached under artifacts/candidates/."""
+    (pipeline.strategies.candidates); its k-means labels are cached under `cache_dir` (artifacts/candidates/)."""
     from pipeline.embeddings import load_selection_embeddings
     from pipeline.strategies.candidates import round_candidates
 
@@ -329,13 +399,12 @@ def restrict_candidates(cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Seque
         raise SelectionError("select.candidates: restrict needs the selection-embeddings stage; set select.embeddings "
                              "to pool, pixels, vision_tower or file")
     ids, emb = load_selection_embeddings(space["dir"])
-    coverage = coverage_picker((phase or {}).get("strategy", cfg.select.strategy),
-                               (phase or {}).get("diversity", cfg.select.diversity),
-                               space=Space(ids, emb, cfg.select.embeddings.source), labeled=labeled_ids,
-                               n_classes=len(cfg.data.answers) if cfg.data.answers else None)
-    return round_candidates(cfg.select, pool_ids=pool_ids, labeled_ids=labeled_ids, space_ids=ids, space_emb=emb,
-                            seed=cfg.seed, cache_dir=Path(cfg.artifacts) / "candidates", space_digest=space["digest"],
-                            coverage=coverage)
+    coverage = coverage_picker(phase.strategy if phase is not None else select.strategy,
+                               phase.diversity if phase is not None else select.diversity,
+                               space=Space(ids, emb, select.embeddings.source), labeled=labeled_ids,
+                               n_classes=n_classes)
+    return round_candidates(select, pool_ids=pool_ids, labeled_ids=labeled_ids, space_ids=ids, space_emb=emb,
+                            seed=seed, cache_dir=cache_dir, space_digest=space["digest"], coverage=coverage)
 
 
 def labeled_seconds(artifacts: Any, round_dir: Path, labeled_ids: Sequence[str]) -> dict[str, str]:
@@ -351,32 +420,28 @@ def labeled_seconds(artifacts: Any, round_dir: Path, labeled_ids: Sequence[str])
     return {"path": str(path), "digest": digest_json(rows)}
 
 
-def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[str, Any], answers: list[str] | None,
-                 candidates_digest: str, exclude_digest: str, exclude_path: str, labeled_path: str, pool_path: str,
-                 history: list[dict[str, str]], cold_start: bool, phase: dict[str, str] | None,
-                 space: dict[str, Any] | None, adapter_digest: str | None, seed: int, out_dir: str,
-                 candidates: dict[str, Any] | None = None, seconds: dict[str, str] | None = None) -> dict[str, Any]:
-    """The select stage: the round's batch from its scores (and selection space) into `out_dir`. `candidates`: how
-    a restricted round's candidates were chosen (recorded in the manifest and the returned ref), None = all;
-    `seconds` ({path, digest} of the labeled samples' recorded seconds) when select.cost is predicted."""
+def select_stage(params: SelectParams) -> dict[str, Any]:
+    """The select stage: the round's batch from its scores (and selection space) into `params.out_dir`. A restricted
+    round's `params.candidates` (how they were chosen) is recorded in the manifest and the returned ref."""
     from pipeline.embeddings import load_selection_embeddings
     from pipeline.scoring import concat_scores, load_scores
     from pipeline.strategies.outliers import read_uncertainty_history, write_uncertainty
 
-    sel_cfg = SelectConfig.model_validate(select)
-    scores = concat_scores([load_scores(r["dir"]) for r in shard_refs]) if shard_refs else None
-    sp = Space(*load_selection_embeddings(space["dir"]), source=sel_cfg.embeddings.source) if space else None
-    labeled = sorted(r["sample_id"] for r in read_jsonl(labeled_path))
+    p = params
+    sel_cfg = SelectConfig.model_validate(p.select)
+    scores = concat_scores([load_scores(r["dir"]) for r in p.shard_refs]) if p.shard_refs else None
+    sp = Space(*load_selection_embeddings(p.space["dir"]), source=sel_cfg.embeddings.source) if p.space else None
+    labeled = sorted(r["sample_id"] for r in read_jsonl(p.labeled_path))
     result = select_round(
-        sel_cfg, candidate_ids=[r["sample_id"] for r in read_jsonl(pool_path)], scores=scores, space=sp,
-        labeled=set(labeled), exclude={r["sample_id"] for r in read_jsonl(exclude_path)}, answers=answers,
-        history=read_uncertainty_history([h["path"] for h in history]), cold_start=cold_start, seed=seed,
-        phase=phase, seconds={r["sample_id"]: float(r["seconds"]) for r in read_jsonl(seconds["path"])} if seconds
-        else None,
+        sel_cfg, candidate_ids=[r["sample_id"] for r in read_jsonl(p.pool_path)], scores=scores, space=sp,
+        labeled=set(labeled), exclude={r["sample_id"] for r in read_jsonl(p.exclude_path)}, answers=p.answers,
+        history=read_uncertainty_history([h["path"] for h in p.history]), cold_start=p.cold_start, seed=p.seed,
+        phase=p.phase, seconds={r["sample_id"]: float(r["seconds"]) for r in read_jsonl(p.seconds["path"])}
+        if p.seconds else None,
     )
-    if candidates is not None:
-        result.info["candidates"] = candidates
-    out = Path(out_dir)
+    if p.candidates is not None:
+        result.info["candidates"] = p.candidates
+    out = Path(p.out_dir)
     outputs = {"selection": SELECTION_FILE}
     if result.uncertainty is not None:
         write_uncertainty(out / UNCERTAINTY_FILE, *result.uncertainty)
@@ -384,15 +449,16 @@ def select_stage(artifacts: str, shard_refs: list[dict[str, Any]], select: dict[
     if result.outliers is not None:
         atomic_write_jsonl(out / OUTLIERS_FILE, result.outliers)
         outputs["outliers"] = OUTLIERS_FILE
-    atomic_write_jsonl(out / SELECTION_FILE, [{**r, "adapter_digest": adapter_digest} for r in result.rows])
+    atomic_write_jsonl(out / SELECTION_FILE, [{**r, "adapter_digest": p.adapter_digest} for r in result.rows])
+    phase = p.phase.as_dict() if p.phase is not None else None  # round.json and the manifest hold it as JSON
     m = write_manifest(out, stage="select", stage_version=SELECT_VERSION,
-                       inputs={"scores": digest_json([r["digest"] for r in shard_refs]), "exclude": exclude_digest,
-                               "candidates": candidates_digest,
-                               "labeled": digest_json(labeled), "space": (space or {}).get("digest", "model"),
-                               "history": digest_json([h["digest"] for h in history]),
-                               **({"seconds": seconds["digest"]} if seconds else {})},
-                       config={**select, "phase": phase}, outputs=outputs, info={**result.info, "phase": phase})
-    return {"dir": out_dir, "digest": m.key, **{k: v for k, v in result.info.items() if k != "selector"},
+                       inputs={"scores": digest_json([r["digest"] for r in p.shard_refs]),
+                               "exclude": p.exclude_digest, "candidates": p.candidates_digest,
+                               "labeled": digest_json(labeled), "space": (p.space or {}).get("digest", "model"),
+                               "history": digest_json([h["digest"] for h in p.history]),
+                               **({"seconds": p.seconds["digest"]} if p.seconds else {})},
+                       config={**p.select, "phase": phase}, outputs=outputs, info={**result.info, "phase": phase})
+    return {"dir": p.out_dir, "digest": m.key, **{k: v for k, v in result.info.items() if k != "selector"},
             "phase": phase}
 
 
@@ -423,34 +489,21 @@ def select_step(
     downweight: Collection[str] = (),
     downweight_weight: float = 0.5,
     costs: np.ndarray | None = None,
-) -> Any:
-    """One selection step on arrays: `k` of `candidate_ids` (minus `labeled` and `exclude`) picked by `strategy` ×
-    `diversity`; `select_round` ends with it, and a caller that holds its own scores (a benchmark's learner) calls
-    it directly.
+) -> Selection:
+    """select_batch for a caller that holds a labeled set and a Space rather than the Candidates (a benchmark's
+    learner, coverage_picker): a thin wrapper that builds them as select_round does.
 
-    `probs` (what the heuristic reads, `heuristic_input`) and `predicted` are row-aligned with `candidate_ids`;
-    embeddings are `embeddings` (row-aligned), else `space`'s rows; the labeled samples' embeddings (from `space`
-    when given) seed k-center and count as covered for the coverage selectors. The round's facts a selector asks
-    for (`Selector.wants`, e.g. n_classes) are passed unless `options` sets them. `costs` (predicted seconds per
-    candidate, row-aligned) make it rank by gain per second (pipeline/strategies/cost.py). Returns
-    pipeline.strategies.Selection.
+    `probs` (what the heuristic reads, `heuristic_input`), `predicted` and `costs` are row-aligned with
+    `candidate_ids`; embeddings are `embeddings` (row-aligned), else `space`'s rows; the labeled samples'
+    embeddings come from `space` when given (labeled_rows), and `labeled` are never picked. The round's facts a
+    selector asks for are passed unless `options` sets them (selector_options).
     """
     ids = list(candidate_ids)
     labeled = set(labeled)
     emb = embeddings if embeddings is not None else (space.rows(ids) if space is not None else None)
-    labeled_emb = None
-    if labeled and emb is not None:
-        if space is not None and embeddings is None:  # given embeddings win: the labeled rows must share their space
-            labeled_emb = space.rows(sorted(labeled))
-        else:
-            at = {s: i for i, s in enumerate(ids)}
-            rows = [at[s] for s in sorted(labeled) if s in at]
-            labeled_emb = emb[rows] if rows else None
-    # What the round knows that a selector may ask for; unknown facts are left out.
-    facts = {"n_classes": n_classes}
-    opts = {f: facts[f] for f in get_selector(diversity).wants if facts.get(f) is not None}
-    opts.update(options or {})
-    return select_batch(ids, k=k, strategy=strategy, diversity=diversity, probs=probs, embeddings=emb,
-                        predicted=predicted, exclude=set(exclude) | labeled, seed=seed,
-                        labeled_embeddings=labeled_emb, downweight=downweight, downweight_weight=downweight_weight,
-                        options=opts, costs=costs)
+    cands = Candidates(ids, probs=probs, embeddings=emb, predicted=predicted, costs=costs,
+                       labeled_embeddings=labeled_rows(labeled, ids, emb, space if embeddings is None else None),
+                       exclude=set(exclude) | labeled)
+    return select_batch(cands, k=k, strategy=strategy, diversity=diversity, seed=seed,
+                        options=selector_options(diversity, n_classes, options), downweight=downweight,
+                        downweight_weight=downweight_weight)

@@ -233,7 +233,7 @@ def make_project(root: Path, title: str, *, n_selected: int = 4, **ls: Any) -> t
                                                       "token_env": TOKEN_ENV, **ls}}})
     sel = [{"sample_id": f"s{i:03d}", "rank": i, "score": 1.0, "scores": {}, "prediction": "1", "confidence": 0.5}
            for i in range(n_selected)]
-    export_selection(sel, ds, cfg, export_dir(cfg.artifacts, 0), round_index=0)
+    export_selection(sel, ds, cfg.annotate, cfg.data.answers, cfg.artifacts, export_dir(cfg.artifacts, 0), round_index=0)
     return cfg, set(ds["sample_id"])
 
 
@@ -252,24 +252,24 @@ def round_trip(root: Path, client: Any, annotate: Annotate) -> dict[str, Any]:
     cfg, known = make_project(root, SCENARIO_TITLE + "round trip")
     batch = export_dir(cfg.artifacts, 0)
     out: dict[str, Any] = {"cfg": cfg, "known": known}
-    out["push"] = push_batch(cfg, batch, client=client)
-    out["push_again"] = push_batch(cfg, batch, client=client)
+    out["push"] = push_batch(cfg.annotate, cfg.artifacts, batch, client=client)
+    out["push_again"] = push_batch(cfg.annotate, cfg.artifacts, batch, client=client)
     pid = out["push"]["project"]
-    out["pull_before"] = pull_labels(cfg, known_ids=known, round_index=1, client=client)
+    out["pull_before"] = pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=known, round_index=1, client=client)
     annotate(pid, "000/export", {"s000": ("3", 14.0), "s001": ("4", 9.5), "s002": ("5", None)})
-    out["pull"] = pull_labels(cfg, known_ids=known, round_index=1, client=client)
-    out["repull"] = pull_labels(cfg, known_ids=known, round_index=1, client=client)
+    out["pull"] = pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=known, round_index=1, client=client)
+    out["repull"] = pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=known, round_index=1, client=client)
     ledger = Ledger(ledger_path(cfg.artifacts))
     ledger.append([{**ledger.current()["s000"], "label": "8", "kind": "correction"}])  # corrected in tamis
     annotate(pid, "000/export", {"s003": ("6", 3.25)})
-    out["pull_later"] = pull_labels(cfg, known_ids=known, round_index=2, client=client)
+    out["pull_later"] = pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=known, round_index=2, client=client)
     out["labels_after_later"] = ledger.labels()
     relabel = cfg.artifacts / "rounds" / "001" / "relabel"
     shutil.copytree(batch, relabel)
-    out["push_relabel"] = push_batch(cfg, relabel, client=client)
-    out["push_relabel_again"] = push_batch(cfg, relabel, client=client)
+    out["push_relabel"] = push_batch(cfg.annotate, cfg.artifacts, relabel, client=client)
+    out["push_relabel_again"] = push_batch(cfg.annotate, cfg.artifacts, relabel, client=client)
     annotate(pid, "001/relabel", {"s000": ("6", 7.0)})
-    out["pull_relabel"] = pull_labels(cfg, known_ids=known, round_index=2, client=client)
+    out["pull_relabel"] = pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=known, round_index=2, client=client)
     return out
 
 
@@ -280,7 +280,7 @@ def by_id(root: Path, client: Any, annotate: Annotate, project: int) -> dict[str
     cfg, known = make_project(root, "unused")
     cfg = cfg.model_copy(update={"annotate": cfg.annotate.model_copy(update={
         "label_studio": cfg.annotate.label_studio.model_copy(update={"project": project})})})
-    return {"cfg": cfg, "pull": pull_labels(cfg, known_ids=known, round_index=1, client=client)}
+    return {"cfg": cfg, "pull": pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=known, round_index=1, client=client)}
 
 
 def inline(root: Path, client: Any, annotate: Annotate) -> dict[str, Any]:
@@ -289,7 +289,7 @@ def inline(root: Path, client: Any, annotate: Annotate) -> dict[str, Any]:
     from pipeline.annotation.label_studio import push_batch
 
     cfg, _ = make_project(root, SCENARIO_TITLE + "inline", n_selected=2, images="inline")
-    return {"cfg": cfg, "push": push_batch(cfg, export_dir(cfg.artifacts, 0), client=client)}
+    return {"cfg": cfg, "push": push_batch(cfg.annotate, cfg.artifacts, export_dir(cfg.artifacts, 0), client=client)}
 
 
 class _DropsSecondImport:
@@ -325,9 +325,9 @@ def interrupted_push(root: Path, client: Any, annotate: Annotate) -> dict[str, A
     batch, chunk = export_dir(cfg.artifacts, 0), label_studio.IMPORT_CHUNK
     label_studio.IMPORT_CHUNK = 2
     try:
-        out = {"cfg": cfg, "failed": push_batch(cfg, batch, client=_DropsSecondImport(client))}
-        out["resumed"] = push_batch(cfg, batch, client=client)
-        out["again"] = push_batch(cfg, batch, client=client)
+        out = {"cfg": cfg, "failed": push_batch(cfg.annotate, cfg.artifacts, batch, client=_DropsSecondImport(client))}
+        out["resumed"] = push_batch(cfg.annotate, cfg.artifacts, batch, client=client)
+        out["again"] = push_batch(cfg.annotate, cfg.artifacts, batch, client=client)
     finally:
         label_studio.IMPORT_CHUNK = chunk
     return out

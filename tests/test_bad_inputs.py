@@ -357,12 +357,12 @@ def test_ingest_bad_input(project, name):
     untouched = project.untouched()
     if case.error:
         with pytest.raises(DataError) as exc:
-            ingest(cfg, out)
+            ingest(cfg.data, cfg.artifacts, out)
         assert case.error in str(exc.value), str(exc.value)
         assert not (out / "manifest.json").exists() and not list(out.glob(".rows-*"))
         untouched()
         return
-    m = ingest(cfg, out)
+    m = ingest(cfg.data, cfg.artifacts, out)
     untouched()
 
     quarantine = read_jsonl(out / "quarantine.jsonl")
@@ -392,9 +392,9 @@ def test_csv_needs_only_the_columns_it_uses_also_in_the_flows_copy_of_the_config
         for c in (cfg, copy):
             if extra:  # a column the user named must exist, in either copy
                 with pytest.raises(DataError, match=r"m\.csv: column\(s\) \['label'\] not found"):
-                    ingest(c, project.artifacts / "ingest")
+                    ingest(c.data, c.artifacts, project.artifacts / "ingest")
             else:
-                m = ingest(c, project.artifacts / f"ingest-{i}")
+                m = ingest(c.data, c.artifacts, project.artifacts / f"ingest-{i}")
                 assert m.info["counts"] == {"read": 1, "ingested": 1, "quarantined": 0, "duplicates": 0}
 
 

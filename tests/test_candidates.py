@@ -184,9 +184,10 @@ def project(root: Path, model_dir: Path, **select):
 
 
 def test_a_restricted_round_scores_only_its_candidates_and_records_how(tmp_path, tiny_models):
-    from pipeline.embeddings import compute_selection_embeddings
+    from pipeline.embeddings import compute_selection_embeddings, embeddings_spec
     from pipeline.preprocess import load_prepared
-    from pipeline.scoring import load_scores, score_config, score_shard, shard_params
+    from pipeline.score_stage import score_config, score_shard, shard_params
+    from pipeline.scoring import load_scores
     from pipeline.store import read_jsonl, read_manifest
 
     prepared = prepared_pool(tmp_path / "prepared", 48)
@@ -194,7 +195,7 @@ def test_a_restricted_round_scores_only_its_candidates_and_records_how(tmp_path,
     labels = {s: "3" for s in ids[:6]}
     pool_ids = ids[6:]
     cfg = project(tmp_path, tiny_models["idefics3"], candidates={"method": "restrict", "size": 12})
-    m = compute_selection_embeddings(cfg, load_prepared(prepared["dir"]), tmp_path / "space", inputs={"p": "p"})
+    m = compute_selection_embeddings(embeddings_spec(cfg), load_prepared(prepared["dir"]), tmp_path / "space", inputs={"p": "p"})
     space = {"dir": str(tmp_path / "space"), "digest": m.key}
     adapter = adapter_for(tiny_models["idefics3"], tmp_path / "adapter")
 
@@ -202,30 +203,31 @@ def test_a_restricted_round_scores_only_its_candidates_and_records_how(tmp_path,
     plain = sel.plan_selection(plain_cfg, round_dir=tmp_path / "r-all", pool_ids=pool_ids, exclude=ids[:6],
                                labels=labels, adapter=adapter, space=space, history_dirs=[])
     # The default, auto, at 42 eligible samples (≤ auto_above): every one scored, and why recorded.
-    assert plain.candidates == ids and plain.params["candidates"]["method"] == "all"
-    assert "42 eligible samples ≤ select.candidates.auto_above" in plain.params["candidates"]["reason"]
+    assert plain.candidates == ids and plain.params.candidates["method"] == "all"
+    assert "42 eligible samples ≤ select.candidates.auto_above" in plain.params.candidates["reason"]
     asked_all = sel.plan_selection(project(tmp_path, tiny_models["idefics3"], candidates="all"),
                                    round_dir=tmp_path / "r-asked", pool_ids=pool_ids, exclude=ids[:6], labels=labels,
                                    adapter=adapter, space=space, history_dirs=[])
-    assert asked_all.candidates == ids and "candidates" not in asked_all.params  # `all`: keeps its select key
+    assert asked_all.candidates == ids and asked_all.params.candidates is None  # `all`: keeps its select key
     big = sel.plan_selection(project(tmp_path, tiny_models["idefics3"], candidates={"auto_above": 20, "size": 12}),
                              round_dir=tmp_path / "r-auto", pool_ids=pool_ids, exclude=ids[:6], labels=labels,
                              adapter=adapter, space=space, history_dirs=[])
-    assert len(set(big.candidates) - set(labels)) == 12 and big.params["candidates"]["method"] == "restrict"
-    assert "42 eligible samples > select.candidates.auto_above (20)" in big.params["candidates"]["reason"]
+    assert len(set(big.candidates) - set(labels)) == 12 and big.params.candidates["method"] == "restrict"
+    assert "42 eligible samples > select.candidates.auto_above (20)" in big.params.candidates["reason"]
 
     (tmp_path / "r").mkdir()
     plan = sel.plan_selection(cfg, round_dir=tmp_path / "r", pool_ids=pool_ids, exclude=ids[:6], labels=labels,
                               adapter=adapter, space=space, history_dirs=[])
     chosen = set(plan.candidates) - set(labels)
     assert len(chosen) == 12 and chosen <= set(pool_ids) and set(labels) <= set(plan.candidates)
-    shards = shard_params(cfg.artifacts, model=cfg.section("model"), scoring=score_config(cfg), adapter=adapter,
+    scoring = score_config(cfg.select, cfg.model, answers=cfg.data.answers, seed=cfg.seed)
+    shards = shard_params(cfg.artifacts, model=cfg.section("model"), scoring=scoring, adapter=adapter,
                           prepared=prepared, pool_ids=plan.candidates, shard_size=cfg.select.shard_size)
     refs = [score_shard(**p) for p in shards]
     scored = [s for r in refs for s in load_scores(r["dir"]).sample_ids]
     assert sorted(scored) == plan.candidates and len(scored) == 18  # 12 candidates + 6 labeled, not 48
 
-    ref = sel.select_stage(**plan.stage_params(refs))
+    ref = sel.select_stage(plan.stage_params(refs))
     rows = read_jsonl(Path(ref["dir"]) / sel.SELECTION_FILE)
     assert len(rows) == 4 and {r["sample_id"] for r in rows} <= chosen
     info = read_manifest(Path(ref["dir"])).info["candidates"]

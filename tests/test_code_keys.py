@@ -321,6 +321,8 @@ def test_a_round_rerun_after_a_code_edit_recomputes_that_stage_and_its_consumers
 def test_a_cold_start_selection_keys_on_its_candidates(tmp_path):
     """A cold start in a selection space has no score refs: the pool (what the quality stage left eligible) reaches the select stage only
     as a file, so its digest must be in the parameters, or a recomputed quality stage would reuse a stale batch."""
+    from dataclasses import replace
+
     from flows.stages import stage_cache_key
     from pipeline.config import ProjectConfig
     from pipeline.selection import SELECT_VERSION, plan_selection
@@ -334,9 +336,9 @@ def test_a_cold_start_selection_keys_on_its_candidates(tmp_path):
         plan = plan_selection(cfg, round_dir=round_dir, pool_ids=pool, exclude=[], labels={}, adapter=None,
                               space={"dir": "art/embeddings/e", "digest": "e" * 64}, history_dirs=[])
         assert not plan.score  # nothing to score: no shard refs carry the pool
-        params = {**plan.stage_params([]), "pool_path": "same", "exclude_path": "same", "labeled_path": "same",
-                  "out_dir": "same"}  # the same folders: only what the files hold differs
-        return stage_cache_key("select", SELECT_VERSION, params)
+        params = replace(plan.stage_params([]), pool_path="same", exclude_path="same", labeled_path="same",
+                         out_dir="same")  # the same folders: only what the files hold differs
+        return stage_cache_key("select", SELECT_VERSION, {"params": params})
 
     assert key(["s1", "s2", "s3"], tmp_path / "a") == key(["s1", "s2", "s3"], tmp_path / "b")
     assert key(["s1", "s2", "s3"], tmp_path / "c") != key(["s1", "s2"], tmp_path / "d")

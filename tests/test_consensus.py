@@ -95,7 +95,7 @@ def _project(tmp_path, make_vqa, n=30, **annotate):
     ids = [f"s{i:03d}" for i in range(n)]
     sel = [{"sample_id": s, "rank": k, "score": 0.5, "prediction": "0", "confidence": 0.3, "scores": {}}
            for k, s in enumerate(ids)]
-    export_selection(sel, ds, cfg, export_dir(cfg.artifacts, 0), round_index=0)
+    export_selection(sel, ds, cfg.annotate, cfg.data.answers, cfg.artifacts, export_dir(cfg.artifacts, 0), round_index=0)
     return cfg, ds, gt, ids
 
 

@@ -10,7 +10,7 @@ from pipeline.rounds import recorded_hours, stop_reason
 from pipeline.scoring import ScoreResult
 from pipeline.selection import labeled_seconds, select_round
 from pipeline.store import read_jsonl
-from pipeline.strategies import SELECTORS, select_batch
+from pipeline.strategies import SELECTORS, Candidates, select_batch
 from pipeline.strategies.cost import fit_cost_model, seconds_per_sample
 
 
@@ -64,18 +64,18 @@ def test_cost_aware_selection_picks_the_cheaper_sample_at_equal_gain(diversity):
     ids, emb, costs = twins()
     probs = np.tile([0.5, 0.3, 0.2], (len(ids), 1))  # equal uncertainty everywhere
     predicted = np.r_[np.arange(12) % 3, np.arange(12) % 3]
-    kw = dict(k=4, strategy="margin", diversity=diversity, probs=probs, embeddings=emb, predicted=predicted, seed=0,
-              labeled_embeddings=emb[:1] + 100.0)
+    arrays = dict(probs=probs, embeddings=emb, predicted=predicted, labeled_embeddings=emb[:1] + 100.0)
+    kw = dict(k=4, strategy="margin", diversity=diversity, seed=0)
     if diversity == "probcover":
         kw["options"] = {"radius": 1.0}
-    aware = select_batch(ids, costs=costs, **kw)
+    aware = select_batch(Candidates(ids, costs=costs, **arrays), **kw)
     if SELECTORS[diversity].cost_use == "none":
-        assert aware.ids == select_batch(ids, **kw).ids  # no gain to divide: cost-blind, as its info says
+        assert aware.ids == select_batch(Candidates(ids, **arrays), **kw).ids  # no gain to divide: cost-blind, as its info says
         assert aware.info["cost_use"] == "none"
         return
     assert all(i.startswith("c") for i in aware.ids), aware.ids
     # Cost-blind, the same call has no reason to prefer the cheap copies: at least one dear one is picked somewhere.
-    blind = [select_batch(ids, **{**kw, "seed": s}).ids for s in range(6)]
+    blind = [select_batch(Candidates(ids, **arrays), **{**kw, "seed": s}).ids for s in range(6)]
     assert any(i.startswith("d") for b in blind for i in b)
 
 

@@ -20,14 +20,8 @@ import pytest
 
 from pipeline.config import ConfigError, parse_config
 from pipeline.model.distributed import dask_runner_options, process_cluster
-from pipeline.scoring import (
-    plan_pool_scoring,
-    plan_shards,
-    pool_shard_size,
-    score_config,
-    scored_on_disk,
-    shard_params,
-)
+from pipeline.score_stage import plan_pool_scoring, score_config, scored_on_disk, shard_params
+from pipeline.scoring import plan_shards, pool_shard_size
 from pipeline.store import executions, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +52,8 @@ def test_ten_million_samples_are_a_few_thousand_tasks():
 
 def _parts(cfg):
     prepared = {"dir": "/nowhere/prepared", "digest": "p" * 64}
-    return dict(model=cfg.section("model"), scoring=score_config(cfg), adapter={"dir": "/a", "digest": "a" * 64},
+    scoring = score_config(cfg.select, cfg.model, answers=cfg.data.answers, seed=cfg.seed)
+    return dict(model=cfg.section("model"), scoring=scoring, adapter={"dir": "/a", "digest": "a" * 64},
                 prepared=prepared)
 
 

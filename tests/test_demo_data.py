@@ -37,7 +37,7 @@ def test_ground_truth_ids_match_ingestion(tmp_path):
     out = write_digits(tmp_path / "d", limit=30)
     cfg = parse_config({"data": {"sources": [{"kind": "jsonl", "path": str(out / "manifest.jsonl")}],
                                  "answers": [str(d) for d in range(10)]}})
-    m = ingest(cfg, tmp_path / "ing")
+    m = ingest(cfg.data, cfg.artifacts, tmp_path / "ing")
     assert m.info["counts"] == {"read": 30, "ingested": 30, "quarantined": 0, "duplicates": 0}
     ds = load_ingested(tmp_path / "ing")
     truth = {t["sample_id"]: t["answer"] for t in jsonl(out / "ground_truth.jsonl")}

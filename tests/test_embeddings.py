@@ -14,6 +14,7 @@ from pipeline.embedders import EMBEDDERS, PixelsEmbedder, PoolEncoderEmbedder, V
 from pipeline.embeddings import (
     compute_selection_embeddings,
     embeddings_key,
+    embeddings_spec,
     load_file_embeddings,
     load_selection_embeddings,
     lookup,
@@ -64,7 +65,7 @@ def project(tmp_path, **embeddings):
 
 
 def run_stage(tmp_path, ds, name: str, **embeddings) -> np.ndarray:
-    compute_selection_embeddings(project(tmp_path, **embeddings), ds, tmp_path / name, inputs={"dataset": "d"})
+    compute_selection_embeddings(embeddings_spec(project(tmp_path, **embeddings)), ds, tmp_path / name, inputs={"dataset": "d"})
     ids, x = load_selection_embeddings(tmp_path / name)
     assert ids == list(ds["sample_id"])
     return x
@@ -167,7 +168,7 @@ def test_pool_encoder_is_not_fitted_on_test_rows(tmp_path):
 
 def test_pool_encoder_fits_on_a_seeded_sample_of_at_most_max_fit_images(tmp_path):
     cfg = project(tmp_path, source="pool", encoder={**SMALL_ENCODER, "max_fit_images": 10})
-    m = compute_selection_embeddings(cfg, prepared_dataset(), tmp_path / "e", inputs={})
+    m = compute_selection_embeddings(embeddings_spec(cfg), prepared_dataset(), tmp_path / "e", inputs={})
     assert m.info["fit_images"] == 10 and m.info["dim"] == 16 and m.info["source"] == "pool"
 
 
@@ -199,7 +200,7 @@ def test_vision_tower_pools_idefics3_tiles_but_not_padding_tiles(tiny_models):
 def test_vision_tower_stage_records_the_model(tmp_path, tiny_models):
     cfg = parse_config({"model": {"name_or_path": str(tiny_models["idefics3"]), "family": "idefics3"},
                         "select": {"embeddings": "vision_tower"}}, root=tmp_path)
-    m = compute_selection_embeddings(cfg, prepared_dataset(images=digit_images(len(SPLITS), side=32)), tmp_path / "v",
+    m = compute_selection_embeddings(embeddings_spec(cfg), prepared_dataset(images=digit_images(len(SPLITS), side=32)), tmp_path / "v",
                                      inputs={"dataset": "d"})
     assert m.config["model"]["name_or_path"] == str(tiny_models["idefics3"]) and m.info["fit_images"] == 0
     ids, x = load_selection_embeddings(tmp_path / "v")
@@ -286,12 +287,12 @@ def test_file_stage_keys_on_the_file_contents(tmp_path):
     path = write_npy(tmp_path / "emb.npy", ids[::-1], np.random.default_rng(0).normal(size=(len(ids), 4)))
     cfg = project(tmp_path, source="file", path=str(path))
     inputs = {"dataset": "d"}
-    m = compute_selection_embeddings(cfg, ds, tmp_path / "f", inputs=inputs)
+    m = compute_selection_embeddings(embeddings_spec(cfg), ds, tmp_path / "f", inputs=inputs)
     assert m.info["fit_images"] == 0 and m.info["dim"] == 4
-    key = embeddings_key(cfg, inputs)
+    key = embeddings_key(embeddings_spec(cfg), inputs)
     assert find_valid_manifest(tmp_path / "f", key) is not None
     write_npy(path, ids, np.zeros((len(ids), 4)))
-    assert embeddings_key(cfg, inputs) != key
+    assert embeddings_key(embeddings_spec(cfg), inputs) != key
     # Keyed by the image paths as the manifest gave them (relative to it): matched to the ingested absolute paths.
     by_image = write_npy(tmp_path / "by_image.npy", [f"images/{i}.png" for i in range(len(ids))], np.eye(len(ids)))
     x = run_stage(tmp_path, ds, "g", source="file", path=str(by_image), key="image")
@@ -303,27 +304,27 @@ def test_stage_manifest_verifies_and_is_reused_by_key(tmp_path):
     ds = prepared_dataset()
     cfg = project(tmp_path, source="pixels", pixels_side=8, pca_dim=4)
     inputs = {"dataset": "digest-1"}
-    m = compute_selection_embeddings(cfg, ds, tmp_path / "e", inputs=inputs)
-    assert read_manifest(tmp_path / "e").key == m.key == embeddings_key(cfg, inputs)
+    m = compute_selection_embeddings(embeddings_spec(cfg), ds, tmp_path / "e", inputs=inputs)
+    assert read_manifest(tmp_path / "e").key == m.key == embeddings_key(embeddings_spec(cfg), inputs)
     assert m.stage == "embeddings" and m.config["embeddings"]["source"] == "pixels" and m.config["seed"] == 0
     assert m.info["fit_images"] == SPLITS.count("pool") and m.info["dim"] == 4 and "model" not in m.config
-    assert find_valid_manifest(tmp_path / "e", embeddings_key(cfg, inputs)) is not None
-    assert find_valid_manifest(tmp_path / "e", embeddings_key(cfg, {"dataset": "digest-2"})) is None
+    assert find_valid_manifest(tmp_path / "e", embeddings_key(embeddings_spec(cfg), inputs)) is not None
+    assert find_valid_manifest(tmp_path / "e", embeddings_key(embeddings_spec(cfg), {"dataset": "digest-2"})) is None
     other = project(tmp_path, source="pixels", pixels_side=8, pca_dim=5)
-    assert find_valid_manifest(tmp_path / "e", embeddings_key(other, inputs)) is None
+    assert find_valid_manifest(tmp_path / "e", embeddings_key(embeddings_spec(other), inputs)) is None
     ids, x = load_selection_embeddings(tmp_path / "e")
     np.testing.assert_array_equal(lookup(ids, x, ["s005", "s001"]), x[[5, 1]])
     with pytest.raises(DataError, match=r"sample 'nope' has no selection embedding \(1 of 2 missing\)"):
         lookup(ids, x, ["s001", "nope"])
     # A tampered output no longer verifies, so it is never reused.
     (tmp_path / "e" / "embeddings.npy").write_bytes(b"garbage")
-    assert find_valid_manifest(tmp_path / "e", embeddings_key(cfg, inputs)) is None
+    assert find_valid_manifest(tmp_path / "e", embeddings_key(embeddings_spec(cfg), inputs)) is None
 
 
 def test_stage_refuses_model_source_and_an_empty_pool(tmp_path):
     assert set(EMBEDDERS) == {"pixels", "pool", "vision_tower"}
     with pytest.raises(ConfigError, match="scoring pass"):
-        compute_selection_embeddings(project(tmp_path, source="model"), prepared_dataset(), tmp_path / "m", inputs={})
+        compute_selection_embeddings(embeddings_spec(project(tmp_path, source="model")), prepared_dataset(), tmp_path / "m", inputs={})
     with pytest.raises(DataError, match="no rows with split 'pool'"):
-        compute_selection_embeddings(project(tmp_path, source="pixels"), prepared_dataset(splits=["test"] * len(SPLITS)),
+        compute_selection_embeddings(embeddings_spec(project(tmp_path, source="pixels")), prepared_dataset(splits=["test"] * len(SPLITS)),
                                      tmp_path / "p", inputs={})

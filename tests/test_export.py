@@ -48,7 +48,7 @@ def test_all_formats_are_valid_and_point_inside_the_export(tmp_path, make_vqa):
     out = export_dir(cfg.artifacts, 1)
     sel = _selection(["s003", "s001", "s007"])
     sel[2]["prediction"] = "not-a-digit"  # Label Studio would refuse it as a pre-annotation
-    m = export_selection(sel, ds, cfg, out, round_index=1)
+    m = export_selection(sel, ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=1)
     assert set(m.outputs) == {TASKS_FILE, LABEL_CONFIG_FILE, CSV_FILE, JSONL_FILE, IMAGES_DIR}
     read_manifest(out)  # every output verifies against its digest
 
@@ -94,9 +94,9 @@ def test_reexport_is_byte_identical(tmp_path, make_vqa):
     cfg = _cfg(tmp_path)
     out = export_dir(cfg.artifacts, 0)
     sel = _selection(["s002", "s005", "s009", "s000"])
-    m1 = export_selection(sel, ds, cfg, out, round_index=0)
+    m1 = export_selection(sel, ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=0)
     first = _files(out)
-    m2 = export_selection(sel, ds, cfg, out, round_index=0)
+    m2 = export_selection(sel, ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=0)
     assert _files(out) == first
     assert m1.outputs == m2.outputs and m1.key == m2.key
 
@@ -105,8 +105,8 @@ def test_smaller_reexport_leaves_no_stale_images(tmp_path, make_vqa):
     ds, _ = make_vqa()
     cfg = _cfg(tmp_path)
     out = export_dir(cfg.artifacts, 2)
-    export_selection(_selection(["s001", "s002", "s003"]), ds, cfg, out, round_index=2)
-    export_selection(_selection(["s004"]), ds, cfg, out, round_index=2)
+    export_selection(_selection(["s001", "s002", "s003"]), ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=2)
+    export_selection(_selection(["s004"]), ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=2)
     assert [p.name for p in (out / IMAGES_DIR).iterdir()] == ["s004.png"]
     read_manifest(out)
 
@@ -116,7 +116,7 @@ def test_open_answers_get_a_textarea_and_original_images(tmp_path, make_vqa):
     cfg = parse_config({"paths": {"artifacts": "artifacts"}, "annotate": {"export_images": "original"}},
                        root=tmp_path)
     out = export_dir(cfg.artifacts, 0)
-    export_selection(_selection(["s001", "s002"]), ds, cfg, out, round_index=0)
+    export_selection(_selection(["s001", "s002"]), ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=0)
     xml = ET.fromstring((out / LABEL_CONFIG_FILE).read_text())
     assert xml.find("Choices") is None and xml.find("TextArea").get("name") == "answer"
     pred = json.loads((out / TASKS_FILE).read_text())[0]["predictions"][0]["result"][0]
@@ -130,7 +130,7 @@ def test_selected_formats_only_and_no_predictions(tmp_path, make_vqa):
     ds, _ = make_vqa()
     cfg = _cfg(tmp_path, formats=["csv", "jsonl"])
     out = export_dir(cfg.artifacts, 0)
-    m = export_selection(_selection(["s001"], predictions=False), ds, cfg, out, round_index=0)
+    m = export_selection(_selection(["s001"], predictions=False), ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=0)
     assert set(m.outputs) == {CSV_FILE, JSONL_FILE}
     assert not (out / TASKS_FILE).exists() and not (out / IMAGES_DIR).exists()
     assert json.loads((out / JSONL_FILE).read_text())["model_answer"] is None
@@ -143,7 +143,7 @@ def test_unsafe_sample_id_is_rejected_before_writing(tmp_path, make_vqa, bad):
     cfg = _cfg(tmp_path)
     out = export_dir(cfg.artifacts, 0)
     with pytest.raises(ExportError, match="not a safe file name"):
-        export_selection(_selection(["s000", bad]), ds, cfg, out, round_index=0)
+        export_selection(_selection(["s000", bad]), ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=0)
     assert not cfg.artifacts.exists()
 
 
@@ -151,13 +151,13 @@ def test_unknown_sample_and_document_root_outside_are_errors(tmp_path, make_vqa)
     ds, _ = make_vqa(n=3)
     cfg = _cfg(tmp_path)
     with pytest.raises(ExportError, match=r"1 of 2 selected samples are not in the dataset \(first: s999\)"):
-        export_selection(_selection(["s000", "s999"]), ds, cfg, export_dir(cfg.artifacts, 0), round_index=0)
+        export_selection(_selection(["s000", "s999"]), ds, cfg.annotate, cfg.data.answers, cfg.artifacts, export_dir(cfg.artifacts, 0), round_index=0)
     elsewhere = _cfg(tmp_path, document_root=str(tmp_path / "other"))
     with pytest.raises(ExportError, match="not inside annotate.document_root"):
-        export_selection(_selection(["s000"]), ds, elsewhere, export_dir(cfg.artifacts, 0), round_index=0)
+        export_selection(_selection(["s000"]), ds, elsewhere.annotate, elsewhere.data.answers, elsewhere.artifacts, export_dir(cfg.artifacts, 0), round_index=0)
     # A document root above the artifacts folder lengthens the relative path accordingly.
     above = _cfg(tmp_path, document_root=str(tmp_path), image_url_prefix="http://ls/data/local-files/?d=")
     out = export_dir(above.artifacts, 0)
-    export_selection(_selection(["s000"]), ds, above, out, round_index=0)
+    export_selection(_selection(["s000"]), ds, above.annotate, above.data.answers, above.artifacts, out, round_index=0)
     task = json.loads((out / TASKS_FILE).read_text())[0]
     assert task["data"]["image"] == "http://ls/data/local-files/?d=artifacts/rounds/000/export/images/s000.png"

@@ -65,8 +65,8 @@ def test_bad_image_zoo(tmp_path):
     write_manifest(root / "m.jsonl", [{"image": f"imgs/{n}", "answer": n} for n in names])
     before = digest_dir(root)
 
-    m = ingest(config(tmp_path, [{"kind": "jsonl", "path": str(root / "m.jsonl")}], max_image_pixels=10_000),
-               tmp_path / "out")
+    cfg = config(tmp_path, [{"kind": "jsonl", "path": str(root / "m.jsonl")}], max_image_pixels=10_000)
+    m = ingest(cfg.data, cfg.artifacts, tmp_path / "out")
 
     quarantined = {q["source"]: q for q in read_jsonl(tmp_path / "out" / "quarantine.jsonl")}
     reason = {names[int(src.rsplit(":", 1)[1]) - 1]: q["reason"] for src, q in quarantined.items()}
@@ -125,7 +125,7 @@ def test_accounting_duplicates_and_splits_across_sources(tmp_path):
         {"kind": "csv", "path": str(tmp_path / "man.csv")},
     ]
     cfg = config(tmp_path, sources, answers=[str(i) for i in range(10)])
-    m = ingest(cfg, tmp_path / "out")
+    m = ingest(cfg.data, cfg.artifacts, tmp_path / "out")
 
     assert counts_of(m) == {"read": 4 + 7 + 1, "ingested": 6, "quarantined": 4, "duplicates": 2}
     ds = load_ingested(tmp_path / "out")
@@ -155,14 +155,15 @@ def test_default_split_of_a_source_applies_to_rows_without_one(tmp_path):
     write_manifest(tmp_path / "m.jsonl", [{"image": "a.png", "answer": "1"}, {"image": "b.png", "answer": "2",
                                                                              "split": "train"}])
     cfg = config(tmp_path, [{"kind": "jsonl", "path": str(tmp_path / "m.jsonl"), "default_split": "test"}])
-    ingest(cfg, tmp_path / "out")
+    ingest(cfg.data, cfg.artifacts, tmp_path / "out")
     assert sorted(load_ingested(tmp_path / "out")["split"]) == ["test", "train"]
 
 
 def test_load_ingested_refuses_a_corrupted_dataset(tmp_path):
     (tmp_path / "a.png").write_bytes(png(1))
     write_manifest(tmp_path / "m.jsonl", [{"image": "a.png"}])
-    ingest(config(tmp_path, [{"kind": "jsonl", "path": str(tmp_path / "m.jsonl")}]), tmp_path / "out")
+    cfg = config(tmp_path, [{"kind": "jsonl", "path": str(tmp_path / "m.jsonl")}])
+    ingest(cfg.data, cfg.artifacts, tmp_path / "out")
     assert read_manifest(tmp_path / "out").config["sources"][0]["kind"] == "jsonl"
     arrow = next((tmp_path / "out" / "dataset").glob("*.arrow"))
     arrow.write_bytes(arrow.read_bytes()[:-10])
@@ -172,7 +173,8 @@ def test_load_ingested_refuses_a_corrupted_dataset(tmp_path):
 
 def test_everything_quarantined_still_writes_an_empty_dataset(tmp_path):
     write_manifest(tmp_path / "m.jsonl", [{"image": "nope.png"}])
-    m = ingest(config(tmp_path, [{"kind": "jsonl", "path": str(tmp_path / "m.jsonl")}]), tmp_path / "out")
+    cfg = config(tmp_path, [{"kind": "jsonl", "path": str(tmp_path / "m.jsonl")}])
+    m = ingest(cfg.data, cfg.artifacts, tmp_path / "out")
     assert counts_of(m) == {"read": 1, "ingested": 0, "quarantined": 1, "duplicates": 0}
     assert len(load_ingested(tmp_path / "out")) == 0
 

@@ -59,7 +59,7 @@ def test_row_without_a_question_is_kept_with_a_warning(tmp_path):
     cfg = parse_config({"data": {"sources": [{"kind": "csv", "path": str(m)}, {"kind": "jsonl", "path": str(j)}]},
                         "paths": {"artifacts": str(tmp_path / "art")}})
     out = tmp_path / "art" / "ingest"
-    man = ingest(cfg, out)
+    man = ingest(cfg.data, cfg.artifacts, out)
     assert man.info["counts"]["ingested"] == 3 and man.info["warnings"] == 1
     [w] = read_jsonl(out / "warnings.jsonl")
     assert w["source"] == f"{m}:3" and "no question" in w["warning"] and "data.question" in w["warning"]
@@ -75,7 +75,7 @@ def test_external_ids_are_kept_in_the_dataset(tmp_path):
     def ids(out, **src):
         cfg = parse_config({"data": {"sources": [{"kind": "jsonl", "path": str(m), **src}]},
                             "paths": {"artifacts": str(tmp_path / "art")}})
-        ingest(cfg, out)
+        ingest(cfg.data, cfg.artifacts, out)
         ds = load_ingested(out)
         return {p.rsplit("/", 1)[1]: x for p, x in zip(ds["image_path"], ds["external_id"], strict=True)}
 

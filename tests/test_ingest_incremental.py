@@ -102,9 +102,9 @@ def test_stat_mode_reads_no_image_of_an_unchanged_pool_and_keys_like_content_mod
     assert len(pngs(reread)) == 30  # content mode re-reads every file
     assert source_digest(cfg.data) == key  # no index at all (today's full read): the same key
 
-    ingest(cfg, tmp_path / "out1", digest=key)
+    ingest(cfg.data, cfg.artifacts, tmp_path / "out1", digest=key)
     with opened(pool) as body:
-        m = ingest(cfg, tmp_path / "out2")
+        m = ingest(cfg.data, cfg.artifacts, tmp_path / "out2")
     assert pngs(body) == [] and m.info["rows_read"] == 0 and m.info["shards_reused"] == 1
     assert m.inputs["sources"] == key
 
@@ -140,14 +140,14 @@ def test_added_files_go_to_one_new_shard_and_old_shards_are_reused(tmp_path):
     pool = tmp_path / "pool"
     write_pool(pool, range(40))
     cfg = project(tmp_path)
-    first = ingest(cfg, tmp_path / "out1")
+    first = ingest(cfg.data, cfg.artifacts, tmp_path / "out1")
     assert first.info["shards"] == 1 and first.info["rows_read"] == 40
     old = json.loads((tmp_path / "out1" / "shards.json").read_text())
 
     write_pool(pool, range(40, 55))
     (pool / "3" / "dup.png").write_bytes(digit_png(5))  # an exact copy of a row already ingested
     with opened(pool) as seen:
-        m = ingest(cfg, tmp_path / "out2")
+        m = ingest(cfg.data, cfg.artifacts, tmp_path / "out2")
     # Only the new files were read: once to digest them for the index, once (from the page cache) to decode them.
     assert sorted(set(pngs(seen))) == sorted(str(p) for p in pool.rglob("*.png") if p.name >= "00040" or
                                              p.name == "dup.png")
@@ -164,7 +164,7 @@ def test_added_files_go_to_one_new_shard_and_old_shards_are_reused(tmp_path):
 
     # The same pool ingested from scratch keeps the same samples and the same accounting.
     fresh = project(tmp_path / "fresh", sources=cfg.model_dump(mode="json")["data"]["sources"])
-    scratch = ingest(fresh, tmp_path / "fresh-out")
+    scratch = ingest(fresh.data, fresh.artifacts, tmp_path / "fresh-out")
     assert scratch.info["counts"] == m.info["counts"]
     assert sorted(load_ingested(tmp_path / "fresh-out")["sample_id"]) == sorted(ds["sample_id"])
 
@@ -173,11 +173,11 @@ def test_a_deleted_file_leaves_the_pool_and_its_shard_is_rebuilt_from_the_rest(t
     pool = tmp_path / "pool"
     write_pool(pool, range(12))
     cfg = project(tmp_path)
-    ingest(cfg, tmp_path / "out1")
+    ingest(cfg.data, cfg.artifacts, tmp_path / "out1")
     gone = next(pool.rglob("00004.png"))
     gone_id = sample_id_for(gone.read_bytes(), cfg.data.question)
     gone.unlink()
-    m = ingest(cfg, tmp_path / "out2")
+    m = ingest(cfg.data, cfg.artifacts, tmp_path / "out2")
     assert m.info["shards_reused"] == 0 and m.info["rows_read"] == 11
     assert m.info["counts"]["ingested"] == 11
     ds = load_ingested(tmp_path / "out2")
@@ -202,12 +202,12 @@ def test_manifest_sources_are_always_read_and_their_images_are_indexed(tmp_path)
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = project(tmp_path, sources=[{"kind": "jsonl", "path": str(manifest)}])
     key = source_digest(cfg.data, cfg.artifacts)
-    ingest(cfg, tmp_path / "out1", digest=key)
+    ingest(cfg.data, cfg.artifacts, tmp_path / "out1", digest=key)
     with opened(pool) as seen:
         assert source_digest(cfg.data, cfg.artifacts) == key
     assert pngs(seen) == [] and str(manifest) in seen
     manifest.write_text("".join(json.dumps({**r, "answer": "1"}) + "\n" for r in rows[:3]))  # relabels, drops 3
-    m = ingest(cfg, tmp_path / "out2")
+    m = ingest(cfg.data, cfg.artifacts, tmp_path / "out2")
     assert m.info["counts"]["ingested"] == 3 and set(load_ingested(tmp_path / "out2")["answer"]) == {"1"}
 
 
@@ -218,9 +218,9 @@ def test_a_corrupt_image_is_quarantined_once_and_its_verdict_reused(tmp_path):
     bad.write_bytes(b"\x89PNG not really")
     os.utime(bad, (PAST, PAST))
     cfg = project(tmp_path)
-    first = ingest(cfg, tmp_path / "out1")
+    first = ingest(cfg.data, cfg.artifacts, tmp_path / "out1")
     with opened(pool) as seen:
-        again = ingest(cfg, tmp_path / "out2")
+        again = ingest(cfg.data, cfg.artifacts, tmp_path / "out2")
     assert pngs(seen) == [] and again.info["counts"] == first.info["counts"]
     assert again.info["counts"]["quarantined"] == 1
     assert read_jsonl(tmp_path / "out2" / "quarantine.jsonl") == read_jsonl(tmp_path / "out1" / "quarantine.jsonl")
@@ -306,9 +306,9 @@ def test_a_saved_dataset_source_adds_rows_incrementally(tmp_path):
 
     save(8)
     cfg = project(tmp_path, sources=[{"kind": "hf", "path": str(tmp_path / "hf")}])
-    first = ingest(cfg, tmp_path / "out1")
+    first = ingest(cfg.data, cfg.artifacts, tmp_path / "out1")
     save(11)  # rewritten with three more rows: the first eight keep their descriptions
-    m = ingest(cfg, tmp_path / "out2")
+    m = ingest(cfg.data, cfg.artifacts, tmp_path / "out2")
     assert first.info["rows_read"] == 8 and m.info["rows_read"] == 3 and m.info["shards_reused"] == 1
     ds = load_ingested(tmp_path / "out2")
     assert ds["image"] == [digit_png(i) for i in range(11)]
@@ -339,7 +339,7 @@ def test_added_images_embed_only_their_shard_in_the_kept_fit_until_the_pool_doub
     first, info, ids1, v1 = embed()
     assert info["shards"] == info["shards_computed"] == 1 and info["fitted_now"] and info["fit_pool"] == 30
     # One shard: the vectors of the whole-dataset stage, bit for bit.
-    emb.compute_selection_embeddings(cfg, prep.load_prepared(first["dir"]), tmp_path / "whole", inputs={})
+    emb.compute_selection_embeddings(emb.embeddings_spec(cfg), prep.load_prepared(first["dir"]), tmp_path / "whole", inputs={})
     w_ids, w_vec = emb.load_selection_embeddings(tmp_path / "whole")
     assert w_ids == ids1 and np.array_equal(np.asarray(w_vec), v1)
 
@@ -383,9 +383,9 @@ def test_shards_judged_by_other_ingest_code_are_not_reused(tmp_path, monkeypatch
     pool = tmp_path / "pool"
     write_pool(pool, range(12))
     cfg = project(tmp_path)
-    ingest(cfg, tmp_path / "out1")
-    assert ingest(cfg, tmp_path / "out2").info["shards_reused"] == 1
+    ingest(cfg.data, cfg.artifacts, tmp_path / "out1")
+    assert ingest(cfg.data, cfg.artifacts, tmp_path / "out2").info["shards_reused"] == 1
     # What an upgrade that edits validation or de-duplication does to the key: every row is judged again.
     monkeypatch.setattr(shards, "SHARD_VERSION", shards.SHARD_VERSION + "-edited")
-    m = ingest(cfg, tmp_path / "out3")
+    m = ingest(cfg.data, cfg.artifacts, tmp_path / "out3")
     assert m.info["shards_reused"] == 0 and m.info["rows_read"] == 12

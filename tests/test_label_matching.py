@@ -142,7 +142,7 @@ def test_label_keys_from_config():
 
     cfg = parse_config({"data": {"sources": [{"kind": "csv", "path": "m.csv", "id_column": "uid",
                                               "image_column": "file"}]}})
-    keys = LabelKeys.from_config(cfg)
+    keys = LabelKeys.from_config(cfg.data)
     assert keys.id_columns == ("id", "uid") and "file" in keys.image_columns
 
 
@@ -219,11 +219,11 @@ def test_labels_for_an_ingested_manifest_by_relative_path_id_and_url(tmp_path):
     (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = parse_config({"data": {"sources": [{"kind": "jsonl", "path": str(src / "m.jsonl")}], "answers": DIGITS},
                         "paths": {"artifacts": str(tmp_path / "art")}})
-    ingest(cfg, tmp_path / "art" / "ingest")
+    ingest(cfg.data, cfg.artifacts, tmp_path / "art" / "ingest")
     index = project_index(cfg.artifacts, tmp_path / "art" / "ingest" / "dataset")
     led = Ledger(tmp_path / "art" / "labels.jsonl")
     kw = dict(known_ids=index, answers=DIGITS, ledger=led, round_index=0, rejections_dir=tmp_path / "rej",
-              keys=LabelKeys.from_config(cfg))
+              keys=LabelKeys.from_config(cfg.data))
     csv = tmp_path / "l.csv"
     csv.write_text("image,label\nimgs/a/x.png,1\nimgs/b/x.png,2\nx.png,3\n")
     rep = import_labels(csv, **kw)

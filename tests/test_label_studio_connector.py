@@ -77,7 +77,7 @@ def test_token_only_from_the_environment(tmp_path, monkeypatch):
     cfg, _ = make_project(tmp_path, "digits")
     monkeypatch.delenv("TAMIS_TEST_LS_TOKEN")
     with pytest.raises(ConfigError, match="TAMIS_TEST_LS_TOKEN is not set"):
-        LabelStudioProject(cfg, client=RecordedLS("round_trip", tmp_path))
+        LabelStudioProject(cfg.annotate, cfg.artifacts, client=RecordedLS("round_trip", tmp_path))
     with pytest.raises(ConfigError, match="a token in plain text is refused") as exc:
         parse_config({"annotate": {"label_studio": {"token": TOKEN}}})  # no place for a secret in the config
     assert TOKEN not in str(exc.value)
@@ -134,9 +134,9 @@ def test_inline_images_need_no_file_serving(tmp_path):
 def test_unreachable_label_studio_is_recorded_not_fatal(tmp_path):
     cfg, known = make_project(tmp_path, "digits")
     down = RecordedLS("round_trip", tmp_path, fail=ConnectionError(f"refused (Authorization: Token {TOKEN})"))
-    [rec] = pull_labels(cfg, known_ids=known, round_index=1, client=down)
+    [rec] = pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=known, round_index=1, client=down)
     assert "listing projects failed" in rec["error"] and TOKEN not in rec["error"] and "***" in rec["error"]
-    res = push_batch(cfg, export_dir(cfg.artifacts, 0), client=down)
+    res = push_batch(cfg.annotate, cfg.artifacts, export_dir(cfg.artifacts, 0), client=down)
     assert "error" in res and TOKEN not in res["error"]
 
 
@@ -173,5 +173,5 @@ def test_a_renamed_sdk_argument_fails_the_connector_here(tmp_path):
         if p["name"] == "request":
             p["name"] = "tasks"
     cfg, _ = make_project(tmp_path, "tamis recorded round trip")
-    res = push_batch(cfg, export_dir(cfg.artifacts, 0), client=RecordedLS("round_trip", tmp_path, exchange=drifted))
+    res = push_batch(cfg.annotate, cfg.artifacts, export_dir(cfg.artifacts, 0), client=RecordedLS("round_trip", tmp_path, exchange=drifted))
     assert "unexpected keyword argument(s) request" in res["error"]

@@ -220,7 +220,7 @@ def test_round_pushes_to_label_studio_and_the_next_round_pulls(label_studio, lab
 
     from pipeline.annotation.labels import project_index
 
-    assert pull_labels(cfg, known_ids=project_index(cfg.artifacts), round_index=2) == []  # a re-pull adds nothing
+    assert pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=project_index(cfg.artifacts), round_index=2) == []  # a re-pull adds nothing
     assert labeling_round(str(config))["round"] == 1 and len(ledger.entries()) == 6
 
     for p in cfg.artifacts.rglob("*"):
@@ -336,7 +336,7 @@ if mode == "push":  # killed right after the first import request went through
         first(**kw)
         die()
     client.projects.import_tasks = import_then_die
-    label_studio.push_batch(cfg, arg, client=client)
+    label_studio.push_batch(cfg.annotate, cfg.artifacts, arg, client=client)
 else:  # killed when it opens a file matching `arg` for writing, or renames a file onto one
     def hook(event, args):
         if event == "open" and fnmatch.fnmatch(str(args[0]), arg) and (
@@ -346,7 +346,7 @@ else:  # killed when it opens a file matching `arg` for writing, or renames a fi
             die()
     sys.addaudithook(hook)
     from pipeline.annotation.labels import project_index
-    label_studio.pull_labels(cfg, known_ids=project_index(cfg.artifacts), round_index=1)
+    label_studio.pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=project_index(cfg.artifacts), round_index=1)
 sys.exit(3)  # the kill point was never reached
 """
 
@@ -413,12 +413,12 @@ def test_push_and_pull_killed_midway_end_as_an_uninterrupted_run(label_studio, l
     assert (ref_batch / "label_studio_tasks.json").read_bytes() == (batch / "label_studio_tasks.json").read_bytes()
 
     # push: uninterrupted vs killed after its first chunk and re-run
-    ref = connector.push_batch(ref_cfg, ref_batch)
+    ref = connector.push_batch(ref_cfg.annotate, ref_cfg.artifacts, ref_batch)
     assert ref["pushed"] == 6, ref
     _kill_run("push", config, str(batch))
-    pid = connector.LabelStudioProject(cfg).project_id()
+    pid = connector.LabelStudioProject(cfg.annotate, cfg.artifacts).project_id()
     assert len(_server_tasks(server, pid)) == 2  # the first chunk landed before the kill
-    assert connector.push_batch(cfg, batch) == {"project": pid, "pushed": 4, "already": 2}
+    assert connector.push_batch(cfg.annotate, cfg.artifacts, batch) == {"project": pid, "pushed": 4, "already": 2}
     assert _server_tasks(server, pid) == _server_tasks(server, ref["project"])  # same tasks, same order, once each
 
     # pull: uninterrupted vs killed twice mid-import and re-run, from the same state in the same folder
@@ -432,7 +432,7 @@ def test_push_and_pull_killed_midway_end_as_an_uninterrupted_run(label_studio, l
             "was_cancelled": False, "lead_time": lead})
     before = cfg.artifacts.with_name("art-before-pull")
     shutil.copytree(cfg.artifacts, before)
-    [rec] = connector.pull_labels(cfg, known_ids=project_index(cfg.artifacts), round_index=1)
+    [rec] = connector.pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=project_index(cfg.artifacts), round_index=1)
     assert rec["accepted"] == 6, rec
     uninterrupted = _pull_outputs(cfg.artifacts)
     shutil.rmtree(cfg.artifacts)
@@ -442,9 +442,9 @@ def test_push_and_pull_killed_midway_end_as_an_uninterrupted_run(label_studio, l
     assert not Ledger(ledger_path(cfg.artifacts)).entries()
     _kill_run("pull", config, f"*/{connector.PULLED_FILE}")  # the ledger is written, pulled.json not yet
     assert len(Ledger(ledger_path(cfg.artifacts)).entries()) == 6
-    [rec] = connector.pull_labels(cfg, known_ids=project_index(cfg.artifacts), round_index=1)
+    [rec] = connector.pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=project_index(cfg.artifacts), round_index=1)
     assert rec["already_imported"]  # the pull file was imported by the killed run: it is only marked pulled now
-    assert connector.pull_labels(cfg, known_ids=project_index(cfg.artifacts), round_index=1) == []
+    assert connector.pull_labels(cfg.annotate, cfg.data, cfg.artifacts, known_ids=project_index(cfg.artifacts), round_index=1) == []
     resumed = _pull_outputs(cfg.artifacts)
     assert resumed == uninterrupted
     # Label Studio's lead_time came through into the annotation-time log, once per annotation.

@@ -172,7 +172,7 @@ def test_relabel_export_then_import_records_corrections(tmp_path, make_vqa, monk
     known = set(ds["sample_id"])
     # Round 0: everything is labeled by a noisy annotator (3 of 12 flipped).
     sel = [{"sample_id": s, "rank": i, "score": 1.0} for i, s in enumerate(sorted(known))]
-    export_selection(sel, ds, cfg, export_dir(cfg.artifacts, 0), round_index=0)
+    export_selection(sel, ds, cfg.annotate, cfg.data.answers, cfg.artifacts, export_dir(cfg.artifacts, 0), round_index=0)
     inbox0 = tmp_path / "inbox0"
     f0 = simulate_annotator(export_dir(cfg.artifacts, 0), gt, inbox0, round_index=0, noise=0.25, seed=1)
     import_labels(f0, known_ids=known, answers=DIGITS, ledger=ledger, round_index=0, rejections_dir=tmp_path / "rej")
@@ -334,7 +334,7 @@ def test_planted_label_noise_is_found_far_above_chance(tmp_path):
         "select": {"score_batch_size": 64}, "annotate": {"formats": ["label_studio", "images"]},
     })
     export = export_dir(cfg.artifacts, 0)
-    export_selection([{"sample_id": s, "rank": i, "score": 0.0} for i, s in enumerate(ds["sample_id"])], ds, cfg,
+    export_selection([{"sample_id": s, "rank": i, "score": 0.0} for i, s in enumerate(ds["sample_id"])], ds, cfg.annotate, cfg.data.answers, cfg.artifacts,
                      export, round_index=0)
     f = simulate_annotator(export, gt, tmp_path / "inbox", round_index=0, noise=0.1, seed=0)
     ledger = Ledger(ledger_path(cfg.artifacts))

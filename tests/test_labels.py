@@ -239,7 +239,7 @@ def test_cli_import_and_history(tmp_path, make_vqa, monkeypatch):
     cfg_path.write_text(f"paths: {{artifacts: {tmp_path / 'art'}}}\ndata: {{answers: {DIGITS}}}\n")
     cfg = load_config(cfg_path)
     sel = [{"sample_id": f"s00{i}", "rank": i, "score": 1.0, "scores": {}} for i in range(3)]
-    export_selection(sel, ds, cfg, export_dir(cfg.artifacts, 1), round_index=1)
+    export_selection(sel, ds, cfg.annotate, cfg.data.answers, cfg.artifacts, export_dir(cfg.artifacts, 1), round_index=1)
     runner = CliRunner()
     f1 = _write(tmp_path / "a.jsonl", '{"sample_id": "s000", "label": "4"}\n{"sample_id": "s003", "label": "4"}\n')
     res = runner.invoke(app, ["labels", "import", str(f1), "--config", str(cfg_path)])

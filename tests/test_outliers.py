@@ -136,17 +136,17 @@ def test_bad_embeddings_are_clear_errors():
 
 
 def test_select_batch_downweights_flagged_samples_and_small_pools_flag_nothing():
-    from pipeline.strategies import select_batch
+    from pipeline.strategies import Candidates, select_batch
 
     ids = [f"s{i}" for i in range(6)]
     # margin: the closer the top two probabilities, the more uncertain; s0 is the most uncertain.
     probs = np.array([[0.5, 0.5], [0.6, 0.4], [0.7, 0.3], [0.8, 0.2], [0.9, 0.1], [0.95, 0.05]])
-    plain = select_batch(ids, k=2, strategy="margin", diversity="top_k", probs=probs, seed=0)
+    plain = select_batch(Candidates(ids, probs=probs), k=2, strategy="margin", diversity="top_k", seed=0)
     assert plain.ids == ["s0", "s1"]
-    down = select_batch(ids, k=2, strategy="margin", diversity="top_k", probs=probs, seed=0, downweight={"s0"},
+    down = select_batch(Candidates(ids, probs=probs), k=2, strategy="margin", diversity="top_k", seed=0, downweight={"s0"},
                         downweight_weight=0.0)
     assert down.ids == ["s1", "s2"]  # flagged s0 drops to the lowest score, not out of the pool
-    last = select_batch(ids, k=6, strategy="margin", diversity="top_k", probs=probs, seed=0, downweight={"s0"},
+    last = select_batch(Candidates(ids, probs=probs), k=6, strategy="margin", diversity="top_k", seed=0, downweight={"s0"},
                         downweight_weight=0.0)
     assert last.ids[-1] == "s0"
     rep = find_outliers(["a", "b", "l"], _blobs(3, n=3), [], labeled_ids={"l"}, k=10, z_threshold=0.1, min_rounds=2)

@@ -237,7 +237,7 @@ def test_ingested_bad_mode_images_go_through_preprocessing(tmp_path):
     (root / "m.jsonl").write_text("".join(json.dumps({"image": n, "answer": n}) + "\n" for n in files))
     cfg = parse_config({"data": {"sources": [{"kind": "jsonl", "path": str(root / "m.jsonl")}]},
                         "paths": {"artifacts": str(tmp_path / "art")}})
-    ingest(cfg, tmp_path / "ingest")
+    ingest(cfg.data, cfg.artifacts, tmp_path / "ingest")
     ds = load_ingested(tmp_path / "ingest")
     assert set(ds["mode"][:]) == {"L", "CMYK", "I;16", "P", "RGBA", "RGB"}
 

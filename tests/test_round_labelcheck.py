@@ -18,7 +18,7 @@ import pytest
 from pipeline.annotation.ledger import Ledger, ledger_path, make_entry
 from pipeline.config import PreprocessConfig, ProjectConfig
 from pipeline.data.demo import write_digits
-from pipeline.embeddings import compute_selection_embeddings
+from pipeline.embeddings import compute_selection_embeddings, embeddings_spec
 from pipeline.labelcheck.stage import plan_label_check, run_label_check
 from pipeline.preprocess import encode_png, prepare_image
 from pipeline.store import read_jsonl
@@ -71,7 +71,7 @@ def test_the_round_s_label_check_finds_planted_flips_with_the_tiny_model_and_knn
     Ledger(ledger_path(art)).append([make_entry(r["sample_id"], r["answer"], annotator="planted", round_index=0,
                                                 source_file="planted.json", source_digest="p") for r in rows])
     prepared = datasets.Dataset.from_list(rows).remove_columns(["truth"])
-    space = compute_selection_embeddings(cfg, prepared, art / "embeddings" / "slice", inputs={"prepared": "slice"})
+    space = compute_selection_embeddings(embeddings_spec(cfg), prepared, art / "embeddings" / "slice", inputs={"prepared": "slice"})
     labeled = art / "rounds" / "001" / "labeled" / "dataset"
     prepared.remove_columns(["split"]).save_to_disk(str(labeled))
 

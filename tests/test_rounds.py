@@ -250,7 +250,7 @@ def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_pat
                             adapter=None, space=None, history_dirs=[],
                             batch_size=budget_batch(c.rounds, c.select.batch_size, spent, out))
         # The select stage picks select.batch_size of its parameters (its key: a cut batch is another selection).
-        chosen = eligible[:sp.params["select"]["batch_size"]]
+        chosen = eligible[:sp.params.select["batch_size"]]
         _export(art, plan.index, chosen)
         finish(art, plan)
         batches.append(len(chosen))

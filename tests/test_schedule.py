@@ -99,13 +99,14 @@ def test_one_strategy_name_for_a_round_before_and_after_it_selects():
     ids = [f"s{i}" for i in range(12)]
     space = Space(ids, np.random.default_rng(0).normal(size=(12, 4)).astype(np.float32), "pixels")
     coverage = choose_phase(sel_cfg.schedule, strategy="margin", diversity="top_k", labeled=2, n_classes=2,
-                            newest_accuracy=[]).as_dict()
+                            newest_accuracy=[])
     rng = np.random.default_rng(1)
     probs = rng.dirichlet([1, 1], size=12).astype(np.float32)
     scores = ScoreResult(ids, space.emb, probs=probs)
     for cold, phase in ((True, None), (False, coverage)):
         out = select_round(sel_cfg, candidate_ids=ids, scores=None if cold else scores, space=space, labeled=set(),
                            exclude=set(), answers=["a", "b"], history=[], cold_start=cold, seed=0, phase=phase)
+        phase = phase.as_dict() if phase is not None else None  # round.json's JSON form, as round_strategy reads it
         assert {r["round_strategy"] for r in out.rows} == {round_strategy(cfg, cold=cold, phase=phase)}
     assert round_strategy(cfg, cold=True) == "cold start: maxherding"
-    assert round_strategy(cfg, cold=False, phase=coverage) == "coverage: maxherding"
+    assert round_strategy(cfg, cold=False, phase=coverage.as_dict()) == "coverage: maxherding"

@@ -188,7 +188,7 @@ def test_export_refuses_sample_ids_that_are_paths(tmp_path, make_vqa, bad):
     before = snapshot(tmp_path, tmp_path / "no-skip")
     sel = [{"sample_id": sid, "rank": k, "score": 1.0} for k, sid in enumerate(["s000", bad])]
     with pytest.raises(ExportError, match=f"selection row 1: sample_id {re.escape(repr(bad))} is not a safe file name"):
-        export_selection(sel, ds, cfg, export_dir(cfg.artifacts, 1), round_index=1)
+        export_selection(sel, ds, cfg.annotate, cfg.data.answers, cfg.artifacts, export_dir(cfg.artifacts, 1), round_index=1)
     assert snapshot(tmp_path, tmp_path / "no-skip") == before  # nothing written, inside artifacts or out
 
 
@@ -207,7 +207,7 @@ def test_export_replaces_planted_symlinks_instead_of_writing_through_them(tmp_pa
     (out / "manifest.json").symlink_to(outside / "new.json")  # dangling: following it would create a file
     before = snapshot(outside, outside / "no-skip")
 
-    export_selection([{"sample_id": f"s00{i}", "rank": i, "score": 1.0} for i in range(3)], ds, cfg, out,
+    export_selection([{"sample_id": f"s00{i}", "rank": i, "score": 1.0} for i in range(3)], ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out,
                      round_index=1)
     assert snapshot(outside, outside / "no-skip") == before
     assert not [p for p in out.rglob("*") if p.is_symlink()]  # each link was replaced, none left behind

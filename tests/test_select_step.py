@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.errors import SelectionError
 from pipeline.selection import Space, select_step
-from pipeline.strategies import select_batch
+from pipeline.strategies import Candidates, select_batch
 
 
 def _pool(n: int = 120, d: int = 8, c: int = 4, seed: int = 0):
@@ -22,8 +22,8 @@ def test_it_picks_what_select_batch_picks_with_the_labeled_rows_looked_up():
     ids, emb, probs = _pool()
     labeled = {"s003", "s050", "s111"}
     at = [ids.index(s) for s in sorted(labeled)]
-    want = select_batch(ids, k=10, strategy="margin", diversity="k_center", probs=probs, embeddings=emb,
-                        exclude=labeled, seed=5, labeled_embeddings=emb[at])
+    want = select_batch(Candidates(ids, probs=probs, embeddings=emb, exclude=labeled, labeled_embeddings=emb[at]),
+                        k=10, strategy="margin", diversity="k_center", seed=5)
     got = select_step(ids, k=10, strategy="margin", diversity="k_center", seed=5, labeled=labeled, probs=probs,
                       embeddings=emb)
     assert got.ids == want.ids and not set(got.ids) & labeled

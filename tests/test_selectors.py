@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.config import SelectConfig
 from pipeline.errors import SelectionError
-from pipeline.strategies import SELECTORS, k_center_greedy, kmeans_labels, select_batch
+from pipeline.strategies import SELECTORS, Candidates, k_center_greedy, kmeans_labels, select_batch
 from pipeline.strategies.coverage import Blocks, MaxHerding, ProbCover, TypiClust, UncertaintyHerding
 from pipeline.strategies.selectors import ClusterMargin, KCenter, Stratified, Typical
 
@@ -231,11 +231,13 @@ def _pool(n=100, c=3, seed=0):
 @pytest.mark.parametrize("diversity", sorted(SELECTORS))
 def test_select_batch_is_deterministic_and_order_free(diversity):
     ids, probs, emb, pred = _pool()
-    kw = dict(k=10, strategy="margin", diversity=diversity, seed=5, exclude={"s0003", "s0050"})
-    a = select_batch(ids, probs=probs, embeddings=emb, predicted=pred, **kw)
-    b = select_batch(ids, probs=probs, embeddings=emb, predicted=pred, **kw)
+    kw = dict(k=10, strategy="margin", diversity=diversity, seed=5)
+    out = {"s0003", "s0050"}
+    a = select_batch(Candidates(ids, probs=probs, embeddings=emb, predicted=pred, exclude=out), **kw)
+    b = select_batch(Candidates(ids, probs=probs, embeddings=emb, predicted=pred, exclude=out), **kw)
     perm = np.random.default_rng(9).permutation(len(ids))
-    c = select_batch([ids[i] for i in perm], probs=probs[perm], embeddings=emb[perm], predicted=pred[perm], **kw)
+    c = select_batch(Candidates([ids[i] for i in perm], probs=probs[perm], embeddings=emb[perm], predicted=pred[perm],
+                                exclude=out), **kw)
     assert a.ids == b.ids == c.ids
     assert len(set(a.ids)) == 10 and a.ranks == list(range(1, 11))
     assert [ids[p] for p in a.positions] == a.ids
@@ -246,7 +248,7 @@ def test_select_batch_honours_exclusions():
     ids, probs, emb, _ = _pool()
     scores = -np.sort(-(1 - probs.max(axis=1)))
     best = [ids[i] for i in np.argsort(-(1 - probs.max(axis=1)))[:5]]
-    sel = select_batch(ids, k=5, strategy="least_confidence", diversity="top_k", probs=probs, exclude=set(best),
+    sel = select_batch(Candidates(ids, probs=probs, exclude=set(best)), k=5, strategy="least_confidence", diversity="top_k",
                        seed=0)
     assert not set(best) & set(sel.ids)
     np.testing.assert_allclose(sel.scores, scores[5:10])
@@ -257,9 +259,9 @@ def test_select_batch_honours_exclusions():
 def test_pool_exhausted_names_the_numbers(caplog):
     ids, probs, _, _ = _pool(62)
     with pytest.raises(SelectionError, match=r"^Pool exhausted: 12 unlabeled samples left, 50 requested"):
-        select_batch(ids, k=50, strategy="entropy", diversity="top_k", probs=probs, exclude=set(ids[:50]), seed=0)
+        select_batch(Candidates(ids, probs=probs, exclude=set(ids[:50])), k=50, strategy="entropy", diversity="top_k", seed=0)
     with caplog.at_level(logging.WARNING, logger="pipeline.strategies.pool"):
-        sel = select_batch(ids, k=50, strategy="entropy", diversity="top_k", probs=probs, exclude=set(ids[:50]),
+        sel = select_batch(Candidates(ids, probs=probs, exclude=set(ids[:50])), k=50, strategy="entropy", diversity="top_k",
                            seed=0, allow_partial=True)
     assert sorted(sel.ids) == ids[50:]
     assert "12 unlabeled samples left" in caplog.text
@@ -267,21 +269,21 @@ def test_pool_exhausted_names_the_numbers(caplog):
 
 def test_cold_start_and_input_errors():
     ids, probs, emb, _ = _pool(40)
-    cold = select_batch(ids, k=4, strategy="entropy", diversity="typical", embeddings=emb, seed=0)
+    cold = select_batch(Candidates(ids, embeddings=emb), k=4, strategy="entropy", diversity="typical", seed=0)
     assert len(cold.ids) == 4
-    rnd = select_batch(ids, k=4, strategy="random", diversity="top_k", seed=0)
-    assert rnd.ids == select_batch(ids, k=4, strategy="random", diversity="top_k", seed=0).ids
-    assert rnd.ids != select_batch(ids, k=4, strategy="random", diversity="top_k", seed=1).ids
+    rnd = select_batch(Candidates(ids), k=4, strategy="random", diversity="top_k", seed=0)
+    assert rnd.ids == select_batch(Candidates(ids), k=4, strategy="random", diversity="top_k", seed=0).ids
+    assert rnd.ids != select_batch(Candidates(ids), k=4, strategy="random", diversity="top_k", seed=1).ids
     with pytest.raises(SelectionError, match=r"needs no scores \('maxherding', 'probcover', 'typical', 'typiclust'\)"):
-        select_batch(ids, k=4, strategy="entropy", diversity="top_k", seed=0)
+        select_batch(Candidates(ids), k=4, strategy="entropy", diversity="top_k", seed=0)
     with pytest.raises(SelectionError, match=r"probs has shape \(39, 3\) but there are 40"):
-        select_batch(ids, k=4, strategy="entropy", diversity="top_k", probs=probs[:39], seed=0)
+        select_batch(Candidates(ids, probs=probs[:39]), k=4, strategy="entropy", diversity="top_k", seed=0)
     with pytest.raises(SelectionError, match="'s0001' appears 2 times"):
-        select_batch(ids + ["s0001"], k=4, strategy="random", diversity="top_k", seed=0)
+        select_batch(Candidates(ids + ["s0001"]), k=4, strategy="random", diversity="top_k", seed=0)
     with pytest.raises(SelectionError, match="unknown diversity 'kcenter'"):
-        select_batch(ids, k=4, strategy="entropy", diversity="kcenter", probs=probs, seed=0)
+        select_batch(Candidates(ids, probs=probs), k=4, strategy="entropy", diversity="kcenter", seed=0)
     with pytest.raises(SelectionError, match="bad options"):
-        select_batch(ids, k=4, strategy="entropy", diversity="k_center", probs=probs, embeddings=emb, seed=0,
+        select_batch(Candidates(ids, probs=probs, embeddings=emb), k=4, strategy="entropy", diversity="k_center", seed=0,
                      options={"uncertainy": "product"})
 
 
@@ -448,12 +450,12 @@ def test_coverage_selectors_through_blocks(name, monkeypatch):
 def test_select_batch_cold_start_with_coverage(name):
     x, blob = noisy_blobs()
     ids = [f"s{i:04d}" for i in range(len(x))]
-    sel = select_batch(ids, k=5, strategy="entropy", diversity=name, embeddings=x, seed=0,
+    sel = select_batch(Candidates(ids, embeddings=x), k=5, strategy="entropy", diversity=name, seed=0,
                        options={"n_classes": 5} if name == "probcover" else None)
     assert sorted(blob[sel.positions]) == [0, 1, 2, 3, 4]
     # The selector's report travels with the selection.
     assert {"typiclust": "n_clusters", "probcover": "radius", "maxherding": "bandwidth"}[name] in sel.info
-    later = select_batch(ids, k=2, strategy="entropy", diversity=name, embeddings=x, seed=0, exclude=sel.ids,
-                         labeled_embeddings=x[sel.positions[:3]],
+    later = select_batch(Candidates(ids, embeddings=x, exclude=sel.ids, labeled_embeddings=x[sel.positions[:3]]),
+                         k=2, strategy="entropy", diversity=name, seed=0,
                          options={"n_classes": 5} if name == "probcover" else None)
     assert set(blob[later.positions]) == set(blob[sel.positions[3:]])

@@ -19,7 +19,7 @@ def _project(tmp_path, ds, ids, *, answers=DIGITS, round_index=1):
     sel = [{"sample_id": sid, "rank": k, "score": 0.5, "prediction": "0", "confidence": 0.3, "scores": {}}
            for k, sid in enumerate(ids)]
     out = export_dir(cfg.artifacts, round_index)
-    export_selection(sel, ds, cfg, out, round_index=round_index)
+    export_selection(sel, ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=round_index)
     return cfg, out
 
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from PIL import Image
 
 from pipeline.codeversion import stage_version
-from pipeline.config import ProjectConfig
+from pipeline.config import AnnotateConfig
 from pipeline.errors import TamisError
 from pipeline.idindex import IdIndex
 from pipeline.store import (
@@ -246,11 +246,11 @@ def _image_ext(data: bytes, sample_id: str) -> str:
     return _EXT.get(fmt, fmt.lower() or "bin")
 
 
-def _document_relpath(out_dir: Path, cfg: ProjectConfig) -> str:
-    root = cfg.annotate.document_root
+def _document_relpath(out_dir: Path, annotate: AnnotateConfig, artifacts: Path) -> str:
+    root = annotate.document_root
     out = out_dir.resolve()
     if root is None:
-        artifacts = cfg.artifacts.resolve()
+        artifacts = Path(artifacts).resolve()
         root = artifacts if out.is_relative_to(artifacts) and out != artifacts else out.parent
     root = Path(root).resolve()
     # Label Studio serves only from a strict sub-folder of its document root.
@@ -313,23 +313,27 @@ def build_items(
 def export_selection(
     selection_rows: Sequence[Mapping[str, Any]],
     dataset: Any,
-    cfg: ProjectConfig,
+    annotate: AnnotateConfig,
+    answers: Sequence[str] | None,
+    artifacts: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     *,
     round_index: int,
 ) -> Manifest:
-    """Write every format in cfg.annotate.formats into out_dir, then the manifest (last, so it marks completion)."""
+    """Write every format in annotate.formats into out_dir, then the manifest (last, so it marks completion).
+    `answers`: data.answers (None for open answers); `artifacts`: where the document root defaults to."""
     out_dir = Path(out_dir)
-    formats = list(dict.fromkeys(cfg.annotate.formats))
+    answers = list(answers) if answers is not None else None
+    formats = list(dict.fromkeys(annotate.formats))
     if "label_studio" in formats and "images" not in formats:
         log.warning("Label Studio tasks point at %s/, but annotate.formats does not export the images", IMAGES_DIR)
-    items = build_items(selection_rows, dataset, image_source=cfg.annotate.export_images)
+    items = build_items(selection_rows, dataset, image_source=annotate.export_images)
     adapters = {r.get("adapter_digest") for r in selection_rows} - {None}
     ctx = ExportContext(
         round_index=round_index,
-        answers=cfg.data.answers,
-        image_url_prefix=cfg.annotate.image_url_prefix,
-        export_relpath=_document_relpath(out_dir, cfg),
+        answers=answers,
+        image_url_prefix=annotate.image_url_prefix,
+        export_relpath=_document_relpath(out_dir, annotate, Path(artifacts)),
         model_version=f"adapter-{sorted(adapters)[0][:12]}" if len(adapters) == 1 else "tamis",
     )
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -337,7 +341,7 @@ def export_selection(
     for name in formats:
         for rel in EXPORTERS[name](ctx).write(items, out_dir):
             outputs[rel] = rel
-    config = {"annotate": cfg.section("annotate"), "answers": cfg.data.answers}
+    config = {"annotate": annotate.model_dump(mode="json"), "answers": answers}
     strategies = sorted({str(r.get("strategy")) for r in selection_rows if r.get("strategy")})
     log.info("Exported %d samples of round %d to %s (%s)", len(items), round_index, out_dir, ", ".join(formats))
     return write_manifest(
@@ -375,11 +379,10 @@ def exported_sample_ids(artifacts: str | os.PathLike[str], *, before_round: int 
 def export_stage(artifacts: str, selection: dict, prepared: dict, annotate: dict, answers: list[str] | None,
                  round_index: int, out_dir: str) -> dict[str, Any]:
     """The export stage: the round's selection written for annotators into `out_dir`, in every configured format."""
-    from pipeline.config import StageConfig
     from pipeline.preprocess import load_prepared
     from pipeline.store import read_jsonl
 
-    cfg = StageConfig({"annotate": annotate, "data": {"answers": answers}}, artifacts=artifacts)
     rows = read_jsonl(Path(selection["dir"]) / "selection.jsonl")
-    m = export_selection(rows, load_prepared(prepared["dir"]), cfg, out_dir, round_index=round_index)
+    m = export_selection(rows, load_prepared(prepared["dir"]), AnnotateConfig.model_validate(annotate), answers,
+                         artifacts, out_dir, round_index=round_index)
     return {"dir": out_dir, "digest": m.key, "count": m.info["count"]}

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from urllib.parse import unquote
 
 from pipeline.annotation.export import FROM_NAME
+from pipeline.config import DataConfig
 from pipeline.errors import LabelImportError
 from pipeline.store import digest_bytes
 
@@ -196,10 +197,10 @@ class LabelKeys:
     image_columns: tuple[str, ...] = ("image", "image_path")
 
     @classmethod
-    def from_config(cls, cfg: Any) -> LabelKeys:
-        """From a ProjectConfig: every source's id_column and image column / Label Studio image key."""
+    def from_config(cls, data: DataConfig) -> LabelKeys:
+        """From the data section: every source's id_column and image column / Label Studio image key."""
         ids, images = list(cls.id_columns), list(cls.image_columns)
-        for src in cfg.data.sources:
+        for src in data.sources:
             ids.append(src.id_column)
             images += [src.image_column, src.data_image_key]
         return cls(tuple(dict.fromkeys(ids)), tuple(dict.fromkeys(images)))

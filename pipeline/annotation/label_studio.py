@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.annotation.export import LABEL_CONFIG_FILE, TASKS_FILE
-from pipeline.config import LabelStudioConfig, ProjectConfig
+from pipeline.config import AnnotateConfig, DataConfig, LabelStudioConfig
 from pipeline.errors import ConfigError, TamisError
 from pipeline.store import atomic_write_text, digest_bytes, digest_json
 
@@ -74,11 +74,11 @@ def _safe(exc: BaseException, token: str) -> str:
 class LabelStudioProject:
     """One Label Studio project: created or updated with tamis's labeling interface on first use."""
 
-    def __init__(self, cfg: ProjectConfig, client: Any | None = None):
-        if cfg.annotate.label_studio is None:
+    def __init__(self, annotate: AnnotateConfig, artifacts: str | os.PathLike[str], client: Any | None = None):
+        if annotate.label_studio is None:
             raise ConfigError("annotate.label_studio is not set; add {url, project, token_env} to the config")
-        self.cfg = cfg
-        self.ls = cfg.annotate.label_studio
+        self.annotate, self.artifacts = annotate, Path(artifacts)
+        self.ls = annotate.label_studio
         self._token = token_from_env(self.ls)
         self.client = client or _sdk()(base_url=self.ls.url, api_key=self._token)
         self._id: int | None = None
@@ -128,14 +128,13 @@ class LabelStudioProject:
     def _ensure_storage(self, pid: int, export_dir: Path) -> None:
         """Attach a Local Files storage over the rounds' folders: Label Studio serves /data/local-files/ only from
         one, and only from a strict sub-folder of its document root (annotate.document_root)."""
-        root = (Path(self.cfg.annotate.document_root) if self.cfg.annotate.document_root
-                else self.cfg.artifacts).resolve()
+        root = (Path(self.annotate.document_root) if self.annotate.document_root else self.artifacts).resolve()
         export_dir = export_dir.resolve()
         local = self.client.import_storage.local
         have = self._call("listing local storages", lambda: list(local.list(project=pid)))
         if any(getattr(s, "path", None) and export_dir.is_relative_to(Path(s.path)) for s in have):
             return
-        folder = (Path(self.cfg.artifacts) / "rounds").resolve()
+        folder = (Path(self.artifacts) / "rounds").resolve()
         if not (folder.is_relative_to(root) and folder != root and export_dir.is_relative_to(folder)):
             folder = export_dir  # the exporter already checked it is a strict sub-folder of the document root
         self._call(f"attaching a Local Files storage on {folder}", local.create, project=pid, path=str(folder),
@@ -153,7 +152,7 @@ class LabelStudioProject:
         tasks = json.loads((export_dir / TASKS_FILE).read_text(encoding="utf-8"))
         label_config = (export_dir / LABEL_CONFIG_FILE).read_text(encoding="utf-8")
         pid = self.project_id(label_config)
-        task_set = task_set_name(self.cfg.artifacts, export_dir)
+        task_set = task_set_name(self.artifacts, export_dir)
         have = {(str(d.get("sample_id")), d.get("tamis_set")) for t in self._tasks(pid)
                 if isinstance(d := _plain(t).get("data"), dict)}
         new = [{**t, "data": {**t["data"], "tamis_set": task_set}} for t in tasks
@@ -176,7 +175,7 @@ class LabelStudioProject:
 
     # --------------------------------------------------------------------------------------------------- pull
     def _state_path(self, pid: int) -> Path:
-        return pulled_path(self.cfg.artifacts, pid)
+        return pulled_path(self.artifacts, pid)
 
     def pulled(self, pid: int) -> set[str]:
         p = self._state_path(pid)
@@ -225,8 +224,8 @@ def annotation_key(a: Mapping[str, Any]) -> str:
     return f"{a.get('id')}:{digest_json([a.get('result'), a.get('was_cancelled')])[:12]}"
 
 
-def pull_labels(cfg: ProjectConfig, *, known_ids: Any, round_index: int, client: Any | None = None
-                ) -> list[dict[str, Any]]:
+def pull_labels(annotate: AnnotateConfig, data: DataConfig, artifacts: str | os.PathLike[str], *, known_ids: Any,
+                round_index: int, client: Any | None = None) -> list[dict[str, Any]]:
     """Pull new annotations from annotate.label_studio into the ledger through the file importer.
 
     Returns import records like the inbox's ({"file", "summary", "accepted", "rejected", "already_imported"}, or
@@ -236,17 +235,18 @@ def pull_labels(cfg: ProjectConfig, *, known_ids: Any, round_index: int, client:
     from pipeline.annotation.ledger import Ledger, ledger_path
     from pipeline.errors import LabelImportError
 
-    if cfg.annotate.label_studio is None:
+    if annotate.label_studio is None:
         return []
-    where = f"Label Studio {cfg.annotate.label_studio.url} project {cfg.annotate.label_studio.project!r}"
+    artifacts = Path(artifacts)
+    where = f"Label Studio {annotate.label_studio.url} project {annotate.label_studio.project!r}"
     try:
-        project = LabelStudioProject(cfg, client)
+        project = LabelStudioProject(annotate, artifacts, client)
         path, keys = project.pull()
         if path is None:
             return []
-        rep = import_labels(path, known_ids=known_ids, answers=cfg.data.answers,
-                            ledger=Ledger(ledger_path(cfg.artifacts)), round_index=round_index,
-                            rejections_dir=cfg.artifacts / "rejections", keys=LabelKeys.from_config(cfg))
+        rep = import_labels(path, known_ids=known_ids, answers=data.answers,
+                            ledger=Ledger(ledger_path(artifacts)), round_index=round_index,
+                            rejections_dir=artifacts / "rejections", keys=LabelKeys.from_config(data))
         project.mark_pulled(keys)
     except (LabelStudioError, LabelImportError) as exc:
         log.error("%s: nothing imported: %s", where, exc)
@@ -255,10 +255,11 @@ def pull_labels(cfg: ProjectConfig, *, known_ids: Any, round_index: int, client:
              "rejected": len(rep.rejected), "already_imported": rep.already_imported}]
 
 
-def push_batch(cfg: ProjectConfig, export_dir: str | os.PathLike[str], client: Any | None = None) -> dict[str, Any]:
+def push_batch(annotate: AnnotateConfig, artifacts: str | os.PathLike[str], export_dir: str | os.PathLike[str],
+               client: Any | None = None) -> dict[str, Any]:
     """Push an exported batch to annotate.label_studio; {"project", "pushed", "already"} or {"error"}."""
     try:
-        return LabelStudioProject(cfg, client).push(export_dir)
+        return LabelStudioProject(annotate, artifacts, client).push(export_dir)
     except LabelStudioError as exc:
         log.error("batch %s not pushed: %s", export_dir, exc)
         return {"error": str(exc)}

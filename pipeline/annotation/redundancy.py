@@ -82,7 +82,6 @@ def export_redundancy(rows: Sequence[Mapping[str, Any]], dataset: Any, out_dir: 
     """Write the queue as a task set in every configured format, plus redundancy.jsonl and the manifest (last);
     None when nothing is unsure. No pre-annotation: a second opinion shown the first one is not independent."""
     from pipeline.annotation.export import EXPORTERS, ExportContext, _document_relpath, build_items
-    from pipeline.config import StageConfig
 
     if not rows:
         return None
@@ -94,9 +93,9 @@ def export_redundancy(rows: Sequence[Mapping[str, Any]], dataset: Any, out_dir: 
     sel = [{"sample_id": r["sample_id"], "rank": k, "score": 1.0 - float(r["confidence"]), "scores": {}}
            for k, r in enumerate(rows)]
     items = build_items(sel, dataset, image_source=annotate.export_images)
-    where = StageConfig({"annotate": annotate.model_dump(mode="json")}, artifacts=artifacts)
     ctx = ExportContext(round_index=round_index, answers=list(answers) if answers else None,
-                        image_url_prefix=annotate.image_url_prefix, export_relpath=_document_relpath(out_dir, where),
+                        image_url_prefix=annotate.image_url_prefix,
+                        export_relpath=_document_relpath(out_dir, annotate, artifacts),
                         model_version="consensus")
     out_dir.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, str] = {}

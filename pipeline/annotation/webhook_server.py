@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline.annotation.label_studio import LabelStudioError, LabelStudioProject
 from pipeline.annotation.webhooks import ACTIONS, EventQueue, parse_event
-from pipeline.config import ProjectConfig, TriggerConfig
+from pipeline.config import AnnotateConfig, TriggerConfig
 from pipeline.config.trigger import WEBHOOK_PATH
 from pipeline.errors import ConfigError
 
@@ -110,11 +110,12 @@ class WebhookServer(ThreadingHTTPServer):
 
 
 # --------------------------------------------------------------------------------------------------- registration
-def register_webhook(cfg: ProjectConfig, url: str, secret: str, client: Any | None = None) -> dict[str, Any]:
+def register_webhook(annotate: AnnotateConfig, artifacts: str | os.PathLike[str], url: str, secret: str,
+                     client: Any | None = None) -> dict[str, Any]:
     """Point the Label Studio project's webhook at `url` with the secret header: created, or updated in place when the
     project has one to that URL already (so re-running it rotates the secret). Returns {"project", "webhook",
     "created"}."""
-    project = LabelStudioProject(cfg, client)
+    project = LabelStudioProject(annotate, artifacts, client)
     pid = project.project_id()
     hooks = project.client.webhooks
     have = [h for h in project._call(f"listing the webhooks of project {pid}", lambda: list(hooks.list(project=str(pid))))
@@ -126,6 +127,6 @@ def register_webhook(cfg: ProjectConfig, url: str, secret: str, client: Any | No
     else:
         hook = project._call(f"creating a webhook on project {pid}", hooks.create, project=pid, **fields)
     if getattr(hook, "id", None) is None:
-        raise LabelStudioError(f"Label Studio at {cfg.annotate.label_studio.url}: the webhook was not saved")
+        raise LabelStudioError(f"Label Studio at {annotate.label_studio.url}: the webhook was not saved")
     log.info("Label Studio: project %s webhook %s → %s", pid, hook.id, url)
     return {"project": pid, "webhook": int(hook.id), "created": not have}

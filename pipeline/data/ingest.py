@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.codeversion import stage_version
-from pipeline.config import DataConfig, ProjectConfig, SourceConfig, StageConfig
+from pipeline.config import DataConfig, SourceConfig
 from pipeline.data.file_index import FileIndex, open_index
 from pipeline.data.images import ImageRejected, open_image
 from pipeline.data.readers import READERS, RawRow, Rejected
@@ -278,31 +278,31 @@ def _judge(cfg: DataConfig, parts: Parts, acc: _Accounting, reused: list[Shard],
     return fresh
 
 
-def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> Manifest:
-    """Read every source of `cfg.data` into `out_dir` (dataset/, shards.json, quarantine.jsonl, duplicates.jsonl,
-    warnings.jsonl, manifest.json).
+def ingest(data: DataConfig, artifacts: str | os.PathLike[str], out_dir: Path, *,
+           digest: str | None = None) -> Manifest:
+    """Read every source of `data` into `out_dir` (dataset/, shards.json, quarantine.jsonl, duplicates.jsonl,
+    warnings.jsonl, manifest.json); `artifacts` holds the file index, the shards and their lineage.
 
     Rows already ingested by the previous run (same answer set and pixel guard) come from its shards without being
     read; only new or changed rows are read, validated and written to new shards (pipeline/data/shards.py). `digest`
-    is `source_digest(cfg.data, artifacts)` when the caller already computed it (the flow does, for its cache key).
+    is `source_digest(data, artifacts)` when the caller already computed it (the flow does, for its cache key).
     """
-    data = cfg.data
-    out_dir = Path(out_dir)
+    out_dir, artifacts = Path(out_dir), Path(artifacts)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = open_index(cfg.artifacts, data.verify)
+    files = open_index(artifacts, data.verify)
     if not data.sources:
         raise DataError("data.sources is empty; add at least one source (kind + path) to the config")
     parts = _walk(data, files)
     files.save()
     digest = digest or _digest_parts(parts)
     present = {d for _, _, descs in parts for d in descs if d is not None}
-    reused = reusable_shards(cfg.artifacts, data, present)
+    reused = reusable_shards(artifacts, data, present)
     acc = _Accounting()
     features, columns = ingest_features(), list(INGEST_COLUMNS)
-    writer = ShardWriter(cfg.artifacts, data, features, out_dir, reused)
+    writer = ShardWriter(artifacts, data, features, out_dir, reused)
     fresh = _judge(data, parts, acc, reused, writer)
     shards = reused + writer.finish(lambda sid: acc.kept[sid]["sources"], columns)
-    save_lineage(cfg.artifacts, data, shards)
+    save_lineage(artifacts, data, shards)
     assemble(shards, out_dir / "dataset", features, columns)
     atomic_write_json(out_dir / SHARDS_FILE, [s.ref() for s in shards])
     atomic_write_jsonl(out_dir / "quarantine.jsonl", acc.quarantine)
@@ -329,7 +329,7 @@ def ingest(cfg: ProjectConfig, out_dir: Path, *, digest: str | None = None) -> M
         stage=STAGE,
         stage_version=INGEST_VERSION,
         inputs={"sources": digest},
-        config=ingest_key_config(cfg.section("data")),
+        config=ingest_key_config(data.model_dump(mode="json")),
         outputs={"dataset": "dataset", "shards": SHARDS_FILE, "quarantine": "quarantine.jsonl",
                  "duplicates": "duplicates.jsonl", "warnings": "warnings.jsonl"},
         info={"counts": counts, "splits": {s: splits.get(s, 0) for s in SPLITS}, "duplicate_conflicts": conflicts,
@@ -357,8 +357,8 @@ def ingest_stage(artifacts: str | os.PathLike[str], source_digest: str, data_con
     which refreshed the file index, so the body's own walk trusts it (stat)."""
     data_config = ingest_key_config(data_config)
     key = stage_key(STAGE, INGEST_VERSION, {"sources": source_digest}, data_config)
-    cfg = StageConfig({"data": {**data_config, "verify": "stat"}}, artifacts=artifacts)
-    m = reuse_or_compute(out_dir, key, lambda: ingest(cfg, Path(out_dir), digest=source_digest))
+    data = DataConfig.model_validate({**data_config, "verify": "stat"})
+    m = reuse_or_compute(out_dir, key, lambda: ingest(data, artifacts, Path(out_dir), digest=source_digest))
     return {"dir": str(out_dir), "digest": m.key, "counts": m.info["counts"]}
 
 

@@ -19,7 +19,7 @@ from pipeline.annotation.export import (
     build_items,
 )
 from pipeline.annotation.redundancy import redundancy_spent
-from pipeline.config import AnnotateConfig, StageConfig
+from pipeline.config import AnnotateConfig
 from pipeline.errors import ArtifactError
 from pipeline.labelcheck.base import LABELCHECK_VERSION
 from pipeline.labelcheck.detection import Issue
@@ -130,10 +130,8 @@ def export_relabel(
             "scores": {"margin": iss.margin, "given_prob": iss.given_prob, "suggested_prob": iss.suggested_prob}}
            for r, iss in enumerate(issues)]
     items = build_items(sel, dataset, image_source=annotate.export_images)
-    # _document_relpath reads a config's annotate.document_root and artifacts folder: give it just those.
-    where = StageConfig({"annotate": annotate.model_dump(mode="json")}, artifacts=artifacts)
     ctx = ExportContext(round_index=round_index, answers=answers, image_url_prefix=annotate.image_url_prefix,
-                        export_relpath=_document_relpath(out_dir, where), model_version="labelcheck")
+                        export_relpath=_document_relpath(out_dir, annotate, artifacts), model_version="labelcheck")
     current = {iss.sample_id: (iss.given_label, iss.given_prob) for iss in issues}
     out_dir.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, str] = {}

@@ -65,9 +65,9 @@ def find_eval_dir(artifacts: str | os.PathLike[str], adapter_digest: str) -> str
 def score_shards(cfg: Any, round_dir: Path, prepared_ref: dict[str, Any] | None,
                  adapter: dict[str, Any] | None) -> list[tuple[str, str]]:
     """(first sample ID, folder) of the score shards the round's select stage read: the round's pool.jsonl planned
-    by pipeline.scoring.plan_pool_scoring, as flows/select.score_pool plans it (same adapter, prepared data, model
+    by pipeline.score_stage.plan_pool_scoring, as flows/select.score_pool plans it (same adapter, prepared data, model
     identity and shard size), so every folder is one the score stage wrote."""
-    from pipeline.scoring import POOL_FILE, plan_pool_scoring, read_pool_file
+    from pipeline.score_stage import POOL_FILE, plan_pool_scoring, read_pool_file
 
     pool_file = round_dir / POOL_FILE
     if prepared_ref is None or not pool_file.is_file():

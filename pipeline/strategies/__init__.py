@@ -2,12 +2,13 @@
 
 from pipeline.strategies.base import Selector
 from pipeline.strategies.heuristics import Heuristic, rank
-from pipeline.strategies.pool import Selection, select_batch
+from pipeline.strategies.pool import Candidates, Selection, select_batch
 from pipeline.strategies.registry import HEURISTICS, SELECTORS, get_heuristic, get_selector
 from pipeline.strategies.selectors import k_center_greedy, kmeans_labels
 
 __all__ = [
     "HEURISTICS",
+    "Candidates",
     "SELECTORS",
     "Heuristic",
     "Selection",

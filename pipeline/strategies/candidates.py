@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pipeline.config import CandidatesConfig, SelectConfig
 from pipeline.errors import SelectionError
 from pipeline.idindex import IdIndex
 from pipeline.strategies.base import kmeans_labels
@@ -122,7 +123,10 @@ SOURCES: dict[str, type[CandidateSource]] = {"neighbors": Neighbors, "clusters":
 
 
 @dataclass
-class Candidates:
+class CandidateSet:
+    """The samples a restricted round scores, chosen before scoring (what one selection step then picks from, with
+    their scores, is a pipeline.strategies.pool.Candidates)."""
+
     ids: list[str]  # sorted
     info: dict[str, Any]  # how they were chosen: what the selection manifest records
 
@@ -134,9 +138,9 @@ def share_sizes(size: int, shares: dict[str, float]) -> dict[str, int]:
     return out
 
 
-def pick_candidates(cand_cfg: Any, *, eligible: Sequence[str], eligible_emb: np.ndarray, labeled_emb: np.ndarray,
+def pick_candidates(cand_cfg: CandidatesConfig, *, eligible: Sequence[str], eligible_emb: np.ndarray, labeled_emb: np.ndarray,
                     batch_size: int, seed: int, clusters: np.ndarray | None = None,
-                    labeled_clusters: np.ndarray | None = None) -> Candidates:
+                    labeled_clusters: np.ndarray | None = None) -> CandidateSet:
     """The round's candidates among `eligible` (row-aligned with `eligible_emb`) under `cand_cfg`
     (a CandidatesConfig); `clusters` / `labeled_clusters`: k-means labels of the eligible and labeled rows (needed
     when the clusters source has a share). Deterministic for a seed."""
@@ -147,7 +151,7 @@ def pick_candidates(cand_cfg: Any, *, eligible: Sequence[str], eligible_emb: np.
     info: dict[str, Any] = {"method": cand_cfg.method, "size": size, "eligible": len(ids), "seed": seed,
                             "labeled": len(labeled_emb), "shares": dict(cand_cfg.shares)}
     if len(ids) <= size:
-        return Candidates(sorted(ids), {**info, "candidates": len(ids), "sources": {"all eligible": len(ids)}})
+        return CandidateSet(sorted(ids), {**info, "candidates": len(ids), "sources": {"all eligible": len(ids)}})
     if batch_size > size:
         raise SelectionError(f"select.candidates.size {size} is below select.batch_size {batch_size}: a round could "
                              f"not fill its batch; raise select.candidates.size to at least {batch_size}")
@@ -166,7 +170,7 @@ def pick_candidates(cand_cfg: Any, *, eligible: Sequence[str], eligible_emb: np.
         got[name] = len(rows)
         left -= len(rows)
     chosen = sorted(ids[i] for i in np.flatnonzero(pool.taken))
-    return Candidates(chosen, {**info, "candidates": len(chosen), "sources": got})
+    return CandidateSet(chosen, {**info, "candidates": len(chosen), "sources": got})
 
 
 # ------------------------------------------------------------------------------------------- a round's candidates
@@ -207,7 +211,7 @@ class CandidatesChoice:
     reason: str
 
 
-def candidates_choice(cand: Any, *, eligible: int, embeddings_source: str) -> CandidatesChoice:
+def candidates_choice(cand: CandidatesConfig, *, eligible: int, embeddings_source: str) -> CandidatesChoice:
     """`select.candidates.method` resolved for a round with `eligible` pool samples.
 
     auto scores every eligible sample up to `auto_above` (10,000 by default) and restricts above it. Why that size:
@@ -240,9 +244,9 @@ def picks_by_space(strategy: str, diversity: str) -> bool:
     return get_heuristic(strategy).input == "none" and not get_selector(diversity).needs_scores
 
 
-def round_candidates(sel_cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Collection[str], space_ids: Sequence[str],
+def round_candidates(sel_cfg: SelectConfig, *, pool_ids: Sequence[str], labeled_ids: Collection[str], space_ids: Sequence[str],
                      space_emb: np.ndarray, seed: int, cache_dir: Path | None, space_digest: str,
-                     coverage: tuple[str, Callable[[list[str], int, int], list[str]]] | None = None) -> Candidates:
+                     coverage: tuple[str, Callable[[list[str], int, int], list[str]]] | None = None) -> CandidateSet:
     """A round's candidates from its selection space (`space_ids` → rows of `space_emb`), under `sel_cfg`
     (SelectConfig). The random fill's seed moves with the labeled set's size, so successive rounds draw afresh.
 
@@ -264,7 +268,7 @@ def round_candidates(sel_cfg: Any, *, pool_ids: Sequence[str], labeled_ids: Coll
     if coverage is not None and len(eligible) > size:
         name, pick = coverage
         chosen = sorted(pick(eligible, min(sel_cfg.batch_size, len(eligible)), round_seed))
-        return Candidates(chosen, {"method": cand.method, "size": size, "eligible": len(eligible), "seed": round_seed,
+        return CandidateSet(chosen, {"method": cand.method, "size": size, "eligible": len(eligible), "seed": round_seed,
                                    "labeled": len(labeled), "candidates": len(chosen),
                                    "sources": {f"{name} (coverage phase)": len(chosen)}, "clusters": None})
     clusters = labeled_clusters = None

@@ -51,27 +51,37 @@ def _aligned(name: str, a: Any, n: int) -> np.ndarray | None:
     return arr
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """What one selection step picks from: the sample IDs and, row-aligned with them, what the heuristic and the
+    selector read (`probs`, `embeddings`, `predicted`, `costs`: predicted seconds per sample); `labeled_embeddings`
+    (one row per labeled sample, not aligned) seed k_center's core-set and count as covered for the coverage
+    selectors; `exclude` holds IDs that must never be picked."""
+
+    ids: list[str]
+    probs: np.ndarray | None = None
+    embeddings: np.ndarray | None = None
+    predicted: np.ndarray | None = None
+    labeled_embeddings: np.ndarray | None = None
+    exclude: Collection[str] = ()
+    costs: np.ndarray | None = None
+
+
 def select_batch(
-    candidate_ids: list[str],
+    candidates: Candidates,
     *,
     k: int,
     strategy: str,
     diversity: str,
-    probs: np.ndarray | None = None,
-    embeddings: np.ndarray | None = None,
-    predicted: np.ndarray | None = None,
-    exclude: Collection[str] = (),
     seed: int,
-    labeled_embeddings: np.ndarray | None = None,
     allow_partial: bool = False,
     options: Mapping[str, Any] | None = None,
     downweight: Collection[str] = (),
     downweight_weight: float = 0.5,
-    costs: np.ndarray | None = None,
 ) -> Selection:
-    """Pick `k` of `candidate_ids` with heuristic `strategy` and selector `diversity`.
+    """Pick `k` of `candidates.ids` with heuristic `strategy` and selector `diversity`.
 
-    `probs`, `embeddings` and `predicted` are row-aligned with `candidate_ids` (shapes: see heuristics.py).
+    `probs`, `embeddings` and `predicted` (fields of `candidates`) are row-aligned with its ids (heuristics.py).
     `exclude` holds IDs that must never be picked: already labeled, quarantined, excluded by quality, exported but
     not yet labeled. Candidates are put in sample-ID order first, so the result does not depend on the order shards
     arrived in: the same inputs and seed give the same IDs. `options` are passed to the selector's constructor
@@ -82,6 +92,9 @@ def select_batch(
     `costs` (predicted seconds per candidate, row-aligned; select.cost: predicted) make the pick gain per second,
     as the selector's `cost_use` says (pipeline/strategies/cost.py); the returned scores are then per second.
     """
+    candidate_ids, probs, embeddings, predicted = (candidates.ids, candidates.probs, candidates.embeddings,
+                                                   candidates.predicted)
+    exclude, labeled_embeddings, costs = candidates.exclude, candidates.labeled_embeddings, candidates.costs
     try:
         heuristic = get_heuristic(strategy, seed=seed)
     except SelectionError as exc:

@@ -264,6 +264,7 @@ def _apply(
     dry_run: bool = False,
     skip: Collection[int] = (),
 ) -> ImportReport:
+    """Validate the rows → decide each sample's label (no I/O: the outcome is `rep`) → commit it (unless dry_run)."""
     name = str(lf.path)
     rep = ImportReport(file=name, digest=lf.digest, format=lf.format, rows_read=len(lf.rows),
                        unlabeled_tasks=lf.unlabeled_tasks, dry_run=dry_run)
@@ -273,17 +274,23 @@ def _apply(
     if not rep.accounted:  # a bug, not bad input: never write a ledger batch that lost rows
         raise AssertionError(f"{name}: row accounting broken: {rep.summary()}")
 
-    if dry_run:
-        return rep
+    if not dry_run:
+        _commit(rep, ledger, rejections_dir=rejections_dir, strict=strict)
+    return rep  # the caller reports rep.summary() once: the CLI prints it, the round logs it
+
+
+def _commit(rep: ImportReport, ledger: Ledger, *, rejections_dir: Path, strict: bool) -> None:
+    """Write what `rep` decided: the rejection report, then (unless strict and anything was rejected) the times,
+    the votes and the ledger entries."""
     if rep.rejected:
-        out = Path(rejections_dir) / f"{lf.digest[:16]}.jsonl"
+        out = Path(rejections_dir) / f"{rep.digest[:16]}.jsonl"
         atomic_write_jsonl(out, [asdict(x) for x in rep.rejected])
         rep.rejections_file = str(out)
         if strict:
             first_rows = "\n".join(f"  {x.where}: {x.reason}" for x in rep.rejected[:5])
             more = f"\n  … and {len(rep.rejected) - 5} more" if len(rep.rejected) > 5 else ""
             raise LabelImportError(
-                f"{name}: {len(rep.rejected)} of {rep.rows_read} label rows rejected, nothing imported (strict):\n"
+                f"{rep.file}: {len(rep.rejected)} of {rep.rows_read} label rows rejected, nothing imported (strict):\n"
                 f"{first_rows}{more}\nfull list: {out}"
             )
     # Times and votes first: a crash before the ledger write re-imports the file, and both logs drop repeated rows.
@@ -291,7 +298,6 @@ def _apply(
     if rep.votes:
         append_jsonl(votes_path(ledger.path.parent), rep.votes)
     ledger.append(rep.accepted)
-    return rep  # the caller reports rep.summary() once: the CLI prints it, the round logs it
 
 
 def import_labels(

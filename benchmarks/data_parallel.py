@@ -49,7 +49,8 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from pipeline.config import parse_config
-    from pipeline.model.train import peak_rss_mb, train_adapter
+    from pipeline.model.train import train_adapter
+    from pipeline.model.utilisation import peak_rss_mb
 
     torch.set_num_threads(args.threads * args.processes)  # the launcher gives each rank threads // processes
     micro = args.effective // 2

@@ -95,7 +95,8 @@ def check_model_cmd(
         sections["model"] = ModelConfig(name_or_path=folder, family=family)
         sections["preprocess"] = cfg.preprocess.model_copy(update={"size": None})
         sections["train"] = type(cfg.train)()
-    report = check_model(cfg.model_copy(update=sections))
+    checked = cfg.model_copy(update=sections)
+    report = check_model(checked.model, preprocess=checked.preprocess, data=checked.data, train=checked.train)
     if json_out is not None:
         atomic_write_json(json_out, report.to_dict())
     t = Table(title=f"check-model: {report.model}")

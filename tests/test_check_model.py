@@ -27,12 +27,10 @@ CHECKS = ["checkpoint", "family", "processor", "chat template", "image size", "i
 
 
 def _cfg(path, **model):
+    """check_model's sections: the demo config's, with this checkpoint, 32 px images and default training."""
     cfg = load_config(None)
-    return cfg.model_copy(update={
-        "model": ModelConfig(name_or_path=str(path), **model),
-        "preprocess": cfg.preprocess.model_copy(update={"size": 32}),
-        "train": type(cfg.train)(),
-    })
+    return {"model": ModelConfig(name_or_path=str(path), **model),
+            "preprocess": cfg.preprocess.model_copy(update={"size": 32}), "data": cfg.data, "train": type(cfg.train)()}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +44,7 @@ def _rows(report):
 
 
 def test_check_model_passes_on_a_tiny_model(tiny_models):
-    report = check_model(_cfg(tiny_models["qwen2_vl"]), hw=CPU)
+    report = check_model(**_cfg(tiny_models["qwen2_vl"]), hw=CPU)
     rows = _rows(report)
     assert report.ok, report.to_dict()
     assert list(rows) == CHECKS
@@ -62,7 +60,7 @@ def test_check_model_passes_on_a_tiny_model(tiny_models):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_check_model_passes_on_every_family(tiny_models, family):
-    report = check_model(_cfg(tiny_models[family]), hw=CPU)
+    report = check_model(**_cfg(tiny_models[family]), hw=CPU)
     assert report.ok, report.to_dict()
     assert _rows(report)["family"].found.startswith(family)
 
@@ -88,7 +86,7 @@ def test_auto_keeps_a_registered_family(tiny_models):
 
 
 def test_check_model_passes_through_the_generic_fallback(tiny_llava):
-    report = check_model(_cfg(tiny_llava, family="auto"), hw=CPU)
+    report = check_model(**_cfg(tiny_llava, family="auto"), hw=CPU)
     assert report.ok, report.to_dict()
     rows = _rows(report)
     # Guesses are a warning, not a failure: the table says what was guessed.
@@ -100,7 +98,7 @@ def test_folder_missing_its_processor_fails(tiny_models, tmp_path):
     folder = shutil.copytree(tiny_models["qwen3_vl"], tmp_path / "no-processor")
     for name in ("processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (folder / name).unlink()
-    report = check_model(_cfg(folder), hw=CPU)
+    report = check_model(**_cfg(folder), hw=CPU)
     assert not report.ok
     failed = report.failures[0]
     assert failed.check == "processor" and "processor_config.json" in failed.found
@@ -113,10 +111,10 @@ def test_text_only_checkpoint_fails(tmp_path):
     folder = tmp_path / "text-only"
     LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=128)).save_pretrained(folder)
-    report = check_model(_cfg(folder), hw=CPU)
+    report = check_model(**_cfg(folder), hw=CPU)
     assert report.failures[0].check == "family"
     assert "'llama' is not a supported family" in report.failures[0].found
-    report = check_model(_cfg(folder, family="auto"), hw=CPU)
+    report = check_model(**_cfg(folder, family="auto"), hw=CPU)
     assert report.failures[0].check == "family" and "text-only checkpoint" in report.failures[0].found
 
 
@@ -129,7 +127,7 @@ def test_checkpoint_without_a_chat_template_fails(tiny_llava, tiny_models, tmp_p
         data = json.loads((folder / name).read_text())
         data.pop("chat_template", None)
         (folder / name).write_text(json.dumps(data))
-    report = check_model(_cfg(folder, family=family), hw=CPU)
+    report = check_model(**_cfg(folder, family=family), hw=CPU)
     assert not report.ok
     failed = report.failures[0]
     assert failed.check == ("family" if family == "auto" else "chat template")

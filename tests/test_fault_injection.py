@@ -320,7 +320,7 @@ import sys
 from pathlib import Path
 import datasets
 from pipeline.annotation.inbox import import_inbox
-from pipeline.annotation.labels import SampleIndex
+from pipeline.annotation.matching import SampleIndex
 from pipeline.lock import ProjectLock
 art, ds = Path(sys.argv[1]), sys.argv[2]
 with ProjectLock(art / "round.lock"):

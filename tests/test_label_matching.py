@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from pipeline.annotation.labels import LabelKeys, SampleIndex, image_key, import_labels
+from pipeline.annotation.labels import LabelKeys, import_labels
 from pipeline.annotation.ledger import Ledger
+from pipeline.annotation.matching import SampleIndex, image_key
 from pipeline.errors import LabelImportError
 
 DIGITS = [str(i) for i in range(10)]

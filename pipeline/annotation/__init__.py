@@ -10,8 +10,9 @@ from pipeline.annotation.export import (
 )
 from pipeline.annotation.inbox import import_inbox, inbox_files, receive_labels
 from pipeline.annotation.label_files import LABEL_READERS, LabelKeys, LabelReader
-from pipeline.annotation.labels import ImportReport, SampleIndex, import_labels
+from pipeline.annotation.labels import ImportReport, import_labels
 from pipeline.annotation.ledger import Ledger, ledger_path
+from pipeline.annotation.matching import SampleIndex
 from pipeline.annotation.simulate import simulate_annotator
 
 __all__ = [

@@ -165,7 +165,7 @@ def follow_images(artifacts: str | os.PathLike[str], prepared_dir: str | os.Path
                   round_index: int) -> dict[str, str]:
     """Carry labels over to the samples their images became (module docstring), then the ledger's labels.
 
-    `index`: the pool's SampleIndex (pipeline.annotation.labels); `prepared_dir`: the prepare stage's folder."""
+    `index`: the pool's SampleIndex (pipeline.annotation.matching); `prepared_dir`: the prepare stage's folder."""
     from pipeline.preprocess import load_prepared
 
     artifacts = Path(artifacts)
@@ -203,7 +203,8 @@ def orphan_labels(artifacts: str | os.PathLike[str]) -> list[dict[str, Any]] | N
     was; None before any dataset exists."""
     import datasets
 
-    from pipeline.annotation.labels import SampleIndex, latest_dataset
+    from pipeline.annotation.labels import latest_dataset
+    from pipeline.annotation.matching import SampleIndex
 
     folder = latest_dataset(Path(artifacts))
     if folder is None:

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.annotation.label_files import LabelKeys
-from pipeline.annotation.labels import SampleIndex, import_labels
+from pipeline.annotation.labels import import_labels
 from pipeline.annotation.ledger import Ledger, ledger_path
+from pipeline.annotation.matching import SampleIndex
 from pipeline.errors import DataError, LabelImportError
 from pipeline.store import atomic_write_bytes, digest_file
 

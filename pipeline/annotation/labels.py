@@ -6,10 +6,11 @@ sample, label outside the answer set, empty label, duplicate, a tie between anno
 and a reason, written to a rejection report, and the rest is appended to the ledger in one write (or, with
 strict=True, any rejection aborts the whole file). A file whose digest the ledger already knows is a no-op.
 
-Rows name their sample by, in this order (see `SampleIndex.resolve`): the tamis sample_id; the source's own ID kept
-at ingestion (`external_id`, read from the `id` column or a source's `id_column`); the image path (relative to its
-source, or any unique tail of it) or a Label Studio image URL (`/data/local-files/?d=…`, `/data/upload/…`, http URLs
-by file name when unique). The ledger entry records which key matched.
+Rows name their sample by, in this order (see `SampleIndex.resolve`, pipeline/annotation/matching.py): the tamis
+sample_id; the source's own ID kept at ingestion (`external_id`, read from the `id` column or a source's
+`id_column`); the image path (relative to its source, or any unique tail of it) or a Label Studio image URL
+(`/data/local-files/?d=…`, `/data/upload/…`, http URLs by file name when unique). The ledger entry records which key
+matched.
 
 Label Studio exports: tasks an earlier import took are skipped whole (pipeline/annotation/taken.py), so a
 whole-project export brings only what is new; a re-label task (the label check's, rounds/NNN/relabel/) is a later
@@ -21,17 +22,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlparse
 
 from pipeline.annotation.consensus import Majority, votes_path
 from pipeline.annotation.label_files import LabelFile, LabelKeys, LabelRow, read_label_file
 from pipeline.annotation.ledger import Ledger, make_entry
+from pipeline.annotation.matching import SampleIndex
 from pipeline.annotation.taken import already_taken, remember, taken
 from pipeline.errors import LabelImportError
 from pipeline.evaluate import normalize_answer
@@ -108,172 +108,6 @@ class ImportReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# ------------------------------------------------------------------------------------------------ matching
-MAX_TAIL = 6  # path components compared at most: deeper prefixes differ between machines, not between samples
-_LS_UPLOAD = re.compile(r"^[0-9a-f]{8}-")  # Label Studio prefixes uploaded file names with 8 hex digits
-
-
-def _parts(path: str) -> tuple[str, ...]:
-    """A path's components, posix or Windows separators, without '.', '..' and the root."""
-    return tuple(p for p in path.replace("\\", "/").split("/") if p not in ("", ".", ".."))
-
-
-def image_key(value: str) -> tuple[tuple[str, ...], str]:
-    """(path parts to match, how) for an image path or a Label Studio image URL.
-
-    how: "path" (any unique tail of the path may match), "name" (the file name alone: uploads and remote URLs).
-    """
-    url = urlparse(value)
-    if url.path.startswith("/data/local-files"):
-        d = parse_qs(url.query).get("d")
-        return _parts(unquote(d[0])) if d else (), "path"
-    if url.path.startswith("/data/upload"):
-        name = PurePosixPath(unquote(url.path)).name
-        return ((_LS_UPLOAD.sub("", name),) if name else ()), "name"
-    if url.scheme in ("http", "https", "s3", "gs", "azure-blob"):
-        name = PurePosixPath(unquote(url.path)).name
-        return ((name,) if name else ()), "name"
-    if url.scheme == "file":
-        return _parts(unquote(url.path)), "path"
-    return _parts(value), "path"
-
-
-class SampleIndex:
-    """The samples a label file may name, with every key that may name them.
-
-    Built for a whole prepared pool (10⁶ rows), so it holds its columns as they come and indexes them only when asked:
-    sample IDs in an IdIndex (~28 bytes a row), the user's own IDs and the image paths as dicts built on the first
-    label that needs them. A label file of tamis' own exports names samples by sample_id and never builds those."""
-
-    def __init__(self, sample_ids: Any, external_ids: Any = None, image_paths: Any = None, *,
-                 scope: str | None = None):
-        from pipeline.idindex import IdIndex
-
-        self._columns = (sample_ids, external_ids, image_paths)
-        self._ids = IdIndex(sample_ids)
-        self._added: set[str] = set()
-        self.scope = scope or f"this project's {len(self)} samples"
-        self._external: dict[str, set[str]] | None = None
-        self._paths: dict[str, str] | None = None
-        self._tails: dict[tuple[str, ...], set[str]] | None = None  # built on the first image lookup
-
-    def _pairs(self, column: Any) -> list[tuple[str, str]]:
-        """(sample_id, value) for the rows whose `column` holds a value."""
-        if column is None:
-            return []
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        sids = self._columns[0]
-        if isinstance(column, (pa.Array, pa.ChunkedArray)):
-            keep = pc.and_(pc.is_valid(column), pc.not_equal(column, ""))
-            return list(zip(pc.filter(sids, keep).to_pylist(), pc.filter(column, keep).to_pylist(), strict=True))
-        return [(sid, v) for sid, v in zip(sids, column, strict=True) if v not in (None, "")]
-
-    @property
-    def by_external(self) -> dict[str, set[str]]:
-        """The user's own ID → the samples that carry it."""
-        if self._external is None:
-            self._external = {}
-            for sid, ext in self._pairs(self._columns[1]):
-                self._external.setdefault(str(ext), set()).add(sid)
-        return self._external
-
-    @property
-    def paths(self) -> dict[str, str]:
-        """sample_id → its image path."""
-        if self._paths is None:
-            self._paths = dict(self._pairs(self._columns[2]))
-        return self._paths
-
-    @property
-    def by_tail(self) -> dict[tuple[str, ...], set[str]]:
-        """The last 1..MAX_TAIL components of every image path → the samples whose path ends so."""
-        if self._tails is None:
-            self._tails = {}
-            for sid, path in self.paths.items():
-                parts = _parts(path)
-                for k in range(1, min(len(parts), MAX_TAIL) + 1):
-                    self._tails.setdefault(parts[-k:], set()).add(sid)
-        return self._tails
-
-    def __contains__(self, sample_id: object) -> bool:
-        return isinstance(sample_id, str) and (sample_id in self._added or sample_id in self._ids)
-
-    def knows(self, sample_ids: Sequence[str]) -> list[bool]:
-        """`sample_id in self` for each of them, in one vectorised look-up."""
-        return [bool(r >= 0) or s in self._added for s, r in zip(sample_ids, self._ids.rows(sample_ids), strict=True)]
-
-    def __len__(self) -> int:
-        return len(self._ids) + len(self._added)
-
-    def add(self, sample_ids: Sequence[str]) -> None:
-        """Samples a label may name by sample_id only (e.g. exported from an older dataset version)."""
-        self._added.update(s for s in sample_ids if s not in self)
-
-    @classmethod
-    def from_dataset(cls, ds: Any, *, scope: str | None = None) -> SampleIndex:
-        """The index of a saved dataset's sample_id, external_id and image_path columns, read as Arrow columns
-        (no Python string per row until a label asks for a user's ID or a path)."""
-        from pipeline.store import arrow_column
-
-        cols = [arrow_column(ds, c) if c in ds.column_names else None for c in ("sample_id", "external_id",
-                                                                                  "image_path")]
-        return cls(*cols, scope=scope)
-
-    @classmethod
-    def of(cls, known: SampleIndex | set[str] | Sequence[str]) -> SampleIndex:
-        return known if isinstance(known, SampleIndex) else cls(sorted(known))
-
-    def _ambiguous(self, what: str, sids: set[str]) -> str:
-        named = [f"{s} ({self.paths[s]})" if s in self.paths else s for s in sorted(sids)]
-        return (f"{what} matches {len(sids)} samples: {', '.join(named[:5])}{' …' if len(named) > 5 else ''}; "
-                "name the sample by its sample_id or a longer path")
-
-    def resolve(self, row: LabelRow) -> str | None:
-        """Set row.resolved / matched_by / matched_key; None when the row matched, else the rejection reason."""
-        if row.sample_id and row.sample_id in self:
-            row.resolved, row.matched_by, row.matched_key = row.sample_id, "sample_id", row.sample_id
-            return None
-        tried = []
-        # The user's own ID: its column, or a sample_id column that holds the user's IDs.
-        for value in dict.fromkeys(v for v in (row.external_id, row.sample_id) if v):
-            hits = self.by_external.get(value, set())
-            if len(hits) == 1:
-                row.resolved, row.matched_by, row.matched_key = next(iter(hits)), "id", value
-                return None
-            if hits:
-                return self._ambiguous(f"id {value!r}", hits)
-        if row.external_id:
-            tried.append(f"id {row.external_id!r}")
-        if row.image:
-            parts, how = image_key(row.image)
-            # The longest tail of the path that names any sample must name exactly one.
-            longest = min(len(parts), MAX_TAIL)
-            for k in range(longest, 0, -1) if how == "path" else ([1] if parts else []):
-                hits = self.by_tail.get(parts[-k:], set())
-                if len(hits) == 1:
-                    row.resolved = next(iter(hits))
-                    row.matched_by = "image_path" if k == longest and how == "path" else "image_name"
-                    row.matched_key = row.image
-                    return None
-                if hits:
-                    return self._ambiguous(f"image {'/'.join(parts[-k:])!r}", hits)
-            stem = PurePosixPath(parts[-1]).stem if parts else ""
-            if stem in self:  # tamis's own exports name their images <sample_id>.<ext>
-                row.resolved, row.matched_by, row.matched_key = stem, "image_name", row.image
-                return None
-            tried.append(f"image {row.image!r}" + (f" (as {'/'.join(parts)!r} and its tails)" if how == "path" and
-                                                   len(parts) > 1 else ""))
-        if row.sample_id and not tried:
-            return f"unknown sample_id {row.sample_id!r}: not among {self.scope}"
-        if row.sample_id:
-            tried.insert(0, f"sample_id {row.sample_id!r}")
-        if not tried:
-            return "no sample_id, id or image; every row must name the sample it labels"
-        return f"no sample matches: tried {', '.join(tried)}; not among {self.scope}"
 
 
 # -------------------------------------------------------------------------------------------------- import
@@ -430,6 +264,7 @@ def _apply(
     dry_run: bool = False,
     skip: Collection[int] = (),
 ) -> ImportReport:
+    """Validate the rows → decide each sample's label (no I/O: the outcome is `rep`) → commit it (unless dry_run)."""
     name = str(lf.path)
     rep = ImportReport(file=name, digest=lf.digest, format=lf.format, rows_read=len(lf.rows),
                        unlabeled_tasks=lf.unlabeled_tasks, dry_run=dry_run)
@@ -439,17 +274,23 @@ def _apply(
     if not rep.accounted:  # a bug, not bad input: never write a ledger batch that lost rows
         raise AssertionError(f"{name}: row accounting broken: {rep.summary()}")
 
-    if dry_run:
-        return rep
+    if not dry_run:
+        _commit(rep, ledger, rejections_dir=rejections_dir, strict=strict)
+    return rep  # the caller reports rep.summary() once: the CLI prints it, the round logs it
+
+
+def _commit(rep: ImportReport, ledger: Ledger, *, rejections_dir: Path, strict: bool) -> None:
+    """Write what `rep` decided: the rejection report, then (unless strict and anything was rejected) the times,
+    the votes and the ledger entries."""
     if rep.rejected:
-        out = Path(rejections_dir) / f"{lf.digest[:16]}.jsonl"
+        out = Path(rejections_dir) / f"{rep.digest[:16]}.jsonl"
         atomic_write_jsonl(out, [asdict(x) for x in rep.rejected])
         rep.rejections_file = str(out)
         if strict:
             first_rows = "\n".join(f"  {x.where}: {x.reason}" for x in rep.rejected[:5])
             more = f"\n  … and {len(rep.rejected) - 5} more" if len(rep.rejected) > 5 else ""
             raise LabelImportError(
-                f"{name}: {len(rep.rejected)} of {rep.rows_read} label rows rejected, nothing imported (strict):\n"
+                f"{rep.file}: {len(rep.rejected)} of {rep.rows_read} label rows rejected, nothing imported (strict):\n"
                 f"{first_rows}{more}\nfull list: {out}"
             )
     # Times and votes first: a crash before the ledger write re-imports the file, and both logs drop repeated rows.
@@ -457,7 +298,6 @@ def _apply(
     if rep.votes:
         append_jsonl(votes_path(ledger.path.parent), rep.votes)
     ledger.append(rep.accepted)
-    return rep  # the caller reports rep.summary() once: the CLI prints it, the round logs it
 
 
 def import_labels(

@@ -109,52 +109,14 @@ def simulate_annotator(
         raise DataError(f"noise {noise} is not a fraction; use a value between 0 and 1")
     export_dir = Path(export_dir)
     tasks, by_id, by_image, choices = _export_to_answer(export_dir, ground_truth_path, round_index)
-
-    truth: list[str | None] = []
-    for t in tasks:
-        data, meta = t.get("data", {}), t.get("meta", {})
-        sid = data.get("sample_id") or meta.get("sample_id")
-        ans = by_id.get(sid) if sid else None
-        if ans is None:
-            ans = by_image.get(data.get("original_image", "")) or by_image.get(_image_name(data.get("image")))
-        truth.append(ans)
+    truth = _true_answers(tasks, by_id, by_image)
     answered = [i for i, a in enumerate(truth) if a is not None]
-
-    rng = random.Random(f"tamis-simulate:{seed}:{round_index}")
     pool = choices or sorted({a for a in by_id.values()} | {a for a in by_image.values()})
-    n_flip = round(noise * len(answered))
-    if n_flip and len(pool) < 2:
-        raise DataError(f"cannot flip answers with noise {noise}: only {len(pool)} distinct answer(s) known")
-    flipped = sorted(rng.sample(answered, n_flip))
-    given = list(truth)
-    for i in flipped:
-        given[i] = rng.choice([a for a in pool if a != truth[i]])
+    given, flipped = _with_noise(truth, answered, pool, noise=noise, rng=random.Random(
+        f"tamis-simulate:{seed}:{round_index}"))
+    out_tasks = [_answered_task(i, t, ans, choices, annotator)
+                 for i, (t, ans) in enumerate(zip(tasks, given, strict=True))]
 
-    out_tasks = []
-    for i, (t, ans) in enumerate(zip(tasks, given, strict=True)):
-        if ans is None:
-            result: list[dict[str, Any]] = []
-        elif choices:
-            result = [{"from_name": FROM_NAME, "to_name": TO_NAME, "type": "choices", "value": {"choices": [ans]},
-                       "origin": "manual", "id": f"sim{i}"}]
-        else:
-            result = [{"from_name": FROM_NAME, "to_name": TO_NAME, "type": "textarea", "value": {"text": [ans]},
-                       "origin": "manual", "id": f"sim{i}"}]
-        out_tasks.append({
-            "id": i + 1,
-            "data": t.get("data", {}),
-            "meta": t.get("meta", {}),
-            "annotations": [{
-                "id": i + 1,
-                "completed_by": annotator,
-                "result": result,
-                "was_cancelled": ans is None,
-                "ground_truth": False,
-                # No lead_time: the simulated annotator spends no time, and a recorded 0 s would count as data.
-            }],
-            # A real JSON export lists prediction IDs here, not the predictions themselves.
-            "predictions": [],
-        })
     out = simulated_file(inbox_dir, round_index, kind)
     atomic_write_json(sidecar_path(out), {
         "round": round_index,
@@ -171,8 +133,63 @@ def simulate_annotator(
         log.warning("Simulated annotator: no ground truth for %d of %d tasks; they come back skipped",
                     len(tasks) - len(answered), len(tasks))
     log.info("Simulated annotator answered %d tasks of round %d (%d flipped) → %s",
-             len(answered), round_index, n_flip, out)
+             len(answered), round_index, len(flipped), out)
     return out
+
+
+def _true_answers(tasks: list[dict[str, Any]], by_id: dict[str, str],
+                  by_image: dict[str, str]) -> list[str | None]:
+    """Each task's ground truth, by its sample ID, else its original image or image file name; None if unknown."""
+    truth: list[str | None] = []
+    for t in tasks:
+        data, meta = t.get("data", {}), t.get("meta", {})
+        sid = data.get("sample_id") or meta.get("sample_id")
+        ans = by_id.get(sid) if sid else None
+        if ans is None:
+            ans = by_image.get(data.get("original_image", "")) or by_image.get(_image_name(data.get("image")))
+        truth.append(ans)
+    return truth
+
+
+def _with_noise(truth: list[str | None], answered: list[int], pool: list[str], *, noise: float,
+                rng: random.Random) -> tuple[list[str | None], list[int]]:
+    """(the given answers, the indices flipped): round(noise × answered) answers flipped to another of `pool`."""
+    n_flip = round(noise * len(answered))
+    if n_flip and len(pool) < 2:
+        raise DataError(f"cannot flip answers with noise {noise}: only {len(pool)} distinct answer(s) known")
+    flipped = sorted(rng.sample(answered, n_flip))
+    given = list(truth)
+    for i in flipped:
+        given[i] = rng.choice([a for a in pool if a != truth[i]])
+    return given, flipped
+
+
+def _answered_task(i: int, t: dict[str, Any], ans: str | None, choices: list[str] | None,
+                   annotator: str) -> dict[str, Any]:
+    """Task `t` as a Label Studio JSON export holds it, with one annotation: `ans`, or skipped when None."""
+    if ans is None:
+        result: list[dict[str, Any]] = []
+    elif choices:
+        result = [{"from_name": FROM_NAME, "to_name": TO_NAME, "type": "choices", "value": {"choices": [ans]},
+                   "origin": "manual", "id": f"sim{i}"}]
+    else:
+        result = [{"from_name": FROM_NAME, "to_name": TO_NAME, "type": "textarea", "value": {"text": [ans]},
+                   "origin": "manual", "id": f"sim{i}"}]
+    return {
+        "id": i + 1,
+        "data": t.get("data", {}),
+        "meta": t.get("meta", {}),
+        "annotations": [{
+            "id": i + 1,
+            "completed_by": annotator,
+            "result": result,
+            "was_cancelled": ans is None,
+            "ground_truth": False,
+            # No lead_time: the simulated annotator spends no time, and a recorded 0 s would count as data.
+        }],
+        # A real JSON export lists prediction IDs here, not the predictions themselves.
+        "predictions": [],
+    }
 
 
 # ------------------------------------------------------------------------------------------------ a crowd

@@ -169,17 +169,53 @@ def detect_label_issues(
         raise LabelCheckError(f"label check: {len(sample_ids)} sample IDs for {n} labels")
     ids = list(sample_ids) if sample_ids is not None else [str(i) for i in range(n)]
     given = _label_index(given_labels, answers)
-    c = len(answers)
     if n == 0:
         return Detection([], 0, {}, None, None, 0.0, "no labels to check", min_oos_accuracy)
 
+    signals, calibrated, clean = _signals(p_raw, given, ids, answers, knn=knn, knn_note=knn_note,
+                                          use_model=use_model, min_oos_accuracy=min_oos_accuracy, knn_k=knn_k)
+    a_mg = signals["model"]["accuracy"]
+    if use_model and signals["model"]["estimated_accuracy"] < MIN_MODEL_ACCURACY:
+        # Wrong more often than right: its disagreement means nothing, and as a rater it cannot vouch for the kNN.
+        for s in signals.values():
+            s["used"] = False
+        why = (f"model not yet accurate enough to judge labels (OOS accuracy {a_mg:.2f}; it must be right more often "
+               f"than wrong, and the check needs labelcheck.min_oos_accuracy {min_oos_accuracy:.2f})")
+        return Detection([], n, signals, a_mg, None, 0.0, why, min_oos_accuracy, label_accuracy=clean)
+    if not calibrated:
+        return Detection([], n, signals, a_mg, None, 0.0, "no signal accurate enough to judge labels",
+                         min_oos_accuracy)
+
+    p = combine_signals(calibrated, given, len(answers))
+    # Abstain rule: what judges (the model, or the model and kNN combined) must reach the floor, its agreement with
+    # the given labels corrected for the label noise the three raters reveal.
+    a_cg = agreement(p, given)
+    judging = float(min(1.0, max(a_cg, a_cg / (clean or 1.0))))
+    if judging < min_oos_accuracy:
+        for s in signals.values():
+            if s.get("used"):
+                s["used"] = False
+        with_knn = f"; with kNN label consistency {judging:.2f}" if "knn" in calibrated else ""
+        why = (f"model not yet accurate enough to judge labels (OOS accuracy {a_mg:.2f}{with_knn}; the check needs "
+               f"labelcheck.min_oos_accuracy {min_oos_accuracy:.2f})")
+        return Detection([], n, signals, a_mg, None, 0.0, why, min_oos_accuracy, judging=judging,
+                         label_accuracy=clean)
+    return _confident_learning(p, given, ids, answers, calibrated, signals, judging=judging, clean=clean,
+                               min_oos_accuracy=min_oos_accuracy)
+
+
+def _signals(p_raw: np.ndarray, given: np.ndarray, ids: list[str], answers: Sequence[str], *, knn: KnnSpace | None,
+             knn_note: str | None, use_model: bool, min_oos_accuracy: float,
+             knn_k: int) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray], float | None]:
+    """(each signal's report, the calibrated probabilities of those in use, the estimated share of correct labels:
+    None without a second rater). The model's is always reported; the kNN's is used when accurate enough."""
     t_m = fit_temperature(p_raw, given)
     p_m = apply_temperature(p_raw, t_m)
     a_mg = agreement(p_m, given)
     signals: dict[str, dict[str, Any]] = {"model": {"used": use_model, "accuracy": a_mg, "estimated_accuracy": a_mg,
                                                     "temperature": t_m}}
     calibrated = {"model": p_m}
-    clean: float | None = None  # estimated share of correct labels (three raters); None without a second rater
+    clean: float | None = None
     if knn is None:
         signals["knn"] = {"used": False, "note": knn_note or "no embeddings of the checked samples"}
     else:
@@ -198,35 +234,16 @@ def detect_label_issues(
         else:
             signals["knn"]["note"] = (f"kNN label consistency too weak to use (accuracy {est_k:.2f} < "
                                       f"labelcheck.min_oos_accuracy {min_oos_accuracy:.2f})")
-    if not use_model:
-        signals["model"]["used"] = False
+    if not use_model:  # a benchmark ablation: the kNN judges alone
         calibrated.pop("model")
-    elif signals["model"]["estimated_accuracy"] < MIN_MODEL_ACCURACY:
-        # Wrong more often than right: its disagreement means nothing, and as a rater it cannot vouch for the kNN.
-        for s in signals.values():
-            s["used"] = False
-        why = (f"model not yet accurate enough to judge labels (OOS accuracy {a_mg:.2f}; it must be right more often "
-               f"than wrong, and the check needs labelcheck.min_oos_accuracy {min_oos_accuracy:.2f})")
-        return Detection([], n, signals, a_mg, None, 0.0, why, min_oos_accuracy, label_accuracy=clean)
-    if not calibrated:
-        return Detection([], n, signals, a_mg, None, 0.0, "no signal accurate enough to judge labels",
-                         min_oos_accuracy)
+    return signals, calibrated, clean
 
-    p = combine_signals(calibrated, given, c)
-    # Abstain rule: what judges (the model, or the model and kNN combined) must reach the floor, its agreement with
-    # the given labels corrected for the label noise the three raters reveal.
-    a_cg = agreement(p, given)
-    judging = float(min(1.0, max(a_cg, a_cg / (clean or 1.0))))
-    if judging < min_oos_accuracy:
-        for s in signals.values():
-            if s.get("used"):
-                s["used"] = False
-        with_knn = f"; with kNN label consistency {judging:.2f}" if "knn" in calibrated else ""
-        why = (f"model not yet accurate enough to judge labels (OOS accuracy {a_mg:.2f}{with_knn}; the check needs "
-               f"labelcheck.min_oos_accuracy {min_oos_accuracy:.2f})")
-        return Detection([], n, signals, a_mg, None, 0.0, why, min_oos_accuracy, judging=judging,
-                         label_accuracy=clean)
 
+def _confident_learning(p: np.ndarray, given: np.ndarray, ids: list[str], answers: Sequence[str],
+                        calibrated: dict[str, np.ndarray], signals: dict[str, dict[str, Any]], *, judging: float,
+                        clean: float | None, min_oos_accuracy: float) -> Detection:
+    """The issues the combined probabilities `p` find (steps 4 and 5 of detect_label_issues)."""
+    n, c = len(given), len(answers)
     joint = calibrate_confident_joint(confident_joint(p, given, c), given)
     eta = noise_rate(joint)
     confidence = label_error_posterior(p[np.arange(n), given], eta, c)
@@ -236,5 +253,6 @@ def detect_label_issues(
     flagged[_ranking(p, given, ids)[:num_label_issues(joint)]] = True
     flagged &= confidence >= REPORT_CONFIDENCE
     issues = _ranked_issues(p, given, flagged, confidence, answers, ids, calibrated)
-    return Detection(issues, n, signals, a_mg, eta, float(sum(1.0 - i.confidence for i in issues)), None,
-                     min_oos_accuracy, [ids[i] for i in _ranking(p, given, ids)], judging, clean)
+    return Detection(issues, n, signals, signals["model"]["accuracy"], eta,
+                     float(sum(1.0 - i.confidence for i in issues)), None, min_oos_accuracy,
+                     [ids[i] for i in _ranking(p, given, ids)], judging, clean)

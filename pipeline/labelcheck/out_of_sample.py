@@ -150,62 +150,78 @@ def out_of_sample_probs(
     heldout: `adapter` (the round's adapter) scores the rows it did not train on (not in `trained_ids`), typically
     the ones labeled since it was trained; a cheap approximation for models too big to train k times.
     """
-    from pipeline.model.train import check_rows
-    from pipeline.scoring import SCORE_VERSION, load_scores
-
     method = method or labelcheck.method
     answers = _answers(answers)
     rows = _check_labeled(labeled_rows, answers)
-    work_dir = Path(work_dir)
-    config = _score_config(model, train, select, labelcheck, seed, answers)
-    n = len(rows)
-
+    s = _Scoring(model, train, select, labelcheck, seed, answers,
+                 _score_config(model, train, select, labelcheck, seed, answers), Path(work_dir), hw, progress)
     if method == "heldout":
         if adapter is None:
             raise LabelCheckError("labelcheck.method heldout needs the round's adapter (pass adapter=...); or use kfold")
-        skip = set(trained_ids)
-        held = [r for r in rows if r["sample_id"] not in skip]
-        info: dict[str, Any] = {"adapter": str(adapter), "scored": len(held), "skipped_trained_on": n - len(held)}
-        if not held:
-            log.info("heldout label check: all %d labeled samples were trained on; nothing to check", n)
-            return OOSResult([], np.zeros((0, len(answers)), np.float32), np.zeros(0, np.int64), method, info,
-                             np.zeros((0, 0), np.float32))
-        inputs = {"rows": check_rows(held), "adapter": digest_path(adapter)}
-        out = work_dir / "heldout"
-        if find_valid_manifest(out, stage_key("score", SCORE_VERSION, inputs, config)) is None:
-            _score_held_out(model, select, Path(adapter), held, answers, out, inputs, config, hw)
-            info["reused"] = False
-        else:
-            info["reused"] = True
-        res = load_scores(out)
-        return OOSResult(res.sample_ids, res.probs, np.full(len(held), -1, np.int64), method, info, res.embeddings)
-
+        return _held_out_probs(rows, adapter, set(trained_ids), s)
     if method != "kfold":
         raise LabelCheckError(f"labelcheck.method {method!r} is not one of kfold, heldout")
     k = labelcheck.kfold if k is None else k
-    if k < 2 or n < k:
-        raise LabelCheckError(f"k-fold label check: {n} labeled samples cannot make {k} folds; label at least {k} "
-                              "samples or lower labelcheck.kfold (≥ 2)")
+    if k < 2 or len(rows) < k:
+        raise LabelCheckError(f"k-fold label check: {len(rows)} labeled samples cannot make {k} folds; label at least "
+                              f"{k} samples or lower labelcheck.kfold (≥ 2)")
+    return _kfold_probs(rows, k, s)
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    """What every out-of-sample scoring pass reads: the sections, the answer set, the scores' cache config, and
+    where and on what it runs."""
+
+    model: ModelConfig
+    train: TrainConfig
+    select: SelectConfig
+    labelcheck: LabelCheckConfig
+    seed: int
+    answers: list[str]
+    config: dict[str, Any]
+    work_dir: Path
+    hw: Any
+    progress: bool
+
+
+def _held_out_probs(rows: list[dict[str, Any]], adapter: str | os.PathLike[str], trained_on: set[str], s: _Scoring) -> OOSResult:
+    """The round's adapter scores the rows it did not train on, cached in work_dir/heldout."""
+    from pipeline.model.train import check_rows
+    from pipeline.scoring import SCORE_VERSION, load_scores
+
+    n = len(rows)
+    held = [r for r in rows if r["sample_id"] not in trained_on]
+    info: dict[str, Any] = {"adapter": str(adapter), "scored": len(held), "skipped_trained_on": n - len(held)}
+    if not held:
+        log.info("heldout label check: all %d labeled samples were trained on; nothing to check", n)
+        return OOSResult([], np.zeros((0, len(s.answers)), np.float32), np.zeros(0, np.int64), "heldout", info,
+                         np.zeros((0, 0), np.float32))
+    inputs = {"rows": check_rows(held), "adapter": digest_path(adapter)}
+    out = s.work_dir / "heldout"
+    if find_valid_manifest(out, stage_key("score", SCORE_VERSION, inputs, s.config)) is None:
+        _score_held_out(s.model, s.select, Path(adapter), held, s.answers, out, inputs, s.config, s.hw)
+        info["reused"] = False
+    else:
+        info["reused"] = True
+    res = load_scores(out)
+    return OOSResult(res.sample_ids, res.probs, np.full(len(held), -1, np.int64), "heldout", info, res.embeddings)
+
+
+def _kfold_probs(rows: list[dict[str, Any]], k: int, s: _Scoring) -> OOSResult:
+    """Fold i's adapter, trained on the other folds, scores fold i; each fold's scores cached in work_dir/fold-i."""
+    from pipeline.model.train import check_rows
+
+    n = len(rows)
     labeled_digest = check_rows(rows)
-    folds = stratified_folds([r["answer"] for r in rows], k, seed)
-    probs = np.full((n, len(answers)), np.nan, dtype=np.float32)
+    folds = stratified_folds([r["answer"] for r in rows], k, s.seed)
+    probs = np.full((n, len(s.answers)), np.nan, dtype=np.float32)
     embeddings: np.ndarray | None = None
     per_fold = []
     for i in range(k):
         held_idx = np.flatnonzero(folds == i)
         train_rows = [rows[j] for j in np.flatnonzero(folds != i)]
-        fold_dir = work_dir / f"fold-{i}"
-        inputs = {"labeled": labeled_digest, "fold": f"{i}/{k}"}
-        out = fold_dir / "oos"
-        reused = find_valid_manifest(out, stage_key("score", SCORE_VERSION, inputs, config)) is not None
-        if not reused:
-            log.info("label check fold %d/%d: training on %d samples, scoring %d held out", i + 1, k,
-                     len(train_rows), len(held_idx))
-            trained = train_fold(model, fold_config(train, labelcheck), seed, train_rows, fold_dir, hw=hw,
-                                 progress=progress)
-            _score_held_out(model, select, trained.adapter_dir, [rows[j] for j in held_idx], answers, out, inputs,
-                            config, hw)
-        res = load_scores(out)
+        res, reused = _fold_scores(rows, held_idx, train_rows, i, k, labeled_digest, s)
         pos = {sid: j for j, sid in enumerate(res.sample_ids)}
         order = [pos[rows[j]["sample_id"]] for j in held_idx]
         probs[held_idx] = res.probs[order]
@@ -215,3 +231,22 @@ def out_of_sample_probs(
         per_fold.append({"fold": i, "train": len(train_rows), "held_out": len(held_idx), "reused": reused})
     return OOSResult([r["sample_id"] for r in rows], probs, folds, "kfold",
                      {"k": k, "labeled_digest": labeled_digest, "folds": per_fold}, embeddings)
+
+
+def _fold_scores(rows: list[dict[str, Any]], held_idx: np.ndarray, train_rows: list[dict[str, Any]], i: int, k: int,
+                 labeled_digest: str, s: _Scoring) -> tuple[Any, bool]:
+    """(one fold's scores of its held-out rows, whether they were cached): trains the fold's adapter when not."""
+    from pipeline.scoring import SCORE_VERSION, load_scores
+
+    fold_dir = s.work_dir / f"fold-{i}"
+    inputs = {"labeled": labeled_digest, "fold": f"{i}/{k}"}
+    out = fold_dir / "oos"
+    reused = find_valid_manifest(out, stage_key("score", SCORE_VERSION, inputs, s.config)) is not None
+    if not reused:
+        log.info("label check fold %d/%d: training on %d samples, scoring %d held out", i + 1, k,
+                 len(train_rows), len(held_idx))
+        trained = train_fold(s.model, fold_config(s.train, s.labelcheck), s.seed, train_rows, fold_dir, hw=s.hw,
+                             progress=s.progress)
+        _score_held_out(s.model, s.select, trained.adapter_dir, [rows[j] for j in held_idx], s.answers, out, inputs,
+                        s.config, s.hw)
+    return load_scores(out), reused

@@ -262,6 +262,47 @@ def _analyze_cached(source: str) -> Any:
     return analyze(source, local_only=True)
 
 
+@dataclass(frozen=True)
+class _Candidates:
+    """What every candidate micro-batch is planned with: the model, one process's memory budget, the options
+    resolved for this hardware, and one process's share of the effective batch."""
+    model_cfg: ModelConfig
+    hw: Hardware
+    shape: Any  # a planner ModelShape, None when no model config can be read
+    seq_len: int
+    image_size: int | None
+    nproc: int
+    budget: int
+    effective: int
+    ckpt_options: list[bool]
+    precision: Precision
+    optimizer: str
+    offload: bool
+    liger: bool
+
+    @property
+    def where(self) -> str:
+        return f"{self.hw.device} with {self.budget / GiB:.1f} GiB free" + (
+            f" per process ({self.nproc} processes)" if self.nproc > 1 else "")
+
+    def plan(self, micro: int, ckpt: bool) -> Any:
+        from pipeline.model.planner import plan
+
+        m = self.model_cfg
+        attention = "eager" if m.attn_implementation == "eager" else "sdpa"
+        return plan(self.shape, mode=m.mode, batch=micro, seq_len=self.seq_len, image_size=self.image_size,
+                    gpu_memory_bytes=self.budget, lora_r=m.lora_r, target_modules=m.target_modules,
+                    checkpointing=ckpt, precision=self.precision, device=self.hw.device, lora_dropout=m.lora_dropout,
+                    attention=attention, margin=SAFETY, processes=self.nproc, optimizer=self.optimizer,
+                    activation_offload=self.offload, train=m.train, liger=self.liger)
+
+    def settings(self, micro: int, accum: int, ckpt: bool, reason: str) -> TrainSettings:
+        if self.nproc > 1:
+            reason += f"; × {self.nproc} processes = effective batch {micro * accum * self.nproc}"
+        return TrainSettings(micro, accum, ckpt, self.precision, self.model_cfg.mode == "qlora", reason, self.nproc,
+                             self.optimizer, self.offload, self.liger)
+
+
 def choose_train_settings(
     train_cfg: TrainConfig,
     model_cfg: ModelConfig,
@@ -284,8 +325,22 @@ def choose_train_settings(
     With `num_processes` > 1 every process trains on its own device with a share of the effective batch: the plan is
     per device (the least free of the GPUs used), and micro × accumulation covers effective / num_processes.
     """
+    c = _candidates(train_cfg, model_cfg, hw, model_config, seq_len=seq_len, image_size=image_size,
+                    num_processes=num_processes)
+    if isinstance(train_cfg.batch_size, int):
+        return _fixed_micro_batch(train_cfg.batch_size, c)
+    if c.shape is None:
+        micro, ckpt = tier_micro_batch(hw)
+        micro = _largest_divisor_at_most(c.effective, micro)
+        ckpt = c.ckpt_options[0] if len(c.ckpt_options) == 1 else ckpt
+        reason = f"memory tier for {c.where} (no model config to plan from)"
+        return c.settings(micro, c.effective // micro, ckpt, reason)
+    return _planned(c)
+
+
+def _candidates(train_cfg: TrainConfig, model_cfg: ModelConfig, hw: Hardware, model_config: Any, *, seq_len: int,
+                image_size: int | None, num_processes: int) -> _Candidates:
     precision = choose_precision(train_cfg, model_cfg, hw)
-    quantize = model_cfg.mode == "qlora"
     optimizer = resolve_optimizer(train_cfg, model_cfg, hw)
     offload = resolve_activation_offload(train_cfg, hw)
     liger = resolve_liger(model_cfg, hw)[0]
@@ -297,71 +352,54 @@ def choose_train_settings(
     ckpt_cfg = train_cfg.gradient_checkpointing
     ckpt_options = [ckpt_cfg] if isinstance(ckpt_cfg, bool) else [False, True]
     shape = _shape(model_cfg, model_config)
-    budget = hw.process_budget_bytes(nproc)
+    return _Candidates(model_cfg, hw, shape, seq_len, image_size, nproc, hw.process_budget_bytes(nproc), effective,
+                       ckpt_options, precision, optimizer, offload, liger)
 
-    def fits(micro: int, ckpt: bool) -> Any:
-        from pipeline.model.planner import plan
 
-        attention = "eager" if model_cfg.attn_implementation == "eager" else "sdpa"
-        return plan(shape, mode=model_cfg.mode, batch=micro, seq_len=seq_len, image_size=image_size,
-                    gpu_memory_bytes=budget, lora_r=model_cfg.lora_r, target_modules=model_cfg.target_modules,
-                    checkpointing=ckpt, precision=precision, device=hw.device, lora_dropout=model_cfg.lora_dropout,
-                    attention=attention, margin=SAFETY, processes=nproc, optimizer=optimizer,
-                    activation_offload=offload, train=model_cfg.train, liger=liger)
-
-    where = f"{hw.device} with {budget / GiB:.1f} GiB free" + (f" per process ({nproc} processes)" if nproc > 1 else "")
-
-    def settings(micro: int, accum: int, ckpt: bool, reason: str) -> TrainSettings:
-        if nproc > 1:
-            reason += f"; × {nproc} processes = effective batch {micro * accum * nproc}"
-        return TrainSettings(micro, accum, ckpt, precision, quantize, reason, nproc, optimizer, offload, liger)
-    if isinstance(train_cfg.batch_size, int):
-        micro = train_cfg.batch_size
-        if nproc > 1 and micro > effective:
-            # The micro-batch is per device; a device's share of the step is smaller here. Keeping it would silently
-            # multiply the effective batch (and the epochs) by the number of processes.
-            micro = _largest_divisor_at_most(effective, micro)
-            log.info("train.batch_size %d is more than each of %d processes' share of the effective batch (%d): "
-                     "micro-batch %d per process", train_cfg.batch_size, nproc, effective, micro)
-        accum = _accum_for(effective, micro)
-        if shape is None:
-            ckpt = ckpt_options[0] if len(ckpt_options) == 1 else tier_micro_batch(hw)[1]
-        else:
-            ckpt = next((c for c in ckpt_options if fits(micro, c).fits), ckpt_options[-1])
-        reason = f"train.batch_size={train_cfg.batch_size} is set"
-        if micro != train_cfg.batch_size:
-            reason += f", lowered to {micro} (each process's share of the effective batch)"
-        reason += f"; accumulation {accum} for effective batch {effective}"
-        if micro * accum != effective:
-            reason += f" (becomes {micro * accum}: {effective} is not a multiple of {micro})"
-            log.warning("effective batch %d is not a multiple of train.batch_size %d; training with %d",
-                        effective, micro, micro * accum)
-        return settings(micro, accum, ckpt, reason)
-
-    if shape is None:
-        micro, ckpt = tier_micro_batch(hw)
+def _fixed_micro_batch(batch_size: int, c: _Candidates) -> TrainSettings:
+    """train.batch_size is set: accumulation makes up the effective batch; checkpointing only if it must."""
+    micro, effective, nproc = batch_size, c.effective, c.nproc
+    if nproc > 1 and micro > effective:
+        # The micro-batch is per device; a device's share of the step is smaller here. Keeping it would silently
+        # multiply the effective batch (and the epochs) by the number of processes.
         micro = _largest_divisor_at_most(effective, micro)
-        ckpt = ckpt_options[0] if len(ckpt_options) == 1 else ckpt
-        reason = f"memory tier for {where} (no model config to plan from)"
-        return settings(micro, effective // micro, ckpt, reason)
+        log.info("train.batch_size %d is more than each of %d processes' share of the effective batch (%d): "
+                 "micro-batch %d per process", batch_size, nproc, effective, micro)
+    accum = _accum_for(effective, micro)
+    if c.shape is None:
+        ckpt = c.ckpt_options[0] if len(c.ckpt_options) == 1 else tier_micro_batch(c.hw)[1]
+    else:
+        ckpt = next((k for k in c.ckpt_options if c.plan(micro, k).fits), c.ckpt_options[-1])
+    reason = f"train.batch_size={batch_size} is set"
+    if micro != batch_size:
+        reason += f", lowered to {micro} (each process's share of the effective batch)"
+    reason += f"; accumulation {accum} for effective batch {effective}"
+    if micro * accum != effective:
+        reason += f" (becomes {micro * accum}: {effective} is not a multiple of {micro})"
+        log.warning("effective batch %d is not a multiple of train.batch_size %d; training with %d",
+                    effective, micro, micro * accum)
+    return c.settings(micro, accum, ckpt, reason)
 
-    candidates = [1] if hw.device != "cuda" else _divisors_desc(effective)
+
+def _planned(c: _Candidates) -> TrainSettings:
+    """The largest micro-batch the planner fits, with and without checkpointing; checkpointing only if it pays."""
+    candidates = [1] if c.hw.device != "cuda" else _divisors_desc(c.effective)
     best: dict[bool, tuple[int, Any]] = {}
-    for ckpt in ckpt_options:
+    for ckpt in c.ckpt_options:
         for micro in candidates:
-            p = fits(micro, ckpt)
+            p = c.plan(micro, ckpt)
             if p.fits:
                 best[ckpt] = (micro, p)
                 break
     if not best:
-        ckpt = ckpt_options[-1]
-        p = fits(1, ckpt)
+        ckpt = c.ckpt_options[-1]
+        p = c.plan(1, ckpt)
         reason = (f"does not fit: micro-batch 1 needs {p.total / GiB:.2f} GiB by the planner, "
-                  f"{SAFETY:.0%} of {where} is {SAFETY * budget / GiB:.2f} GiB; "
-                  + ("use model.mode: qlora, " if model_cfg.mode != "qlora" else "")
+                  f"{SAFETY:.0%} of {c.where} is {SAFETY * c.budget / GiB:.2f} GiB; "
+                  + ("use model.mode: qlora, " if c.model_cfg.mode != "qlora" else "")
                   + "lower preprocess.size or the text length")
         log.warning("training settings: %s", reason)
-        return settings(1, effective, ckpt, reason)
+        return c.settings(1, c.effective, ckpt, reason)
     no_ckpt, with_ckpt = best.get(False), best.get(True)
     # Checkpointing costs about a third more compute: worth it only for a much larger micro-batch on a GPU that is
     # not yet saturated (micro-batch ≥ 8 already is, for these models).
@@ -370,10 +408,10 @@ def choose_train_settings(
     else:
         assert with_ckpt is not None
         (micro, p), ckpt = with_ckpt, True
-    reason = (f"planner: micro-batch {micro} × accumulation {effective // micro}, checkpointing "
-              f"{'on' if ckpt else 'off'} needs {p.total / GiB:.2f} GiB of {where} "
+    reason = (f"planner: micro-batch {micro} × accumulation {c.effective // micro}, checkpointing "
+              f"{'on' if ckpt else 'off'} needs {p.total / GiB:.2f} GiB of {c.where} "
               f"(limit {SAFETY:.0%})")
-    return settings(micro, effective // micro, ckpt, reason)
+    return c.settings(micro, c.effective // micro, ckpt, reason)
 
 
 _UNITS = {"": GiB, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,

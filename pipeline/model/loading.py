@@ -224,57 +224,17 @@ def load_model(
     (unless an adapter is given, which is then loaded trainable), lora a fresh LoRA, full unfreezes every weight.
     The model is returned in eval() mode either way; the training loop switches it to train().
     """
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
     hw = _hardware(hw)
-    source, local = _resolve_source(model_cfg)
-    if adapter is not None and model_cfg.mode == "full":
-        # Full training saves the whole model where the adapter would go: load it in place of the base.
-        if not Path(adapter, "config.json").is_file():
-            raise ModelError(f"{adapter}: model.mode is full, so this must be a saved model folder (config.json); "
-                             "it is not")
-        source, local, adapter = str(adapter), True, None
+    source, local, adapter = _base_source(model_cfg, adapter)
     family = resolve_family(model_cfg, source)
     compute = resolve_compute_dtype(model_cfg, hw)
     dtype = _weights_dtype(model_cfg.mode, compute)
     attn = pick_attn_implementation(model_cfg, compute)
     bnb = build_bnb_config(model_cfg, hw)
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
-    if bnb is not None:
-        kwargs["quantization_config"] = bnb
-    if hw.device == "cuda":
-        kwargs["device_map"] = {"": torch.cuda.current_device()}
-    try:
-        model = AutoModelForImageTextToText.from_pretrained(source, **kwargs)
-        processor = AutoProcessor.from_pretrained(source)
-    except OSError as exc:
-        where = "the folder" if local else "the hub (offline machines need a local folder)"
-        raise ModelError(f"{source}: cannot load the model from {where}: {exc}") from None
-
+    model, processor = _from_pretrained(source, local, hw, dtype=dtype, attn=attn, bnb=bnb)
     if bnb is not None:
         release_checkpoint_map(model)
-    if trainable and model_cfg.mode == "qlora":
-        from peft import prepare_model_for_kbit_training
-
-        # Gradient checkpointing is the training loop's call (per the chosen settings), not the loader's.
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    if adapter is not None:
-        from peft import PeftModel
-
-        adapter = Path(adapter)
-        if not (adapter / "adapter_config.json").is_file():
-            raise ModelError(f"{adapter}: not a LoRA adapter folder (no adapter_config.json); point at a round's "
-                             "train/adapter folder")
-        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
-    elif trainable and model_cfg.mode in ("qlora", "lora"):
-        from peft import get_peft_model
-
-        model = get_peft_model(model, build_lora_config(model_cfg, family, linear_names(model)))
-    elif trainable:
-        model.requires_grad_(True)
-    if not trainable:
-        # Inference (scoring, evaluation) needs no gradients; frozen weights keep autograd out of the way.
-        model.requires_grad_(False)
+    model = _for_use(model, model_cfg, family, adapter, trainable)
     from pipeline.model.hardware import resolve_liger
 
     liger, liger_why = resolve_liger(model_cfg, hw) if trainable else (False, "inference")
@@ -302,3 +262,60 @@ def load_model(
     log.info("loaded %s (%s, %s): trainable params %d of %d (%.3f%%), footprint %.1f MB", source, family.name,
              model_cfg.mode, n_train, n_total, info["trainable_percent"], info["memory_footprint_mb"])
     return Loaded(model=model, processor=processor, family=family, info=info)
+
+
+def _base_source(model_cfg: ModelConfig, adapter: str | Path | None) -> tuple[str, bool, str | Path | None]:
+    """(what to load the base from, whether it is a local folder, the adapter still to attach)."""
+    source, local = _resolve_source(model_cfg)
+    if adapter is not None and model_cfg.mode == "full":
+        # Full training saves the whole model where the adapter would go: load it in place of the base.
+        if not Path(adapter, "config.json").is_file():
+            raise ModelError(f"{adapter}: model.mode is full, so this must be a saved model folder (config.json); "
+                             "it is not")
+        return str(adapter), True, None
+    return source, local, adapter
+
+
+def _from_pretrained(source: str, local: bool, hw: Any, *, dtype: torch.dtype, attn: str,
+                     bnb: Any) -> tuple[Any, Any]:
+    """(model, processor) as transformers loads them: in `dtype`, 4-bit with `bnb`, on the GPU when there is one."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
+    if bnb is not None:
+        kwargs["quantization_config"] = bnb
+    if hw.device == "cuda":
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    try:
+        return AutoModelForImageTextToText.from_pretrained(source, **kwargs), AutoProcessor.from_pretrained(source)
+    except OSError as exc:
+        where = "the folder" if local else "the hub (offline machines need a local folder)"
+        raise ModelError(f"{source}: cannot load the model from {where}: {exc}") from None
+
+
+def _for_use(model: Any, model_cfg: ModelConfig, family: Any, adapter: str | Path | None, trainable: bool) -> Any:
+    """The loaded base made ready: k-bit preparation for training, the adapter (given or fresh), gradients on the
+    trained weights only."""
+    if trainable and model_cfg.mode == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        # Gradient checkpointing is the training loop's call (per the chosen settings), not the loader's.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if adapter is not None:
+        from peft import PeftModel
+
+        adapter = Path(adapter)
+        if not (adapter / "adapter_config.json").is_file():
+            raise ModelError(f"{adapter}: not a LoRA adapter folder (no adapter_config.json); point at a round's "
+                             "train/adapter folder")
+        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+    elif trainable and model_cfg.mode in ("qlora", "lora"):
+        from peft import get_peft_model
+
+        model = get_peft_model(model, build_lora_config(model_cfg, family, linear_names(model)))
+    elif trainable:
+        model.requires_grad_(True)
+    if not trainable:
+        # Inference (scoring, evaluation) needs no gradients; frozen weights keep autograd out of the way.
+        model.requires_grad_(False)
+    return model

@@ -391,6 +391,147 @@ def _working_set(s: Stack, p: int, tokens: int, per_image: int, attention: str) 
     return work
 
 
+@dataclass(frozen=True)
+class _Tokens:
+    """One micro-batch's tokens: per sample (text + image tokens in the language model, patches in the vision tower)
+    and in all (× batch)."""
+    seq: int
+    per_image: int
+    text: int
+    vision: int
+
+
+@dataclass(frozen=True)
+class _Trained:
+    """What a step trains: the adapted Linears (none in full training), the size of each trained tensor, their
+    total and the bytes of one trained value."""
+    adapted: list[Linear]
+    tensors: list[int]
+    params: int
+    value_bytes: int
+
+
+def _check_plan_args(mode: str, precision: str, batch: int, seq_len: int, optimizer: str) -> None:
+    if mode not in MODES:
+        raise ModelError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if precision not in DTYPE_BYTES:
+        raise ModelError(f"precision {precision!r} is not one of {', '.join(DTYPE_BYTES)}")
+    if batch < 1 or seq_len < 1:
+        raise ModelError(f"batch ({batch}) and seq_len ({seq_len}) must be ≥ 1")
+    if optimizer not in OPTIMIZERS:
+        raise ModelError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+
+
+def _trained(shape: ModelShape, mode: Mode, wp: int, lora_r: int, target_modules: Sequence[str] | str | None,
+             train: str) -> _Trained:
+    if mode == "full":
+        tensors = [lin.numel for lin in shape.linears] + [lin.out_features for lin in shape.linears if lin.bias] + [
+            n for _, n in shape.other_param_names]
+        return _Trained([], tensors, shape.params, wp)  # trained in the weights' dtype
+    adapted = lora_targets(shape, target_modules, train)
+    tensors = [n for lin in adapted for n in (lora_r * lin.in_features, lora_r * lin.out_features)]
+    return _Trained(adapted, tensors, sum(tensors), 4)  # PEFT keeps adapters in fp32
+
+
+def _trained_terms(tr: _Trained, full: bool) -> dict[str, int]:
+    """The trained values and their gradients (the weights themselves are `_weights`' in full training)."""
+    if full:
+        return {"gradients": tr.params * tr.value_bytes}
+    return {"lora_params": tr.params * 4, "gradients": tr.params * 4}
+
+
+def _optimizer_term(optimizer: str, tr: _Trained, device: str) -> tuple[str, int]:
+    """("optimizer", bytes) on the device, or ("optimizer_paged", bytes) in host memory."""
+    state = optimizer_state_bytes(optimizer, tr.tensors, tr.value_bytes)
+    if optimizer.startswith("paged") and device == "cuda":
+        # CUDA unified memory: the driver moves it to host memory when the device runs short, so it never
+        # makes a step run out of memory (and torch's allocator does not count it).
+        return "optimizer_paged", state
+    return "optimizer", state
+
+
+def _lora_input_bytes(adapted: Sequence[Linear], lora_r: int, lora_dropout: float, p: int,
+                      device: str) -> tuple[float, float]:
+    """Per-token bytes the adapters save, (language model, vision tower)."""
+    # Adapters are fp32 and PEFT casts their input up: each adapted Linear keeps an fp32 copy of its input (dropped
+    # out, with a mask: float on CPU, bool on CUDA), unless dropout is off and the input is already fp32 and kept.
+    mask = 4 if device == "cpu" else 1
+    lora_tok = lora_vtok = 0.0
+    for lin in adapted:
+        if lora_dropout > 0:
+            extra = lin.in_features * (4 + mask)
+        elif p < 4 or lin.name.rsplit(".", 1)[-1] in _UNSHARED_INPUTS:
+            extra = lin.in_features * 4
+        else:
+            extra = 0
+        extra += lora_r * 4
+        if _is_vision(lin.name):
+            lora_vtok += extra
+        else:
+            lora_tok += extra
+    return lora_tok, lora_vtok
+
+
+def _activations(shape: ModelShape, tr: _Trained, tok: _Tokens, *, mode: Mode, p: int, attention: str,
+                 lora_r: int, lora_dropout: float, checkpointing: bool, offload: bool,
+                 device: str) -> tuple[int, int]:
+    """(activation bytes on the device, bytes offloaded to pinned host memory)."""
+    full = mode == "full"
+    vision_trained = full or any(_is_vision(lin.name) for lin in tr.adapted)
+    text_trained = full or any(not _is_vision(lin.name) for lin in tr.adapted)
+    text, vision = shape.text, shape.vision
+    per_text = _layer_bytes(text, p, trained=text_trained, full=full, attention=attention, seq=tok.seq)
+    per_vis = 0.0 if vision is None else _layer_bytes(
+        vision, p, trained=vision_trained, full=full, attention=attention, seq=tok.per_image)
+    lora_tok, lora_vtok = _lora_input_bytes(tr.adapted, lora_r, lora_dropout, p, device)
+    # The largest single layer's activations, language model or vision tower.
+    layer = max(tok.text * (per_text + lora_tok / max(text.layers, 1)),
+                tok.vision * (per_vis + lora_vtok / max(vision.layers if vision else 1, 1)))
+
+    # k-bit preparation upcasts the embeddings, so a qlora model's residual stream is fp32.
+    rp = 4 if mode == "qlora" else p
+    if checkpointing:
+        # Only each layer's input survives the forward; backward recomputes one layer at a time.
+        kept = (tok.text * text.hidden * rp * text.layers if text_trained else 0) + (
+            tok.vision * vision.hidden * p * vision.layers if vision_trained and vision else 0)
+        acts = kept + 2 * layer  # the recomputed layer's activations and their gradients
+    else:
+        acts = tok.text * (per_text * text.layers + lora_tok) + (
+            tok.vision * (per_vis * vision.layers + lora_vtok) if vision else 0)
+    # The residual stream entering the model and the image features; a frozen tower's forward working set.
+    acts += tok.text * text.hidden * rp * 2
+    if vision is not None and not vision_trained:
+        acts += _working_set(vision, p, tok.vision, tok.per_image, attention)
+    if not (offload and device == "cuda"):
+        return int(acts), 0
+    # The tensors autograd saves outside checkpointed layers go to pinned host memory; two layers' worth stay
+    # on the device (the one being computed or differentiated, and the next one in transfer).
+    kept_on_device = acts if checkpointing else 2 * layer + tok.text * text.hidden * rp * 2
+    return int(min(acts, kept_on_device)), int(max(0.0, acts - kept_on_device))
+
+
+def _logits_bytes(shape: ModelShape, tokens: int, liger: bool) -> int:
+    if liger:
+        # Liger's fused linear cross-entropy never holds all the logits: it computes them in chunks of
+        # 2^ceil(log2(tokens / ceil(vocab / hidden))) rows (fp32 logits and their gradient) and the hidden
+        # states' gradient (fp32) in the forward pass.
+        rows = 2 ** math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(shape.vocab / shape.text.hidden)))))
+        return int(min(rows, tokens) * shape.vocab * 4 * 2 + tokens * shape.text.hidden * 4)
+    # Logits in compute dtype, their fp32 upcast for the loss, log-softmax output, and the gradient.
+    return int(tokens * shape.vocab * 16)
+
+
+def _peak(terms: dict[str, int], optimizer: str, tr: _Trained, device: str) -> tuple[dict[str, int], str]:
+    """The terms of the step's peak and its phase: the end of backward, or the optimizer step."""
+    # The optimizer step runs after backward, when activations and logits are gone, with transients of its own.
+    step_terms = {k: v for k, v in terms.items() if k not in ("activations", "logits", "dequant_buffer")}
+    step_terms["runtime"] = RUNTIME_BYTES[device]
+    step_terms["optimizer_step"] = optimizer_step_bytes(optimizer, tr.tensors, tr.value_bytes, device)
+    if sum(step_terms.values()) > sum(terms.values()):
+        return step_terms, "optimizer step"
+    return terms, "backward"
+
+
 def plan(
     model_config: Any,
     *,
@@ -424,123 +565,38 @@ def plan(
     With `processes` > 1 (data-parallel, pipeline.model.distributed) the plan is one device's: each holds the whole
     model and its own micro-batch, plus the flat buffer its gradients are summed across devices in.
     """
-    if mode not in MODES:
-        raise ModelError(f"mode {mode!r} is not one of {', '.join(MODES)}")
-    if precision not in DTYPE_BYTES:
-        raise ModelError(f"precision {precision!r} is not one of {', '.join(DTYPE_BYTES)}")
-    if batch < 1 or seq_len < 1:
-        raise ModelError(f"batch ({batch}) and seq_len ({seq_len}) must be ≥ 1")
+    _check_plan_args(mode, precision, batch, seq_len, optimizer)
     shape = model_config if isinstance(model_config, ModelShape) else analyze(model_config)
     p = DTYPE_BYTES[precision]
     image_size = image_size if image_size is not None else int(shape.vision_cfg.get("image_size", 0) or 448)
     img_tokens, vis_tokens = image_token_counts(shape, image_size)
-    seq = seq_len + img_tokens
-    tokens, vtokens = batch * seq, batch * vis_tokens
+    tok = _Tokens(seq_len + img_tokens, vis_tokens, batch * (seq_len + img_tokens), batch * vis_tokens)
     full = mode == "full"
+    offload, liger = activation_offload and device == "cuda", liger and device == "cuda"
 
     skip = list(shape.skip_quant) + list(skip_modules or ())
     # fp16 weights cannot be trained under a grad scaler, so full fp16 training keeps fp32 weights (as loading does).
     wp = 4 if full and precision == "fp16" else p
-    terms = _weights(shape, mode, wp, skip, double_quant)
-
-    if optimizer not in OPTIMIZERS:
-        raise ModelError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    tr = _trained(shape, mode, wp, lora_r, target_modules, train)
+    terms = _weights(shape, mode, wp, skip, double_quant) | _trained_terms(tr, full)
     host: dict[str, int] = {}
-    if full:
-        trainable = shape.params
-        tensors = [lin.numel for lin in shape.linears] + [lin.out_features for lin in shape.linears if lin.bias] + [
-            n for _, n in shape.other_param_names]
-        sp = wp  # bytes of one trained value: the weights' dtype
-        terms["gradients"] = trainable * wp
-        adapted: list[Linear] = []
-    else:
-        adapted = lora_targets(shape, target_modules, train)
-        tensors = [n for lin in adapted for n in (lora_r * lin.in_features, lora_r * lin.out_features)]
-        trainable = sum(tensors)
-        sp = 4  # PEFT keeps adapters in fp32
-        terms["lora_params"] = trainable * 4
-        terms["gradients"] = trainable * 4
-    state = optimizer_state_bytes(optimizer, tensors, sp)
-    if optimizer.startswith("paged") and device == "cuda":
-        # CUDA unified memory: the driver moves it to host memory when the device runs short, so it never
-        # makes a step run out of memory (and torch's allocator does not count it).
-        host["optimizer_paged"] = state
-    else:
-        terms["optimizer"] = state
-
-    vision_trained = full or any(_is_vision(lin.name) for lin in adapted)
-    text_trained = full or any(not _is_vision(lin.name) for lin in adapted)
-    text, vision = shape.text, shape.vision
-    per_text = _layer_bytes(text, p, trained=text_trained, full=full, attention=attention, seq=seq)
-    per_vis = 0.0 if vision is None else _layer_bytes(
-        vision, p, trained=vision_trained, full=full, attention=attention, seq=vis_tokens)
-    # Adapters are fp32 and PEFT casts their input up: each adapted Linear keeps an fp32 copy of its input (dropped
-    # out, with a mask: float on CPU, bool on CUDA), unless dropout is off and the input is already fp32 and kept.
-    mask = 4 if device == "cpu" else 1
-    lora_tok = lora_vtok = 0.0
-    for lin in adapted:
-        if lora_dropout > 0:
-            extra = lin.in_features * (4 + mask)
-        elif p < 4 or lin.name.rsplit(".", 1)[-1] in _UNSHARED_INPUTS:
-            extra = lin.in_features * 4
-        else:
-            extra = 0
-        extra += lora_r * 4
-        if _is_vision(lin.name):
-            lora_vtok += extra
-        else:
-            lora_tok += extra
-
-    # k-bit preparation upcasts the embeddings, so a qlora model's residual stream is fp32.
-    rp = 4 if mode == "qlora" else p
-    if checkpointing:
-        # Only each layer's input survives the forward; backward recomputes one layer at a time.
-        kept = (tokens * text.hidden * rp * text.layers if text_trained else 0) + (
-            vtokens * vision.hidden * p * vision.layers if vision_trained and vision else 0)
-        recompute = max(tokens * (per_text + lora_tok / max(text.layers, 1)),
-                        vtokens * (per_vis + lora_vtok / max(vision.layers if vision else 1, 1)))
-        acts = kept + 2 * recompute  # the recomputed layer's activations and their gradients
-    else:
-        acts = tokens * (per_text * text.layers + lora_tok) + (
-            vtokens * (per_vis * vision.layers + lora_vtok) if vision else 0)
-    # The residual stream entering the model and the image features; a frozen tower's forward working set.
-    acts += tokens * text.hidden * rp * 2
-    if vision is not None and not vision_trained:
-        acts += _working_set(vision, p, vtokens, vis_tokens, attention)
-    if activation_offload and device == "cuda":
-        # The tensors autograd saves outside checkpointed layers go to pinned host memory; two layers' worth stay
-        # on the device (the one being computed or differentiated, and the next one in transfer).
-        layer = max(tokens * (per_text + lora_tok / max(text.layers, 1)),
-                    vtokens * (per_vis + lora_vtok / max(vision.layers if vision else 1, 1)))
-        kept_on_device = acts if checkpointing else 2 * layer + tokens * text.hidden * rp * 2
-        host["activations_offloaded"] = int(max(0.0, acts - kept_on_device))
-        acts = min(acts, kept_on_device)
-    terms["activations"] = int(acts)
-    if liger and device == "cuda":
-        # Liger's fused linear cross-entropy never holds all the logits: it computes them in chunks of
-        # 2^ceil(log2(tokens / ceil(vocab / hidden))) rows (fp32 logits and their gradient) and the hidden
-        # states' gradient (fp32) in the forward pass.
-        rows = 2 ** math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(shape.vocab / text.hidden)))))
-        terms["logits"] = int(min(rows, tokens) * shape.vocab * 4 * 2 + tokens * text.hidden * 4)
-    else:
-        # Logits in compute dtype, their fp32 upcast for the loss, log-softmax output, and the gradient.
-        terms["logits"] = int(tokens * shape.vocab * 16)
+    where, state = _optimizer_term(optimizer, tr, device)
+    (host if where == "optimizer_paged" else terms)[where] = state
+    terms["activations"], offloaded = _activations(
+        shape, tr, tok, mode=mode, p=p, attention=attention, lora_r=lora_r, lora_dropout=lora_dropout,
+        checkpointing=checkpointing, offload=offload, device=device)
+    if offload:
+        host["activations_offloaded"] = offloaded
+    terms["logits"] = _logits_bytes(shape, tok.text, liger)
     if mode == "qlora":  # backward dequantizes one weight at a time
         terms["dequant_buffer"] = max((lin.numel for lin in shape.linears if _quantized(lin.name, skip)), default=0) * p
     if processes > 1:  # the gradients are copied into one buffer for the all-reduce, next to their originals
         terms["gradient_allreduce"] = terms["gradients"]
-    dynamic = terms["activations"] + terms["logits"]
-    terms["runtime"] = RUNTIME_BYTES[device] + int(FRAGMENTATION * dynamic)
-    # The optimizer step runs after backward, when activations and logits are gone, with transients of its own.
-    step_terms = {k: v for k, v in terms.items() if k not in ("activations", "logits", "dequant_buffer")}
-    step_terms["runtime"] = RUNTIME_BYTES[device]
-    step_terms["optimizer_step"] = optimizer_step_bytes(optimizer, tensors, sp, device)
-    phase = "backward"
-    if sum(step_terms.values()) > sum(terms.values()):
-        terms, phase = step_terms, "optimizer step"
+    terms["runtime"] = RUNTIME_BYTES[device] + int(FRAGMENTATION * (terms["activations"] + terms["logits"]))
+    terms, phase = _peak(terms, optimizer, tr, device)
     return Plan(mode, batch, seq_len, image_size, img_tokens, vis_tokens, checkpointing, precision, device,
-                terms, gpu_memory_bytes, margin, trainable, shape.params, processes, optimizer,
-                activation_offload and device == "cuda", phase, host, liger and device == "cuda")
+                terms, gpu_memory_bytes, margin, tr.params, shape.params, processes, optimizer, offload, phase, host,
+                liger)
 
 
 def plan_grid(

@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import shutil
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,8 +31,10 @@ from pipeline.codeversion import stage_version
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError, ModelError
 from pipeline.model.distributed import Comm, Rank, init_rank, launch, launched_rank, shard
+from pipeline.model.hardware import TrainSettings
 from pipeline.model.loading import Loaded, load_model
 from pipeline.model.optim import build_optimizer, optimizer_state, optimizer_state_bytes, optimizer_tensors
+from pipeline.model.utilisation import UtilisationWatch
 from pipeline.store import (
     Manifest,
     atomic_dir,
@@ -49,7 +50,6 @@ from pipeline.store import (
 log = logging.getLogger(__name__)
 TRAIN_VERSION = stage_version("1", "pipeline.model.train_stage")
 KEEP_CHECKPOINTS = 2
-LOW_UTILISATION = 70.0
 
 OomHook = Callable[[int, int], None]  # (optimizer step, micro-batch size) → may raise torch.cuda.OutOfMemoryError
 StepHook = Callable[[int, float], None]  # (optimizer steps done, loss) after each step
@@ -231,90 +231,6 @@ def _load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimi
     return state
 
 
-# ------------------------------------------------------------------------------------------------ utilisation
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far (model load included), in MiB.
-
-    VmHWM belongs to the process's own address space; ru_maxrss would not do for a spawned training rank, as Linux
-    carries the high-water mark of the parent it was forked from across the exec."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    import resource
-
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB on Linux
-
-
-class UtilisationWatch:
-    """Samples GPU utilisation and memory in a background thread (NVML when importable, else torch's counters)."""
-
-    def __init__(self, device: str, interval_s: float = 1.0):
-        self.device, self.interval_s = device, interval_s
-        self.util: list[float] = []
-        self.mem_mb: list[float] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._nvml: Any = None
-
-    def __enter__(self) -> UtilisationWatch:
-        if self.device != "cuda":
-            return self
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        except Exception:  # noqa: BLE001 - NVML is optional; torch's counters are the fallback
-            self._nvml = None
-        torch.cuda.reset_peak_memory_stats()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        if self._nvml is not None:
-            import pynvml
-
-            self.util.append(float(pynvml.nvmlDeviceGetUtilizationRates(self._nvml).gpu))
-            self.mem_mb.append(pynvml.nvmlDeviceGetMemoryInfo(self._nvml).used / 2**20)
-        else:
-            try:
-                self.util.append(float(torch.cuda.utilization()))
-            except Exception:  # noqa: BLE001 - torch.cuda.utilization itself needs NVML
-                pass
-            self.mem_mb.append(torch.cuda.memory_allocated() / 2**20)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-
-    def summary(self) -> dict[str, Any]:
-        if self.device != "cuda":
-            return {"device": self.device, "peak_rss_mb": peak_rss_mb()}
-        mean = sum(self.util) / len(self.util) if self.util else None
-        out = {
-            "device": "cuda",
-            "source": "nvml" if self._nvml is not None else "torch",
-            "samples": len(self.util),
-            "mean_utilisation_percent": None if mean is None else round(mean, 1),
-            "peak_allocated_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1),
-            "peak_used_mb": round(max(self.mem_mb), 1) if self.mem_mb else None,
-        }
-        if mean is not None and mean < LOW_UTILISATION:
-            log.warning("GPU utilisation averaged %.0f%% (< %.0f%%) during training: the micro-batch is probably "
-                        "too small for this GPU; raise train.batch_size", mean, LOW_UTILISATION)
-        return out
-
-
 # ---------------------------------------------------------------------------------------------------- training
 def _autocast(device: str, precision: str) -> Any:
     if precision == "fp32":
@@ -472,149 +388,210 @@ def _spawned_rank(job: _Job, queue: Any) -> None:
                    "losses": result.losses, "settings": result.settings, "info": result.info})
 
 
+@dataclass
+class _Run:
+    """One process's training run: what the loop steps, and what each checkpoint saves to resume it."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    scaler: Any  # a GradScaler for fp16 on CUDA, else None
+    rank: Rank | None
+    comm: Comm | None
+    fingerprint: str
+    total_steps: int
+    effective: int  # samples per optimizer step, all processes together
+    micro: int  # micro-batch × accumulation: halved / doubled after an OOM, restored on resume
+    accum: int
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    ooms: list[dict[str, int]] = field(default_factory=list)
+    resumed_from: int | None = None
+
+    @property
+    def world(self) -> int:
+        return self.rank.world if self.rank is not None else 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank is None or self.rank.is_main
+
+
 def _train(job: _Job, rank: Rank | None) -> TrainResult:
     """The training loop of one process: the only one, or rank `rank` of several."""
     from pipeline.model.hardware import choose_train_settings
 
-    cfg, rows, out_dir, hw = job.cfg, job.rows, job.out_dir, job.hw
-    comm: Comm | None = None
-    if rank is not None:
-        comm, _ = init_rank(rank, hw.device)
+    cfg, hw = job.cfg, job.hw
+    comm = init_rank(rank, hw.device)[0] if rank is not None else None
     world = rank.world if rank is not None else 1
-    main = rank is None or rank.is_main
     settings = choose_train_settings(cfg.train, cfg.model, hw, num_processes=world)
-    micro, accum = settings.micro_batch, settings.grad_accum
-    effective = micro * accum * world
-    n = len(rows)
-    total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * n / effective))
+    effective = settings.micro_batch * settings.grad_accum * world
+    total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * len(job.rows) / effective))
+    warmup = math.ceil(cfg.train.warmup_ratio * total_steps)
     fingerprint = _fingerprint(cfg, job.rows_digest, job.init_digest)
 
-    if hw.device == "cpu":
+    loaded = _load_for_training(job, settings.gradient_checkpointing)
+    opt, sched, scaler = _optimizer(loaded.model, job, settings, comm, total_steps, warmup)
+    run = _Run(loaded.model, opt, sched, scaler, rank, comm, fingerprint, total_steps, effective,
+               settings.micro_batch, settings.grad_accum)
+    _resume(run, job.out_dir, settings.optimizer)
+    log.info("training %s (%s) on %d rows: %d steps × %d samples (micro-batch %d × accumulation %d%s), %s, "
+             "gradient checkpointing %s, optimizer %s, activation offload %s", loaded.family.name, cfg.model.mode,
+             len(job.rows), total_steps, effective, run.micro, run.accum, f" × {world} processes" if world > 1 else "",
+             settings.precision, "on" if settings.gradient_checkpointing else "off", settings.optimizer,
+             "on" if settings.activation_offload else "off")
+    started = time.monotonic()
+    util = _loop(run, job, loaded, settings)
+    if comm is not None:
+        util = _per_process(util, comm)
+    settings_info = {**asdict(settings), "micro_batch": run.micro, "grad_accum": run.accum}
+    info = {
+        "steps": run.step, "total_steps": total_steps, "losses": run.losses, "settings": settings_info,
+        "ooms": run.ooms, "utilisation": util, "rows": len(job.rows), "effective_batch": effective,
+        "warmup_steps": warmup, "seconds": round(time.monotonic() - started, 2), "model": loaded.info,
+        "num_processes": world, "resumed_from_step": run.resumed_from,
+        "optimizer_state_mb": round(optimizer_state_bytes(opt) / 2**20, 2),
+    }
+    if run.step < total_steps:
+        log.info("stopped after %d of %d steps (stop_after_steps); the last checkpoint can be resumed", run.step,
+                 total_steps)
+        return TrainResult(job.out_dir, None, run.step, total_steps, run.losses, settings_info, info)
+    return _save_adapter(run, job, loaded, settings_info, info)
+
+
+def _load_for_training(job: _Job, checkpointing: bool) -> Loaded:
+    """The model with its adapter (fresh, seeded, or the warm start's), ready for backward."""
+    if job.hw.device == "cpu":
         from pipeline.model.hardware import bound_cpu_allocator
 
         bound_cpu_allocator()  # resident memory = live tensors, as planned (see its docstring)
-    torch.manual_seed(cfg.seed)  # the LoRA initialisation
-    loaded: Loaded = load_model(cfg.model, adapter=job.init, trainable=True, hw=hw)
-    model, processor, family = loaded.model, loaded.processor, loaded.family
-    device = _model_device(model)
-    if settings.gradient_checkpointing:
+    torch.manual_seed(job.cfg.seed)  # the LoRA initialisation
+    loaded: Loaded = load_model(job.cfg.model, adapter=job.init, trainable=True, hw=job.hw)
+    model = loaded.model
+    if checkpointing:
         _enable_activation_checkpointing(model)
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
     if hasattr(model, "config"):
         model.config.use_cache = False
+    return loaded
 
+
+def _optimizer(model: torch.nn.Module, job: _Job, settings: TrainSettings, comm: Comm | None, total_steps: int,
+               warmup: int) -> tuple[torch.optim.Optimizer, Any, Any]:
+    """(optimizer, LR schedule, grad scaler or None) over the trainable parameters, the same on every rank."""
+    train, device_type = job.cfg.train, job.hw.device
     params = list(_trainable(model).values())
     if not params:
-        raise ModelError(f"model.mode={cfg.model.mode}: nothing to train (no parameter requires a gradient)")
+        raise ModelError(f"model.mode={job.cfg.model.mode}: nothing to train (no parameter requires a gradient)")
     if comm is not None:
         comm.broadcast_(params)
-    opt = build_optimizer(settings.optimizer, params, cfg.train.learning_rate, cfg.train.weight_decay)
-    warmup = math.ceil(cfg.train.warmup_ratio * total_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.scheduler, warmup, total_steps))
-    scaler = torch.amp.GradScaler(hw.device) if settings.precision == "fp16" and hw.device == "cuda" else None
+    opt = build_optimizer(settings.optimizer, params, train.learning_rate, train.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(train.scheduler, warmup, total_steps))
+    scaler = torch.amp.GradScaler(device_type) if settings.precision == "fp16" and device_type == "cuda" else None
+    return opt, sched, scaler
 
-    step, losses, ooms, resumed_from = 0, [], [], None
+
+def _resume(run: _Run, out_dir: Path, optimizer: str) -> None:
+    """Continue from the last checkpoint in out_dir when it was made for this run; else remove them all."""
     ckpts = _checkpoints(out_dir)
-    if ckpts:
-        last_step, last = ckpts[-1]
-        meta = json.loads((last / "state.json").read_text(encoding="utf-8"))
-        same = (meta.get("fingerprint") == fingerprint and meta.get("effective_batch", effective) == effective
-                and meta.get("optimizer", "adamw") == settings.optimizer)
-        if not same:
-            if comm is not None:
-                comm.barrier()  # every rank has read the state before rank 0 removes it
-            if main:
-                log.warning("checkpoints in %s were made for other rows or settings: starting over", last.parent)
-                shutil.rmtree(last.parent, ignore_errors=True)
-        else:
-            state = _load_checkpoint(last, model, opt, sched, scaler, rank)
-            step, losses, ooms = state["step"], state["losses"], state.get("ooms", [])
-            resumed_from = step
-            if state.get("num_processes", 1) == world:
-                micro, accum = state["micro_batch"], state["grad_accum"]
-            log.info("resuming training from %s (step %d of %d)", last, step, total_steps)
+    if not ckpts:
+        return
+    _, last = ckpts[-1]
+    meta = json.loads((last / "state.json").read_text(encoding="utf-8"))
+    same = (meta.get("fingerprint") == run.fingerprint and meta.get("effective_batch", run.effective) == run.effective
+            and meta.get("optimizer", "adamw") == optimizer)
+    if not same:
+        if run.comm is not None:
+            run.comm.barrier()  # every rank has read the state before rank 0 removes it
+        if run.main:
+            log.warning("checkpoints in %s were made for other rows or settings: starting over", last.parent)
+            shutil.rmtree(last.parent, ignore_errors=True)
+        return
+    state = _load_checkpoint(last, run.model, run.opt, run.sched, run.scaler, run.rank)
+    run.step, run.losses, run.ooms = state["step"], state["losses"], state.get("ooms", [])
+    run.resumed_from = run.step
+    if state.get("num_processes", 1) == run.world:
+        run.micro, run.accum = state["micro_batch"], state["grad_accum"]
+    log.info("resuming training from %s (step %d of %d)", last, run.step, run.total_steps)
 
-    log.info("training %s (%s) on %d rows: %d steps × %d samples (micro-batch %d × accumulation %d%s), %s, "
-             "gradient checkpointing %s, optimizer %s, activation offload %s", family.name, cfg.model.mode, n,
-             total_steps, effective, micro, accum, f" × {world} processes" if world > 1 else "", settings.precision,
-             "on" if settings.gradient_checkpointing else "off", settings.optimizer,
-             "on" if settings.activation_offload else "off")
+
+def _loop(run: _Run, job: _Job, loaded: Loaded, settings: TrainSettings) -> dict[str, Any]:
+    """Optimizer steps until total_steps (or stop_after_steps), checkpointing on the way; the utilisation summary."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total_steps, initial=step, disable=not (job.progress and main), desc="train", unit="step")
-    started = time.monotonic()
-    model.train()
-    with UtilisationWatch(hw.device) as watch:
-        while step < total_steps:
-            if job.stop_after_steps is not None and step >= job.stop_after_steps:
+    cfg, device_type, device = job.cfg, job.hw.device, _model_device(run.model)
+    bar = tqdm(total=run.total_steps, initial=run.step, disable=not (job.progress and run.main), desc="train",
+               unit="step")
+    run.model.train()
+    with UtilisationWatch(device_type) as watch:
+        while run.step < run.total_steps:
+            if job.stop_after_steps is not None and run.step >= job.stop_after_steps:
                 break
-            idx = step_indices(step, n, effective, cfg.seed)
-            if rank is not None:
-                idx = shard(idx, rank.rank, world)
+            idx = step_indices(run.step, len(job.rows), run.effective, cfg.seed)
+            if run.rank is not None:
+                idx = shard(idx, run.rank.rank, run.world)
             try:
-                loss = _optimizer_step(model, processor, family, rows, idx, micro, device, hw.device,
-                                       settings.precision, opt, scaler, cfg.train.max_grad_norm, step, job.oom_hook,
-                                       comm=comm, offload=settings.activation_offload)
+                loss = _optimizer_step(run.model, loaded.processor, loaded.family, job.rows, idx, run.micro, device,
+                                       device_type, settings.precision, run.opt, run.scaler, cfg.train.max_grad_norm,
+                                       run.step, job.oom_hook, comm=run.comm, offload=settings.activation_offload)
             except torch.cuda.OutOfMemoryError as exc:
-                opt.zero_grad(set_to_none=True)
-                if hw.device == "cuda":
-                    torch.cuda.empty_cache()
-                if micro == 1:
-                    raise ModelError(f"out of GPU memory at step {step} even with micro-batch 1 ({exc}); use "
-                                     "model.mode qlora, train.gradient_checkpointing true, or smaller images "
-                                     "(preprocess.size)") from None
-                micro, accum = micro // 2, accum * 2
-                ooms.append({"step": step, "micro_batch": micro, "grad_accum": accum})
-                log.warning("out of memory at step %d: retrying with micro-batch %d × accumulation %d (same "
-                            "effective batch %d)", step, micro, accum, effective)
+                _halve_micro_batch(run, exc, device_type)
                 continue
-            sched.step()
-            step += 1
-            losses.append(loss)
+            run.sched.step()
+            run.step += 1
+            run.losses.append(loss)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
-            if job.on_step is not None and main:
-                job.on_step(step, loss)
-            if step % cfg.train.checkpoint_every == 0 and step < total_steps:
-                _save_checkpoint(out_dir, step, model, opt, sched, scaler,
-                                 {"fingerprint": fingerprint, "losses": losses, "ooms": ooms, "micro_batch": micro,
-                                  "grad_accum": accum, "total_steps": total_steps, "num_processes": world,
-                                  "effective_batch": effective, "optimizer": settings.optimizer}, comm)
+            if job.on_step is not None and run.main:
+                job.on_step(run.step, loss)
+            if run.step % cfg.train.checkpoint_every == 0 and run.step < run.total_steps:
+                _save_checkpoint(job.out_dir, run.step, run.model, run.opt, run.sched, run.scaler,
+                                 {"fingerprint": run.fingerprint, "losses": run.losses, "ooms": run.ooms,
+                                  "micro_batch": run.micro, "grad_accum": run.accum, "total_steps": run.total_steps,
+                                  "num_processes": run.world, "effective_batch": run.effective,
+                                  "optimizer": settings.optimizer}, run.comm)
     bar.close()
-    model.eval()
-    util = watch.summary()
-    if comm is not None:
-        util = _per_process(util, comm)
-    settings_info = {**asdict(settings), "micro_batch": micro, "grad_accum": accum}
-    info = {
-        "steps": step, "total_steps": total_steps, "losses": losses, "settings": settings_info, "ooms": ooms,
-        "utilisation": util, "rows": n, "effective_batch": effective, "warmup_steps": warmup,
-        "seconds": round(time.monotonic() - started, 2), "model": loaded.info, "num_processes": world,
-        "resumed_from_step": resumed_from, "optimizer_state_mb": round(optimizer_state_bytes(opt) / 2**20, 2),
-    }
-    if step < total_steps:
-        log.info("stopped after %d of %d steps (stop_after_steps); the last checkpoint can be resumed", step,
-                 total_steps)
-        return TrainResult(out_dir, None, step, total_steps, losses, settings_info, info)
+    run.model.eval()
+    return watch.summary()
 
+
+def _halve_micro_batch(run: _Run, exc: torch.cuda.OutOfMemoryError, device_type: str) -> None:
+    """After an OOM: the same step again with half the micro-batch and twice the accumulation."""
+    run.opt.zero_grad(set_to_none=True)
+    if device_type == "cuda":
+        torch.cuda.empty_cache()
+    if run.micro == 1:
+        raise ModelError(f"out of GPU memory at step {run.step} even with micro-batch 1 ({exc}); use "
+                         "model.mode qlora, train.gradient_checkpointing true, or smaller images "
+                         "(preprocess.size)") from None
+    run.micro, run.accum = run.micro // 2, run.accum * 2
+    run.ooms.append({"step": run.step, "micro_batch": run.micro, "grad_accum": run.accum})
+    log.warning("out of memory at step %d: retrying with micro-batch %d × accumulation %d (same "
+                "effective batch %d)", run.step, run.micro, run.accum, run.effective)
+
+
+def _save_adapter(run: _Run, job: _Job, loaded: Loaded, settings_info: dict[str, Any],
+                  info: dict[str, Any]) -> TrainResult:
+    """Rank 0 writes the adapter and the stage manifest, then drops the checkpoints; the other ranks wait."""
+    out_dir, losses = job.out_dir, run.losses
     adapter_dir = out_dir / "adapter"
     manifest = None
-    if main:
+    if run.main:
         with atomic_dir(adapter_dir) as tmp:
-            model.save_pretrained(tmp)
-            if cfg.model.mode == "full":
-                processor.save_pretrained(tmp)
+            run.model.save_pretrained(tmp)
+            if job.cfg.model.mode == "full":
+                loaded.processor.save_pretrained(tmp)
         manifest = write_manifest(out_dir, stage="train", stage_version=TRAIN_VERSION, inputs=job.inputs,
                                   config=job.config, outputs={"adapter": adapter_dir}, info=info)
         # The adapter is recorded; the checkpoints only served to get here.
         shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
-        log.info("trained %d steps in %.1fs: loss %.4f → %.4f; adapter %s (digest %s…)", step, info["seconds"],
+        log.info("trained %d steps in %.1fs: loss %.4f → %.4f; adapter %s (digest %s…)", run.step, info["seconds"],
                  losses[0] if losses else float("nan"), losses[-1] if losses else float("nan"), adapter_dir,
                  manifest.outputs["adapter"].digest[:12])
-    if comm is not None:
-        comm.barrier()  # the other ranks return once the adapter and manifest are in place
-    return TrainResult(out_dir, adapter_dir, step, total_steps, losses, settings_info, info, manifest)
+    if run.comm is not None:
+        run.comm.barrier()  # the other ranks return once the adapter and manifest are in place
+    return TrainResult(out_dir, adapter_dir, run.step, run.total_steps, losses, settings_info, info, manifest)
 
 
 def _per_process(util: dict[str, Any], comm: Comm) -> dict[str, Any]:

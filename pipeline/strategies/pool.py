@@ -102,61 +102,21 @@ def select_batch(
     selector_cls = get_selector(diversity)
     if k < 1:
         raise SelectionError(f"select: batch size must be >= 1, got {k}")
-    ids = list(candidate_ids)
+    ids = _unique_ids(candidate_ids)
     n = len(ids)
-    if len(set(ids)) != n:
-        dup, times = Counter(ids).most_common(1)[0]
-        raise SelectionError(f"select: candidate id {dup!r} appears {times} times; each sample may be scored once")
     probs, embeddings, predicted = (_aligned(nm, a, n) for nm, a in
                                     (("probs", probs), ("embeddings", embeddings), ("predicted", predicted)))
-
-    excluded = set(exclude)
-    keep = np.array([i for i, sid in enumerate(ids) if sid not in excluded], dtype=np.int64)
-    left = len(keep)
-    if left < k:
-        msg = (f"Pool exhausted: {left} unlabeled samples left, {k} requested "
-               f"({n} candidates, {n - left} already labeled, quarantined, flagged or exported)")
-        if not allow_partial:
-            raise SelectionError(f"{msg}; lower select.batch_size to {left} or add samples to the pool")
-        log.warning("%s; selecting all %d", msg, left)
-        k = left
+    pos, k = _pickable(ids, exclude, k, allow_partial)
     if k == 0:
         return Selection([], [], [], strategy, diversity, [])
-    pos = keep[np.argsort(np.asarray([ids[i] for i in keep]), kind="stable")]
 
-    if probs is not None:
-        scores = heuristic.score(probs[pos])
-    elif heuristic.input == "none":  # random: reads no scores, only how many candidates there are
-        scores = heuristic.score(pos)
-    elif not selector_cls.needs_scores:
-        scores = np.zeros(len(pos))  # cold start: the selector ignores scores (typicality, coverage decide)
-    else:
-        cold = sorted(name for name, cls in SELECTORS.items() if not cls.needs_scores)
-        raise SelectionError(
-            f"select: strategy {strategy!r} needs model scores (probs), got none; for a cold start without a model "
-            f"use a diversity that needs no scores ({', '.join(repr(c) for c in cold)}) or strategy='random'"
-        )
-    if len(scores) != len(pos):
-        raise SelectionError(f"select: strategy {strategy!r} returned {len(scores)} scores for {len(pos)} candidates")
+    scores = _scores(heuristic, selector_cls, strategy, probs, pos)
     if downweight:
         flagged = set(downweight)
         pos_ids = [ids[i] for i in pos]
         scores, _ = apply_outlier_policy(scores, [s in flagged for s in pos_ids], "downweight", ids=pos_ids,
                                          weight=downweight_weight)
-
-    cost_kw: dict[str, Any] = {}
-    cost_info: dict[str, Any] = {}
-    if costs is not None:
-        from pipeline.strategies.cost import check_costs, gain_per_second
-
-        c = check_costs(costs, n)[pos]
-        cost_info = {"cost_use": selector_cls.cost_use}
-        if selector_cls.cost_use == "scores":
-            scores = gain_per_second(scores, c)
-        elif selector_cls.cost_use == "own":
-            cost_kw = {"costs": c}
-        else:
-            log.info("select: diversity %r has no gain to divide by a cost; cost-blind", diversity)
+    scores, cost_kw, cost_info = _with_costs(scores, costs, n, pos, selector_cls, diversity)
     try:
         selector = selector_cls(**dict(options or {}))
     except TypeError as exc:
@@ -180,3 +140,66 @@ def select_batch(
         positions=[int(i) for i in chosen],
         info={**selector.info, **cost_info},
     )
+
+
+def _unique_ids(candidate_ids: list[str]) -> list[str]:
+    ids = list(candidate_ids)
+    if len(set(ids)) != len(ids):
+        dup, times = Counter(ids).most_common(1)[0]
+        raise SelectionError(f"select: candidate id {dup!r} appears {times} times; each sample may be scored once")
+    return ids
+
+
+def _pickable(ids: list[str], exclude: Collection[str], k: int, allow_partial: bool) -> tuple[np.ndarray, int]:
+    """(positions of the candidates that may be picked, in sample-ID order; how many to pick), k lowered to what is
+    left when `allow_partial`."""
+    n = len(ids)
+    excluded = set(exclude)
+    keep = np.array([i for i, sid in enumerate(ids) if sid not in excluded], dtype=np.int64)
+    left = len(keep)
+    if left < k:
+        msg = (f"Pool exhausted: {left} unlabeled samples left, {k} requested "
+               f"({n} candidates, {n - left} already labeled, quarantined, flagged or exported)")
+        if not allow_partial:
+            raise SelectionError(f"{msg}; lower select.batch_size to {left} or add samples to the pool")
+        log.warning("%s; selecting all %d", msg, left)
+        k = left
+    if k == 0:
+        return keep, 0
+    return keep[np.argsort(np.asarray([ids[i] for i in keep]), kind="stable")], k
+
+
+def _scores(heuristic: Any, selector_cls: Any, strategy: str, probs: np.ndarray | None, pos: np.ndarray) -> np.ndarray:
+    """The heuristic's score of each pickable candidate; zeros for a cold-start selector that reads none."""
+    if probs is not None:
+        scores = heuristic.score(probs[pos])
+    elif heuristic.input == "none":  # random: reads no scores, only how many candidates there are
+        scores = heuristic.score(pos)
+    elif not selector_cls.needs_scores:
+        scores = np.zeros(len(pos))  # cold start: the selector ignores scores (typicality, coverage decide)
+    else:
+        cold = sorted(name for name, cls in SELECTORS.items() if not cls.needs_scores)
+        raise SelectionError(
+            f"select: strategy {strategy!r} needs model scores (probs), got none; for a cold start without a model "
+            f"use a diversity that needs no scores ({', '.join(repr(c) for c in cold)}) or strategy='random'"
+        )
+    if len(scores) != len(pos):
+        raise SelectionError(f"select: strategy {strategy!r} returned {len(scores)} scores for {len(pos)} candidates")
+    return scores
+
+
+def _with_costs(scores: np.ndarray, costs: np.ndarray | None, n: int, pos: np.ndarray, selector_cls: Any,
+                diversity: str) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
+    """(scores, the selector's cost keyword, info): gain per second, or the costs for a selector that uses its own."""
+    if costs is None:
+        return scores, {}, {}
+    from pipeline.strategies.cost import check_costs, gain_per_second
+
+    c = check_costs(costs, n)[pos]
+    cost_info = {"cost_use": selector_cls.cost_use}
+    if selector_cls.cost_use == "scores":
+        return gain_per_second(scores, c), {}, cost_info
+    if selector_cls.cost_use == "own":
+        return scores, {"costs": c}, cost_info
+    log.info("select: diversity %r has no gain to divide by a cost; cost-blind", diversity)
+    return scores, {}, cost_info

@@ -28,9 +28,18 @@ from typing import Any
 from pipeline.annotation.consensus import VOTES_NAME
 from pipeline.annotation.inbox import inbox_dir
 from pipeline.annotation.ledger import LEDGER_NAME, TIMES_NAME
-from pipeline.config import ProjectConfig
+from pipeline.config import (
+    AnnotateConfig,
+    DataConfig,
+    ModelConfig,
+    PreprocessConfig,
+    ProjectConfig,
+    QualityConfig,
+    RoundsConfig,
+)
 from pipeline.errors import TamisError
-from pipeline.rounds import completed_rounds
+from pipeline.round_state import ROUNDS_DIR, RoundState
+from pipeline.rounds import completed_states
 from pipeline.store import atomic_write_json, digest_json
 
 log = logging.getLogger(__name__)
@@ -106,10 +115,10 @@ def round_inputs(cfg: ProjectConfig, *, sources: str | None = None) -> RoundInpu
     return RoundInputs(digest_json(parts), parts["sources"])
 
 
-def _skip_reason(cfg: ProjectConfig, simulate: bool | None) -> str | None:
-    if cfg.rounds.simulate_annotator if simulate is None else simulate:
+def _skip_reason(rounds_cfg: RoundsConfig, annotate: AnnotateConfig, simulate: bool | None) -> str | None:
+    if rounds_cfg.simulate_annotator if simulate is None else simulate:
         return "the simulated annotator answers every round"
-    if cfg.annotate.label_studio is not None:
+    if annotate.label_studio is not None:
         return "annotate.label_studio: new labels may be waiting on the server"
     return None
 
@@ -124,66 +133,68 @@ def round_inputs_now(cfg: ProjectConfig, *, sources: str | None = None) -> Round
         return RoundInputs(None, None)
 
 
-def record_round_inputs(cfg: ProjectConfig, state: dict[str, Any], before: RoundInputs) -> None:
+def record_round_inputs(cfg: ProjectConfig, state: RoundState, before: RoundInputs) -> None:
     """After a round: what it read when it started (`before`) and what is there now, with the outputs it reports.
 
     The sources are not walked again: a round never writes them, and its stages are keyed by the sources as they
     were when it started (`before.sources`), so that is what its outputs answer for. Images added or changed while it
     ran make the next `tamis round`'s walk differ from this record, so that run goes through the flow; a second walk
     here would only find the same (a stat per image: ~20 s at 10⁶ images, every round)."""
-    outputs = [state.get("export_dir"), state.get("relabel_dir"), (state.get("adapter") or {}).get("adapter_dir")]
-    atomic_write_json(Path(cfg.artifacts) / "rounds" / INPUTS_FILE, {
-        "round": state["round"], "before": before.digest,
+    outputs = [state.export_dir, state.relabel_dir, (state.adapter or {}).get("adapter_dir")]
+    atomic_write_json(Path(cfg.artifacts) / ROUNDS_DIR / INPUTS_FILE, {
+        "round": state.round, "before": before.digest,
         "after": round_inputs_now(cfg, sources=before.sources).digest,
         "outputs": [p for p in outputs if p],
     })
 
 
-def unchanged_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, Any] | None:
+def unchanged_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> RoundState | None:
     """The last round's state when running the round again could only replay it (module docstring), else None."""
-    reason = _skip_reason(cfg, simulate)
+    reason = _skip_reason(cfg.rounds, cfg.annotate, simulate)
     if reason:
         log.debug("tamis round goes through the flow: %s", reason)
         return None
-    path = Path(cfg.artifacts) / "rounds" / INPUTS_FILE
+    path = Path(cfg.artifacts) / ROUNDS_DIR / INPUTS_FILE
     try:
         rec = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not rec.get("before") or rec.get("before") != rec.get("after"):
         return None
-    states = completed_rounds(cfg.artifacts)
-    if not states or states[-1]["round"] != rec.get("round"):
+    states = completed_states(cfg.artifacts)
+    if not states or states[-1].round != rec.get("round"):
         return None
     if not all(Path(p).exists() for p in rec.get("outputs", [])):
         return None
     return states[-1] if round_inputs_now(cfg).digest == rec["after"] else None
 
 
-def unchanged_ingest(cfg: ProjectConfig, digest: str) -> dict[str, Any] | None:
+def unchanged_ingest(artifacts: str | os.PathLike[str], data: DataConfig, digest: str) -> dict[str, Any] | None:
     """The ingest stage's ref when its output for the sources as they are now (`digest`: source_digest) is on disk
     and verifies: `tamis ingest` then has nothing to run and needs no flow (the flow would reuse that folder)."""
     from pipeline.data.ingest import ingest_cached, record_latest
 
-    ref = ingest_cached(cfg.artifacts, digest, cfg.section("data"))
+    ref = ingest_cached(artifacts, digest, data.model_dump(mode="json"))
     if ref is not None:
-        record_latest(cfg.artifacts, ref)
+        record_latest(artifacts, ref)
     return ref
 
 
-def unchanged_prepare(cfg: ProjectConfig, digest: str) -> dict[str, Any] | None:
+def unchanged_prepare(artifacts: str | os.PathLike[str], digest: str, *, data: DataConfig,
+                      preprocess: PreprocessConfig, model: ModelConfig,
+                      quality: QualityConfig) -> dict[str, Any] | None:
     """prepare_flow's refs ({"ingest", "prepare", "quality"}) when every one of its stages' outputs for the sources
     as they are now is on disk and verifies, else None (the flow runs what is missing)."""
     from pipeline import preprocess as prep
     from pipeline import quality as qual
     from pipeline.data.ingest import ingest_cached
 
-    ingest = ingest_cached(cfg.artifacts, digest, cfg.section("data"))
+    ingest = ingest_cached(artifacts, digest, data.model_dump(mode="json"))
     prepared = ingest and prep.preprocess_cached(**prep.preprocess_params(
-        cfg.artifacts, ingest, cfg.preprocess, cfg.model, cfg.data.max_image_pixels))
-    quality = prepared and qual.quality_cached(**qual.quality_params(cfg.artifacts, prepared, cfg.quality))
-    if not quality:
+        artifacts, ingest, preprocess, model, data.max_image_pixels))
+    checked = prepared and qual.quality_cached(**qual.quality_params(artifacts, prepared, quality))
+    if not checked:
         return None
-    refs = {"prepare": prepared, "quality": quality}
-    prep.record_latest(cfg.artifacts, refs)
+    refs = {"prepare": prepared, "quality": checked}
+    prep.record_latest(artifacts, refs)
     return {"ingest": ingest, **refs}

@@ -80,7 +80,7 @@ def test_stop_when_stable_needs_window_rounds_at_the_target(tmp_path):
                                                                                            "window": 2}}})
     assert stable_reason({"history": [0.99]}, cfg.rounds.stop_when_stable) is None
     assert stable_reason({"history": [0.97, 0.99]}, cfg.rounds.stop_when_stable) is None
-    assert stop_reason(cfg, 3, 10, [], 5, {"history": [0.9, 0.985, 0.99]}).startswith("stable predictions")
-    assert stop_reason(cfg, 3, 10, [], 5, None) is None  # no adapter yet: no stability, no stop
+    assert stop_reason(cfg.rounds, 3, 10, [], 5, {"history": [0.9, 0.985, 0.99]}).startswith("stable predictions")
+    assert stop_reason(cfg.rounds, 3, 10, [], 5, None) is None  # no adapter yet: no stability, no stop
     off = parse_config({"rounds": {"max_rounds": 50, "stop_set": 20}})
-    assert stop_reason(off, 3, 10, [], 5, {"history": [1.0, 1.0, 1.0]}) is None  # measured, but not a stop rule
+    assert stop_reason(off.rounds, 3, 10, [], 5, {"history": [1.0, 1.0, 1.0]}) is None  # measured, but not a stop rule

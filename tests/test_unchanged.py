@@ -50,7 +50,7 @@ def test_an_unchanged_round_is_known_before_any_flow(tmp_path, tiny_models, pref
     # Its replay reads what it leaves: from now on `tamis round` knows it would only replay round 1.
     labeling_round(str(config))
     state = unchanged_round(cfg)
-    assert state is not None and state == completed_rounds(art)[-1] and state["round"] == 1
+    assert state is not None and state.to_json() == completed_rounds(art)[-1] and state.round == 1
     assert unchanged_round(cfg, simulate=True) is None  # answering would change the labels
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # no server at all: none is needed

@@ -472,6 +472,12 @@ def _spawned_rank(job: _Job, queue: Any) -> None:
                    "losses": result.losses, "settings": result.settings, "info": result.info})
 
 
+def planned_train_steps(max_steps: int | None, epochs: float, n_rows: int, effective_batch: int) -> int:
+    """The number of optimizer steps train_adapter runs (train.max_steps, else epochs over the rows at the effective
+    batch): the loop's total, and the train stage's progress total before it starts."""
+    return max_steps or max(1, math.ceil(epochs * n_rows / max(1, effective_batch)))
+
+
 def _train(job: _Job, rank: Rank | None) -> TrainResult:
     """The training loop of one process: the only one, or rank `rank` of several."""
     from pipeline.model.hardware import choose_train_settings
@@ -486,7 +492,7 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
     micro, accum = settings.micro_batch, settings.grad_accum
     effective = micro * accum * world
     n = len(rows)
-    total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * n / effective))
+    total_steps = planned_train_steps(cfg.train.max_steps, cfg.train.epochs, n, effective)
     fingerprint = _fingerprint(cfg, job.rows_digest, job.init_digest)
 
     if hw.device == "cpu":

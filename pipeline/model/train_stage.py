@@ -33,8 +33,7 @@ def train_stage(artifacts: str, labeled: dict, augmented: dict | None, model: di
     return an `on_step` hook; it is used only when this process trains alone."""
     import datasets
 
-    from pipeline.model.train import train_adapter
-    from pipeline.report import planned_train_steps
+    from pipeline.model.train import planned_train_steps, train_adapter
 
     cfg = StageConfig({"model": model, "train": train, "seed": seed}, artifacts=artifacts)
     rows = list(datasets.load_from_disk(labeled["dataset"]).select_columns(LABELED_COLUMNS))

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.config import ProjectConfig
 from pipeline.labelcheck import check_report_markdown
 from pipeline.metrics import learning_curve, read_metrics
 from pipeline.perclass import EvalReport, load_eval_report
 from pipeline.report import summary_markdown
+from pipeline.round_state import RoundState
 from pipeline.roundreport.build import RoundReport, try_round_report
 from pipeline.rounds import RoundPlan, write_round
 
@@ -29,14 +31,14 @@ class WriteUp:
     round_report: RoundReport | None
 
 
-def write_up(cfg: Any, plan: RoundPlan, state: Mapping[str, Any], prepared: dict[str, Any] | None,
+def write_up(cfg: ProjectConfig, plan: RoundPlan, state: RoundState, prepared: dict[str, Any] | None,
              check: Mapping[str, Any] | None) -> WriteUp:
     """Write the round's summary.md, round.json and report.html (`cfg`: the project, as try_round_report reads it;
     `prepared`: the round's prepare refs; `check`: the label check's ref or None)."""
     rows = read_metrics(cfg.artifacts)
     label_report = check_report_markdown(check)
     curve = learning_curve(cfg.artifacts, rows, answers=cfg.data.answers)
-    evaluation = load_eval_report(state.get("eval_dir"))  # per-class metrics and the confusion matrix
+    evaluation = load_eval_report(state.eval_dir)  # per-class metrics and the confusion matrix
     # The file keeps the PNG's path (a data URI would make summary.md unreadable as text); the UI gets the picture.
     write_round(plan, state, summary_markdown(state, rows, label_report, curve_path=curve, evaluation=evaluation))
     return WriteUp(rows, label_report, curve, evaluation, try_round_report(cfg, state, prepared, rows))

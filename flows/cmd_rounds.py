@@ -142,14 +142,14 @@ def status_summary_of(cfg: Any) -> dict[str, Any]:
                                                    "export_dir", "eval_dir")} for s in states]}
 
 
-def per_class_output(states: list[RoundState]) -> tuple[Any, str]:
+def per_class_output(states: list[RoundState | dict[str, Any]]) -> tuple[Any, str]:
     """(a rich table, a line above it) of the latest evaluation's per-class (closed) or per-group (open) results."""
     from rich.table import Table
 
     from pipeline.perclass import load_eval_report
     from pipeline.report import per_class_markdown
 
-    state = next((s for s in reversed(states) if s.eval_dir), None)
+    state = next((s for s in map(RoundState.of, reversed(states)) if s.eval_dir), None)
     ev = load_eval_report(state and state.eval_dir)
     if ev is None:
         return None, ("no per-class evaluation yet: the first round that trains an adapter writes one (rounds "

@@ -108,7 +108,7 @@ def test_an_unchanged_round_is_known_before_any_flow(tmp_path, tiny_models, pref
     config.with_name("other.yaml").write_text(yaml.safe_dump(bigger))
     assert unchanged_round(load_config(config.with_name("other.yaml"))) is None  # another config
 
-    shutil.rmtree(state["export_dir"])  # an output the annotators need is gone: the flow makes it again
+    shutil.rmtree(state.export_dir)  # an output the annotators need is gone: the flow makes it again
     assert unchanged_round(cfg) is None
 
 

@@ -9,6 +9,7 @@ import typer
 
 from flows.cli_common import ConfigOpt, load, out_console
 from flows.deploy import register_serve, server_url
+from pipeline.config import ProjectConfig
 from pipeline.errors import ConfigError, DataError
 from pipeline.round_state import RoundState
 from pipeline.rounds import main_metric
@@ -75,7 +76,7 @@ def round_cmd(
     print_next_steps(out, cfg, state, config, simulate)
 
 
-def print_next_steps(out: Any, cfg: Any, state: RoundState, config: Path | None, simulate: bool | None) -> None:
+def print_next_steps(out: Any, cfg: ProjectConfig, state: RoundState, config: Path | None, simulate: bool | None) -> None:
     from pipeline.annotation.export import CSV_FILE, JSONL_FILE, TASKS_FILE
     from pipeline.report import next_steps
 
@@ -125,7 +126,7 @@ def demo_cmd(
         out.print(f"last export for annotators: {last_export}", highlight=False)
 
 
-def status_summary_of(cfg: Any) -> dict[str, Any]:
+def status_summary_of(cfg: ProjectConfig) -> dict[str, Any]:
     """Everything `tamis status` reports, as plain data (`--json` prints it as is)."""
     from pipeline.rounds import completed_states
     from pipeline.status import annotation_time, status_summary

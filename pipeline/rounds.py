@@ -432,7 +432,7 @@ def write_round(plan: RoundPlan, state: RoundState | Mapping[str, Any], summary:
 
 
 def answer_round(artifacts: str | os.PathLike[str], state: RoundState | Mapping[str, Any], *, ground_truth: Any,
-                 noise: float, seed: int, crowd: Any = None) -> None:
+                 noise: float, seed: int, crowd: RoundsConfig | None = None) -> None:
     """The simulated annotator answers a finished round's export (and its re-label queue) into the inbox; with a
     crowd (the rounds section's simulate_annotators, read from `crowd`) the crowd does, rounds.simulate_redundancy
     of them per sample, and it also answers the redundancy queue, each sample by someone who has not labeled it.

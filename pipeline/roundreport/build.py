@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -115,22 +115,21 @@ def build_report(sources: ReportSources, state: RoundState | Mapping[str, Any],
     return RoundReport(html, sheet_path, confusion_path, html.stat().st_size, time.perf_counter() - start)
 
 
-def write_round_report(cfg: ProjectConfig, state: RoundState, prepared: dict[str, Any] | None,
+def write_round_report(sources: ReportSources, state: RoundState,
                        metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport:
-    """A finished round's report: resolve its sources (kept in report_sources.json for later rebuilds), build it.
-    `cfg`: the project, for resolve_sources (the stages' keys it re-derives read their own sections)."""
-    sources = resolve_sources(cfg, state, prepared)
+    """A finished round's report: its sources kept in report_sources.json (for later rebuilds), then built."""
     sources.save()
     return build_report(sources, state, metrics_rows)
 
 
-def try_round_report(cfg: ProjectConfig, state: RoundState, prepared: dict[str, Any] | None,
+def try_round_report(resolve: Callable[[], ReportSources], state: RoundState,
                      metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport | None:
-    """write_round_report at the end of a round. The report is a view of a round whose round.json is already
-    written: a failure to draw it is logged with the command that retries it, and never fails the round (a failed
-    round would be re-run with the same labels, and fail the same way, instead of going on to the next)."""
+    """write_round_report at the end of a round, its sources resolved by `resolve()` (resolve_sources). The report
+    is a view of a round whose round.json is already written: a failure to resolve or draw it is logged with the
+    command that retries it, and never fails the round (a failed round would be re-run with the same labels, and
+    fail the same way, instead of going on to the next)."""
     try:
-        return write_round_report(cfg, state, prepared, metrics_rows)
+        return write_round_report(resolve(), state, metrics_rows)
     except Exception as exc:  # noqa: BLE001 - any failure of a view; the round itself is done
         log.warning("round %d: report.html not built (%s: %s); retry with `tamis report --round %d --debug`",
                     state.round, type(exc).__name__, exc, state.round)
@@ -163,5 +162,4 @@ def rebuild_report(cfg: ProjectConfig, round_index: int | None = None) -> RoundR
         except ArtifactError:
             prepared = None  # no prepared data: the report shows what the round's own files hold
         sources = resolve_sources(cfg, states[r], prepared)
-        sources.save()
-    return build_report(sources, states[r], read_metrics(art))
+    return write_round_report(sources, states[r], read_metrics(art))

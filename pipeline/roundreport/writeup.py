@@ -16,6 +16,7 @@ from pipeline.perclass import EvalReport, load_eval_report
 from pipeline.report import summary_markdown
 from pipeline.round_state import RoundState
 from pipeline.roundreport.build import RoundReport, try_round_report
+from pipeline.roundreport.sources import resolve_sources
 from pipeline.rounds import RoundPlan, write_round
 
 
@@ -33,7 +34,7 @@ class WriteUp:
 
 def write_up(cfg: ProjectConfig, plan: RoundPlan, state: RoundState, prepared: dict[str, Any] | None,
              check: Mapping[str, Any] | None) -> WriteUp:
-    """Write the round's summary.md, round.json and report.html (`cfg`: the project, as try_round_report reads it;
+    """Write the round's summary.md, round.json and report.html (`cfg`: the project, as resolve_sources reads it;
     `prepared`: the round's prepare refs; `check`: the label check's ref or None)."""
     rows = read_metrics(cfg.artifacts)
     label_report = check_report_markdown(check)
@@ -41,4 +42,5 @@ def write_up(cfg: ProjectConfig, plan: RoundPlan, state: RoundState, prepared: d
     evaluation = load_eval_report(state.eval_dir)  # per-class metrics and the confusion matrix
     # The file keeps the PNG's path (a data URI would make summary.md unreadable as text); the UI gets the picture.
     write_round(plan, state, summary_markdown(state, rows, label_report, curve_path=curve, evaluation=evaluation))
-    return WriteUp(rows, label_report, curve, evaluation, try_round_report(cfg, state, prepared, rows))
+    return WriteUp(rows, label_report, curve, evaluation,
+                   try_round_report(lambda: resolve_sources(cfg, state, prepared), state, rows))

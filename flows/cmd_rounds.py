@@ -12,7 +12,7 @@ from flows.deploy import register_serve, server_url
 from pipeline.config import ProjectConfig
 from pipeline.errors import ConfigError, DataError
 from pipeline.round_state import RoundState
-from pipeline.rounds import main_metric
+from pipeline.rounds import main_metric, simulated
 
 
 def _check_cell(check: dict[str, Any] | None) -> str:
@@ -83,7 +83,7 @@ def print_next_steps(out: Any, cfg: ProjectConfig, state: RoundState, config: Pa
     lines = next_steps(state, artifacts=cfg.artifacts, config=str(config) if config else "",
                        files={"tasks": TASKS_FILE, "csv": CSV_FILE, "jsonl": JSONL_FILE},
                        batch_size=cfg.select.batch_size, max_rounds=cfg.rounds.max_rounds,
-                       simulated=cfg.rounds.simulate_annotator if simulate is None else simulate)
+                       simulated=simulated(cfg.rounds, simulate))
     if lines:
         out.print("\n".join(lines), highlight=False, soft_wrap=True)
 

@@ -29,7 +29,7 @@ from pipeline.lock import ProjectLock
 from pipeline.model.resolve import resolve_configured
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids, explain_flags
-from pipeline.round_state import RoundState
+from pipeline.round_state import RoundState, adapter_ref
 from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy
 from pipeline.status import annotation_time
@@ -71,7 +71,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         with progress.step("score pool", "select"):
             sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=pool_ids, exclude=sorted(exclude),
                              round_dir=plan.dir, labels=plan.labels, history_dirs=plan.history_dirs(art),
-                             adapter=adapter and {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]},
+                             adapter=adapter_ref(adapter),
                              batch_size=rounds.batch_for(cfg.rounds, cfg.select.batch_size, state))
         with progress.step("export"):
             rounds.record_selection(state, sel, export_ref(cfg, selection=sel, prepared=prep["prepare"],
@@ -85,7 +85,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
 
     state.adapter = adapter
     up = write_up(cfg, plan, state, prep, check)
-    if cfg.rounds.simulate_annotator if simulate is None else simulate:
+    if rounds.simulated(cfg.rounds, simulate):
         rounds.answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                             seed=cfg.seed, crowd=cfg.rounds)
     publish_round(cfg.artifacts, state, up, waiting=waiting.waits_for_labels(cfg, state))

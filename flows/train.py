@@ -12,7 +12,7 @@ from pipeline import report, rounds
 from pipeline.config import ProjectConfig
 from pipeline.evaluate import EVAL_VERSION, evaluate_stage
 from pipeline.model.train_stage import TRAIN_VERSION, train_stage
-from pipeline.round_state import RoundState
+from pipeline.round_state import RoundState, adapter_ref
 from pipeline.stopping import measure_stop_set
 
 evaluate_task = stage_task("evaluate", EVAL_VERSION)(evaluate_stage)
@@ -48,7 +48,7 @@ def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any]
         if (stop := rounds.stop_set_check(cfg.rounds, plan, pool, seed=cfg.seed, artifacts=art)) is not None:
             state.stability = stop_set_agreement(cfg, prep, adapter, stop)
     with progress.step("label check"):
-        check = label_check_ref(cfg, labeled=labeled, previous=plan.previous[-1] if plan.previous else None,
+        check = label_check_ref(cfg, labeled=labeled, previous=plan.last,
                                 round_dir=plan.dir, prepared=prep["prepare"])
     state.labelcheck = rounds.label_check_record(check)
     return adapter, check
@@ -60,8 +60,7 @@ def stop_set_agreement(cfg: ProjectConfig, prep: dict[str, Any], adapter: dict[s
     the previous round's adapter's."""
     from flows.select import score_pool
 
-    refs = score_pool(cfg, prepared=prep["prepare"], adapter={"dir": adapter["adapter_dir"],
-                                                                "digest": adapter["adapter_digest"]},
-                      pool_ids=stop.ids, round_dir=stop.out_dir)
+    refs = score_pool(cfg, prepared=prep["prepare"], adapter=adapter_ref(adapter), pool_ids=stop.ids,
+                      round_dir=stop.out_dir)
     return measure_stop_set(refs, ids=stop.ids, answers=cfg.data.answers, round_dir=stop.round_dir,
                             previous_dir=stop.previous_dir, target=stop.target)

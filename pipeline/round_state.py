@@ -22,6 +22,12 @@ def round_dir(artifacts: str | os.PathLike[str], round_index: int, *parts: str) 
     return Path(artifacts, ROUNDS_DIR, f"{round_index:03d}", *parts)
 
 
+def adapter_ref(adapter: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """The train stage's reference ({adapter_dir, adapter_digest, …}) as the score and select stages take an
+    adapter: {"dir", "digest"}; None for the base model (no adapter yet)."""
+    return None if not adapter else {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]}
+
+
 # Keys round.json always holds (null when empty), as the rounds before RoundState wrote them.
 _ALWAYS = ("round", "labeled", "labeled_digest", "imports", "metrics", "annotation_time", "strategy",
            "quality_flags", "pool", "labels_spent", "tasks_out", "stopped", "adapter")

@@ -227,6 +227,12 @@ def recorded_hours(artifacts: str | os.PathLike[str]) -> float:
     return sum(float(r["seconds"]) for r in Ledger(ledger_path(artifacts)).times()) / 3600
 
 
+def simulated(rounds_cfg: RoundsConfig, simulate: bool | None) -> bool:
+    """Whether the simulated annotator answers this round's export: `--simulate/--no-simulate` when given, else
+    rounds.simulate_annotator."""
+    return rounds_cfg.simulate_annotator if simulate is None else simulate
+
+
 def should_wait(rounds_cfg: RoundsConfig, state: RoundState | Mapping[str, Any], *, deployed: bool) -> bool:
     """Whether a finished round waits for its annotators: rounds.wait_for_labels, a batch was exported, and the run
     can be suspended and resumed later (only a deployment's run can: its worker starts it again)."""
@@ -334,6 +340,11 @@ class RoundPlan:
         """The adapter training starts from: the last earlier round's with train.init = warm, never this round's
         own (on a re-run of round r, round r's adapter would be its own warm start)."""
         return self.previous[-1].get("adapter") if self.previous and init == "warm" else None
+
+    @property
+    def last(self) -> dict[str, Any] | None:
+        """The finished round before this one (its round.json object), None for the first."""
+        return self.previous[-1] if self.previous else None
 
     def history_dirs(self, artifacts: str | os.PathLike[str]) -> list[Path]:
         return [round_dir(artifacts, p["round"]) for p in self.previous]

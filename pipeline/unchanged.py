@@ -39,7 +39,7 @@ from pipeline.config import (
 )
 from pipeline.errors import TamisError
 from pipeline.round_state import ROUNDS_DIR, RoundState
-from pipeline.rounds import completed_states
+from pipeline.rounds import completed_states, simulated
 from pipeline.store import atomic_write_json, digest_json
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def round_inputs(cfg: ProjectConfig, *, sources: str | None = None) -> RoundInpu
 
 
 def _skip_reason(rounds_cfg: RoundsConfig, annotate: AnnotateConfig, simulate: bool | None) -> str | None:
-    if rounds_cfg.simulate_annotator if simulate is None else simulate:
+    if simulated(rounds_cfg, simulate):
         return "the simulated annotator answers every round"
     if annotate.label_studio is not None:
         return "annotate.label_studio: new labels may be waiting on the server"

@@ -13,7 +13,7 @@ from typing import Any
 
 from pipeline.config import ProjectConfig
 from pipeline.errors import ArtifactError
-from pipeline.round_state import RoundState, round_dir
+from pipeline.round_state import RoundState, adapter_ref, round_dir
 from pipeline.store import atomic_write_json
 
 SOURCES_FILE = "report_sources.json"
@@ -85,8 +85,7 @@ def resolve_sources(cfg: ProjectConfig, state: RoundState | Mapping[str, Any],
     eval_dir = state.eval_dir or (adapter and find_eval_dir(cfg.artifacts, adapter["adapter_digest"]))
     shards: list[tuple[str, str]] = []
     if prep is not None and (rd / POOL_FILE).is_file():
-        ad = adapter and {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]}
-        plan = plan_pool_scoring(cfg, prepared=prep, adapter=ad, pool_ids=read_pool_file(rd / POOL_FILE))
+        plan = plan_pool_scoring(cfg, prepared=prep, adapter=adapter_ref(adapter), pool_ids=read_pool_file(rd / POOL_FILE))
         shards = [(p["shard_ids"][0], p["out_dir"]) for p in plan.shards]
     return ReportSources(
         round=state.round, round_dir=str(rd), artifacts=str(cfg.artifacts), answers=cfg.data.answers,

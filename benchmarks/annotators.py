@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 from benchmarks._results import write_result  # noqa: E402
 from pipeline.annotation.ledger import Ledger  # noqa: E402
 from pipeline.config import parse_config  # noqa: E402
-from pipeline.rounds import stop_reason  # noqa: E402
+from pipeline.rounds import main_metric, stop_reason  # noqa: E402
 from pipeline.selection import select_step  # noqa: E402
 from pipeline.stopping import agreement  # noqa: E402
 from pipeline.store import atomic_write_bytes  # noqa: E402
@@ -209,7 +209,8 @@ def stop_round(cfg: Any, labels: list[int], curve: list[float], metric: str,
         metrics = [{"round": i, "metric": metric, "value": v} for i, v in enumerate(curve[: r + 1])]
         # r agreements after round r, on a stop set of stop_n samples
         stability = {"history": history[:r], "n": stop_n} if history is not None else None
-        if stop_reason(cfg, r, labels[r], metrics, pool_left=1, stability=stability) is not None:
+        if stop_reason(cfg.rounds, r, labels[r], metrics, pool_left=1, stability=stability,
+                       main=main_metric(cfg.data.answers)) is not None:
             return r
     return None
 

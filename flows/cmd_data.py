@@ -20,7 +20,7 @@ def ingest_cmd(config: ConfigOpt = None) -> None:
     # Reading the sources first reports an unreadable source as a plain user error, before Prefect starts.
     cfg = load(config)
     digest = source_digest(cfg.data, cfg.artifacts)
-    ref = unchanged_ingest(cfg, digest)
+    ref = unchanged_ingest(cfg.artifacts, cfg.data, digest)
     unchanged = ref is not None
     if ref is None:
         from flows.ingest import ingest_flow

@@ -20,7 +20,8 @@ def prepare_cmd(config: ConfigOpt = None) -> None:
     # Reading the sources first reports an unreadable source as a plain user error, before Prefect starts.
     cfg = load(config)
     digest = source_digest(cfg.data, cfg.artifacts)
-    refs = unchanged_prepare(cfg, digest)
+    refs = unchanged_prepare(cfg.artifacts, digest, data=cfg.data, preprocess=cfg.preprocess, model=cfg.model,
+                             quality=cfg.quality)
     unchanged = refs is not None
     if refs is None:
         from flows.prepare import prepare_flow

@@ -18,9 +18,10 @@ def report_cmd(
     """Write artifacts/rounds/NNN/report.html: the batch as a contact sheet, the pool map, what the model gets wrong,
     the quality flags, the learning curve and the labels, in one file that opens offline."""
     from pipeline.roundreport import rebuild_report
+    from pipeline.roundreport.sources import resolve_sources
 
     cfg = load(config)
-    rep = rebuild_report(cfg, round_index)
+    rep = rebuild_report(cfg.artifacts, round_index, resolve=lambda state, prep: resolve_sources(cfg, state, prep))
     out = out_console()
     out.print(f"report: {rep.html} ({rep.bytes / 1e3:,.0f} kB, built in {rep.seconds:.1f} s)", highlight=False)
     if open_it:

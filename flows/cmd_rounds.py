@@ -9,7 +9,10 @@ import typer
 
 from flows.cli_common import ConfigOpt, load, out_console
 from flows.deploy import register_serve, server_url
+from pipeline.config import ProjectConfig
 from pipeline.errors import ConfigError, DataError
+from pipeline.round_state import RoundState
+from pipeline.rounds import main_metric, simulated
 
 
 def _check_cell(check: dict[str, Any] | None) -> str:
@@ -21,31 +24,23 @@ def _check_cell(check: dict[str, Any] | None) -> str:
     return f"{check['issues']} / {check['checked']}"
 
 
-def _main_metric(states: list[dict[str, Any]]) -> str:
-    """The column's metric: accuracy for a closed answer set, token F1 for open answers (rounds.stop_reason's)."""
-    evaluated = [s["metrics"] for s in states if s.get("metrics")]
-    return "token_f1" if evaluated and all("accuracy" not in m for m in evaluated) else "accuracy"
+def _round_row(state: RoundState, metric: str) -> list[str]:
+    main = (state.metrics or {}).get(metric)
+    return [str(state.round), str(state.labeled), "—" if main is None else f"{main:.3f}", state.strategy,
+            str(state.selected_count), _check_cell(state.labelcheck), str(state.relabel or 0), state.stopped or ""]
 
 
-def _round_row(state: dict[str, Any], metric: str = "accuracy") -> list[str]:
-    main = (state.get("metrics") or {}).get(metric)
-    check = state.get("labelcheck")
-    return [str(state["round"]), str(state["labeled"]), "—" if main is None else f"{main:.3f}", state["strategy"],
-            str(state.get("selected", 0)), _check_cell(check),
-            str(state.get("relabel", 0)), state.get("stopped") or ""]
-
-
-def _rounds_table(states: list[dict[str, Any]]) -> Any:
+def _rounds_table(states: list[RoundState | dict[str, Any]], metric: str) -> Any:
+    """The rounds as a table; `metric`: the column's (pipeline.rounds.main_metric)."""
     from rich.table import Table
 
     table = Table(title="labeling rounds")
-    metric = _main_metric(states)
     for col, just in (("round", "right"), ("labels", "right"), (metric.replace("_", " "), "right"), ("strategy", "left"),
                       ("selected", "right"), ("likely label errors", "right"), ("re-label", "right"),
                       ("stopped", "left")):
         table.add_column(col, justify=just)
     for s in states:
-        table.add_row(*_round_row(s, metric))
+        table.add_row(*_round_row(RoundState.of(s), metric))
     return table
 
 
@@ -58,16 +53,17 @@ def round_cmd(
 ) -> None:
     """Run the next labeling round (or finish / re-run the current one: finished work comes from the cache)."""
     from pipeline.model.resolve import resolve_configured
-    from pipeline.unchanged import unchanged_round
+    from pipeline.unchanged import round_inputs, unchanged_round
 
     cfg = load(config)
     # Before anything heavy (and before Prefect starts): a model this machine cannot have fails here in seconds.
     out_console(stderr=True).print(resolve_configured(cfg.model).note, highlight=False, soft_wrap=True)
-    last = None if full else unchanged_round(cfg, simulate=simulate)
+    last = None if full else unchanged_round(cfg.rounds, cfg.annotate, cfg.artifacts,
+                                                  inputs=lambda: round_inputs(cfg), simulate=simulate)
     if last is not None:
         out = out_console()
-        out.print(_rounds_table([last]))
-        out.print(f"round {last['round']}: nothing changed since it ran (config, code, data, labels, inbox, model), so "
+        out.print(_rounds_table([last], main_metric(cfg.data.answers)))
+        out.print(f"round {last.round}: nothing changed since it ran (config, code, data, labels, inbox, model), so "
                   "running it again would only replay it from the cache; no flow started. New labels go in "
                   f"{cfg.artifacts / 'inbox'} or through `tamis labels import`; `tamis round --full` replays it anyway.",
                   highlight=False)
@@ -75,20 +71,20 @@ def round_cmd(
         return
     from flows.round import labeling_round
 
-    state = labeling_round(str(config) if config else None, simulate=simulate)
+    state = RoundState.from_json(labeling_round(str(config) if config else None, simulate=simulate))
     out = out_console()
-    out.print(_rounds_table([state]))
+    out.print(_rounds_table([state], main_metric(cfg.data.answers)))
     print_next_steps(out, cfg, state, config, simulate)
 
 
-def print_next_steps(out: Any, cfg: Any, state: dict[str, Any], config: Path | None, simulate: bool | None) -> None:
+def print_next_steps(out: Any, cfg: ProjectConfig, state: RoundState, config: Path | None, simulate: bool | None) -> None:
     from pipeline.annotation.export import CSV_FILE, JSONL_FILE, TASKS_FILE
     from pipeline.report import next_steps
 
     lines = next_steps(state, artifacts=cfg.artifacts, config=str(config) if config else "",
                        files={"tasks": TASKS_FILE, "csv": CSV_FILE, "jsonl": JSONL_FILE},
                        batch_size=cfg.select.batch_size, max_rounds=cfg.rounds.max_rounds,
-                       simulated=cfg.rounds.simulate_annotator if simulate is None else simulate)
+                       simulated=simulated(cfg.rounds, simulate))
     if lines:
         out.print("\n".join(lines), highlight=False, soft_wrap=True)
 
@@ -117,50 +113,50 @@ def demo_cmd(
     states = []
     for _ in range(rounds or cfg.rounds.max_rounds):
         t0 = time.perf_counter()
-        state = flow(str(config) if config else None, simulate=True)
-        state["seconds"] = round(time.perf_counter() - t0, 1)
+        state = RoundState.from_json(flow(str(config) if config else None, simulate=True))
+        state.extra["seconds"] = round(time.perf_counter() - t0, 1)
         states.append(state)
-        out.print(_rounds_table(states))
-        if state.get("stopped"):
+        out.print(_rounds_table(states, main_metric(cfg.data.answers)))
+        if state.stopped:
             break
     out.print(f"learning curve: {cfg.artifacts / 'learning_curve.png'}", highlight=False)
     out.print(f"round reports: {cfg.artifacts / 'rounds'}/NNN/report.html (`tamis report --open` opens the last)",
               highlight=False)
-    last_export = next((s["export_dir"] for s in reversed(states) if s.get("export_dir")), None)
+    last_export = next((s.export_dir for s in reversed(states) if s.export_dir), None)
     if last_export:
         out.print(f"last export for annotators: {last_export}", highlight=False)
 
 
-def status_summary_of(cfg: Any) -> dict[str, Any]:
+def status_summary_of(cfg: ProjectConfig) -> dict[str, Any]:
     """Everything `tamis status` reports, as plain data (`--json` prints it as is)."""
-    from pipeline.rounds import completed_rounds
+    from pipeline.rounds import completed_states
     from pipeline.status import annotation_time, status_summary
 
-    states = completed_rounds(cfg.artifacts)
+    states = completed_states(cfg.artifacts)
     quarantined = 0
     for p in Path(cfg.artifacts).glob("*/*/quarantine.jsonl"):
         with open(p, encoding="utf-8") as f:
             quarantined += sum(1 for _ in f)
     return {**status_summary(cfg.artifacts), "quarantined_rows": quarantined,
             "annotation_time": annotation_time(cfg.artifacts, next_batch=cfg.select.batch_size),
-            "pool_eligible": states[-1]["pool"] if states else None,
-            "rounds": [{k: s.get(k) for k in ("round", "labeled", "metrics", "strategy", "selected", "stopped",
-                                              "export_dir", "eval_dir")} for s in states]}
+            "pool_eligible": states[-1].pool if states else None,
+            "rounds": [{k: getattr(s, k) for k in ("round", "labeled", "metrics", "strategy", "selected", "stopped",
+                                                   "export_dir", "eval_dir")} for s in states]}
 
 
-def per_class_output(states: list[dict[str, Any]]) -> tuple[Any, str]:
+def per_class_output(states: list[RoundState | dict[str, Any]]) -> tuple[Any, str]:
     """(a rich table, a line above it) of the latest evaluation's per-class (closed) or per-group (open) results."""
     from rich.table import Table
 
     from pipeline.perclass import load_eval_report
     from pipeline.report import per_class_markdown
 
-    state = next((s for s in reversed(states) if s.get("eval_dir")), None)
-    ev = load_eval_report(state and state["eval_dir"])
+    state = next((s for s in map(RoundState.of, reversed(states)) if s.eval_dir), None)
+    ev = load_eval_report(state and state.eval_dir)
     if ev is None:
         return None, ("no per-class evaluation yet: the first round that trains an adapter writes one (rounds "
                       "evaluated by an older tamis have none; `tamis round --full` re-evaluates)")
-    where = f"round {state['round']}"
+    where = f"round {state.round}"
     if ev.per_class:
         pc = ev.per_class
         table = Table(title=f"per-class results ({where})")
@@ -189,25 +185,25 @@ def status_cmd(
     import json
 
     from pipeline.metrics import merge_equal_metrics
-    from pipeline.rounds import completed_rounds
+    from pipeline.rounds import completed_states
 
     cfg = load(config)
     summary = status_summary_of(cfg)
     if as_json and per_class:
         from pipeline.perclass import load_eval_report
 
-        state = next((s for s in reversed(completed_rounds(cfg.artifacts)) if s.get("eval_dir")), None)
-        ev = load_eval_report(state and state["eval_dir"])
+        state = next((s for s in reversed(completed_states(cfg.artifacts)) if s.eval_dir), None)
+        ev = load_eval_report(state and state.eval_dir)
         summary["per_class"] = ev and (ev.per_class or ev.per_group)
     if as_json:
         typer.echo(json.dumps(summary, default=str, indent=2))
         return
     out = out_console()
-    states = completed_rounds(cfg.artifacts)
+    states = completed_states(cfg.artifacts)
     if not states:
         out.print(f"no finished round yet in {cfg.artifacts}; start one with `tamis round`", highlight=False)
     else:
-        out.print(_rounds_table(states))
+        out.print(_rounds_table(states, main_metric(cfg.data.answers)))
     metrics = ", ".join(f"{k} {v:.3f}" for k, v in merge_equal_metrics(summary["last_metrics"]).items())
     lines = [
         f"rounds finished: {summary['rounds_done']} (exported for annotation: {len(summary['rounds_exported'])})",

@@ -22,15 +22,15 @@ from flows.ui import library_logs_to_ui, name_run, progress_sink, publish_round
 from pipeline import report, rounds, unchanged
 from pipeline.annotation.inbox import import_inbox, receive_labels
 from pipeline.annotation.label_files import LabelKeys
-from pipeline.annotation.label_studio import pull_labels, push_batch
+from pipeline.annotation.label_studio import pull_labels
 from pipeline.annotation.redundancy import queue_redundancy, settle_votes
 from pipeline.config import ProjectConfig, load_config
-from pipeline.labelcheck import labels_spent
 from pipeline.lock import ProjectLock
-from pipeline.metrics import read_metrics
 from pipeline.model.resolve import resolve_configured
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids, explain_flags
+from pipeline.round_state import RoundState, adapter_ref
+from pipeline.roundreport.sources import resolve_sources
 from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy
 from pipeline.status import annotation_time
@@ -39,30 +39,27 @@ log = logging.getLogger(__name__)
 
 
 def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
-              progress: report.RoundProgress | None = None) -> dict[str, Any]:
+              progress: report.RoundProgress | None = None) -> RoundState:
     """The body of a round; ordering only, every step is a library call or a cached stage task."""
     art, progress = cfg.artifacts, progress or report.RoundProgress(lambda percent, text: None)
     log.info(resolve_configured(cfg.model).note)  # first: a model this machine cannot have fails in seconds
-    inputs = unchanged.round_inputs_now(cfg)  # what this round reads, for `tamis round` to know a replay in advance
-    progress.start("ingest")
-    ing = ingest_ref(cfg, inputs.sources)
-    progress.finish("ingest")
-    progress.start("prepare")
-    prep = prepare_refs(cfg, ing)
-    progress.finish("prepare")
-    progress.start("import labels")
-    pool, start = rounds.PoolData.of(load_prepared(prep["prepare"]["dir"])), rounds.import_round(art)
-    # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
-    imports = pull_labels(cfg.annotate, cfg.data, art, known_ids=pool.index, round_index=start) + import_inbox(
-        art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg.data))
-    agreed = settle_votes(art, cfg.annotate, answers=cfg.data.answers, round_index=start)
-    plan = rounds.plan_round(art, rounds.labels_now(art, prep["prepare"]["dir"], pool, round_index=start))
-    state = {**plan.state(imports), "annotation_time": annotation_time(art, next_batch=cfg.select.batch_size),
-             "strategy": planned_strategy(cfg.select, cfg.data.answers, plan.labels, plan.history_dirs(art)),
-             "quality_flags": explain_flags(prep["quality"]["info"], cfg.quality)}
-    name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
-             report.run_tags(plan.index, rerun=plan.rerun is not None))
-    progress.finish("import labels")
+    inputs = unchanged.round_inputs(cfg)  # what this round reads, for `tamis round` to know a replay in advance
+    with progress.step("ingest"):
+        ing = ingest_ref(cfg, inputs.sources)
+    with progress.step("prepare"):
+        prep = prepare_refs(cfg, ing)
+    with progress.step("import labels"):
+        pool, start = rounds.PoolData.of(load_prepared(prep["prepare"]["dir"])), rounds.import_round(art)
+        # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
+        imports = pull_labels(cfg.annotate, cfg.data, art, known_ids=pool.index, round_index=start) + import_inbox(
+            art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg.data))
+        agreed = settle_votes(art, cfg.annotate, answers=cfg.data.answers, round_index=start)
+        plan = rounds.plan_round(art, rounds.labels_now(art, prep["prepare"]["dir"], pool, round_index=start))
+        state = plan.state(imports, annotation_time=annotation_time(art, next_batch=cfg.select.batch_size),
+                           strategy=planned_strategy(cfg.select, cfg.data.answers, plan.labels, plan.history_dirs(art)),
+                           quality_flags=explain_flags(prep["quality"]["info"], cfg.quality))
+        name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
+                 report.run_tags(plan.index, rerun=plan.rerun is not None))
 
     adapter, check = train_round(cfg, plan, prep, state, progress, pool) if plan.labels else (None, None)
     if not plan.labels:
@@ -70,46 +67,37 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
 
     pool_ids, exclude = rounds.eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
                                              stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
-    state.update(agreed, pool=len(pool_ids), labels_spent=labels_spent(len(plan.labels), art, before_round=plan.index),
-                 tasks_out=rounds.outstanding_tasks(art, plan))  # exported earlier, not labeled yet
-    state["stopped"] = rounds.stop_reason(cfg, plan.index, state["labels_spent"], read_metrics(art), len(pool_ids),
-                                          state.get("stability"), outstanding=state["tasks_out"])
-    if not state["stopped"]:
-        progress.start("score pool")
-        sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=pool_ids, exclude=sorted(exclude), round_dir=plan.dir,
-                         adapter=adapter and {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]},
-                         labels=plan.labels, history_dirs=plan.history_dirs(art),
-                         batch_size=rounds.budget_batch(cfg.rounds, cfg.select.batch_size, state["labels_spent"],
-                                                        state["tasks_out"]))
-        progress.skip("score pool", "select")
-        progress.start("export")
-        exp = export_ref(cfg, selection=sel, prepared=prep["prepare"], round_index=plan.index)
-        rounds.record_selection(state, sel, exp)
-        if check is not None and cfg.labelcheck.relabel_top_n:
-            rel = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=plan.index,
-                              cap=rounds.budget_left(cfg.rounds, state))
-            state["relabel"] = rel["count"]
-            if rel["count"]:
-                state["relabel_dir"] = rel["dir"]
-                if cfg.annotate.label_studio is not None:
-                    state["label_studio_relabel"] = push_batch(cfg.annotate, cfg.artifacts, rel["dir"])
-        state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.answers,
-                                      prepared_dir=prep["prepare"]["dir"], round_index=plan.index))
+    rounds.close_round(cfg, plan, state, pool_left=len(pool_ids), agreed=agreed)
+    if not state.stopped:
+        with progress.step("score pool", "select"):
+            sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=pool_ids, exclude=sorted(exclude),
+                             round_dir=plan.dir, labels=plan.labels, history_dirs=plan.history_dirs(art),
+                             adapter=adapter_ref(adapter),
+                             batch_size=rounds.batch_for(cfg.rounds, cfg.select.batch_size, state))
+        with progress.step("export"):
+            rounds.record_selection(state, sel, export_ref(cfg, selection=sel, prepared=prep["prepare"],
+                                                           round_index=plan.index))
+            if rounds.relabels(cfg.labelcheck, check):
+                rounds.record_relabel(cfg.annotate, art, state, relabel_ref(cfg, check=check, prepared=prep["prepare"],
+                                                              round_index=plan.index,
+                                                              cap=rounds.budget_left(cfg.rounds, state)))
+            state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.answers,
+                                          prepared_dir=prep["prepare"]["dir"], round_index=plan.index))
 
-    state["adapter"] = adapter
-    up = write_up(cfg, plan, state, prep, check)
-    if cfg.rounds.simulate_annotator if simulate is None else simulate:
+    state.adapter = adapter
+    up = write_up(art, cfg.data.answers, plan, state, check, resolve=lambda: resolve_sources(cfg, state, prep))
+    if rounds.simulated(cfg.rounds, simulate):
         rounds.answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                             seed=cfg.seed, crowd=cfg.rounds)
     publish_round(cfg.artifacts, state, up, waiting=waiting.waits_for_labels(cfg, state))
-    unchanged.record_round_inputs(cfg, state, inputs)
+    unchanged.record_round_inputs(art, state, inputs, unchanged.round_inputs(cfg, sources=inputs.sources))
     progress.complete(report.state_message(state))
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
-             report.run_tags(plan.index, rerun=plan.rerun is not None, stopped=state["stopped"]))
+             report.run_tags(plan.index, rerun=plan.rerun is not None, stopped=state.stopped))
     return state
 
 
-def _locked_round(cfg: ProjectConfig, simulate: bool | None) -> dict[str, Any]:
+def _locked_round(cfg: ProjectConfig, simulate: bool | None) -> RoundState:
     with ProjectLock(cfg.artifacts / "round.lock"):
         return run_round(cfg, simulate=simulate,
                          progress=report.RoundProgress(progress_sink("round-progress", "labeling round")))
@@ -135,10 +123,10 @@ def labeling_round(config_path: str | None = None, simulate: bool | None = None)
                     logger.info("rounds.wait_for_labels: only a deployment's run can wait (its worker restarts it "
                                 "when resumed); this run ends now, the next one imports the labels")
                 return waiting.final(state)
-            name_run(report.run_name(state["round"]), report.run_tags(state["round"], waiting=True))
+            name_run(report.run_name(state.round), report.run_tags(state.round, waiting=True))
             logger.info("round %d exported %d samples to %s; suspending until the labels are in (resume from the "
-                        "UI or `tamis resume`; gives up after %d s, rounds.wait_timeout_s)", state["round"],
-                        state["selected"], state["export_dir"], cfg.rounds.wait_timeout_s)
+                        "UI or `tamis resume`; gives up after %d s, rounds.wait_timeout_s)", state.round,
+                        state.selected_count, state.export_dir, cfg.rounds.wait_timeout_s)
         # The first call ends this process (the run shows Suspended); in the resumed run it returns the form's input.
         answer = suspend_flow_run(wait_for_input=waiting.LabelsIn, timeout=cfg.rounds.wait_timeout_s,
                                   key=waiting.WAIT_KEY)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from flows.cli_logging import HARMLESS, UI_ONLY
+from pipeline.round_state import RoundState
 
 # The library's loggers (all under `pipeline`) and Python warnings (`py.warnings` once captured) reach a run's logs.
 UI_LOGGERS = ("pipeline", "py.warnings")
@@ -108,7 +109,7 @@ def detach(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
-def publish_round(artifacts: Any, state: dict[str, Any], up: Any, *, waiting: bool) -> None:
+def publish_round(artifacts: Any, state: RoundState, up: Any, *, waiting: bool) -> None:
     """The round in the Prefect UI: its summary (with the curve, the batch's contact sheet and the confusion matrix
     inline, and where the round's report.html is), the curve, and the export hand-off. `up`: what the round wrote
     (pipeline.roundreport.writeup.WriteUp)."""
@@ -121,7 +122,7 @@ def publish_round(artifacts: Any, state: dict[str, Any], up: Any, *, waiting: bo
     uri = report.png_data_uri(curve) if curve else None
     confusion = up.evaluation.confusion_png if up.evaluation is not None else None
     batch = getattr(up.round_report, "batch_png", None)
-    create_markdown_artifact(key="round-summary", description=f"Labeling round {state['round']}",
+    create_markdown_artifact(key="round-summary", description=f"Labeling round {state.round}",
                              markdown=report.summary_markdown(
                                  state, up.metrics_rows, up.label_report, curve_uri=uri, curve_path=curve,
                                  evaluation=up.evaluation, confusion_uri=report.png_data_uri(confusion) if confusion
@@ -129,11 +130,11 @@ def publish_round(artifacts: Any, state: dict[str, Any], up: Any, *, waiting: bo
                                  report_path=getattr(up.round_report, "html", None)))
     if uri:
         create_image_artifact(key="learning-curve", image_url=uri,
-                              description=f"Learning curve after round {state['round']} ({curve})")
-    if state.get("export_dir"):
-        create_markdown_artifact(key="export-folder", description=f"Round {state['round']} export: where it is, how "
+                              description=f"Learning curve after round {state.round} ({curve})")
+    if state.export_dir:
+        create_markdown_artifact(key="export-folder", description=f"Round {state.round} export: where it is, how "
                                  "to hand it off", markdown=report.handoff_markdown(
-                                     state["export_dir"], artifacts=artifacts, round_index=state["round"],
-                                     count=state["selected"], tasks_file=export.TASKS_FILE,
+                                     state.export_dir, artifacts=artifacts, round_index=state.round,
+                                     count=state.selected_count, tasks_file=export.TASKS_FILE,
                                      label_config_file=export.LABEL_CONFIG_FILE, csv_file=export.CSV_FILE,
                                      waiting=waiting))

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from pipeline.config import ProjectConfig, load_config
 from pipeline.report import run_name, state_message
+from pipeline.round_state import RoundState
 from pipeline.rounds import completed_rounds, should_wait
 
 WAIT_KEY = "labels-in"  # the round's one suspension: a resumed run finds it among its pause keys
@@ -55,12 +56,13 @@ def deployed() -> bool:
     return ctx is not None and ctx.flow_run.deployment_id is not None
 
 
-def waits_for_labels(cfg: ProjectConfig, state: dict[str, Any]) -> bool:
-    return should_wait(cfg, state, deployed=deployed())
+def waits_for_labels(cfg: ProjectConfig, state: RoundState) -> bool:
+    return should_wait(cfg.rounds, state, deployed=deployed())
 
 
-def final(state: dict[str, Any]) -> Any:
-    """The run's final state, whose message the runs list shows: what the round did or why it stopped."""
+def final(state: RoundState) -> Any:
+    """The run's final state, whose message the runs list shows: what the round did or why it stopped; its data is
+    round.json's object (a plain JSON result)."""
     from prefect.states import Completed
 
-    return Completed(message=state_message(state), data=state)
+    return Completed(message=state_message(state), data=state.to_json())

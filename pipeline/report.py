@@ -4,14 +4,16 @@ annotator hand-off, and progress figures. Plain text building, so the Prefect fl
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.metrics import merge_equal_metrics
+from pipeline.round_state import RoundState
 
 # The stages of a round in the order the flow runs them, with their rough share of a round's time on a CPU (training
 # dominates), so the round's progress bar moves like the clock, not like a stage counter.
@@ -40,14 +42,15 @@ def run_tags(round_index: int, *, rerun: bool = False, stopped: str | None = Non
     return tags
 
 
-def state_message(state: Mapping[str, Any]) -> str:
+def state_message(state: RoundState | Mapping[str, Any]) -> str:
     """One line for the run's final state: what the round did, or why no batch was selected."""
-    done = f"round {state['round']}: {state['labeled']} labels"
-    if state.get("metrics"):
-        done += ", " + ", ".join(f"{k} {v:.3f}" for k, v in merge_equal_metrics(state["metrics"]).items())
-    if state.get("stopped"):
-        return f"{done}; stopped: {state['stopped']}"
-    return f"{done}; {state.get('selected', 0)} samples exported for annotation"
+    s = RoundState.of(state)
+    done = f"round {s.round}: {s.labeled} labels"
+    if s.metrics:
+        done += ", " + ", ".join(f"{k} {v:.3f}" for k, v in merge_equal_metrics(s.metrics).items())
+    if s.stopped:
+        return f"{done}; stopped: {s.stopped}"
+    return f"{done}; {s.selected_count} samples exported for annotation"
 
 
 def png_data_uri(path: str | os.PathLike[str]) -> str:
@@ -160,56 +163,92 @@ def evaluation_markdown(evaluation: Any, confusion_uri: str | None = None) -> li
     return lines
 
 
-def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[str, Any]], label_report: str = "",
-                     *, curve_uri: str | None = None, curve_path: str | os.PathLike[str] | None = None,
-                     evaluation: Any = None, confusion_uri: str | None = None, batch_uri: str | None = None,
+def _stability_line(st: Mapping[str, Any]) -> str:
+    """The stop set's line: its agreement with the previous adapter (κ and the F-score bound when measured)."""
+    if "agreement" not in st:
+        return f"- stop set ({st['n']} pool samples): first predictions recorded; {st['forecast']}"
+    kappa = ""
+    if "kappa" in st:
+        kappa = (f" (κ; F-score change ≤ {st['f_change_bound']:.3f})" if st.get("f_change_bound") is not None
+                 else " (κ; no F-score bound at κ ≤ 0)")
+    return (f"- stop set ({st['n']} pool samples): agreement with the previous adapter {st['agreement']:.4f}{kappa}; "
+            f"{st['forecast']}")
+
+
+def _time_line(t: Mapping[str, Any]) -> str:
+    return (f"- annotator time so far: {t['hours']:.2f} h over {t['timed']} timed labels (median {t['median_s']:.0f} s, "
+            f"p90 {t['p90_s']:.0f} s)" + (f"; next batch of {t['next_batch']} ≈ {t['next_batch_hours']:.2f} h"
+                                           if t.get("next_batch") else ""))
+
+
+def _cost_line(c: Mapping[str, Any]) -> str:
+    """select.cost: the predicted cost model (pipeline/strategies/cost.py) and its forecast for the batch."""
+    fit = (f"CV R² {c['cv_r2']:.3f}, MAE {c['cv_mae_s']:.1f} s (median guess {c['median_mae_s']:.1f} s); "
+           if "cv_r2" in c else "")
+    ranking = "ranked by gain per predicted second" if c["status"] == "predicted" else f"cost-blind ranking: {c['reason']}"
+    return (f"- cost model ({c['n']} timed labels): {fit}{ranking}; forecast for this batch of {c['next_batch']}: "
+            f"{c['next_batch_hours']:.2f} h")
+
+
+def _counts_lines(s: RoundState) -> list[str]:
+    """The summary's list: counts, strategy, phase, flags, metrics, why it stopped, time, cost, imports."""
+    lines = [f"- labeled samples: **{s.labeled}** (labels spent, re-labels included: "
+             f"{s.labeled if s.labels_spent is None else s.labels_spent})",
+             f"- pool (eligible): {s.pool}", f"- selected: {s.selected_count}", f"- strategy: {s.strategy}"]
+    if s.candidates:
+        lines.append(f"- {candidates_line(s.candidates)}")
+    if s.phase:
+        lines.append(f"- selection phase: **{s.phase['phase']}** — {s.phase['reason']}")
+    if s.quality_flags:
+        lines += ["- quality flags (pipeline.quality.explain_flags):"] + [f"  - {x}" for x in s.quality_flags]
+    if s.embeddings and s.embeddings != "model":
+        lines.append(f"- selection space: `{s.embeddings}` embeddings (select.embeddings)")
+    if s.metrics:
+        lines.append("- test metrics: " + ", ".join(f"{k} = {v:.4f}" for k, v in merge_equal_metrics(s.metrics).items()))
+    if s.stopped:
+        lines.append(f"- **stopped**: {s.stopped}")
+    if s.stability:
+        lines.append(_stability_line(s.stability))
+    if s.annotation_time:
+        lines.append(_time_line(s.annotation_time))
+    if s.cost:
+        lines.append(_cost_line(s.cost))
+    return lines + [f"- inbox: {imp.get('summary') or 'REJECTED ' + imp['file'] + ': ' + imp['error']}"
+                    for imp in s.imports]
+
+
+def _handoff_lines(s: RoundState) -> list[str]:
+    """Where the batch, its Label Studio push, the re-label queue and the pool's outliers are."""
+    lines = []
+    if s.export_dir:
+        lines += ["", f"Export for annotators: `{s.export_dir}` (artifact `export-folder`: what to do with it)"]
+    if ls := s.label_studio:
+        lines += [f"Label Studio: NOT pushed: {ls['error']}" if "error" in ls else
+                  f"Label Studio: project {ls['project']} ← {ls['pushed']} new tasks ({ls['already']} already there)"]
+    if s.relabel_dir:
+        lines += [f"Re-label tasks (likely label errors, {s.relabel} samples): `{s.relabel_dir}`"]
+    if out := s.outliers:
+        lines += ["", f"Outliers in the pool: {out['flagged']} flagged ({out['far']} far from every neighbour, "
+                  f"{out['persistent']} persistently uncertain), policy `{out['policy']}`; list: "
+                  f"`{s.selection_dir}/outliers.jsonl`"]
+    return lines
+
+
+def summary_markdown(state: RoundState | Mapping[str, Any], metrics_rows: Sequence[Mapping[str, Any]],
+                     label_report: str = "", *, curve_uri: str | None = None,
+                     curve_path: str | os.PathLike[str] | None = None, evaluation: Any = None,
+                     confusion_uri: str | None = None, batch_uri: str | None = None,
                      report_path: str | os.PathLike[str] | None = None) -> str:
     """The round-summary artifact (also artifacts/rounds/NNN/summary.md): counts, metrics, the learning curve as a
     picture (`curve_uri`, a data URI, for the UI) and as a table, the batch's contact sheet (`batch_uri`, for the UI),
     where the round's report is, the per-class results (`evaluation`, a pipeline.perclass.EvalReport, with the
     confusion matrix inline as `confusion_uri` for the UI), the hand-off, the label check and, with several annotators
     a sample, their quality and the redundancy tasks."""
-    lines = [f"# Labeling round {state['round']}", "",
-             f"- labeled samples: **{state['labeled']}** (labels spent, re-labels included: "
-             f"{state.get('labels_spent', state['labeled'])})",
-             f"- pool (eligible): {state['pool']}", f"- selected: {state.get('selected', 0)}",
-             f"- strategy: {state['strategy']}"]
-    if c := state.get("candidates"):
-        lines.append(f"- {candidates_line(c)}")
-    if state.get("phase"):
-        lines.append(f"- selection phase: **{state['phase']['phase']}** — {state['phase']['reason']}")
-    if state.get("quality_flags"):
-        lines.append("- quality flags (pipeline.quality.explain_flags):")
-        lines += [f"  - {line}" for line in state["quality_flags"]]
-    if state.get("embeddings") and state["embeddings"] != "model":
-        lines.append(f"- selection space: `{state['embeddings']}` embeddings (select.embeddings)")
-    if state.get("metrics"):
-        lines.append("- test metrics: " + ", ".join(f"{k} = {v:.4f}"
-                                                   for k, v in merge_equal_metrics(state["metrics"]).items()))
-    if state.get("stopped"):
-        lines.append(f"- **stopped**: {state['stopped']}")
-    if st := state.get("stability"):
-        lines.append(f"- stop set ({st['n']} pool samples): " + (
-            f"agreement with the previous adapter {st['agreement']:.4f}"
-            + ((f" (κ; F-score change ≤ {st['f_change_bound']:.3f})" if st.get("f_change_bound") is not None
-                else " (κ; no F-score bound at κ ≤ 0)") if "kappa" in st else "") + "; "
-            if "agreement" in st else "first predictions recorded; ") + st["forecast"])
-    if t := state.get("annotation_time"):
-        lines.append(f"- annotator time so far: {t['hours']:.2f} h over {t['timed']} timed labels (median "
-                     f"{t['median_s']:.0f} s, p90 {t['p90_s']:.0f} s)" + (
-                         f"; next batch of {t['next_batch']} ≈ {t['next_batch_hours']:.2f} h" if t.get("next_batch")
-                         else ""))
-    if c := state.get("cost"):  # select.cost: predicted (pipeline/strategies/cost.py)
-        lines.append(f"- cost model ({c['n']} timed labels): " + (
-            f"CV R² {c['cv_r2']:.3f}, MAE {c['cv_mae_s']:.1f} s (median guess {c['median_mae_s']:.1f} s); "
-            if "cv_r2" in c else "") + ("ranked by gain per predicted second" if c["status"] == "predicted" else
-                                        f"cost-blind ranking: {c['reason']}")
-                     + f"; forecast for this batch of {c['next_batch']}: {c['next_batch_hours']:.2f} h")
-    for imp in state.get("imports", []):
-        lines.append(f"- inbox: {imp.get('summary') or 'REJECTED ' + imp['file'] + ': ' + imp['error']}")
+    s = RoundState.of(state)
+    lines = [f"# Labeling round {s.round}", "", *_counts_lines(s)]
     if report_path:
         lines += ["", f"Round report (contact sheet, pool map, errors, quality; one HTML file): `{Path(report_path)}` "
-                  f"— `tamis report --round {state['round']} --open`"]
+                  f"— `tamis report --round {s.round} --open`"]
     if batch_uri:
         lines += ["", "## The batch", "", f"![batch contact sheet]({batch_uri})"]
     if metrics_rows:
@@ -219,27 +258,14 @@ def summary_markdown(state: Mapping[str, Any], metrics_rows: Sequence[Mapping[st
         if curve_path:
             lines += [f"PNG: `{Path(curve_path)}`", ""]
         lines += curve_table(metrics_rows)
-    lines += evaluation_markdown(evaluation, confusion_uri)
-    if state.get("export_dir"):
-        lines += ["", f"Export for annotators: `{state['export_dir']}` (artifact `export-folder`: what to do with it)"]
-    if state.get("label_studio"):
-        ls = state["label_studio"]
-        lines += [f"Label Studio: NOT pushed: {ls['error']}" if "error" in ls else
-                  f"Label Studio: project {ls['project']} ← {ls['pushed']} new tasks ({ls['already']} already there)"]
-    if state.get("relabel_dir"):
-        lines += [f"Re-label tasks (likely label errors, {state['relabel']} samples): `{state['relabel_dir']}`"]
-    out = state.get("outliers")
-    if out:
-        lines += ["", f"Outliers in the pool: {out['flagged']} flagged ({out['far']} far from every neighbour, "
-                  f"{out['persistent']} persistently uncertain), policy `{out['policy']}`; list: "
-                  f"`{state['selection_dir']}/outliers.jsonl`"]
+    lines += evaluation_markdown(evaluation, confusion_uri) + _handoff_lines(s)
     if label_report:
         lines += ["", label_report]
-    if state.get("consensus"):  # several annotators a sample: their quality, as consensus.json estimates it
-        lines += ["", annotators_markdown(state["consensus"])]
-    if state.get("consensus_dir"):
-        lines += ["", f"Redundancy tasks (consensus below annotate.redundancy.threshold, {state['consensus_requeued']} "
-                  f"samples): `{state['consensus_dir']}`"]
+    if s.consensus:  # several annotators a sample: their quality, as consensus.json estimates it
+        lines += ["", annotators_markdown(s.consensus)]
+    if s.consensus_dir:
+        lines += ["", f"Redundancy tasks (consensus below annotate.redundancy.threshold, {s.consensus_requeued} "
+                  f"samples): `{s.consensus_dir}`"]
     return "\n".join(lines)
 
 
@@ -273,29 +299,30 @@ def handoff_markdown(export_dir: str | os.PathLike[str], *, artifacts: str | os.
     return "\n".join(lines)
 
 
-def next_steps(state: Mapping[str, Any], *, artifacts: str | os.PathLike[str], config: str, files: Mapping[str, str],
-               batch_size: int, max_rounds: int, simulated: bool = False) -> list[str]:
+def next_steps(state: RoundState | Mapping[str, Any], *, artifacts: str | os.PathLike[str], config: str,
+               files: Mapping[str, str], batch_size: int, max_rounds: int, simulated: bool = False) -> list[str]:
     """What to do after a round, as `tamis round` prints it: where the batch for annotators is (the export's
     `files`: tasks, csv, jsonl), how its labels come back, and what the next round will do. The Prefect UI's
     hand-off (handoff_markdown) says the same at more length."""
+    s = RoundState.of(state)
     inbox = Path(artifacts).resolve() / "inbox"
     again = f"tamis round{f' -c {config}' if config else ''}"
-    if state.get("stopped"):
-        adapter = (state.get("adapter") or {}).get("adapter_dir")
-        return [f"stopped: {state['stopped']}"] + ([f"the model: adapter {adapter} (docs/use-your-model.md)"]
-                                                   if adapter else [])
-    if not state.get("export_dir"):
+    if s.stopped:
+        adapter = (s.adapter or {}).get("adapter_dir")
+        return [f"stopped: {s.stopped}"] + ([f"the model: adapter {adapter} (docs/use-your-model.md)"]
+                                            if adapter else [])
+    if not s.export_dir:
         return []
-    export = Path(state["export_dir"])
-    labeled = state.get("labeled", 0) + state.get("selected", 0)
-    last = state["round"] + 1 >= max_rounds - 1
-    return [f"batch for annotators ({state.get('selected', 0)} images): {export}",
+    export = Path(s.export_dir)
+    labeled = s.labeled + s.selected_count
+    last = s.round + 1 >= max_rounds - 1
+    return [f"batch for annotators ({s.selected_count} images): {export}",
             f"  Label Studio: {files['tasks']} (+ label_config.xml); spreadsheet: {files['csv']} or {files['jsonl']} "
             "(fill the label column); the images in images/ (original_image: each one's file name in your data)",
             (f"labels back: the simulated annotator (rounds.simulate_annotator) answered it into {inbox}; `{again}`"
              if simulated else f"labels back: save the labeled export (Label Studio JSON, or CSV / JSONL with "
              f"sample_id,label) into {inbox}, or `tamis labels import FILE`; then `{again}`"),
-            f"next round ({state['round'] + 1}): imports them, trains the adapter on {labeled} labels, evaluates it"
+            f"next round ({s.round + 1}): imports them, trains the adapter on {labeled} labels, evaluates it"
             + (", and stops there: it is the last (rounds.max_rounds)" if last
                else f" and selects {batch_size} more")]
 
@@ -313,6 +340,15 @@ class RoundProgress:
     def finish(self, stage: str) -> None:
         if stage not in self.done:
             self.done.append(stage)
+
+    @contextlib.contextmanager
+    def step(self, stage: str, *with_it: str) -> Iterator[None]:
+        """`with progress.step("train"):` the stage's start is published, and it counts as done once the block ends
+        without an error; `with_it`: stages run inside the same block (the select stage scores the pool itself)."""
+        self.start(stage)
+        yield
+        for s in (stage, *with_it):
+            self.finish(s)
 
     def skip(self, *stages: str) -> None:
         """Stages this round does not run (no labels yet: no training; stopped: no selection) count as done."""
@@ -346,9 +382,3 @@ class StepReporter:
                       f"step {step} / {self.total}, loss {loss:.4f} (mean of last {len(window)}: "
                       f"{sum(window) / len(window):.4f})")
 
-
-def planned_train_steps(max_steps: int | None, epochs: float, n_rows: int, effective_batch: int) -> int:
-    """The number of optimizer steps train_adapter runs (train.max_steps, else epochs over the rows)."""
-    import math
-
-    return max_steps or max(1, math.ceil(epochs * n_rows / max(1, effective_batch)))

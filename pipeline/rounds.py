@@ -14,9 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ProjectConfig
+from pipeline.config import (
+    AnnotateConfig,
+    LabelCheckConfig,
+    ModelConfig,
+    ProjectConfig,
+    RoundsConfig,
+    SelectConfig,
+    TrainConfig,
+)
 from pipeline.errors import DataError
 from pipeline.idindex import IdIndex
+from pipeline.round_state import ROUNDS_DIR, RoundState, round_dir
 from pipeline.store import (
     arrow_column,
     atomic_dir,
@@ -32,7 +41,7 @@ SUMMARY_FILE = "summary.md"  # the round-summary artifact, also readable without
 
 def completed_rounds(artifacts: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """States of finished rounds (round.json is written last), in round order."""
-    rounds = Path(artifacts) / "rounds"
+    rounds = Path(artifacts) / ROUNDS_DIR
     states = []
     for p in sorted(rounds.glob(f"[0-9][0-9][0-9]/{ROUND_FILE}")) if rounds.is_dir() else []:
         try:
@@ -40,6 +49,11 @@ def completed_rounds(artifacts: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue  # an unreadable state is an unfinished round: it will be run again
     return sorted(states, key=lambda s: s["round"])
+
+
+def completed_states(artifacts: str | os.PathLike[str]) -> list[RoundState]:
+    """completed_rounds, each read as a RoundState (what the report, the CLI and the UI read)."""
+    return [RoundState.from_json(s) for s in completed_rounds(artifacts)]
 
 
 def next_round_index(artifacts: str | os.PathLike[str], labeled_digest: str | None) -> int:
@@ -99,45 +113,89 @@ def save_rows(prepared: Any, ids: Sequence[str], out_dir: str | os.PathLike[str]
     return {"dataset": str(out_dir / "dataset"), "digest": digest}
 
 
-def stop_reason(cfg: ProjectConfig, round_index: int, n_labels: int, metrics: Sequence[Mapping[str, Any]],
-                pool_left: int, stability: Mapping[str, Any] | None = None, hours: float | None = None, *,
-                outstanding: int = 0) -> str | None:
-    """Why no further batch should be selected, or None: max rounds, label budget, hours budget, target metric,
-    plateau, stable predictions on the stop set (`stability`, pipeline.stopping), empty pool. `hours`: annotator
-    hours recorded so far (default: summed from the ledger's times); `outstanding`: tasks exported earlier and still
-    with the annotators, which the label budget has already promised."""
-    rc = cfg.rounds
-    if round_index + 1 >= rc.max_rounds:
-        # max_rounds counts every round, round 0 included (RoundsConfig.max_rounds says so, as docs/rounds.md).
-        return (f"rounds.max_rounds = {rc.max_rounds}: round {round_index} is the last (0–{rc.max_rounds - 1}); "
-                "trained, selects nothing")
-    if rc.label_budget is not None and n_labels + outstanding >= rc.label_budget:
-        out = f" + {outstanding} tasks still with the annotators" if outstanding else ""
-        return f"label budget spent: {n_labels} labels{out} ≥ rounds.label_budget = {rc.label_budget}"
-    if rc.budget_hours is not None:
-        spent = recorded_hours(cfg.artifacts) if hours is None else hours
-        if spent >= rc.budget_hours:
-            return f"hours budget spent: {spent:.2f} annotator-hours recorded ≥ rounds.budget_hours = {rc.budget_hours}"
-    main = "accuracy" if cfg.data.answers else "token_f1"
-    curve = [m["value"] for m in sorted(metrics, key=lambda m: m["round"]) if m["metric"] == main]
-    if rc.target_metric is not None and curve and curve[-1] >= rc.target_metric:
-        return f"target reached: {main} = {curve[-1]:.4f} ≥ rounds.target_metric = {rc.target_metric}"
-    if rc.plateau_rounds is not None and len(curve) > rc.plateau_rounds:
-        best_before = max(curve[: -rc.plateau_rounds])
-        if max(curve[-rc.plateau_rounds:]) <= best_before + 0.005:
-            return f"plateau: {main} has not improved by 0.005 over the last {rc.plateau_rounds} rounds"
+def main_metric(answers: Sequence[str] | None) -> str:
+    """The metric the rounds are judged by: accuracy on a closed answer set (data.answers), token F1 on open answers."""
+    return "accuracy" if answers else "token_f1"
+
+
+def stop_reason(rc: RoundsConfig, round_index: int, n_labels: int, metrics: Sequence[Mapping[str, Any]],
+                pool_left: int, stability: Mapping[str, Any] | None = None, *, main: str = "accuracy",
+                hours: float = 0.0, outstanding: int = 0) -> str | None:
+    """Why no further batch should be selected, or None: the first rule of `rc` (the rounds section) that says stop.
+    `main`: the metric the curve is read in (main_metric); `stability`: the stop set's agreement (pipeline.stopping);
+    `hours`: annotator hours recorded so far (recorded_hours); `outstanding`: tasks exported earlier and still with
+    the annotators, which the label budget has already promised."""
     from pipeline.stopping import converged_reason, stable_reason
 
-    if (why := stable_reason(stability, rc.stop_when_stable)) is not None:
-        return why
-    if (why := converged_reason(stability, rc.stop_when_converged)) is not None:
-        return why
-    if pool_left == 0:
-        return "pool exhausted: no unlabeled samples left to select"
-    return None
+    curve = [m["value"] for m in sorted(metrics, key=lambda m: m["round"]) if m["metric"] == main]
+    reasons = (  # in the order they are reported: the first that applies is the round's
+        _last_round(rc, round_index),
+        _label_budget(rc, n_labels, outstanding),
+        _hours_budget(rc, hours),
+        _target(rc, main, curve),
+        _plateau(rc, main, curve),
+        stable_reason(stability, rc.stop_when_stable),
+        converged_reason(stability, rc.stop_when_converged),
+        _pool_empty(pool_left),
+    )
+    return next((why for why in reasons if why is not None), None)
 
 
-def budget_batch(rounds_cfg: Any, batch_size: int, spent: int, outstanding: int = 0) -> int:
+def _last_round(rc: RoundsConfig, round_index: int) -> str | None:
+    if round_index + 1 < rc.max_rounds:
+        return None
+    # max_rounds counts every round, round 0 included (RoundsConfig.max_rounds says so, as docs/rounds.md).
+    return (f"rounds.max_rounds = {rc.max_rounds}: round {round_index} is the last (0–{rc.max_rounds - 1}); "
+            "trained, selects nothing")
+
+
+def _label_budget(rc: RoundsConfig, n_labels: int, outstanding: int) -> str | None:
+    if rc.label_budget is None or n_labels + outstanding < rc.label_budget:
+        return None
+    out = f" + {outstanding} tasks still with the annotators" if outstanding else ""
+    return f"label budget spent: {n_labels} labels{out} ≥ rounds.label_budget = {rc.label_budget}"
+
+
+def _hours_budget(rc: RoundsConfig, hours: float) -> str | None:
+    if rc.budget_hours is None or hours < rc.budget_hours:
+        return None
+    return f"hours budget spent: {hours:.2f} annotator-hours recorded ≥ rounds.budget_hours = {rc.budget_hours}"
+
+
+def _target(rc: RoundsConfig, main: str, curve: Sequence[float]) -> str | None:
+    if rc.target_metric is None or not curve or curve[-1] < rc.target_metric:
+        return None
+    return f"target reached: {main} = {curve[-1]:.4f} ≥ rounds.target_metric = {rc.target_metric}"
+
+
+def _plateau(rc: RoundsConfig, main: str, curve: Sequence[float]) -> str | None:
+    n = rc.plateau_rounds
+    if n is None or len(curve) <= n or max(curve[-n:]) > max(curve[:-n]) + 0.005:
+        return None
+    return f"plateau: {main} has not improved by 0.005 over the last {n} rounds"
+
+
+def _pool_empty(pool_left: int) -> str | None:
+    return "pool exhausted: no unlabeled samples left to select" if pool_left == 0 else None
+
+
+def close_round(cfg: ProjectConfig, plan: RoundPlan, state: RoundState, *, pool_left: int,
+                agreed: Mapping[str, Any]) -> None:
+    """The round's counts once its pool is known (eligible samples, labels spent, tasks still out, the consensus
+    `agreed`), then whether it stops (stop_reason, on every rule of the rounds section)."""
+    from pipeline.labelcheck import labels_spent
+    from pipeline.metrics import read_metrics
+
+    art, rc = cfg.artifacts, cfg.rounds
+    state.update(agreed)
+    state.pool, state.tasks_out = pool_left, outstanding_tasks(art, plan)  # tasks: exported earlier, not labeled yet
+    state.labels_spent = labels_spent(len(plan.labels), art, before_round=plan.index)
+    state.stopped = stop_reason(rc, plan.index, state.labels_spent, read_metrics(art), pool_left, state.stability,
+                                main=main_metric(cfg.data.answers), outstanding=state.tasks_out,
+                                hours=recorded_hours(art) if rc.budget_hours is not None else 0.0)
+
+
+def budget_batch(rounds_cfg: RoundsConfig, batch_size: int, spent: int, outstanding: int = 0) -> int:
     """The round's batch size: select.batch_size, cut to what rounds.label_budget has left after the labels spent
     and the tasks still with the annotators (a budget is a cap: 90 with batches of 40 gives 40, 40, then 10)."""
     if rounds_cfg.label_budget is None:
@@ -145,13 +203,18 @@ def budget_batch(rounds_cfg: Any, batch_size: int, spent: int, outstanding: int 
     return max(0, min(batch_size, rounds_cfg.label_budget - spent - outstanding))
 
 
-def budget_left(rounds_cfg: Any, state: Mapping[str, Any]) -> int | None:
+def batch_for(rounds_cfg: RoundsConfig, batch_size: int, state: RoundState) -> int:
+    """budget_batch for the round `state` once close_round counted its labels spent and tasks out."""
+    return budget_batch(rounds_cfg, batch_size, state.labels_spent or 0, state.tasks_out)
+
+
+def budget_left(rounds_cfg: RoundsConfig, state: RoundState | Mapping[str, Any]) -> int | None:
     """What rounds.label_budget leaves after this round's batch (`state`: labels_spent, tasks_out, selected), for
     the re-label queue sent with it; None without a budget."""
     if rounds_cfg.label_budget is None:
         return None
-    return budget_batch(rounds_cfg, rounds_cfg.label_budget, state["labels_spent"] + state.get("selected", 0),
-                        state.get("tasks_out", 0))
+    s = RoundState.of(state)
+    return budget_batch(rounds_cfg, rounds_cfg.label_budget, (s.labels_spent or 0) + s.selected_count, s.tasks_out)
 
 
 def outstanding_tasks(artifacts: str | os.PathLike[str], plan: RoundPlan) -> int:
@@ -166,14 +229,19 @@ def recorded_hours(artifacts: str | os.PathLike[str]) -> float:
     return sum(float(r["seconds"]) for r in Ledger(ledger_path(artifacts)).times()) / 3600
 
 
-def should_wait(cfg: ProjectConfig, state: Mapping[str, Any], *, deployed: bool) -> bool:
+def simulated(rounds_cfg: RoundsConfig, simulate: bool | None) -> bool:
+    """Whether the simulated annotator answers this round's export: `--simulate/--no-simulate` when given, else
+    rounds.simulate_annotator."""
+    return rounds_cfg.simulate_annotator if simulate is None else simulate
+
+
+def should_wait(rounds_cfg: RoundsConfig, state: RoundState | Mapping[str, Any], *, deployed: bool) -> bool:
     """Whether a finished round waits for its annotators: rounds.wait_for_labels, a batch was exported, and the run
     can be suspended and resumed later (only a deployment's run can: its worker starts it again)."""
-    return bool(cfg.rounds.wait_for_labels and deployed and state.get("export_dir") and not state.get("stopped"))
+    s = RoundState.of(state)
+    return bool(rounds_cfg.wait_for_labels and deployed and s.export_dir and not s.stopped)
 
 
-def round_dir(artifacts: str | os.PathLike[str], round_index: int) -> Path:
-    return Path(artifacts) / "rounds" / f"{round_index:03d}"
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -275,15 +343,20 @@ class RoundPlan:
         own (on a re-run of round r, round r's adapter would be its own warm start)."""
         return self.previous[-1].get("adapter") if self.previous and init == "warm" else None
 
+    @property
+    def last(self) -> dict[str, Any] | None:
+        """The finished round before this one (its round.json object), None for the first."""
+        return self.previous[-1] if self.previous else None
+
     def history_dirs(self, artifacts: str | os.PathLike[str]) -> list[Path]:
         return [round_dir(artifacts, p["round"]) for p in self.previous]
 
-    def state(self, imports: list[dict[str, Any]]) -> dict[str, Any]:
-        """The round's state as round.json records it, before any stage ran."""
+    def state(self, imports: list[dict[str, Any]], **fields: Any) -> RoundState:
+        """The round's state as round.json records it, before any stage ran (`fields`: what the caller knows)."""
         from pipeline.report import import_record
 
-        return {"round": self.index, "labeled": len(self.labels), "labeled_digest": self.labeled_digest,
-                "imports": import_record(self.rerun, imports), "metrics": None}
+        return RoundState(round=self.index, labeled=len(self.labels), labeled_digest=self.labeled_digest,
+                          imports=import_record(self.rerun, imports), **fields)
 
 
 def plan_round(artifacts: str | os.PathLike[str], labels: dict[str, str]) -> RoundPlan:
@@ -308,22 +381,22 @@ def labeled_set(prepared_ref: Mapping[str, Any], plan: RoundPlan) -> dict[str, s
                             digest=digest_json([m.stage_version, m.config_digest, plan.labeled_digest]))
 
 
-def train_params(cfg: Any, plan: RoundPlan, *, labeled: dict[str, Any],
-                 augmented: dict[str, Any] | None) -> dict[str, Any]:
+def train_params(plan: RoundPlan, *, artifacts: str | os.PathLike[str], model: ModelConfig, train: TrainConfig,
+                 seed: int, labeled: dict[str, Any], augmented: dict[str, Any] | None) -> dict[str, Any]:
     """The train stage's parameters (its cache key) and output folder for this round: the labeled set's content,
     never the pool's (labeled_set)."""
     from pipeline.model.identity import keyed_model
 
-    init = plan.warm_start(cfg.train.init)
+    init = plan.warm_start(train.init)
     # The model's content and library versions too: new weights at the same path retrain (pipeline/model/identity.py).
-    sections = {"model": keyed_model(cfg.model, cfg.artifacts), "train": cfg.section("train")}
+    sections = {"model": keyed_model(model, artifacts), "train": train.model_dump(mode="json")}
     key = digest_json({"labeled": labeled["digest"], **sections, "aug": augmented and augmented["digest"],
-                       "init": init and init["adapter_digest"], "seed": cfg.seed})
-    return dict(artifacts=str(cfg.artifacts), labeled=labeled, augmented=augmented, seed=cfg.seed,
-                init_adapter=init, out_dir=str(Path(cfg.artifacts) / "train" / key[:16]), **sections)
+                       "init": init and init["adapter_digest"], "seed": seed})
+    return dict(artifacts=str(artifacts), labeled=labeled, augmented=augmented, seed=seed,
+                init_adapter=init, out_dir=str(Path(artifacts) / "train" / key[:16]), **sections)
 
 
-def test_set(cfg: Any, prepared_ref: Mapping[str, Any], pool: PoolData) -> dict[str, str]:
+def test_set(artifacts: str | os.PathLike[str], prepared_ref: Mapping[str, Any], pool: PoolData) -> dict[str, str]:
     """The labeled test split on disk (artifacts/eval/test/<digest>/), keyed like the labeled set by its rows (IDs
     and answers) and how they were prepared, so new pool images leave the evaluation of an adapter alone."""
     from pipeline.preprocess import load_prepared
@@ -333,25 +406,26 @@ def test_set(cfg: Any, prepared_ref: Mapping[str, Any], pool: PoolData) -> dict[
     rows = pool.test_rows()
     digest = digest_json([m.stage_version, m.config_digest, rows])
     return save_rows(load_prepared(prepared_ref["dir"]), [s for s, _ in rows],
-                     Path(cfg.artifacts) / "eval" / "test" / digest[:16], digest=digest)
+                     Path(artifacts) / "eval" / "test" / digest[:16], digest=digest)
 
 
-def evaluate_params(cfg: Any, *, test: dict[str, str], adapter: dict[str, Any]) -> dict[str, Any]:
-    """The evaluate stage's parameters (its cache key) and output folder for a trained adapter on the test set."""
+def evaluate_params(*, artifacts: str | os.PathLike[str], model: ModelConfig, answers: Sequence[str] | None,
+                    batch_size: int, test: dict[str, str], adapter: dict[str, Any]) -> dict[str, Any]:
+    """The evaluate stage's parameters (its cache key) and output folder for a trained adapter on the test set
+    (`batch_size`: select.score_batch_size, the scoring batch)."""
     from pipeline.model.identity import keyed_model
 
     key = digest_json({"test": test["digest"], "adapter": adapter["adapter_digest"]})
-    return dict(artifacts=str(cfg.artifacts), test=test, adapter=adapter, model=keyed_model(cfg.model, cfg.artifacts),
-                answers=cfg.data.answers, batch_size=cfg.select.score_batch_size,
-                out_dir=str(Path(cfg.artifacts) / "eval" / key[:16]))
+    return dict(artifacts=str(artifacts), test=test, adapter=adapter, model=keyed_model(model, artifacts),
+                answers=answers, batch_size=batch_size, out_dir=str(Path(artifacts) / "eval" / key[:16]))
 
 
-def round_strategy(cfg: Any, *, cold: bool, phase: Mapping[str, str] | None = None) -> str:
-    """How the round's batch is chosen (pipeline.strategies.schedule.strategy_label), from the config and the
-    round's phase (selection.round_phase_of)."""
+def round_strategy(select: SelectConfig, *, cold: bool, phase: Mapping[str, str] | None = None) -> str:
+    """How the round's batch is chosen (pipeline.strategies.schedule.strategy_label), from the select section and
+    the round's phase (selection.round_phase_of)."""
     from pipeline.strategies.schedule import strategy_label
 
-    return strategy_label(cfg.select.cold_start, cfg.select.strategy, cfg.select.diversity, cold=cold, phase=phase)
+    return strategy_label(select.cold_start, select.strategy, select.diversity, cold=cold, phase=phase)
 
 
 def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: RoundPlan,
@@ -364,14 +438,14 @@ def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: Round
 
 
 # --------------------------------------------------------------------------------------------- the end
-def write_round(plan: RoundPlan, state: Mapping[str, Any], summary: str) -> None:
+def write_round(plan: RoundPlan, state: RoundState | Mapping[str, Any], summary: str) -> None:
     """summary.md, then round.json last: round.json is what marks the round finished."""
     atomic_write_text(plan.dir / SUMMARY_FILE, summary + "\n")
-    atomic_write_json(plan.dir / ROUND_FILE, dict(state))
+    atomic_write_json(plan.dir / ROUND_FILE, RoundState.of(state).to_json())
 
 
-def answer_round(artifacts: str | os.PathLike[str], state: Mapping[str, Any], *, ground_truth: Any, noise: float,
-                 seed: int, crowd: Any = None) -> None:
+def answer_round(artifacts: str | os.PathLike[str], state: RoundState | Mapping[str, Any], *, ground_truth: Any,
+                 noise: float, seed: int, crowd: RoundsConfig | None = None) -> None:
     """The simulated annotator answers a finished round's export (and its re-label queue) into the inbox; with a
     crowd (the rounds section's simulate_annotators, read from `crowd`) the crowd does, rounds.simulate_redundancy
     of them per sample, and it also answers the redundancy queue, each sample by someone who has not labeled it.
@@ -382,39 +456,103 @@ def answer_round(artifacts: str | os.PathLike[str], state: Mapping[str, Any], *,
     from pipeline.annotation.inbox import inbox_dir
     from pipeline.annotation.simulate import simulate_annotator, simulate_annotators
 
-    if not state.get("export_dir"):
+    s = RoundState.of(state)
+    if not s.export_dir:
         return
     annotators = getattr(crowd, "simulate_annotators", None)
     if annotators:
         from pipeline.annotation.consensus import read_votes
 
-        simulate_annotators(state["export_dir"], ground_truth, inbox_dir(artifacts), annotators=annotators,
-                            round_index=state["round"], redundancy=crowd.simulate_redundancy, seed=seed)
-        if state.get("consensus_dir"):
+        simulate_annotators(s.export_dir, ground_truth, inbox_dir(artifacts), annotators=annotators,
+                            round_index=s.round, redundancy=crowd.simulate_redundancy, seed=seed)
+        if s.consensus_dir:
             voted = {sid: {v.annotator for v in vs} for sid, vs in read_votes(artifacts).items()}
-            simulate_annotators(state["consensus_dir"], ground_truth, inbox_dir(artifacts), annotators=annotators,
-                                round_index=state["round"], seed=seed, kind="consensus", exclude=voted)
+            simulate_annotators(s.consensus_dir, ground_truth, inbox_dir(artifacts), annotators=annotators,
+                                round_index=s.round, seed=seed, kind="consensus", exclude=voted)
     else:
-        simulate_annotator(state["export_dir"], ground_truth, inbox_dir(artifacts), round_index=state["round"],
-                           noise=noise, seed=seed)
-    if state.get("relabel_dir"):
+        simulate_annotator(s.export_dir, ground_truth, inbox_dir(artifacts), round_index=s.round, noise=noise,
+                           seed=seed)
+    if s.relabel_dir:
         # The reviewer of likely errors is careful: answers from the ground truth, never flipped.
-        simulate_annotator(state["relabel_dir"], ground_truth, inbox_dir(artifacts), round_index=state["round"],
-                           seed=seed, annotator="simulated-reviewer", kind="relabel")
+        simulate_annotator(s.relabel_dir, ground_truth, inbox_dir(artifacts), round_index=s.round, seed=seed,
+                           annotator="simulated-reviewer", kind="relabel")
 
 
-def record_selection(state: dict[str, Any], sel: Mapping[str, Any], exp: Mapping[str, Any]) -> None:
+def record_selection(state: RoundState, sel: Mapping[str, Any], exp: Mapping[str, Any]) -> None:
     """The round state's fields from its select and export references: what the summary, `tamis status` and the
     waiting form read (a phase's label replaces the configured strategy's)."""
     from pipeline.strategies.schedule import phase_label
 
     if "label_studio" in exp:
-        state["label_studio"] = exp["label_studio"]
-    state.update(selected=sel["n"], export_dir=exp["dir"], selection_dir=sel["dir"], outliers=sel.get("outliers"),
-                 phase=sel.get("phase"), embeddings=sel.get("embeddings"), cost=sel.get("cost"))
+        state.label_studio = exp["label_studio"]
+    state.selected, state.export_dir, state.selection_dir = sel["n"], exp["dir"], sel["dir"]
+    state.outliers, state.phase, state.embeddings = sel.get("outliers"), sel.get("phase"), sel.get("embeddings")
+    state.cost = sel.get("cost")
     if sel.get("round_strategy"):  # the select stage's own name for it (the same strategy_label)
-        state["strategy"] = sel["round_strategy"]
+        state.strategy = sel["round_strategy"]
     elif sel.get("phase"):
-        state["strategy"] = phase_label(sel["phase"])
+        state.strategy = phase_label(sel["phase"])
     if sel.get("candidates"):
-        state["candidates"] = sel["candidates"]
+        state.candidates = sel["candidates"]
+
+
+def relabels(labelcheck: LabelCheckConfig, check: Mapping[str, Any] | None) -> bool:
+    """Whether the round queues its likely label errors for re-labeling: a label check ran, labelcheck.relabel_top_n."""
+    return check is not None and bool(labelcheck.relabel_top_n)
+
+
+def record_relabel(annotate: AnnotateConfig, artifacts: str | os.PathLike[str], state: RoundState,
+                   rel: Mapping[str, Any]) -> None:
+    """The re-label queue in the round's state ({"count", "dir"} from flows/labelcheck.relabel_ref), pushed to
+    annotate.label_studio beside the batch when one is configured."""
+    state.relabel = rel["count"]
+    if not rel["count"]:
+        return
+    state.relabel_dir = rel["dir"]
+    if annotate.label_studio is not None:
+        from pipeline.annotation.label_studio import push_batch
+
+        state.label_studio_relabel = push_batch(annotate, artifacts, rel["dir"])
+
+
+def record_evaluation(artifacts: str | os.PathLike[str], plan: RoundPlan, state: RoundState,
+                      ev: Mapping[str, Any]) -> None:
+    """The adapter's test metrics and evaluation folder in the state, and booked on the learning curve."""
+    from pipeline.metrics import book_metrics
+
+    state.metrics, state.eval_dir = ev["metrics"], ev["dir"]
+    book_metrics(artifacts, round_index=plan.index, labels=len(plan.labels), metrics=ev["metrics"],
+                 strategy=state.strategy, intervals=ev.get("intervals"))
+
+
+LABEL_CHECK_KEYS = ("dir", "method", "checked", "issues", "abstained", "oos_accuracy", "expected_false_alarms",
+                    "message")  # what round.json keeps of the label check's reference
+
+
+def label_check_record(check: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The label check's summary as round.json keeps it (LABEL_CHECK_KEYS); None when no check ran."""
+    return None if check is None else {k: check.get(k) for k in LABEL_CHECK_KEYS}
+
+
+@dataclass(frozen=True)
+class StopSetCheck:
+    """The stop set a round scores with its adapter (rounds.stop_set) and what its agreement is measured against."""
+
+    ids: list[str]
+    round_dir: Path
+    out_dir: Path  # the round's stop-set scores (round_dir/stopset)
+    previous_dir: Path | None  # the previous round's folder (its adapter's answers); None in the first
+    target: float  # the agreement rounds.stop_when_stable asks for
+
+
+def stop_set_check(rc: RoundsConfig, plan: RoundPlan, pool: PoolData, *, seed: int,
+                   artifacts: str | os.PathLike[str]) -> StopSetCheck | None:
+    """The round's stop-set measurement, or None without rounds.stop_set."""
+    from pipeline.stopping import STOPSET
+
+    if not rc.stop_set:
+        return None
+    rule = rc.stop_when_stable
+    return StopSetCheck(pool.stop_set(rc.stop_set, seed), plan.dir, plan.dir / STOPSET,
+                        plan.history_dirs(artifacts)[-1] if plan.previous else None,
+                        rule.agreement if rule else 0.99)

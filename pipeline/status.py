@@ -10,6 +10,7 @@ from pipeline.annotation.carry import orphan_labels
 from pipeline.annotation.inbox import inbox_dir, inbox_files
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.metrics import read_metrics
+from pipeline.round_state import ROUNDS_DIR
 from pipeline.rounds import completed_rounds
 from pipeline.store import MANIFEST_NAME, digest_file
 
@@ -17,7 +18,7 @@ from pipeline.store import MANIFEST_NAME, digest_file
 def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
     """What `tamis status` shows from the annotation side: rounds exported, labels, pending inbox, last metrics."""
     artifacts = Path(artifacts)
-    rounds_dir = artifacts / "rounds"
+    rounds_dir = artifacts / ROUNDS_DIR
     exported = sorted(
         int(p.name) for p in rounds_dir.glob("[0-9][0-9][0-9]") if (p / "export" / MANIFEST_NAME).is_file()
     ) if rounds_dir.is_dir() else []

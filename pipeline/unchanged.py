@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,18 @@ from typing import Any
 from pipeline.annotation.consensus import VOTES_NAME
 from pipeline.annotation.inbox import inbox_dir
 from pipeline.annotation.ledger import LEDGER_NAME, TIMES_NAME
-from pipeline.config import ProjectConfig
+from pipeline.config import (
+    AnnotateConfig,
+    DataConfig,
+    ModelConfig,
+    PreprocessConfig,
+    ProjectConfig,
+    QualityConfig,
+    RoundsConfig,
+)
 from pipeline.errors import TamisError
-from pipeline.rounds import completed_rounds
+from pipeline.round_state import ROUNDS_DIR, RoundState
+from pipeline.rounds import completed_states, simulated
 from pipeline.store import atomic_write_json, digest_json
 
 log = logging.getLogger(__name__)
@@ -83,107 +93,107 @@ class RoundInputs:
 
 
 def round_inputs(cfg: ProjectConfig, *, sources: str | None = None) -> RoundInputs:
-    """Digest of what a round reads that can change between runs (module docstring). `sources`: the sources' digest
-    when the caller has it (record_round_inputs), else the sources are walked (a stat per image)."""
+    """Digest of what a round reads that can change between runs (module docstring), or RoundInputs(None, None)
+    when they cannot be read now (the flow then reports why, stage by stage). The whole project config is one of
+    those inputs. `sources`: the sources' digest when the caller has it (a round's record after it ran), else the
+    sources are walked (a stat per image)."""
     from pipeline.data.ingest import (
         source_digest,  # the ingest key's own input: a stat per image under verify=stat
     )
     from pipeline.model.identity import library_versions
 
     art = Path(cfg.artifacts)
-    model = Path(cfg.model.name_or_path)
-    parts = {
-        "config": cfg.model_dump(mode="json"),
-        "code": code_digest(),
-        "sources": sources if sources is not None else source_digest(cfg.data, art),
-        "labels": {name: _stat(art / name) for name in _LABEL_FILES},
-        "inbox": _listing(inbox_dir(art)),
-        "model": _listing(model) if model.is_dir() else str(model),
-        "libraries": library_versions(),  # an upgraded torch / transformers / peft / bitsandbytes retrains
-        "embeddings_file": _stat(cfg.select.embeddings.path),
-        "ground_truth": _stat(cfg.data.ground_truth),
-    }
+    try:
+        model = Path(cfg.model.name_or_path)
+        parts = {
+            "config": cfg.model_dump(mode="json"),
+            "code": code_digest(),
+            "sources": sources if sources is not None else source_digest(cfg.data, art),
+            "labels": {name: _stat(art / name) for name in _LABEL_FILES},
+            "inbox": _listing(inbox_dir(art)),
+            "model": _listing(model) if model.is_dir() else str(model),
+            "libraries": library_versions(),  # an upgraded torch / transformers / peft / bitsandbytes retrains
+            "embeddings_file": _stat(cfg.select.embeddings.path),
+            "ground_truth": _stat(cfg.data.ground_truth),
+        }
+    except (OSError, TamisError) as exc:
+        log.debug("round inputs unreadable (%s); the next run goes through the flow", exc)
+        return RoundInputs(None, None)
     return RoundInputs(digest_json(parts), parts["sources"])
 
 
-def _skip_reason(cfg: ProjectConfig, simulate: bool | None) -> str | None:
-    if cfg.rounds.simulate_annotator if simulate is None else simulate:
+def _skip_reason(rounds_cfg: RoundsConfig, annotate: AnnotateConfig, simulate: bool | None) -> str | None:
+    if simulated(rounds_cfg, simulate):
         return "the simulated annotator answers every round"
-    if cfg.annotate.label_studio is not None:
+    if annotate.label_studio is not None:
         return "annotate.label_studio: new labels may be waiting on the server"
     return None
 
 
-def round_inputs_now(cfg: ProjectConfig, *, sources: str | None = None) -> RoundInputs:
-    """round_inputs, or RoundInputs(None, None) when they cannot be read now (the flow then reports why, stage by
-    stage)."""
-    try:
-        return round_inputs(cfg, sources=sources)
-    except (OSError, TamisError) as exc:
-        log.debug("round inputs unreadable (%s); the next run goes through the flow", exc)
-        return RoundInputs(None, None)
-
-
-def record_round_inputs(cfg: ProjectConfig, state: dict[str, Any], before: RoundInputs) -> None:
+def record_round_inputs(artifacts: str | os.PathLike[str], state: RoundState, before: RoundInputs,
+                        after: RoundInputs) -> None:
     """After a round: what it read when it started (`before`) and what is there now, with the outputs it reports.
 
     The sources are not walked again: a round never writes them, and its stages are keyed by the sources as they
     were when it started (`before.sources`), so that is what its outputs answer for. Images added or changed while it
     ran make the next `tamis round`'s walk differ from this record, so that run goes through the flow; a second walk
     here would only find the same (a stat per image: ~20 s at 10⁶ images, every round)."""
-    outputs = [state.get("export_dir"), state.get("relabel_dir"), (state.get("adapter") or {}).get("adapter_dir")]
-    atomic_write_json(Path(cfg.artifacts) / "rounds" / INPUTS_FILE, {
-        "round": state["round"], "before": before.digest,
-        "after": round_inputs_now(cfg, sources=before.sources).digest,
+    outputs = [state.export_dir, state.relabel_dir, (state.adapter or {}).get("adapter_dir")]
+    atomic_write_json(Path(artifacts) / ROUNDS_DIR / INPUTS_FILE, {
+        "round": state.round, "before": before.digest, "after": after.digest,
         "outputs": [p for p in outputs if p],
     })
 
 
-def unchanged_round(cfg: ProjectConfig, *, simulate: bool | None = None) -> dict[str, Any] | None:
-    """The last round's state when running the round again could only replay it (module docstring), else None."""
-    reason = _skip_reason(cfg, simulate)
+def unchanged_round(rounds_cfg: RoundsConfig, annotate: AnnotateConfig, artifacts: str | os.PathLike[str], *,
+                    inputs: Callable[[], RoundInputs], simulate: bool | None = None) -> RoundState | None:
+    """The last round's state when running the round again could only replay it (module docstring), else None.
+    `inputs()`: round_inputs on the project now, called last (it walks the sources)."""
+    reason = _skip_reason(rounds_cfg, annotate, simulate)
     if reason:
         log.debug("tamis round goes through the flow: %s", reason)
         return None
-    path = Path(cfg.artifacts) / "rounds" / INPUTS_FILE
+    path = Path(artifacts) / ROUNDS_DIR / INPUTS_FILE
     try:
         rec = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not rec.get("before") or rec.get("before") != rec.get("after"):
         return None
-    states = completed_rounds(cfg.artifacts)
-    if not states or states[-1]["round"] != rec.get("round"):
+    states = completed_states(artifacts)
+    if not states or states[-1].round != rec.get("round"):
         return None
     if not all(Path(p).exists() for p in rec.get("outputs", [])):
         return None
-    return states[-1] if round_inputs_now(cfg).digest == rec["after"] else None
+    return states[-1] if inputs().digest == rec["after"] else None
 
 
-def unchanged_ingest(cfg: ProjectConfig, digest: str) -> dict[str, Any] | None:
+def unchanged_ingest(artifacts: str | os.PathLike[str], data: DataConfig, digest: str) -> dict[str, Any] | None:
     """The ingest stage's ref when its output for the sources as they are now (`digest`: source_digest) is on disk
     and verifies: `tamis ingest` then has nothing to run and needs no flow (the flow would reuse that folder)."""
     from pipeline.data.ingest import ingest_cached, record_latest
 
-    ref = ingest_cached(cfg.artifacts, digest, cfg.section("data"))
+    ref = ingest_cached(artifacts, digest, data.model_dump(mode="json"))
     if ref is not None:
-        record_latest(cfg.artifacts, ref)
+        record_latest(artifacts, ref)
     return ref
 
 
-def unchanged_prepare(cfg: ProjectConfig, digest: str) -> dict[str, Any] | None:
+def unchanged_prepare(artifacts: str | os.PathLike[str], digest: str, *, data: DataConfig,
+                      preprocess: PreprocessConfig, model: ModelConfig,
+                      quality: QualityConfig) -> dict[str, Any] | None:
     """prepare_flow's refs ({"ingest", "prepare", "quality"}) when every one of its stages' outputs for the sources
     as they are now is on disk and verifies, else None (the flow runs what is missing)."""
     from pipeline import preprocess as prep
     from pipeline import quality as qual
     from pipeline.data.ingest import ingest_cached
 
-    ingest = ingest_cached(cfg.artifacts, digest, cfg.section("data"))
+    ingest = ingest_cached(artifacts, digest, data.model_dump(mode="json"))
     prepared = ingest and prep.preprocess_cached(**prep.preprocess_params(
-        cfg.artifacts, ingest, cfg.preprocess, cfg.model, cfg.data.max_image_pixels))
-    quality = prepared and qual.quality_cached(**qual.quality_params(cfg.artifacts, prepared, cfg.quality))
-    if not quality:
+        artifacts, ingest, preprocess, model, data.max_image_pixels))
+    checked = prepared and qual.quality_cached(**qual.quality_params(artifacts, prepared, quality))
+    if not checked:
         return None
-    refs = {"prepare": prepared, "quality": quality}
-    prep.record_latest(cfg.artifacts, refs)
+    refs = {"prepare": prepared, "quality": checked}
+    prep.record_latest(artifacts, refs)
     return {"ingest": ingest, **refs}

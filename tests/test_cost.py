@@ -132,11 +132,11 @@ def test_budget_hours_stops_a_round(tmp_path):
     c = parse_config({"paths": {"artifacts": "a"}, "rounds": {"max_rounds": 10, "budget_hours": 1.0}}, root=tmp_path)
     times_ledger(c.artifacts, {f"s{i}": [60.0] for i in range(50)})  # 50 minutes
     assert recorded_hours(c.artifacts) == pytest.approx(50 / 60)
-    assert stop_reason(c, 1, 50, [], 10) is None
+    assert stop_reason(c.rounds, 1, 50, [], 10, hours=recorded_hours(c.artifacts)) is None
     times_ledger(c.artifacts, {f"t{i}": [60.0] for i in range(10)})  # 60 minutes
-    assert stop_reason(c, 1, 60, [], 10) == ("hours budget spent: 1.00 annotator-hours recorded ≥ "
+    assert stop_reason(c.rounds, 1, 60, [], 10, hours=recorded_hours(c.artifacts)) == ("hours budget spent: 1.00 annotator-hours recorded ≥ "
                                              "rounds.budget_hours = 1.0")
-    assert stop_reason(c, 1, 60, [], 10, hours=0.5) is None  # hours given by the caller win
+    assert stop_reason(c.rounds, 1, 60, [], 10, hours=0.5) is None  # the hours the caller gives
 
 
 def test_labeled_seconds_are_the_median_per_labeled_sample(tmp_path):

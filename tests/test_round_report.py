@@ -13,6 +13,7 @@ from pipeline.annotation.inbox import receive_labels
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError
 from pipeline.metrics import merge_equal_metrics, plot_learning_curve
+from pipeline.model.train import planned_train_steps
 from pipeline.report import (
     ROUND_STAGES,
     RoundProgress,
@@ -20,14 +21,13 @@ from pipeline.report import (
     curve_table,
     handoff_markdown,
     import_record,
-    planned_train_steps,
     png_data_uri,
     run_name,
     run_tags,
     state_message,
     summary_markdown,
 )
-from pipeline.rounds import should_wait
+from pipeline.rounds import main_metric, should_wait
 
 ROWS = [
     {"round": 1, "labels": 6, "metric": "accuracy", "value": 0.25, "strategy": "margin+none"},
@@ -161,10 +161,10 @@ def test_a_resumed_rounds_labels_file_must_lie_inside_a_configured_folder(tmp_pa
 
 def test_only_a_deployed_round_that_exported_waits_for_labels():
     cfg = ProjectConfig.model_validate({"rounds": {"wait_for_labels": True}})
-    assert should_wait(cfg, STATE, deployed=True)
-    assert not should_wait(cfg, STATE, deployed=False)  # no worker to start it again after a suspend
-    assert not should_wait(cfg, {**STATE, "stopped": "max rounds", "export_dir": None}, deployed=True)
-    assert not should_wait(ProjectConfig(), STATE, deployed=True)
+    assert should_wait(cfg.rounds, STATE, deployed=True)
+    assert not should_wait(cfg.rounds, STATE, deployed=False)  # no worker to start it again after a suspend
+    assert not should_wait(cfg.rounds, {**STATE, "stopped": "max rounds", "export_dir": None}, deployed=True)
+    assert not should_wait(ProjectConfig().rounds, STATE, deployed=True)
 
 
 MAX_ROUNDS_3 = "rounds.max_rounds = 3: round 2 is the last (0–2); trained, selects nothing"
@@ -220,10 +220,10 @@ def test_rounds_table_names_the_metric_it_shows():
                    {"round": 1, "labeled": 40, "strategy": "token_entropy+cluster_margin",
                     "metrics": {"exact_match": 0.5, "token_f1": 0.625, "edit_similarity": 0.7}}]
     console = Console(width=200, record=True)
-    console.print(_rounds_table(open_rounds))
+    console.print(_rounds_table(open_rounds, main_metric(None)))
     text = console.export_text()
     assert "token f1" in text and "accuracy" not in text and "0.625" in text
-    console.print(_rounds_table([STATE]))
+    console.print(_rounds_table([STATE], main_metric(["0", "1"])))
     text = console.export_text()
     assert "accuracy" in text and "0.500" in text
 

@@ -15,6 +15,7 @@ from pipeline.rounds import (
     answer_round,
     completed_rounds,
     eligible_pool,
+    main_metric,
     plan_round,
     round_dir,
     round_labels,
@@ -38,8 +39,13 @@ def cfg(tmp_path, **sections):
                          **sections}, root=tmp_path)
 
 
+def _sections(c):
+    """What train_params reads of the project."""
+    return dict(artifacts=c.artifacts, model=c.model, train=c.train, seed=c.seed)
+
+
 def finish(art, plan, **state):
-    write_round(plan, {**plan.state([]), **state}, "summary")
+    write_round(plan, {**plan.state([]).to_json(), **state}, "summary")
 
 
 def test_seed_labels_come_from_the_train_split_and_the_ledger_overrides_them(pool):
@@ -78,7 +84,7 @@ def test_train_folder_follows_the_labels_and_the_warm_start(tmp_path):
     def params(labels):
         plan = plan_round(art, labels)
         # The labeled set's digest is its content (labeled_set): here the labels' own digest stands for it.
-        return train_params(c, plan, labeled={"dataset": "l", "digest": plan.labeled_digest}, augmented=None)
+        return train_params(plan, artifacts=c.artifacts, model=c.model, train=c.train, seed=c.seed, labeled={"dataset": "l", "digest": plan.labeled_digest}, augmented=None)
 
     a = params({"s03": "5"})
     assert a["init_adapter"] is None and a["out_dir"].startswith(str(art / "train"))
@@ -130,7 +136,7 @@ def test_each_stopping_rule(tmp_path, rounds, n_labels, curve, pool_left, expect
     c = cfg(tmp_path, rounds={"max_rounds": 10, **rounds})
     metrics = [{"round": r, "metric": "accuracy", "value": v} for r, v in enumerate(curve)]
     metrics += [{"round": 0, "metric": "exact_match", "value": 1.0}]  # another metric never stops a round
-    reason = stop_reason(c, 1, n_labels, metrics, pool_left)
+    reason = stop_reason(c.rounds, 1, n_labels, metrics, pool_left)
     assert reason is None if expect is None else reason.startswith(expect), reason
 
 
@@ -138,15 +144,16 @@ def test_open_answers_stop_on_token_f1(tmp_path):
     c = parse_config({"paths": {"artifacts": "a"}, "data": {"answers": None}, "rounds": {"target_metric": 0.5}},
                      root=tmp_path)
     metrics = [{"round": 0, "metric": "accuracy", "value": 0.9}, {"round": 0, "metric": "token_f1", "value": 0.4}]
-    assert stop_reason(c, 0, 5, metrics, 10) is None
-    assert stop_reason(c, 0, 5, metrics + [{"round": 1, "metric": "token_f1", "value": 0.6}], 10).startswith(
-        "target reached: token_f1")
+    main = main_metric(c.data.answers)
+    assert stop_reason(c.rounds, 0, 5, metrics, 10, main=main) is None
+    assert stop_reason(c.rounds, 0, 5, metrics + [{"round": 1, "metric": "token_f1", "value": 0.6}], 10,
+                       main=main).startswith("target reached: token_f1")
 
 
 def test_summary_is_written_before_the_round_counts_as_finished(tmp_path):
     art = tmp_path / "artifacts"
     plan = plan_round(art, {"s03": "5"})
-    write_round(plan, {**plan.state([]), "selected": 3}, "# Round 0")
+    write_round(plan, {**plan.state([]).to_json(), "selected": 3}, "# Round 0")
     assert (plan.dir / SUMMARY_FILE).read_text() == "# Round 0\n"
     assert json.loads((plan.dir / ROUND_FILE).read_text())["selected"] == 3
     assert [s["round"] for s in completed_rounds(art)] == [0]
@@ -187,13 +194,13 @@ def test_the_label_budget_counts_re_label_tasks_sent_back(tmp_path):
     c = cfg(tmp_path, rounds={"max_rounds": 10, "label_budget": 10})
     art = c.artifacts
     _queue(art, 0, ["s03", "s04"])
-    assert stop_reason(c, 0, labels_spent(8, art, before_round=0), [], 5) is None  # its own queue: counted later
-    assert stop_reason(c, 1, labels_spent(8, art, before_round=1), [], 5) == (
+    assert stop_reason(c.rounds, 0, labels_spent(8, art, before_round=0), [], 5) is None  # its own queue: counted later
+    assert stop_reason(c.rounds, 1, labels_spent(8, art, before_round=1), [], 5) == (
         "label budget spent: 10 labels ≥ rounds.label_budget = 10")
-    assert stop_reason(c, 1, 8, [], 5) is None  # the labels alone are within the budget
+    assert stop_reason(c.rounds, 1, 8, [], 5) is None  # the labels alone are within the budget
     _queue(art, 1, ["s05", "s06", "s07"], finished=False)  # killed mid-export: no manifest
     assert labels_spent(7, art, before_round=2) == 9
-    assert stop_reason(c, 2, labels_spent(7, art, before_round=2), [], 5) is None
+    assert stop_reason(c.rounds, 2, labels_spent(7, art, before_round=2), [], 5) is None
 
 
 def test_the_last_round_trains_on_its_new_labels_and_selects_nothing(tmp_path, pool):
@@ -207,10 +214,10 @@ def test_the_last_round_trains_on_its_new_labels_and_selects_nothing(tmp_path, p
     last = plan_round(art, round_labels(pool, {"s03": "5", "s04": "6"}))
     assert last.index == 1 and last.rerun is None and len(last.labels) == 4  # 2 seed labels + the batch
     refs = dict(labeled={"dataset": "l", "digest": "l"}, augmented=None)
-    job = train_params(c, last, **refs)
+    job = train_params(last, **_sections(c), **refs)
     assert job["out_dir"].startswith(str(art / "train")) and job["init_adapter"]["adapter_digest"] == "a0"
     ids, _ = eligible_pool(art, pool, last, set())
-    reason = stop_reason(c, last.index, len(last.labels), [{"round": 1, "metric": "accuracy", "value": 0.4}], len(ids))
+    reason = stop_reason(c.rounds, last.index, len(last.labels), [{"round": 1, "metric": "accuracy", "value": 0.4}], len(ids))
     assert ids and reason == "rounds.max_rounds = 2: round 1 is the last (0–1); trained, selects nothing"  # the pool is not what stops it
     finish(art, last, adapter={"adapter_digest": "a1", "adapter_dir": "x1"}, stopped=reason)
     answer_round(art, {"round": 1, "stopped": reason}, ground_truth=None, noise=0.0, seed=0)
@@ -218,7 +225,7 @@ def test_the_last_round_trains_on_its_new_labels_and_selects_nothing(tmp_path, p
     again = plan_round(art, round_labels(pool, {"s03": "5", "s04": "6"}))
     assert again.index == 1 and again.rerun["stopped"] == reason and again.rerun["adapter"]["adapter_digest"] == "a1"
     # The same training job (warm from round 0's adapter, never its own): a cached re-run trains nothing.
-    assert train_params(c, again, **refs) == job
+    assert train_params(again, **_sections(c), **refs) == job
 
 
 def _export(art, round_index, ids):
@@ -243,7 +250,7 @@ def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_pat
         plan = plan_round(art, labels)
         out = outstanding_tasks(art, plan)
         spent = labels_spent(len(plan.labels), art, before_round=plan.index)
-        if stop_reason(c, plan.index, spent, [], len(pool), outstanding=out):
+        if stop_reason(c.rounds, plan.index, spent, [], len(pool), outstanding=out):
             break
         eligible = [s for s in pool if s not in labels]
         sp = plan_selection(c, round_dir=plan.dir, pool_ids=eligible, exclude=sorted(labels), labels=plan.labels,
@@ -256,10 +263,10 @@ def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_pat
         batches.append(len(chosen))
         labels |= dict.fromkeys(chosen, "1")
     assert batches == [40, 40, 10]
-    assert stop_reason(c, 3, 90, [], 100).startswith("label budget spent: 90 labels")
+    assert stop_reason(c.rounds, 3, 90, [], 100).startswith("label budget spent: 90 labels")
     # Half of a batch of 40 still out: the budget holds them, so 90 - 50 - 20 = 20 is what the next round may send.
     assert budget_batch(c.rounds, 40, 50, 20) == 20
-    assert stop_reason(c, 2, 70, [], 100, outstanding=20).startswith(
+    assert stop_reason(c.rounds, 2, 70, [], 100, outstanding=20).startswith(
         "label budget spent: 70 labels + 20 tasks still with the annotators ≥ rounds.label_budget = 90")
     assert budget_batch(cfg(tmp_path).rounds, 40, 500) == 40  # no budget: never cut
     # The label check's re-label queue goes out with the batch: it gets what the batch left, no more.
@@ -304,8 +311,10 @@ def test_train_evaluate_and_score_keys_know_the_models_weights_and_libraries(tmp
     adapter = {"adapter_digest": "a0", "adapter_dir": "x0"}
 
     def keys():
-        job = train_params(c, plan, **refs)
-        return job["out_dir"], job["model"], evaluate_params(c, test={"digest": "t"}, adapter=adapter)["model"]
+        job = train_params(plan, **_sections(c), **refs)
+        return job["out_dir"], job["model"], evaluate_params(
+            artifacts=c.artifacts, model=c.model, answers=c.data.answers, batch_size=c.select.score_batch_size,
+            test={"digest": "t"}, adapter=adapter)["model"]
 
     before = keys()
     assert before[1]["identity"]["checkpoint"].startswith("sha256:")

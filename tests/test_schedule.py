@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import ProjectConfig, ScheduleConfig, parse_config
+from pipeline.config import ScheduleConfig, parse_config
 from pipeline.errors import ConfigError
 from pipeline.strategies.schedule import accuracy_stopped_rising, choose_phase, newest_label_accuracy
 
@@ -95,7 +95,6 @@ def test_one_strategy_name_for_a_round_before_and_after_it_selects():
 
     sel_cfg = SelectConfig(batch_size=3, strategy="margin", diversity="top_k", cold_start="maxherding",
                            schedule={"coverage": "maxherding", "labels_per_class": 10}, embeddings="pixels")
-    cfg = ProjectConfig(select=sel_cfg)
     ids = [f"s{i}" for i in range(12)]
     space = Space(ids, np.random.default_rng(0).normal(size=(12, 4)).astype(np.float32), "pixels")
     coverage = choose_phase(sel_cfg.schedule, strategy="margin", diversity="top_k", labeled=2, n_classes=2,
@@ -107,6 +106,6 @@ def test_one_strategy_name_for_a_round_before_and_after_it_selects():
         out = select_round(sel_cfg, candidate_ids=ids, scores=None if cold else scores, space=space, labeled=set(),
                            exclude=set(), answers=["a", "b"], history=[], cold_start=cold, seed=0, phase=phase)
         phase = phase.as_dict() if phase is not None else None  # round.json's JSON form, as round_strategy reads it
-        assert {r["round_strategy"] for r in out.rows} == {round_strategy(cfg, cold=cold, phase=phase)}
-    assert round_strategy(cfg, cold=True) == "cold start: maxherding"
-    assert round_strategy(cfg, cold=False, phase=coverage.as_dict()) == "coverage: maxherding"
+        assert {r["round_strategy"] for r in out.rows} == {round_strategy(sel_cfg, cold=cold, phase=phase)}
+    assert round_strategy(sel_cfg, cold=True) == "cold start: maxherding"
+    assert round_strategy(sel_cfg, cold=False, phase=coverage.as_dict()) == "coverage: maxherding"

@@ -82,11 +82,11 @@ def test_stop_when_stable_needs_window_rounds_at_the_target(tmp_path):
                                                                                            "window": 2}}})
     assert stable_reason({"history": [0.99]}, cfg.rounds.stop_when_stable) is None
     assert stable_reason({"history": [0.97, 0.99]}, cfg.rounds.stop_when_stable) is None
-    assert stop_reason(cfg, 3, 10, [], 5, {"history": [0.9, 0.985, 0.99]}).startswith("stable predictions")
-    assert stop_reason(cfg, 3, 10, [], 5, None) is None  # no adapter yet: no stability, no stop
+    assert stop_reason(cfg.rounds, 3, 10, [], 5, {"history": [0.9, 0.985, 0.99]}).startswith("stable predictions")
+    assert stop_reason(cfg.rounds, 3, 10, [], 5, None) is None  # no adapter yet: no stability, no stop
     off = parse_config({"rounds": {"max_rounds": 50, "stop_set": 20, "stop_when_converged": None}})
     # measured, but not a stop rule
-    assert stop_reason(off, 3, 10, [], 5, {"history": [1.0, 1.0, 1.0, 1.0], "n": 20}) is None
+    assert stop_reason(off.rounds, 3, 10, [], 5, {"history": [1.0, 1.0, 1.0, 1.0], "n": 20}) is None
 
 
 def test_remaining_change_sums_the_fitted_geometric_decay():
@@ -106,7 +106,7 @@ def test_stop_when_converged_is_the_default_and_reads_the_trend():
     assert (rule.remaining_change, rule.window) == (0.06, 4)
     # Falling by half a round: 0.05 then 0.025 left; stops once the forecast is ≤ 0.06.
     assert converged_reason({"history": [0.6, 0.8, 0.9], "n": 150}, rule) is None
-    why = stop_reason(cfg, 5, 100, [], 50, {"history": [0.6, 0.8, 0.9, 0.95], "n": 150})
+    why = stop_reason(cfg.rounds, 5, 100, [], 50, {"history": [0.6, 0.8, 0.9, 0.95], "n": 150})
     assert why.startswith("converged: forecast 0.050 of the stop set's answers left to change")
     # A VLM's retraining noise: agreement stuck near 0.87 never reaches a kappa target; the trend says stop.
     noisy = {"history": [0.7, 0.86, 0.88, 0.86, 0.87], "n": 150}
@@ -116,7 +116,7 @@ def test_stop_when_converged_is_the_default_and_reads_the_trend():
     # Still falling fast from far away: no stop.
     assert converged_reason({"history": [0.3, 0.5, 0.65, 0.75], "n": 150}, rule) is None
     # Without a stop set there is no history and the default rule never acts.
-    assert stop_reason(parse_config({"rounds": {"max_rounds": 50}}), 5, 100, [], 50, None) is None
+    assert stop_reason(parse_config({"rounds": {"max_rounds": 50}}).rounds, 5, 100, [], 50, None) is None
 
 
 def test_the_round_summary_shows_the_forecast_change(tmp_path):

@@ -23,6 +23,7 @@ from pipeline.config import AnnotateConfig
 from pipeline.errors import ArtifactError
 from pipeline.labelcheck.base import LABELCHECK_VERSION
 from pipeline.labelcheck.detection import Issue
+from pipeline.round_state import round_dir
 from pipeline.store import (
     Manifest,
     atomic_write_jsonl,
@@ -41,7 +42,7 @@ RELABEL_TABLE = "relabel.jsonl"
 
 
 def relabel_dir(artifacts: str | os.PathLike[str], round_index: int) -> Path:
-    return Path(artifacts) / "rounds" / f"{round_index:03d}" / "relabel"
+    return round_dir(artifacts, round_index, "relabel")
 
 
 def relabel_queued(artifacts: str | os.PathLike[str], before_round: int) -> dict[int, list[str]]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline import round_state as rounds_layout
 from pipeline.config import (
     AnnotateConfig,
     LabelCheckConfig,
@@ -72,7 +73,7 @@ def plan_label_check(
             return None
         import datasets
 
-        prev_set = Path(artifacts) / "rounds" / f"{previous['round']:03d}" / "labeled" / "dataset"
+        prev_set = rounds_layout.round_dir(artifacts, previous["round"], "labeled", "dataset")
         trained = sorted(column(datasets.load_from_disk(str(prev_set)), "sample_id"))
         trained_path = Path(round_dir) / "labelcheck_trained_ids.jsonl"
         atomic_write_jsonl(trained_path, [{"sample_id": s} for s in trained])

@@ -417,6 +417,12 @@ class _Run:
         return self.rank is None or self.rank.is_main
 
 
+def planned_train_steps(max_steps: int | None, epochs: float, n_rows: int, effective_batch: int) -> int:
+    """The number of optimizer steps train_adapter runs (train.max_steps, else epochs over the rows at the effective
+    batch): the loop's total, and the train stage's progress total before it starts."""
+    return max_steps or max(1, math.ceil(epochs * n_rows / max(1, effective_batch)))
+
+
 def _train(job: _Job, rank: Rank | None) -> TrainResult:
     """The training loop of one process: the only one, or rank `rank` of several."""
     from pipeline.model.hardware import choose_train_settings
@@ -426,7 +432,7 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
     world = rank.world if rank is not None else 1
     settings = choose_train_settings(cfg.train, cfg.model, hw, num_processes=world)
     effective = settings.micro_batch * settings.grad_accum * world
-    total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * len(job.rows) / effective))
+    total_steps = planned_train_steps(cfg.train.max_steps, cfg.train.epochs, len(job.rows), effective)
     warmup = math.ceil(cfg.train.warmup_ratio * total_steps)
     fingerprint = _fingerprint(cfg, job.rows_digest, job.init_digest)
 

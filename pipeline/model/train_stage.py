@@ -31,8 +31,7 @@ def train_stage(artifacts: str, rows: list[dict[str, Any]], model: dict, train: 
     """Train the round's adapter on `rows` (the labeled and augmented rows: pipeline.augment.training_rows) into
     `out_dir`, resuming from its last checkpoint. The caller's task is keyed on the rows' stage refs, not on the
     rows. `progress(total_steps)` may return an `on_step` hook; it is used only when this process trains alone."""
-    from pipeline.model.train import train_adapter
-    from pipeline.report import planned_train_steps
+    from pipeline.model.train import planned_train_steps, train_adapter
 
     cfg = StageConfig({"model": model, "train": train, "seed": seed}, artifacts=artifacts)
     total = planned_train_steps(cfg.train.max_steps, cfg.train.epochs, len(rows), cfg.train.effective_batch_size)

@@ -3,10 +3,10 @@ and the confusion matrix as PNGs, for the Prefect UI's round summary) into the r
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -15,9 +15,10 @@ from pipeline import __version__
 from pipeline.errors import ArtifactError, DataError
 from pipeline.metrics import merge_equal_metrics
 from pipeline.report import candidates_line
+from pipeline.round_state import RoundState, round_dir
 from pipeline.roundreport import gather, pictures
 from pipeline.roundreport.page import render_page
-from pipeline.roundreport.sources import ReportSources, resolve_sources
+from pipeline.roundreport.sources import ReportSources
 from pipeline.store import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -57,18 +58,18 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
 
 
-def _header(state: Mapping[str, Any], sources: ReportSources) -> dict[str, Any]:
-    phase = state.get("phase") or {}
-    metrics = ", ".join(f"{k} = {v:.4f}" for k, v in merge_equal_metrics(state.get("metrics") or {}).items())
-    return {"round": state["round"], "labeled": state.get("labeled", 0), "pool": state.get("pool", 0),
-            "selected": state.get("selected", 0), "strategy": state.get("strategy", ""), "phase": phase.get("phase"),
-            "phase_reason": phase.get("reason"), "metrics": metrics, "stopped": state.get("stopped"),
-            "round_dir": sources.round_dir}
+def _header(state: RoundState, sources: ReportSources) -> dict[str, Any]:
+    phase = state.phase or {}
+    metrics = ", ".join(f"{k} = {v:.4f}" for k, v in merge_equal_metrics(state.metrics or {}).items())
+    return {"round": state.round, "labeled": state.labeled, "pool": state.pool, "selected": state.selected_count,
+            "strategy": state.strategy, "phase": phase.get("phase"), "phase_reason": phase.get("reason"),
+            "metrics": metrics, "stopped": state.stopped, "round_dir": sources.round_dir}
 
 
-def build_report(sources: ReportSources, state: Mapping[str, Any],
+def build_report(sources: ReportSources, state: RoundState | Mapping[str, Any],
                  metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport:
     """Write report.html (and batch.png, confusion.png) for the round `state` from `sources`."""
+    state = RoundState.of(state)
     start = time.perf_counter()
     rd = Path(sources.round_dir)
     labels = gather.labeled_answers(rd)
@@ -84,9 +85,9 @@ def build_report(sources: ReportSources, state: Mapping[str, Any],
                      + [f.example for f in flags if f.example], images)
     sheet = pictures.contact_sheet(batch, batch_png)
     confusion = pictures.confusion_png(pc, sources.eval_dir) if pc else None
-    curve = pictures.curve_png(metrics_rows, state["round"])
+    curve = pictures.curve_png(metrics_rows, state.round)
     balance = gather.class_balance(labels, sources.answers)
-    c = state.get("candidates")
+    c = state.candidates
     view = {
         "r": _header(state, sources), "version": __version__,
         "candidates": c and _sentence(candidates_line(c)),
@@ -105,8 +106,8 @@ def build_report(sources: ReportSources, state: Mapping[str, Any],
         "check_message": check_message,
         "flags": [{**asdict(f), "thumb": thumbs.get(f.example) if f.example else None} for f in flags],
         "checked": checked, "curve": curve and pictures.data_uri(curve), "balance": balance,
-        "balance_max": max([n for _, n in balance] or [1]) or 1, "time": _time_line(state.get("annotation_time")),
-        "annotators": state.get("consensus"), "seconds": time.perf_counter() - start,
+        "balance_max": max([n for _, n in balance] or [1]) or 1, "time": _time_line(state.annotation_time),
+        "annotators": state.consensus, "seconds": time.perf_counter() - start,
     }
     html = atomic_write_text(rd / REPORT_FILE, render_page(view))
     sheet_path = atomic_write_bytes(rd / BATCH_PNG, sheet) if sheet else None
@@ -114,52 +115,53 @@ def build_report(sources: ReportSources, state: Mapping[str, Any],
     return RoundReport(html, sheet_path, confusion_path, html.stat().st_size, time.perf_counter() - start)
 
 
-def write_round_report(cfg: Any, state: Mapping[str, Any], prepared: dict[str, Any] | None,
+def write_round_report(sources: ReportSources, state: RoundState,
                        metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport:
-    """A finished round's report: resolve its sources (kept in report_sources.json for later rebuilds), build it."""
-    sources = resolve_sources(cfg, dict(state), prepared)
+    """A finished round's report: its sources kept in report_sources.json (for later rebuilds), then built."""
     sources.save()
     return build_report(sources, state, metrics_rows)
 
 
-def try_round_report(cfg: Any, state: Mapping[str, Any], prepared: dict[str, Any] | None,
+def try_round_report(resolve: Callable[[], ReportSources], state: RoundState,
                      metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport | None:
-    """write_round_report at the end of a round. The report is a view of a round whose round.json is already
-    written: a failure to draw it is logged with the command that retries it, and never fails the round (a failed
-    round would be re-run with the same labels, and fail the same way, instead of going on to the next)."""
+    """write_round_report at the end of a round, its sources resolved by `resolve()` (resolve_sources). The report
+    is a view of a round whose round.json is already written: a failure to resolve or draw it is logged with the
+    command that retries it, and never fails the round (a failed round would be re-run with the same labels, and
+    fail the same way, instead of going on to the next)."""
     try:
-        return write_round_report(cfg, state, prepared, metrics_rows)
+        return write_round_report(resolve(), state, metrics_rows)
     except Exception as exc:  # noqa: BLE001 - any failure of a view; the round itself is done
         log.warning("round %d: report.html not built (%s: %s); retry with `tamis report --round %d --debug`",
-                    state["round"], type(exc).__name__, exc, state["round"])
+                    state.round, type(exc).__name__, exc, state.round)
         return None
 
 
-def rebuild_report(cfg: Any, round_index: int | None = None) -> RoundReport:
+def rebuild_report(artifacts: str | os.PathLike[str], round_index: int | None = None, *,
+                   resolve: Callable[[RoundState, dict[str, Any] | None], ReportSources]) -> RoundReport:
     """`tamis report`: the report of round `round_index` (default: the last finished one) rebuilt from the sources
-    its round kept, or, for a round finished before reports existed, resolved from the project's latest data."""
+    its round kept, or, for a round finished before reports existed, resolved from the project's latest data by
+    `resolve(state, prepared refs or None)` (resolve_sources on the project)."""
     from pipeline.metrics import read_metrics
     from pipeline.preprocess import latest_refs
     from pipeline.roundreport.sources import SOURCES_FILE
-    from pipeline.rounds import ROUND_FILE, completed_rounds, round_dir
+    from pipeline.rounds import ROUND_FILE, completed_states
 
-    done = [s["round"] for s in completed_rounds(cfg.artifacts)]
-    if not done:
-        raise DataError(f"no finished round in {cfg.artifacts}/rounds (a round is finished once its {ROUND_FILE} is "
+    art = Path(artifacts)
+    states = {s.round: s for s in completed_states(art)}
+    if not states:
+        raise DataError(f"no finished round in {art}/rounds (a round is finished once its {ROUND_FILE} is "
                         "written); run `tamis round` first")
-    r = done[-1] if round_index is None else round_index
-    if r not in done:
-        raise DataError(f"round {r} is not a finished round in {cfg.artifacts}/rounds; finished: "
-                        f"{', '.join(map(str, done))}")
-    rd = round_dir(cfg.artifacts, r)
-    state = json.loads((rd / ROUND_FILE).read_text(encoding="utf-8"))
+    r = max(states) if round_index is None else round_index
+    if r not in states:
+        raise DataError(f"round {r} is not a finished round in {art}/rounds; finished: "
+                        f"{', '.join(map(str, sorted(states)))}")
+    rd = round_dir(art, r)
     if (rd / SOURCES_FILE).is_file():
         sources = ReportSources.load(rd)
     else:
         try:
-            prepared = latest_refs(cfg.artifacts)
+            prepared = latest_refs(art)
         except ArtifactError:
             prepared = None  # no prepared data: the report shows what the round's own files hold
-        sources = resolve_sources(cfg, state, prepared)
-        sources.save()
-    return build_report(sources, state, read_metrics(cfg.artifacts))
+        sources = resolve(states[r], prepared)
+    return write_round_report(sources, states[r], read_metrics(art))

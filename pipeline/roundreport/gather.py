@@ -20,6 +20,7 @@ import numpy as np
 
 from pipeline.errors import ArtifactError
 from pipeline.report import candidates_line
+from pipeline.round_state import RoundState
 from pipeline.roundreport.sources import ReportSources
 from pipeline.store import read_jsonl, read_manifest
 
@@ -68,21 +69,22 @@ class BatchItem:
     entropy: float | None = None  # of the answer probabilities: the same uncertainty whatever the strategy
 
 
-def pick_reason(row: Mapping[str, Any], state: Mapping[str, Any]) -> str:
+def pick_reason(row: Mapping[str, Any], state: RoundState | Mapping[str, Any]) -> str:
     """Why a selection row was picked, in the words of the round's phase: coverage of the selection space (no model
     score), or uncertainty (the heuristic's score) spread by the diversity selector."""
     from pipeline.strategies.candidates import picks_by_space
     from pipeline.strategies.registry import get_heuristic
 
+    s = RoundState.of(state)
     strategy, diversity = row.get("strategy", "random"), row.get("diversity", "top_k")
     if picks_by_space(strategy, diversity):
-        why = f"coverage ({diversity})" + (" — cold start, no model yet" if not state.get("adapter") else "")
+        why = f"coverage ({diversity})" + (" — cold start, no model yet" if not s.adapter else "")
     elif get_heuristic(strategy).input == "none":
         why = f"{strategy} draw" + (f", spread by {diversity}" if diversity != "top_k" else "")
     else:
         why = f"uncertainty ({strategy} {row.get('score', 0):.3f})" + (
             f", spread by {diversity}" if diversity != "top_k" else "")
-    if c := state.get("candidates"):  # restricted ({candidates, sources}) or all eligible scored (select.candidates)
+    if c := s.candidates:  # restricted ({candidates, sources}) or all eligible scored (select.candidates)
         why += f"; {candidates_line(c, reason=False)}"
     return why
 
@@ -112,7 +114,7 @@ def shard_scores(shards: Sequence[tuple[str, str]], ids: Sequence[str]) -> dict[
     return out
 
 
-def read_batch(sources: ReportSources, state: Mapping[str, Any]) -> list[BatchItem]:
+def read_batch(sources: ReportSources, state: RoundState | Mapping[str, Any]) -> list[BatchItem]:
     """The round's batch in pick order (selection/selection.jsonl) with the model's answers from its score shards."""
     rows = read_jsonl(Path(sources.round_dir) / "selection" / "selection.jsonl")
     scores = shard_scores(sources.shards, [r["sample_id"] for r in rows]) if sources.shards else {}
@@ -187,7 +189,7 @@ def _shard_len(sources: ReportSources) -> int:
         return 256
 
 
-def pool_map_points(sources: ReportSources, state: Mapping[str, Any], batch: Sequence[str],
+def pool_map_points(sources: ReportSources, state: RoundState | Mapping[str, Any], batch: Sequence[str],
                     labels: Mapping[str, str]) -> PoolMap | None:
     """A bounded, seeded sample of the selection space (every selected sample, at most MAP_EXTRA labeled and
     outliers, MAP_POINTS drawn uniformly) projected to 2-D by a PCA fitted on that sample, with each point's kind."""

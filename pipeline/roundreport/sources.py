@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.config import ProjectConfig
 from pipeline.errors import ArtifactError
+from pipeline.round_state import RoundState, adapter_ref, round_dir
 from pipeline.store import atomic_write_json
 
 SOURCES_FILE = "report_sources.json"
@@ -62,35 +65,32 @@ def find_eval_dir(artifacts: str | os.PathLike[str], adapter_digest: str) -> str
     return max(found)[1] if found else None
 
 
-def score_shards(cfg: Any, round_dir: Path, prepared_ref: dict[str, Any] | None,
-                 adapter: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """(first sample ID, folder) of the score shards the round's select stage read: the round's pool.jsonl planned
-    by pipeline.score_stage.plan_pool_scoring, as flows/select.score_pool plans it (same adapter, prepared data, model
+def resolve_sources(cfg: ProjectConfig, state: RoundState | Mapping[str, Any],
+                    prepared: dict[str, Any] | None) -> ReportSources:
+    """The report's sources for a finished round (`state`, its round.json) of the project `cfg` (the whole project:
+    the embeddings and score stages' keys are re-derived from it); `prepared` holds the round's prepare and quality
+    stage refs ({"prepare": ref, "quality": ref}, as flows/prepare returns them).
+
+    The score shards are those the round's select stage read: its pool.jsonl planned by
+    pipeline.score_stage.plan_pool_scoring as flows/select.score_pool plans it (same adapter, prepared data, model
     identity and shard size), so every folder is one the score stage wrote."""
+    from pipeline.embeddings import embeddings_params
     from pipeline.score_stage import POOL_FILE, plan_pool_scoring, read_pool_file
 
-    pool_file = round_dir / POOL_FILE
-    if prepared_ref is None or not pool_file.is_file():
-        return []
-    ad = adapter and {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]}
-    plan = plan_pool_scoring(cfg, prepared=prepared_ref, adapter=ad, pool_ids=read_pool_file(pool_file))
-    return [(p["shard_ids"][0], p["out_dir"]) for p in plan.shards]
-
-
-def resolve_sources(cfg: Any, state: dict[str, Any], prepared: dict[str, Any] | None) -> ReportSources:
-    """The report's sources for a finished round (`state`, its round.json) of the project `cfg`; `prepared` holds the
-    round's prepare and quality stage refs ({"prepare": ref, "quality": ref}, as flows/prepare returns them)."""
-    from pipeline.embeddings import embeddings_params
-    from pipeline.rounds import round_dir
-
-    rd = round_dir(cfg.artifacts, state["round"])
+    state = RoundState.of(state)
+    rd = round_dir(cfg.artifacts, state.round)
     prep = (prepared or {}).get("prepare")
     space = embeddings_params(cfg, prep) if prep else None
-    adapter = state.get("adapter")
-    eval_dir = state.get("eval_dir") or (adapter and find_eval_dir(cfg.artifacts, adapter["adapter_digest"]))
+    adapter = state.adapter
+    eval_dir = state.eval_dir or (adapter and find_eval_dir(cfg.artifacts, adapter["adapter_digest"]))
+    shards: list[tuple[str, str]] = []
+    if prep is not None and (rd / POOL_FILE).is_file():
+        plan = plan_pool_scoring(cfg, prepared=prep, adapter=adapter_ref(adapter),
+                                 pool_ids=read_pool_file(rd / POOL_FILE))
+        shards = [(p["shard_ids"][0], p["out_dir"]) for p in plan.shards]
     return ReportSources(
-        round=state["round"], round_dir=str(rd), artifacts=str(cfg.artifacts), answers=cfg.data.answers,
+        round=state.round, round_dir=str(rd), artifacts=str(cfg.artifacts), answers=cfg.data.answers,
         seed=cfg.seed, prepared_dir=prep and prep["dir"], quality_dir=((prepared or {}).get("quality") or {}).get("dir"),
         space_dir=space and space["out_dir"], space_source=cfg.select.embeddings.source,
-        shards=score_shards(cfg, rd, prep, adapter), eval_dir=eval_dir,
-        labelcheck_dir=(state.get("labelcheck") or {}).get("dir"))
+        shards=shards, eval_dir=eval_dir,
+        labelcheck_dir=(state.labelcheck or {}).get("dir"))

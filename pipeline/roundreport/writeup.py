@@ -4,7 +4,8 @@ report.html, a view that never fails the round. The flow hands what it returns t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ from pipeline.labelcheck import check_report_markdown
 from pipeline.metrics import learning_curve, read_metrics
 from pipeline.perclass import EvalReport, load_eval_report
 from pipeline.report import summary_markdown
+from pipeline.round_state import RoundState
 from pipeline.roundreport.build import RoundReport, try_round_report
+from pipeline.roundreport.sources import ReportSources
 from pipeline.rounds import RoundPlan, write_round
 
 
@@ -29,14 +32,15 @@ class WriteUp:
     round_report: RoundReport | None
 
 
-def write_up(cfg: Any, plan: RoundPlan, state: Mapping[str, Any], prepared: dict[str, Any] | None,
-             check: Mapping[str, Any] | None) -> WriteUp:
-    """Write the round's summary.md, round.json and report.html (`cfg`: the project, as try_round_report reads it;
-    `prepared`: the round's prepare refs; `check`: the label check's ref or None)."""
-    rows = read_metrics(cfg.artifacts)
+def write_up(artifacts: str | os.PathLike[str], answers: Sequence[str] | None, plan: RoundPlan, state: RoundState,
+             check: Mapping[str, Any] | None, *, resolve: Callable[[], ReportSources]) -> WriteUp:
+    """Write the round's summary.md, round.json and report.html (`check`: the label check's ref or None; `resolve`:
+    the report's sources, resolve_sources on the project, called once round.json is written)."""
+    rows = read_metrics(artifacts)
     label_report = check_report_markdown(check)
-    curve = learning_curve(cfg.artifacts, rows, answers=cfg.data.answers)
-    evaluation = load_eval_report(state.get("eval_dir"))  # per-class metrics and the confusion matrix
+    curve = learning_curve(artifacts, rows, answers=answers)
+    evaluation = load_eval_report(state.eval_dir)  # per-class metrics and the confusion matrix
     # The file keeps the PNG's path (a data URI would make summary.md unreadable as text); the UI gets the picture.
     write_round(plan, state, summary_markdown(state, rows, label_report, curve_path=curve, evaluation=evaluation))
-    return WriteUp(rows, label_report, curve, evaluation, try_round_report(cfg, state, prepared, rows))
+    return WriteUp(rows, label_report, curve, evaluation,
+                   try_round_report(resolve, state, rows))

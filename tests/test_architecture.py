@@ -117,8 +117,6 @@ def test_files_stay_small():
 
 
 MAX_FUNCTION_LINES = 80
-# being split on branches roundstate/narrow
-LONG_FUNCTIONS_ALLOWED = {"pipeline/report.py:summary_markdown"}
 
 
 def test_no_pipeline_function_over_80_lines():
@@ -129,7 +127,7 @@ def test_no_pipeline_function_over_80_lines():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES and f"{rel}:{node.name}" not in LONG_FUNCTIONS_ALLOWED:
+                if length > MAX_FUNCTION_LINES:
                     over.append(f"{rel}:{node.lineno} {node.name} ({length} lines)")
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): " + "; ".join(over)
 
@@ -189,9 +187,6 @@ def test_every_module_is_on_a_floor():
 
 
 # ------------------------------------------------------------------------------------------- narrow signatures
-# Functions still typed too wide in files other branches narrow at the same time (pipeline/rounds.py,
-# unchanged.py, roundreport/, model/check.py, model/train.py): narrowed on branches roundstate/longfns.
-WIDE_ELSEWHERE: dict[str, set[str]] = {}
 # The round's planning functions (and the config's own loader) read several sections to build one stage's
 # parameters: they may take the whole ProjectConfig, and at most this many do.
 MAX_WHOLE_CONFIG = 10
@@ -202,8 +197,7 @@ def annotated(node: ast.AST | None) -> str:
 
 
 def signatures(predicate) -> list[str]:
-    """`path:line name(param)` for every function parameter in pipeline/ that `predicate(param)` flags, minus the
-    allow-list above."""
+    """`path:line name(param)` for every function parameter in pipeline/ that `predicate(param)` flags."""
     out = []
     for path in sorted((ROOT / "pipeline").rglob("*.py")):
         rel = str(path.relative_to(ROOT))
@@ -212,7 +206,7 @@ def signatures(predicate) -> list[str]:
                 continue
             a = node.args
             for p in a.posonlyargs + a.args + a.kwonlyargs:
-                if predicate(p) and node.name not in WIDE_ELSEWHERE.get(rel, ()):
+                if predicate(p):
                     out.append(f"{rel}:{node.lineno} {node.name}({p.arg})")
     return out
 
@@ -226,14 +220,3 @@ def test_few_library_functions_take_the_whole_project_config():
     whole = signatures(lambda p: annotated(p.annotation).split(" |")[0] == "ProjectConfig")
     assert len(whole) <= MAX_WHOLE_CONFIG, (f"{len(whole)} functions take a whole ProjectConfig (at most "
                                             f"{MAX_WHOLE_CONFIG}; take the sections read): " + "; ".join(whole))
-
-
-def test_the_allow_list_names_only_functions_that_still_offend():
-    # The list shrinks as the other branches land: an entry that no longer offends is to be deleted.
-    wide = ("Any", "ProjectConfig")
-    for rel, names in WIDE_ELSEWHERE.items():
-        tree = ast.parse((ROOT / rel).read_text(encoding="utf-8"))
-        found = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 and any(p.arg == "cfg" and annotated(p.annotation).split(" |")[0] in wide
-                         for p in n.args.posonlyargs + n.args.args + n.args.kwonlyargs)}
-        assert names <= found, f"{rel}: {sorted(names - found)} no longer take a wide cfg; drop them from the list"

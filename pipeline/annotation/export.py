@@ -24,6 +24,7 @@ from pipeline.codeversion import stage_version
 from pipeline.config import AnnotateConfig
 from pipeline.errors import TamisError
 from pipeline.idindex import IdIndex
+from pipeline.round_state import ROUNDS_DIR, round_dir
 from pipeline.store import (
     Manifest,
     atomic_dir,
@@ -55,7 +56,7 @@ class ExportError(TamisError):
 
 
 def export_dir(artifacts: Path, round_index: int) -> Path:
-    return Path(artifacts) / "rounds" / f"{round_index:03d}" / "export"
+    return round_dir(artifacts, round_index, "export")
 
 
 def check_sample_id(sample_id: Any, where: str = "") -> str:
@@ -359,11 +360,11 @@ def export_selection(
 def exported_sample_ids(artifacts: str | os.PathLike[str], *, before_round: int | None = None) -> set[str]:
     """Every sample_id tamis has sent out for labeling (any round, any task set under rounds/), or with
     `before_round` only the round exports (rounds/NNN/export/) of the rounds before it."""
-    rounds = Path(artifacts) / "rounds"
+    rounds = Path(artifacts) / ROUNDS_DIR
     if before_round is None:
         files = sorted(rounds.rglob(TASKS_FILE)) if rounds.is_dir() else []
     else:
-        files = [rounds / f"{r:03d}" / "export" / TASKS_FILE for r in range(before_round)]
+        files = [round_dir(artifacts, r, "export", TASKS_FILE) for r in range(before_round)]
     ids: set[str] = set()
     for p in files:
         if not p.is_file():

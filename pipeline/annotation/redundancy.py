@@ -14,6 +14,7 @@ from typing import Any
 
 from pipeline.annotation.consensus import ConsensusRecord
 from pipeline.errors import ArtifactError
+from pipeline.round_state import round_dir
 from pipeline.store import (
     Manifest,
     atomic_write_jsonl,
@@ -33,7 +34,7 @@ REDUNDANCY_TABLE = "redundancy.jsonl"
 
 
 def redundancy_dir(artifacts: str | os.PathLike[str], round_index: int) -> Path:
-    return Path(artifacts) / "rounds" / f"{round_index:03d}" / "consensus"
+    return round_dir(artifacts, round_index, "consensus")
 
 
 def redundancy_queued(artifacts: str | os.PathLike[str], before_round: int | None = None) -> dict[int, list[dict]]:

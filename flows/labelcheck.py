@@ -26,15 +26,9 @@ from pipeline.model.identity import with_identity
 __all__ = ["label_check_ref", "relabel_ref", "report_agreement", "report_table", "report_verdict"]
 
 
-@stage_task("labelcheck", LABELCHECK_VERSION)
-def labelcheck_task(artifacts: str, labeled: dict, model: dict, train: dict, labelcheck: dict, select: dict,
-                    data: dict, seed: int, heldout_adapter: dict | None, trained_ids_digest: str | None,
-                    trained_ids_path: str | None, ledger_digest: str, space: dict | None, oos_dir: str,
-                    out_dir: str) -> dict[str, Any]:
-    # trained_ids_digest and ledger_digest are only in the cache key.
-    return run_label_check(artifacts=artifacts, labeled=labeled, model=model, train=train, labelcheck=labelcheck,
-                           select=select, data=data, seed=seed, heldout_adapter=heldout_adapter,
-                           trained_ids_path=trained_ids_path, space=space, oos_dir=oos_dir, out_dir=out_dir)
+# Each task takes its stage's one parameters dataclass (pipeline/labelcheck/stage.py), keyed on its fields.
+labelcheck_task = stage_task("labelcheck", LABELCHECK_VERSION)(run_label_check)
+relabel_task = stage_task("relabel", LABELCHECK_VERSION)(run_relabel)
 
 
 def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: dict[str, Any] | None,
@@ -51,16 +45,7 @@ def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: di
                               labelcheck=cfg.labelcheck, answers=cfg.data.answers, seed=cfg.seed, labeled=labeled,
                               previous=previous, round_dir=round_dir,
                               selection_space=None if prepared is None else selection_space)
-    return None if params is None else run_stage(labelcheck_task, **params)
-
-
-@stage_task("relabel", LABELCHECK_VERSION)
-def relabel_task(artifacts: str, check: dict, prepared: dict, annotate: dict, answers: list[str] | None,
-                 top_n: int, min_confidence: float, already_queued: list[str], round_index: int,
-                 out_dir: str) -> dict[str, Any]:
-    return run_relabel(artifacts=artifacts, check=check, prepared=prepared, annotate=annotate, answers=answers,
-                       top_n=top_n, min_confidence=min_confidence, already_queued=already_queued,
-                       round_index=round_index, out_dir=out_dir)
+    return None if params is None else run_stage(labelcheck_task, params=params)
 
 
 def relabel_ref(cfg: ProjectConfig, *, check: dict[str, Any], prepared: dict[str, Any],
@@ -68,6 +53,7 @@ def relabel_ref(cfg: ProjectConfig, *, check: dict[str, Any], prepared: dict[str
     """Export the likely errors at least `labelcheck.min_confidence` likely wrong that no earlier round sent back,
     at most `labelcheck.relabel_top_n` (and `cap`), to rounds/NNN/relabel/; {"count": 0} when there are none (an
     abstaining check reports none)."""
-    return run_stage(relabel_task, **plan_relabel(artifacts=cfg.artifacts, annotate=cfg.annotate,
-                                                  labelcheck=cfg.labelcheck, answers=cfg.data.answers, check=check,
-                                                  prepared=prepared, round_index=round_index, cap=cap))
+    return run_stage(relabel_task, params=plan_relabel(artifacts=cfg.artifacts, annotate=cfg.annotate,
+                                                       labelcheck=cfg.labelcheck, answers=cfg.data.answers,
+                                                       check=check, prepared=prepared, round_index=round_index,
+                                                       cap=cap))

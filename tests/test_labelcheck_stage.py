@@ -18,6 +18,7 @@ key's tail then, the same hex); the key is checked to be stage, version and that
 hand-kept marker "1" plus the closure digest, recomputed independently from the files in tests/test_code_keys.py.
 """
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -152,11 +153,16 @@ def _plan(cfg: ProjectConfig, previous, prepared, calls: list) -> dict | None:
                             selection_space=None if prepared is None else space)
 
 
-def _seen(stage: str, params: dict | None) -> dict | None:
-    if params is None:
+def _seen(stage: str, planned) -> dict | None:
+    """What the stage is keyed on and writes where, from the planned parameters dataclass (or the task's keyword
+    `params=` holding it, as the flow passes it)."""
+    if planned is None:
         return None
+    task_params = planned if isinstance(planned, dict) else {"params": planned}
+    params = dataclasses.asdict(task_params["params"])
     # The key is the stage, its version and these parameters' digest, and nothing else.
-    assert stage_cache_key(stage, LABELCHECK_VERSION, params) == f"{stage}-{LABELCHECK_VERSION}-{digest_json(params)}"
+    assert stage_cache_key(stage, LABELCHECK_VERSION, task_params) == \
+        f"{stage}-{LABELCHECK_VERSION}-{digest_json(params)}"
     if stage == "relabel":
         return {"params": digest_json(params), "out_dir": params["out_dir"], "already_queued": params["already_queued"]}
     return {"params": digest_json(params), "oos_dir": params["oos_dir"], "out_dir": params["out_dir"],
@@ -176,8 +182,8 @@ def test_label_check_plan_gives_the_old_cache_key_and_folders(art, name):
     assert _seen("labelcheck", params) == EXPECTED[name]
     # The selection space is asked for only when the kNN signal reads it (no embeddings stage run for nothing).
     assert len(calls) == (name in ("kfold-pixels-space", "heldout-pixels"))
-    if params and params["trained_ids_path"]:
-        assert Path(params["trained_ids_path"]).read_text() == TRAINED_IDS
+    if params and params.trained_ids_path:
+        assert Path(params.trained_ids_path).read_text() == TRAINED_IDS
 
 
 @pytest.mark.parametrize("name", list(RELABEL_CASES))
@@ -211,16 +217,21 @@ def test_the_flow_passes_the_plan_to_its_tasks_unchanged(art, monkeypatch):
 
 
 def test_the_tasks_take_exactly_the_planned_parameters(art):
-    """Prefect binds a task's keyword parameters by its signature and keys its cache on them: a planned name the
-    task lacks (or the reverse) fails at run time."""
+    """Each task takes its stage's one parameters dataclass, as plan_* builds it: nothing restated between the plan,
+    the task and the body (issue 39)."""
     import inspect
 
+    from pipeline.labelcheck.stage import LabelCheckParams, RelabelParams
+
     cfg = _cfg(labelcheck={"method": "heldout"})
-    params = _plan(cfg, PREVIOUS, PREPARED, [])
-    assert set(inspect.signature(flows.labelcheck.labelcheck_task.fn).parameters) == set(params)
+    assert isinstance(_plan(cfg, PREVIOUS, PREPARED, []), LabelCheckParams)
     rel = plan_relabel(artifacts=cfg.artifacts, annotate=cfg.annotate, labelcheck=cfg.labelcheck,
                        answers=cfg.data.answers, check=CHECK, prepared=PREPARED, round_index=3)
-    assert set(inspect.signature(flows.labelcheck.relabel_task.fn).parameters) == set(rel)
+    assert isinstance(rel, RelabelParams)
+    for task, kind in ((flows.labelcheck.labelcheck_task, "LabelCheckParams"),
+                       (flows.labelcheck.relabel_task, "RelabelParams")):
+        sig = inspect.signature(task.fn)
+        assert list(sig.parameters) == ["params"] and kind in str(sig.parameters["params"].annotation)
 
 
 @pytest.mark.parametrize(("over", "digest"), [

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,45 @@ DETECTION_KEYS = ("min_oos_accuracy", "knn_k", "min_confidence", "relabel_top_n"
 QUEUE_KEYS = ("min_confidence", "relabel_top_n")
 
 
+@dataclass(frozen=True)
+class LabelCheckParams:
+    """The labelcheck stage's parameters, built by plan_label_check and passed whole to its task and body; the cache
+    key is `asdict()` (trained_ids_digest and ledger_digest are there for the key only)."""
+
+    artifacts: str
+    labeled: dict[str, Any]
+    data: dict[str, Any]
+    seed: int
+    heldout_adapter: dict[str, Any] | None
+    trained_ids_digest: str | None
+    trained_ids_path: str | None
+    ledger_digest: str
+    space: dict[str, Any] | None
+    oos_dir: str
+    out_dir: str
+    model: dict[str, Any]
+    train: dict[str, Any]
+    labelcheck: dict[str, Any]
+    select: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RelabelParams:
+    """The relabel stage's parameters (plan_relabel), passed whole to its task and body; the cache key is
+    `asdict()`."""
+
+    artifacts: str
+    check: dict[str, Any]
+    prepared: dict[str, Any]
+    annotate: dict[str, Any]
+    answers: list[str] | None
+    top_n: int
+    min_confidence: float
+    already_queued: list[str]
+    round_index: int
+    out_dir: str
+
+
 def plan_label_check(
     *,
     artifacts: str | os.PathLike[str],
@@ -53,7 +93,7 @@ def plan_label_check(
     previous: Mapping[str, Any] | None,
     round_dir: str | os.PathLike[str],
     selection_space: Callable[[], Mapping[str, Any] | None] | None = None,
-) -> dict[str, Any] | None:
+) -> LabelCheckParams | None:
     """The labelcheck task's parameters for this round's labeled set (`labeled`, the labeled stage's ref), or None
     when labelcheck.method is off or the heldout method has no earlier adapter to score with (`previous`, the last
     round's state, has none: the first trained round).
@@ -103,19 +143,15 @@ def plan_label_check(
     report_key = digest_json({"oos": oos_key, "labelcheck": check_cfg, "space": space and space["digest"],
                               "embeddings": embeddings})
     labelcheck_dir = Path(artifacts) / "labelcheck"
-    return {"artifacts": str(artifacts), "labeled": labeled, "data": {"answers": answers}, "seed": seed,
-            "heldout_adapter": heldout_adapter, "trained_ids_digest": trained_digest,
-            "trained_ids_path": trained_path and str(trained_path), "ledger_digest": ledger_digest, "space": space,
-            "oos_dir": str(labelcheck_dir / "oos" / oos_key[:16]), "out_dir": str(labelcheck_dir / report_key[:16]),
-            "model": model_cfg, "train": train_cfg, "labelcheck": check_cfg,
-            "select": {**scoring, "embeddings": embeddings}}
+    return LabelCheckParams(
+        artifacts=str(artifacts), labeled=dict(labeled), data={"answers": answers}, seed=seed,
+        heldout_adapter=heldout_adapter, trained_ids_digest=trained_digest,
+        trained_ids_path=trained_path and str(trained_path), ledger_digest=ledger_digest, space=space,
+        oos_dir=str(labelcheck_dir / "oos" / oos_key[:16]), out_dir=str(labelcheck_dir / report_key[:16]),
+        model=model_cfg, train=train_cfg, labelcheck=check_cfg, select={**scoring, "embeddings": embeddings})
 
 
-def run_label_check(*, artifacts: str, labeled: Mapping[str, Any], model: Mapping[str, Any],
-                    train: Mapping[str, Any], labelcheck: Mapping[str, Any], select: Mapping[str, Any],
-                    data: Mapping[str, Any], seed: int, heldout_adapter: Mapping[str, Any] | None,
-                    trained_ids_path: str | None, space: Mapping[str, Any] | None, oos_dir: str,
-                    out_dir: str) -> dict[str, Any]:
+def run_label_check(params: LabelCheckParams) -> dict[str, Any]:
     """The labelcheck task's body, on the parameters plan_label_check made: check_labels on the labeled set, its ref.
 
     `labelcheck` and `select` carry only the fields the check reads (the rest stay out of the key: changing them
@@ -125,41 +161,43 @@ def run_label_check(*, artifacts: str, labeled: Mapping[str, Any], model: Mappin
     from pipeline.annotation.ledger import Ledger, ledger_path
     from pipeline.embeddings import load_selection_embeddings
 
-    rows = list(datasets.load_from_disk(labeled["dataset"]).select_columns(
+    p = params
+    rows = list(datasets.load_from_disk(p.labeled["dataset"]).select_columns(
         ["sample_id", "prepared", "question", "answer"]))
-    trained = [r["sample_id"] for r in read_jsonl(trained_ids_path)] if trained_ids_path else []
-    given = StageConfig({"model": model, "train": train, "select": select, "labelcheck": labelcheck})
-    m = check_labels(rows, out_dir, Ledger(ledger_path(artifacts)), model=given.model, train=given.train,
-                     select=given.select, labelcheck=given.labelcheck, answers=data["answers"], seed=seed,
-                     adapter=heldout_adapter and heldout_adapter["adapter_dir"], trained_ids=trained,
-                     oos_dir=oos_dir, selection_embeddings=load_selection_embeddings(space["dir"]) if space else None)
-    return {"dir": out_dir, "digest": m.key, **m.info}
+    trained = [r["sample_id"] for r in read_jsonl(p.trained_ids_path)] if p.trained_ids_path else []
+    given = StageConfig({"model": p.model, "train": p.train, "select": p.select, "labelcheck": p.labelcheck})
+    m = check_labels(rows, p.out_dir, Ledger(ledger_path(p.artifacts)), model=given.model, train=given.train,
+                     select=given.select, labelcheck=given.labelcheck, answers=p.data["answers"], seed=p.seed,
+                     adapter=p.heldout_adapter and p.heldout_adapter["adapter_dir"], trained_ids=trained,
+                     oos_dir=p.oos_dir,
+                     selection_embeddings=load_selection_embeddings(p.space["dir"]) if p.space else None)
+    return {"dir": p.out_dir, "digest": m.key, **m.info}
 
 
 def plan_relabel(*, artifacts: str | os.PathLike[str], annotate: AnnotateConfig, labelcheck: LabelCheckConfig,
                  answers: Sequence[str] | None, check: Mapping[str, Any], prepared: Mapping[str, Any],
-                 round_index: int, cap: int | None = None) -> dict[str, Any]:
+                 round_index: int, cap: int | None = None) -> RelabelParams:
     """The relabel task's parameters: the likely errors of `check` (the labelcheck stage's ref) at least
     labelcheck.min_confidence likely wrong that no earlier round sent back, at most labelcheck.relabel_top_n (and at
     most `cap`, what rounds.label_budget has left: pipeline.rounds.budget_left), go to rounds/NNN/relabel/."""
     queued = sorted({s for ids in relabel_queued(artifacts, round_index).values() for s in ids})
-    return {"artifacts": str(artifacts), "check": {"dir": check["dir"], "digest": check["digest"]},
-            "prepared": prepared, "annotate": annotate.model_dump(mode="json"), "answers": answers,
-            "top_n": labelcheck.relabel_top_n if cap is None else min(labelcheck.relabel_top_n, cap),
-            "min_confidence": labelcheck.min_confidence,
-            "already_queued": queued, "round_index": round_index, "out_dir": str(relabel_dir(artifacts, round_index))}
+    return RelabelParams(
+        artifacts=str(artifacts), check={"dir": check["dir"], "digest": check["digest"]}, prepared=dict(prepared),
+        annotate=annotate.model_dump(mode="json"), answers=None if answers is None else list(answers),
+        top_n=labelcheck.relabel_top_n if cap is None else min(labelcheck.relabel_top_n, cap),
+        min_confidence=labelcheck.min_confidence, already_queued=queued, round_index=round_index,
+        out_dir=str(relabel_dir(artifacts, round_index)))
 
 
-def run_relabel(*, artifacts: str, check: Mapping[str, Any], prepared: Mapping[str, Any],
-                annotate: Mapping[str, Any], answers: Sequence[str] | None, top_n: int, min_confidence: float,
-                already_queued: Sequence[str], round_index: int, out_dir: str) -> dict[str, Any]:
+def run_relabel(params: RelabelParams) -> dict[str, Any]:
     """The relabel task's body: export the queue, its ref; {"count": 0} when there is nothing to send (an abstaining
     check reports no issue)."""
     from pipeline.preprocess import load_prepared
 
-    issues = relabel_candidates(issues_from_report(check["dir"]), min_confidence=min_confidence, top_n=top_n,
-                                skip=already_queued)
-    m = export_relabel(issues, load_prepared(prepared["dir"]), out_dir,
-                       annotate=AnnotateConfig.model_validate(annotate), answers=answers, artifacts=artifacts,
-                       round_index=round_index)
-    return {"dir": out_dir, "digest": m.key, "count": m.info["count"]} if m else {"count": 0}
+    p = params
+    issues = relabel_candidates(issues_from_report(p.check["dir"]), min_confidence=p.min_confidence, top_n=p.top_n,
+                                skip=p.already_queued)
+    m = export_relabel(issues, load_prepared(p.prepared["dir"]), p.out_dir,
+                       annotate=AnnotateConfig.model_validate(p.annotate), answers=p.answers, artifacts=p.artifacts,
+                       round_index=p.round_index)
+    return {"dir": p.out_dir, "digest": m.key, "count": m.info["count"]} if m else {"count": 0}

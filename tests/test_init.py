@@ -123,6 +123,9 @@ def test_init_writes_a_config_load_config_accepts_and_never_overwrites(tmp_path,
     # A 20-image pool cannot spare a stop set: the default stop stays off and the file says why.
     assert cfg.rounds.stop_set == 0 and "cannot spare a stop set" in res.text
     assert cfg.rounds.stop_when_converged is not None
+    # The label-efficiency winner, with no switch point to set: Uncertainty Herding over margin.
+    assert (cfg.select.cold_start, cfg.select.strategy, cfg.select.diversity) == (
+        "maxherding", "margin", "uncertainty_herding") and cfg.select.schedule.coverage == "none"
     assert any("tamis round -c" in s for s in res.next_steps)
     before = out.read_text()
     with pytest.raises(ConfigError, match="already exists; tamis init never overwrites a config: pass --force"):

@@ -73,7 +73,7 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
     for f in found:
         lines += _source_lines(f)
     if answers is None:
-        lines.append("  # No answer set found (no class folders, no answers): open answers, scored by token entropy.")
+        lines.append("  # No answer set found (no class folders, no answers): open answers, scored by semantic entropy.")
         lines.append("  answers: null")
     else:
         lines.append(f"  # {len(answers)} answers, from " + " and ".join(
@@ -91,10 +91,12 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
     lines += _train_lines(facts)
     lines += ["select:", f"  # {s.batch_size.why}", f"  batch_size: {s.batch_size.value}",
               f"  # {s.embeddings.why}", f"  embeddings: {s.embeddings.value}",
-              "  # The label-efficiency winner: coverage while labels are scarce (< 10 per class), then margin.",
-              "  cold_start: maxherding", "  strategy: margin",
-              "  diversity: top_k" if facts.tiny_size is not None else "  diversity: cluster_margin",
-              "  schedule: {coverage: maxherding, switch: labels_per_class, labels_per_class: 10}",
+              "  # The label-efficiency winner: Uncertainty Herding, coverage weighted by the model's uncertainty; it",
+              "  # moves from coverage to uncertainty by itself (benchmarks/README.md). Open answers: semantic entropy.",
+              "  cold_start: maxherding",
+              "  strategy: margin" if answers else "  strategy: semantic_entropy",
+              "  diversity: uncertainty_herding",
+              *([] if answers else ["  mc_dropout_passes: 4                 # semantic entropy groups 4 sampled answers"]),
               f"  # {s.shard_size.why}", f"  shard_size: {s.shard_size.value}",
               f"  score_batch_size: {s.score_batch_size.value}               # {s.score_batch_size.why}",
               f"  # auto: score every eligible sample up to 10,000, restrict above (this pool: {pool:,}); the",

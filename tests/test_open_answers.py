@@ -309,7 +309,8 @@ def test_open_benchmark_config_loads_and_rejects_what_open_answers_cannot_do(tmp
     for mutate, fragment in [
         (lambda d: d["benchmark"].update(longtail={"imbalance": 20}), "benchmark.longtail: null"),
         (lambda d: d["benchmark"].update(reference_learner=True), "reference_learner: false"),
-        (lambda d: d["benchmark"]["strategies"].update(m={"strategy": "margin"}), "use random, token_entropy"),
+        (lambda d: d["benchmark"]["strategies"].update(m={"strategy": "margin"}),
+         "use one of ['answer_disagreement', 'random', 'semantic_entropy', 'token_entropy']"),
         (lambda d: d["benchmark"].update(metric="accuracy"), "needs a closed answer set"),
     ]:
         with pytest.raises(ConfigError) as err:

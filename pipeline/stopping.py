@@ -81,7 +81,7 @@ def forecast(history: Sequence[float], target: float) -> tuple[int | None, str]:
     return n, f"stable in about {n} rounds at this trend (agreement {history[-1]:.4f} → {target})"
 
 
-def remaining_change(history: Sequence[float], *, n: int, window: int = 4) -> tuple[float | None, float | None]:
+def remaining_change(history: Sequence[float], *, n: int, window: int = 6) -> tuple[float | None, float | None]:
     """(forecast share of stop-set answers that all later rounds will still change, the disagreement's ratio per
     round): the last `window` disagreements 1 - agreement fitted as d·q^t and summed beyond the last, d·q/(1-q).
     None before three agreements. inf when the disagreement is not falling: q >= 1, or its fitted fall over the

@@ -279,7 +279,7 @@ def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_pat
     assert budget_left(cfg(tmp_path).rounds, {"labels_spent": 80, "selected": 10}) is None
     relabel = {"artifacts": c.artifacts, "annotate": c.annotate, "labelcheck": c.labelcheck, "answers": None,
                "check": {"dir": "x", "digest": "d"}, "prepared": {"dir": "p", "digest": "q"}, "round_index": 2}
-    assert plan_relabel(**relabel, cap=5)["top_n"] == 5 and plan_relabel(**relabel)["top_n"] == 20
+    assert plan_relabel(**relabel, cap=5).top_n == 5 and plan_relabel(**relabel).top_n == 20
 
 
 def _reweigh(model_dir, scale=1.5):

@@ -246,22 +246,17 @@ class AnswerDisagreement(Heuristic):
         if a.dtype.kind not in "iufUSb":
             raise SelectionError(f"answer_disagreement: answer ids must be numbers or strings, got dtype {a.dtype}")
         # Sorted rows turn "count of the modal answer" into "longest run of equal neighbours".
-        s = np.sort(a, axis=1)
-        n, k = s.shape
-        change = np.ones((n, k), dtype=bool)
-        change[:, 1:] = s[:, 1:] != s[:, :-1]
-        pos = np.broadcast_to(np.arange(k), (n, k))
-        run_start = np.maximum.accumulate(np.where(change, pos, 0), axis=1)
-        longest = (pos - run_start + 1).max(axis=1)
-        return 1.0 - longest / k
+        run, _ = _runs(a)
+        return 1.0 - run.max(axis=1) / a.shape[1]
 
 
 class SemanticEntropy(Heuristic):
     """Discrete semantic entropy (Kuhn, Gal & Farquhar, ICLR 2023; Farquhar et al., Nature 2024): the k sampled
     answers are grouped by meaning (pipeline.meaning) and the score is the entropy, in nats, of the groups' shares.
 
-    Unlike answer_disagreement (1 - the modal group's share) it sees how the rest split: 2 + 2 of 4 samples
-    (ln 2) ranks above 2 + 1 + 1 (1.04) only by entropy's own order, and four different meanings (ln 4) rank highest.
+    Unlike answer_disagreement (1 - the modal group's share) it sees how the rest split: of 4 samples, 2 + 1 + 1
+    (1.04 nats) ranks above 2 + 2 (ln 2 = 0.69), which answer_disagreement ties (0.5 both), and four different
+    meanings (ln 4) rank highest.
     """
 
     name = "semantic_entropy"
@@ -275,15 +270,24 @@ class SemanticEntropy(Heuristic):
                 f"semantic_entropy: needs >= 2 sampled answers per sample, got shape {a.shape}; "
                 "set select.mc_dropout_passes >= 2"
             )
-        n, k = a.shape
-        s = np.sort(a, axis=1)
         # Group sizes from runs of equal sorted codes: share = run length / k at each run's last position.
-        end = np.ones((n, k), dtype=bool)
-        end[:, :-1] = s[:, 1:] != s[:, :-1]
-        pos = np.broadcast_to(np.arange(k), (n, k))
-        start = np.maximum.accumulate(np.where(np.c_[np.ones((n, 1), bool), end[:, :-1]], pos, 0), axis=1)
-        share = np.where(end, (pos - start + 1) / k, 1.0)
+        run, last = _runs(a)
+        share = np.where(last, run / a.shape[1], 1.0)
         return -(share * np.log(share)).sum(axis=1)
+
+
+def _runs(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row sorted into runs of equal codes: (the length of the run so far at each position, whether the
+    position ends its run); [n, k] both."""
+    s = np.sort(codes, axis=1)
+    n, k = s.shape
+    change = np.ones((n, k), dtype=bool)
+    change[:, 1:] = s[:, 1:] != s[:, :-1]
+    pos = np.broadcast_to(np.arange(k), (n, k))
+    run = pos - np.maximum.accumulate(np.where(change, pos, 0), axis=1) + 1
+    last = np.ones((n, k), dtype=bool)
+    last[:, :-1] = change[:, 1:]
+    return run, last
 
 
 def rank(scores: np.ndarray, *, seed: int) -> np.ndarray:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.config import ConvergedRule
 from pipeline.evaluate import normalize_answer
 from pipeline.store import atomic_write_json
 
@@ -100,7 +101,7 @@ def remaining_change(history: Sequence[float], *, n: int, window: int = 6) -> tu
     return last * q / (1 - q), q
 
 
-def converged_reason(stability: Mapping[str, Any] | None, rule: Any) -> str | None:
+def converged_reason(stability: Mapping[str, Any] | None, rule: ConvergedRule | None) -> str | None:
     """Why to stop on `rounds.stop_when_converged`, or None: the forecast change still to come is at most
     rule.remaining_change, or the disagreement has not fallen over rule.window rounds (its floor)."""
     if rule is None or not stability:
@@ -114,8 +115,8 @@ def converged_reason(stability: Mapping[str, Any] | None, rule: Any) -> str | No
         if len(history) < rule.window:
             return None
         return (f"converged: the stop set's disagreement between successive adapters stopped falling over the last "
-                f"{rule.window} rounds (now {d:.4f}): more labels move the answers only at that floor "
-                "(rounds.stop_when_converged)")
+                f"{rule.window} rounds (by no more than its sampling noise; now {d:.4f}): more labels move the "
+                "answers only at that floor (rounds.stop_when_converged)")
     if left <= rule.remaining_change:
         return (f"converged: forecast {left:.3f} of the stop set's answers left to change over all later rounds ≤ "
                 f"rounds.stop_when_converged.remaining_change = {rule.remaining_change} (disagreement {d:.4f}, "

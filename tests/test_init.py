@@ -132,7 +132,11 @@ def test_init_writes_a_config_load_config_accepts_and_never_overwrites(tmp_path,
         init_project(pool, test=labels, model=str(tiny_models["idefics3"]), out=out, hw=CPU)
     assert out.read_text() == before
     init_project(pool, test=None, model=str(tiny_models["idefics3"]), out=out, hw=CPU, force=True)
-    assert load_config(out).data.answers is None  # no test answers, no class folders: open answers
+    opened = load_config(out)
+    assert opened.data.answers is None  # no test answers, no class folders: open answers
+    # ... scored by semantic entropy over 4 sampled answers, still under Uncertainty Herding
+    assert (opened.select.strategy, opened.select.diversity, opened.select.mc_dropout_passes) == (
+        "semantic_entropy", "uncertainty_herding", 4)
 
 
 def test_a_hub_model_gets_a_size_from_the_images(tmp_path, monkeypatch):

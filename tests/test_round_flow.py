@@ -287,7 +287,7 @@ def test_the_stop_set_is_predicted_by_each_adapter_and_never_exported(tmp_path, 
     with the previous adapter's; none of them is ever selected."""
     from flows.round import labeling_round
 
-    config = write_project(tmp_path, tiny_models, limit=40, rounds={"stop_set": 8})
+    config = write_project(tmp_path, tiny_models, limit=80, rounds={"stop_set": 8})
     art = load_config(config).artifacts
     states = [labeling_round(str(config)) for _ in range(3)]
     assert [s["round"] for s in states] == [0, 1, 2]
@@ -302,6 +302,14 @@ def test_the_stop_set_is_predicted_by_each_adapter_and_never_exported(tmp_path, 
     assert not exported & set(stop)
     assert "stop set (8 pool samples): agreement with the previous adapter" in (
         art / "rounds/002/summary.md").read_text()
+    # With three agreements (round 4) the summary carries the default stop's forecast (rounds.stop_when_converged) and, on a
+    # stop, its reason.
+    later = [labeling_round(str(config)) for _ in range(2)]
+    assert len(later[-1]["stability"]["history"]) == 3 and "remaining_change" in later[-1]["stability"]
+    summary = (art / "rounds/004/summary.md").read_text()
+    assert "forecast change still to come" in summary or "disagreement not falling (at its floor)" in summary
+    if later[-1]["stopped"] and later[-1]["stopped"].startswith("converged"):
+        assert later[-1]["stopped"] in summary
 
 
 def test_a_project_without_a_labeled_test_split_is_refused_before_training(tmp_path, tiny_models, prefect_harness):

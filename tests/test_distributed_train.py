@@ -291,7 +291,9 @@ def test_ranks_die_with_a_killed_launcher_and_the_rerun_resumes(tiny_models, row
 
     import psutil
 
-    cfg = make_cfg(tiny_models["idefics3"], "qlora", batch_size=2, effective_batch_size=4, max_steps=40,
+    # 400 steps: the kill must land mid-training. At 40, an idle machine's ranks sometimes finished the 38 steps
+    # after the first checkpoint before the poll below noticed it (the adapter was there at the kill).
+    cfg = make_cfg(tiny_models["idefics3"], "qlora", batch_size=2, effective_batch_size=4, max_steps=400,
                    checkpoint_every=2, num_processes=2)
     (tmp_path / "cfg.json").write_text(json.dumps(cfg.model_dump(mode="json")))
     (tmp_path / "rows.json").write_text(json.dumps([{**r, "prepared": r["prepared"].hex()} for r in rows]))

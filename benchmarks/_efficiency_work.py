@@ -125,7 +125,7 @@ class Work:
 
     def train(self, cfg: ProjectConfig, labels: dict[str, str], init: Adapter | None = None) -> Adapter:
         """An adapter for `labels`; with train.init warm, continued from `init` (the previous round's)."""
-        from pipeline.model.train import train_adapter
+        from pipeline.model.train import TrainSpec, train_adapter
 
         init = init if cfg.train.init == "warm" else None
         rows = [{**self.data.rows[s], "answer": labels[s]} for s in sorted(labels)]
@@ -135,7 +135,7 @@ class Work:
         out = self.art / "train" / key[:16]
         done = (out / MANIFEST_NAME).is_file()
         t0 = time.monotonic()
-        res = train_adapter(cfg, rows, out, init_adapter=init and init.dir, progress=False)
+        res = train_adapter(TrainSpec.of(cfg), rows, out, init_adapter=init and init.dir, progress=False)
         if done:
             self.reused("train", key)
         else:

@@ -49,7 +49,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from pipeline.config import parse_config
-    from pipeline.model.train import train_adapter
+    from pipeline.model.train import TrainSpec, train_adapter
     from pipeline.model.utilisation import peak_rss_mb
 
     torch.set_num_threads(args.threads * args.processes)  # the launcher gives each rank threads // processes
@@ -62,7 +62,7 @@ def child(args: argparse.Namespace) -> None:
                   "learning_rate": 0.002, "warmup_ratio": 0.0, "scheduler": "constant",
                   "gradient_checkpointing": False, "num_processes": args.processes},
     })
-    res = train_adapter(cfg, digit_rows(args.rows), args.out, progress=False)
+    res = train_adapter(TrainSpec.of(cfg), digit_rows(args.rows), args.out, progress=False)
     util = res.info["utilisation"]
     ranks = util.get("per_process", {}).get("peak_rss_mb") or [util["peak_rss_mb"]]
     print(json.dumps({

@@ -493,7 +493,7 @@ def data_parallel(env: Env, path: Path, family: str, image_size: int, batch: int
     if devices < 2:
         return {"not_measured": f"needs at least 2 CUDA devices; this machine has {devices}"}
     from pipeline.config import ProjectConfig
-    from pipeline.model.train import train_adapter
+    from pipeline.model.train import TrainSpec, train_adapter
 
     rows = make_rows(2 * batch * steps, image_size, seed=2)
     runs: dict[str, Any] = {}
@@ -504,7 +504,7 @@ def data_parallel(env: Env, path: Path, family: str, image_size: int, batch: int
                       "scheduler": "constant", "gradient_checkpointing": False, "num_processes": nproc,
                       "precision": "bf16" if env.cuda else "fp32", "learning_rate": 1e-4},
         })
-        res = train_adapter(cfg, rows, work / f"dp-{nproc}", progress=False)
+        res = train_adapter(TrainSpec.of(cfg), rows, work / f"dp-{nproc}", progress=False)
         util = res.info["utilisation"]
         runs[f"processes_{nproc}"] = {
             "seconds": res.info["seconds"], "samples_per_s": round(steps * 2 * batch / res.info["seconds"], 2),

@@ -68,7 +68,7 @@ def config(work: Path, verify: str = "stat"):
 
 def phase(work: Path, verify: str) -> dict:
     """One `tamis ingest`, as the flow runs it without Prefect: source digest, then the (cached) ingest stage."""
-    from pipeline.data.ingest import ingest_dir, ingest_key_config, ingest_stage, source_digest
+    from pipeline.data.ingest import ingest_params, ingest_stage, source_digest
 
     cfg = config(work, verify)
     load = os.getloadavg()[0]
@@ -82,8 +82,7 @@ def phase(work: Path, verify: str) -> dict:
     c0, t0 = time.process_time(), time.perf_counter()
     digest = source_digest(cfg.data, cfg.artifacts)
     t_digest = time.perf_counter() - t0
-    data_config = ingest_key_config(cfg.section("data"))
-    ref = ingest_stage(str(cfg.artifacts), digest, data_config, str(ingest_dir(cfg.artifacts, digest, data_config)))
+    ref = ingest_stage(ingest_params(cfg.data, cfg.artifacts, digest))
     wall = time.perf_counter() - t0
     m = json.loads((Path(ref["dir"]) / "manifest.json").read_text())
     cpu = time.process_time() - c0

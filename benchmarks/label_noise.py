@@ -147,13 +147,13 @@ class Trainer:
 
     def accuracy(self, labels: dict[str, str]) -> float:
         from pipeline.model.loading import load_model
-        from pipeline.model.train import train_adapter
+        from pipeline.model.train import TrainSpec, train_adapter
         from pipeline.scoring import ClosedSetScorer
         from pipeline.store import digest_json
 
         key = digest_json(sorted(labels.items()))[:16]
         if key not in self.done:
-            res = train_adapter(self.cfg, self.rows(labels), self.root / f"train-{key}", progress=False)
+            res = train_adapter(TrainSpec.of(self.cfg), self.rows(labels), self.root / f"train-{key}", progress=False)
             loaded = load_model(self.cfg.model, adapter=res.adapter_dir)
             probs = ClosedSetScorer(loaded, DIGITS).score(self.test, batch_size=64).probs
             self.done[key] = float((probs.argmax(1) == [DIGITS.index(r["answer"]) for r in self.test]).mean())

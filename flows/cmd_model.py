@@ -233,7 +233,7 @@ def train_cmd(
     from pipeline.errors import DataError
     from pipeline.model.distributed import launched_rank
     from pipeline.model.resolve import resolve_configured
-    from pipeline.model.train import train_adapter
+    from pipeline.model.train import TrainSpec, train_adapter
 
     cfg = load_config(config)
     out_console(stderr=True).print(resolve_configured(cfg.model).note, highlight=False, soft_wrap=True)
@@ -246,7 +246,7 @@ def train_cmd(
     if missing:
         raise DataError(f"--dataset {dataset}: columns {missing} are missing (it has {ds.column_names}); use a "
                         "prepared, labeled dataset")
-    result = train_adapter(cfg, list(ds.select_columns(cols)), out, init_adapter=init_adapter)
+    result = train_adapter(TrainSpec.of(cfg), list(ds.select_columns(cols)), out, init_adapter=init_adapter)
     rank = launched_rank()
     if rank is None or rank.is_main:
         typer.echo(json.dumps({"adapter": str(result.adapter_dir), "steps": result.steps,

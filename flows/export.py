@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from flows.stages import run_stage, stage_task
-from pipeline.annotation.export import EXPORT_VERSION, export_dir, export_stage
+from pipeline.annotation.export import EXPORT_VERSION, export_params, export_stage
 from pipeline.annotation.label_studio import push_batch
 from pipeline.config import ProjectConfig
 
@@ -16,9 +16,9 @@ def export_ref(cfg: ProjectConfig, *, selection: dict[str, Any], prepared: dict[
                round_index: int) -> dict[str, Any]:
     """Run (or reuse) the export of a round's selection; with annotate.label_studio the batch is pushed too (its
     result under "label_studio"). Call it inside a flow."""
-    ref = run_stage(export_task, artifacts=str(cfg.artifacts), selection=selection, prepared=prepared,
-                    annotate=cfg.section("annotate"), answers=cfg.data.answers, round_index=round_index,
-                    out_dir=str(export_dir(cfg.artifacts, round_index)))
+    ref = run_stage(export_task, params=export_params(cfg.annotate, cfg.data.answers, artifacts=cfg.artifacts,
+                                                      selection=selection, prepared=prepared,
+                                                      round_index=round_index))
     if cfg.annotate.label_studio is not None:
         ref = {**ref, "label_studio": push_batch(cfg.annotate, cfg.artifacts, ref["dir"])}
     return ref

@@ -11,17 +11,13 @@ from pipeline.config import ProjectConfig, load_config
 from pipeline.data.ingest import (
     INGEST_VERSION,
     STAGE,
-    ingest_dir,
-    ingest_key_config,
+    ingest_params,
     ingest_stage,
     record_latest,
     source_digest,
 )
 
-
-@stage_task(STAGE, INGEST_VERSION)
-def ingest_task(artifacts: str, source_digest: str, data_config: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    return ingest_stage(artifacts, source_digest, data_config, out_dir)
+ingest_task = stage_task(STAGE, INGEST_VERSION)(ingest_stage)
 
 
 def ingest_ref(cfg: ProjectConfig, digest: str | None = None) -> dict[str, Any]:
@@ -30,9 +26,7 @@ def ingest_ref(cfg: ProjectConfig, digest: str | None = None) -> dict[str, Any]:
     `digest` is `source_digest(cfg.data, cfg.artifacts)` if the caller computed it already.
     """
     digest = digest or source_digest(cfg.data, cfg.artifacts)
-    data_config = ingest_key_config(cfg.section("data"))
-    ref = run_stage(ingest_task, artifacts=str(cfg.artifacts), source_digest=digest, data_config=data_config,
-                    out_dir=str(ingest_dir(cfg.artifacts, digest, data_config)))
+    ref = run_stage(ingest_task, params=ingest_params(cfg.data, cfg.artifacts, digest))
     record_latest(cfg.artifacts, ref)
     return ref
 

@@ -14,31 +14,17 @@ from pipeline import preprocess as prep
 from pipeline import quality as qual
 from pipeline.config import ProjectConfig, load_config
 
-
-@stage_task(prep.STAGE, prep.PREPROCESS_VERSION)
-def preprocess_task(artifacts: str, dataset: str, dataset_digest: str, preprocess: dict[str, Any], size: int,
-                    max_pixels: int) -> dict[str, Any]:
-    return prep.preprocess_stage(artifacts, dataset, dataset_digest, preprocess, size, max_pixels)
-
-
-@stage_task(qual.STAGE, qual.QUALITY_VERSION)
-def quality_task(artifacts: str, dataset: str, dataset_digest: str, quality: dict[str, Any]) -> dict[str, Any]:
-    return qual.quality_stage(artifacts, dataset, dataset_digest, quality)
-
-
-@stage_task(aug.STAGE, aug.AUGMENT_VERSION)
-def augment_task(artifacts: str, dataset: str, dataset_digest: str, augment: dict[str, Any], seed: int,
-                 wordnet: bool) -> dict[str, Any]:
-    """`wordnet` (is WordNet installed?) is in the cache key: installing it later re-runs a synonym-enabled config."""
-    return aug.augment_stage(artifacts, dataset, dataset_digest, augment, seed, wordnet)
+preprocess_task = stage_task(prep.STAGE, prep.PREPROCESS_VERSION)(prep.preprocess_stage)
+quality_task = stage_task(qual.STAGE, qual.QUALITY_VERSION)(qual.quality_stage)
+augment_task = stage_task(aug.STAGE, aug.AUGMENT_VERSION)(aug.augment_stage)
 
 
 def prepare_refs(cfg: ProjectConfig, ingest_ref: dict[str, Any]) -> dict[str, Any]:
     """Preprocess + quality for an ingested dataset; call it inside a flow. Returns {"prepare": ref, "quality": ref},
     each ref {"dir", "digest", "info"}; load with pipeline.preprocess.load_prepared / pipeline.quality.load_quality."""
-    prepared = run_stage(preprocess_task, **prep.preprocess_params(cfg.artifacts, ingest_ref, cfg.preprocess,
-                                                                  cfg.model, cfg.data.max_image_pixels))
-    quality = run_stage(quality_task, **qual.quality_params(cfg.artifacts, prepared, cfg.quality))
+    prepared = run_stage(preprocess_task, params=prep.preprocess_params(cfg.artifacts, ingest_ref, cfg.preprocess,
+                                                                       cfg.model, cfg.data.max_image_pixels))
+    quality = run_stage(quality_task, params=qual.quality_params(cfg.artifacts, prepared, cfg.quality))
     refs = {"prepare": prepared, "quality": quality}
     prep.record_latest(cfg.artifacts, refs)
     return refs
@@ -49,8 +35,8 @@ def augment_ref(cfg: ProjectConfig, labeled_ref: dict[str, Any], *, seed: int | 
 
     Returns {"dir", "digest", "info"}; load with pipeline.augment.load_augmented. `seed` defaults to cfg.seed.
     """
-    return run_stage(augment_task, **aug.augment_params(cfg.artifacts, labeled_ref, cfg.augment,
-                                                        cfg.seed if seed is None else seed))
+    return run_stage(augment_task, params=aug.augment_params(cfg.artifacts, labeled_ref, cfg.augment,
+                                                             cfg.seed if seed is None else seed))
 
 
 @flow(name="prepare")

@@ -61,12 +61,12 @@ def score_pool_flow(artifacts: str, model: dict[str, Any], scoring: dict[str, An
                           pool_ids=read_pool_file(pool_file), shard_size=shard_size)
     progress = create_progress_artifact(progress=0.0, key="scoring-progress",
                                         description=f"pool scoring: 0 / {len(shards)} shards")
-    futures = [score_shard_task.submit(**p) for p in shards]
+    futures = [score_shard_task.submit(params=p) for p in shards]
     refs = []
     for i, (fut, params) in enumerate(zip(futures, shards, strict=True), 1):
         ref = fut.result()
         if not ref_is_valid(ref, SCORE_VERSION):  # its shard folder was deleted, damaged or rescored since
-            ref = score_shard_task.with_options(refresh_cache=True).submit(**params).result()
+            ref = score_shard_task.with_options(refresh_cache=True).submit(params=params).result()
         refs.append(ref)
         if i == len(futures) or i % max(1, len(futures) // 20) == 0:
             update_progress_artifact(progress, progress=100.0 * i / len(futures),
@@ -93,7 +93,7 @@ def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[st
 def embeddings_ref(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, Any] | None:
     """The cached selection-embeddings stage, or None when selection uses the model's own embeddings."""
     params = embeddings_params(cfg, prepared)
-    return run_stage(embeddings_task, **params) if params is not None else None
+    return run_stage(embeddings_task, params=params) if params is not None else None
 
 
 def select_ref(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,

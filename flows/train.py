@@ -12,7 +12,7 @@ from pipeline import report, rounds
 from pipeline.augment import training_rows
 from pipeline.config import ProjectConfig
 from pipeline.evaluate import EVAL_VERSION, evaluate_stage
-from pipeline.model.train_stage import TRAIN_VERSION, train_stage
+from pipeline.model.train_stage import TRAIN_VERSION, TrainParams, train_stage
 from pipeline.round_state import RoundState, adapter_ref
 from pipeline.stopping import measure_stop_set
 
@@ -20,14 +20,9 @@ evaluate_task = stage_task("evaluate", EVAL_VERSION)(evaluate_stage)
 
 
 @stage_task("train", TRAIN_VERSION)
-def train_task(artifacts: str, labeled: dict, augmented: dict | None, model: dict, train: dict,
-               seed: int, init_adapter: dict | None, out_dir: str) -> dict[str, Any]:
-    def progress(total: int) -> Any:  # every ~20th of the run (each report is an API call)
-        return report.StepReporter(total, progress_sink("training-progress", f"training ({total} steps)"),
-                                   every=max(1, total // 20))
-
-    return train_stage(artifacts, training_rows(labeled, augmented), model, train, seed, init_adapter, out_dir,
-                       progress=progress)
+def train_task(params: TrainParams) -> dict[str, Any]:
+    reporter = report.StepReporter(lambda total: progress_sink("training-progress", f"training ({total} steps)"))
+    return train_stage(params, training_rows(params.labeled, params.augmented), on_step=reporter)
 
 
 def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any], state: RoundState,
@@ -39,11 +34,12 @@ def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any]
     aug = augment_ref(cfg, labeled) if cfg.augment.copies else None
     art = cfg.artifacts
     with progress.step("train"):
-        adapter = run_stage(train_task, **rounds.train_params(plan, artifacts=art, model=cfg.model, train=cfg.train,
-                                                             seed=cfg.seed, labeled=labeled, augmented=aug))
+        adapter = run_stage(train_task, params=rounds.train_params(plan, artifacts=art, model=cfg.model,
+                                                                   train=cfg.train, seed=cfg.seed, labeled=labeled,
+                                                                   augmented=aug))
     with progress.step("evaluate"):
         test = rounds.test_set(art, prep["prepare"], pool)
-        rounds.record_evaluation(art, plan, state, run_stage(evaluate_task, **rounds.evaluate_params(
+        rounds.record_evaluation(art, plan, state, run_stage(evaluate_task, params=rounds.evaluate_params(
             artifacts=art, model=cfg.model, answers=cfg.data.answers, batch_size=cfg.select.score_batch_size,
             test=test, adapter=adapter)))
         if (stop := rounds.stop_set_check(cfg.rounds, plan, pool, seed=cfg.seed, artifacts=art)) is not None:

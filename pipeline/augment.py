@@ -15,6 +15,7 @@ import random
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -337,19 +338,32 @@ def training_rows(labeled: Mapping[str, Any], augmented: Mapping[str, Any] | Non
     return rows
 
 
-def augment_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str, augment: dict[str, Any],
-                  seed: int, wordnet: bool) -> dict[str, Any]:
-    """The augment stage: copies of the labeled `dataset` in artifacts/augment/<key>/ (or the verified folder
-    already there). An output made without WordNet is redone once `wordnet` says it is installed."""
+@dataclass(frozen=True)
+class AugmentParams:
+    """The augment stage's parameters, built by augment_params; its cache key is their `asdict()`. `wordnet` (is
+    WordNet installed?) is in the key: installing it later re-runs a synonym-enabled config."""
+
+    artifacts: str
+    dataset: str  # the labeled prepared set's folder
+    dataset_digest: str
+    augment: dict[str, Any]  # the augment section as JSON data
+    seed: int
+    wordnet: bool
+
+
+def augment_stage(params: AugmentParams) -> dict[str, Any]:
+    """The augment stage: copies of the labeled dataset in artifacts/augment/<key>/ (or the verified folder
+    already there). An output made without WordNet is redone once `params.wordnet` says it is installed."""
     import datasets
 
-    inputs = {"dataset": dataset_digest}
-    key = stage_key(STAGE, AUGMENT_VERSION, inputs, {**augment, "seed": seed})
-    out = Path(artifacts) / "augment" / key[:16]
+    inputs = {"dataset": params.dataset_digest}
+    key = stage_key(STAGE, AUGMENT_VERSION, inputs, {**params.augment, "seed": params.seed})
+    out = Path(params.artifacts) / "augment" / key[:16]
     m = find_valid_manifest(out, key)
-    if m is not None and wordnet and "synonym" in m.info.get("skipped_text_augmenters", []):
+    if m is not None and params.wordnet and "synonym" in m.info.get("skipped_text_augmenters", []):
         m = None
-    m = m or augment_labeled(datasets.load_from_disk(dataset), AugmentConfig(**augment), seed, out, inputs=inputs)
+    m = m or augment_labeled(datasets.load_from_disk(params.dataset), AugmentConfig(**params.augment), params.seed,
+                             out, inputs=inputs)
     return stage_ref(out, m, "dataset")
 
 
@@ -359,8 +373,8 @@ def wants_wordnet(cfg: AugmentConfig) -> bool:
 
 
 def augment_params(artifacts: str | os.PathLike[str], labeled_ref: dict[str, Any], augment: AugmentConfig,
-                   seed: int) -> dict[str, Any]:
+                   seed: int) -> AugmentParams:
     """The augment stage's parameters (its cache key) for a labeled set's ref (a stage folder or a saved dataset)."""
     dataset, digest = stage_dataset(labeled_ref)
-    return {"artifacts": str(artifacts), "dataset": dataset, "dataset_digest": digest,
-            "augment": augment.model_dump(mode="json"), "seed": seed, "wordnet": wants_wordnet(augment)}
+    return AugmentParams(artifacts=str(artifacts), dataset=dataset, dataset_digest=digest,
+                         augment=augment.model_dump(mode="json"), seed=seed, wordnet=wants_wordnet(augment))

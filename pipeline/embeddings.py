@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -348,7 +349,20 @@ def lookup(ids_all: Sequence[str] | IdIndex, emb_all: np.ndarray, wanted_ids: Se
     return emb_all[rows] if len(rows) else emb_all[:0]
 
 
-def embeddings_params(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class EmbeddingsParams:
+    """The selection-embeddings stage's parameters, built by embeddings_params; its cache key is their `asdict()`."""
+
+    artifacts: str
+    prepared: dict[str, Any]  # the prepared data's ref
+    select: dict[str, Any]  # {"embeddings": the select.embeddings section as JSON data}
+    model: dict[str, Any] | None  # the model section, for source vision_tower only
+    file_digest: str | None  # the user's embeddings file, for source file only
+    seed: int
+    out_dir: str
+
+
+def embeddings_params(cfg: ProjectConfig, prepared: dict[str, Any]) -> EmbeddingsParams | None:
     """The selection-embeddings stage's parameters (its cache key), or None when selection uses the model's own
     embeddings. Keyed by the prepared data's content, the embeddings config, the seed, the base model
     (vision_tower) and the user's file (file), never by the adapter. A round's planning function: it reads the
@@ -362,7 +376,7 @@ def embeddings_params(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str,
               "model": cfg.section("model") if emb.source == "vision_tower" else None,
               "file_digest": file_digest, "seed": cfg.seed}
     out = Path(cfg.artifacts) / "embeddings" / digest_json(params)[:16]
-    return {"artifacts": str(cfg.artifacts), "out_dir": str(out), **params}
+    return EmbeddingsParams(artifacts=str(cfg.artifacts), out_dir=str(out), **params)
 
 
 # ------------------------------------------------------------------------------------------------ sharded pools
@@ -478,14 +492,14 @@ def compute_sharded_embeddings(spec: EmbeddingsSpec, prepared: datasets.Dataset,
     )
 
 
-def embeddings_stage(artifacts: str, prepared: dict[str, Any], select: dict[str, Any], model: dict[str, Any] | None,
-                     file_digest: str | None, seed: int, out_dir: str) -> dict[str, Any]:
-    """The selection-embeddings stage: fitted on the pool's images only, written to `out_dir` (or reused there);
-    on a sharded dataset, per shard (compute_sharded_embeddings)."""
+def embeddings_stage(params: EmbeddingsParams) -> dict[str, Any]:
+    """The selection-embeddings stage: fitted on the pool's images only, written to `params.out_dir` (or reused
+    there); on a sharded dataset, per shard (compute_sharded_embeddings)."""
     from pipeline.preprocess import load_prepared
 
-    spec = EmbeddingsSpec(EmbeddingsConfig.model_validate(select["embeddings"]), int(seed),
-                          ModelConfig.model_validate(model) if model else None, artifacts=Path(artifacts))
+    prepared, out_dir, model = params.prepared, params.out_dir, params.model
+    spec = EmbeddingsSpec(EmbeddingsConfig.model_validate(params.select["embeddings"]), int(params.seed),
+                          ModelConfig.model_validate(model) if model else None, artifacts=Path(params.artifacts))
     inputs = {"prepared": prepared["digest"]}
     dataset, _ = stage_dataset(prepared)
     shards = dataset_shards(dataset) if spec.embeddings.source != "file" else None

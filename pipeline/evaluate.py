@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +137,22 @@ def evaluate_model(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequ
 EVAL_VERSION = stage_version("2", "pipeline.evaluate")  # 2: per-class report, intervals
 
 
-def evaluate_stage(artifacts: str, test: dict, adapter: dict, model: dict, answers: list[str] | None,
-                   batch_size: int, out_dir: str) -> dict[str, Any]:
-    """The evaluate stage: the round's adapter on the labeled test split (`test`: pipeline.rounds.test_set's saved
-    rows), predictions and metrics into `out_dir`."""
+@dataclass(frozen=True)
+class EvalParams:
+    """The evaluate stage's parameters, built by pipeline.rounds.evaluate_params; its cache key is their `asdict()`."""
+
+    artifacts: str
+    test: dict[str, Any]  # the labeled test split on disk (pipeline.rounds.test_set)
+    adapter: dict[str, Any]  # the train stage's ref
+    model: dict[str, Any]  # the model section with its identity (pipeline.model.identity.keyed_model)
+    answers: list[str] | None
+    batch_size: int  # select.score_batch_size, the scoring batch
+    out_dir: str
+
+
+def evaluate_stage(params: EvalParams) -> dict[str, Any]:
+    """The evaluate stage: the round's adapter on the labeled test split, predictions and metrics into
+    `params.out_dir`."""
     import datasets
 
     from pipeline.config import ModelConfig
@@ -153,6 +166,7 @@ def evaluate_stage(artifacts: str, test: dict, adapter: dict, model: dict, answe
         write_manifest,
     )
 
+    test, adapter, model, answers, out_dir = params.test, params.adapter, params.model, params.answers, params.out_dir
     inputs = {"test": test["digest"], "adapter": adapter["adapter_digest"]}
     config = {"model": model, "answers": answers}
 
@@ -160,7 +174,7 @@ def evaluate_stage(artifacts: str, test: dict, adapter: dict, model: dict, answe
         rows = list(datasets.load_from_disk(test["dataset"]))
         model_cfg = ModelConfig.model_validate(model)
         result = evaluate_model(load_model(model_cfg, adapter=adapter["adapter_dir"]), rows, answers,
-                                batch_size=batch_size, max_new_tokens=model_cfg.max_new_tokens)
+                                batch_size=params.batch_size, max_new_tokens=model_cfg.max_new_tokens)
         out = Path(out_dir)
         atomic_write_jsonl(out / "predictions.jsonl", result.pop("predictions"))
         report = result.pop("report")

@@ -14,6 +14,7 @@ import math
 import os
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -326,31 +327,43 @@ def _preprocess_key(artifacts: str | os.PathLike[str], dataset_digest: str, prep
     return key, Path(artifacts) / "prepare" / key[:16]
 
 
-def preprocess_cached(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str,
-                      preprocess: dict[str, Any], size: int, max_pixels: int) -> dict[str, Any] | None:
-    """The stage's ref (preprocess_stage's parameters) when its verified output is on disk, else None."""
-    key, out = _preprocess_key(artifacts, dataset_digest, preprocess, size, max_pixels)
+@dataclass(frozen=True)
+class PreprocessParams:
+    """The preprocess stage's parameters, built by preprocess_params; its cache key is their `asdict()`."""
+
+    artifacts: str
+    dataset: str  # the ingested dataset's folder
+    dataset_digest: str
+    preprocess: dict[str, Any]  # the preprocess section as JSON data
+    size: int  # resolve_size: the model's image size unless the section sets one
+    max_pixels: int  # data.max_image_pixels
+
+    def key(self) -> tuple[str, Path]:
+        return _preprocess_key(self.artifacts, self.dataset_digest, self.preprocess, self.size, self.max_pixels)
+
+
+def preprocess_cached(params: PreprocessParams) -> dict[str, Any] | None:
+    """The stage's ref when its verified output is on disk, else None."""
+    key, out = params.key()
     m = find_valid_manifest(out, key)
     return None if m is None else stage_ref(out, m, "dataset")
 
 
-def preprocess_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str, preprocess: dict[str, Any],
-                     size: int, max_pixels: int) -> dict[str, Any]:
-    """The preprocess stage: the ingested `dataset` prepared into artifacts/prepare/<key>/, or the verified folder
+def preprocess_stage(params: PreprocessParams) -> dict[str, Any]:
+    """The preprocess stage: the ingested dataset prepared into artifacts/prepare/<key>/, or the verified folder
     already there. Returns its ref {"dir", "digest", "info"}."""
     import datasets
 
-    inputs = {"dataset": dataset_digest}
-    key, out = _preprocess_key(artifacts, dataset_digest, preprocess, size, max_pixels)
-    shards = dataset_shards(dataset)
+    inputs = {"dataset": params.dataset_digest}
+    key, out = params.key()
+    cfg, size, max_pixels = PreprocessConfig(**params.preprocess), params.size, params.max_pixels
+    shards = dataset_shards(params.dataset)
     if shards is None:  # a dataset not made of ingest shards: prepared whole
         m = reuse_or_compute(out, key, lambda: preprocess_dataset(
-            datasets.load_from_disk(dataset), PreprocessConfig(**preprocess), out, size=size, max_pixels=max_pixels,
-            inputs=inputs))
+            datasets.load_from_disk(params.dataset), cfg, out, size=size, max_pixels=max_pixels, inputs=inputs))
     else:
         m = reuse_or_compute(out, key, lambda: _preprocess_shards(
-            artifacts, dataset, shards, PreprocessConfig(**preprocess), out, size=size, max_pixels=max_pixels,
-            inputs=inputs))
+            params.artifacts, params.dataset, shards, cfg, out, size=size, max_pixels=max_pixels, inputs=inputs))
     return stage_ref(out, m, "dataset")
 
 
@@ -420,9 +433,9 @@ def latest_refs(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def preprocess_params(artifacts: str | os.PathLike[str], ingest_ref: dict[str, Any], preprocess: PreprocessConfig,
-                      model: ModelConfig, max_pixels: int) -> dict[str, Any]:
+                      model: ModelConfig, max_pixels: int) -> PreprocessParams:
     """The preprocess stage's parameters (its cache key) for an ingested dataset's ref."""
     dataset, digest = stage_dataset(ingest_ref)
-    return {"artifacts": str(artifacts), "dataset": dataset, "dataset_digest": digest,
-            "preprocess": preprocess.model_dump(mode="json"), "size": resolve_size(preprocess, model),
-            "max_pixels": max_pixels}
+    return PreprocessParams(artifacts=str(artifacts), dataset=dataset, dataset_digest=digest,
+                            preprocess=preprocess.model_dump(mode="json"), size=resolve_size(preprocess, model),
+                            max_pixels=max_pixels)

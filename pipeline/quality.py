@@ -490,35 +490,46 @@ def _quality_key(artifacts: str | os.PathLike[str], dataset_digest: str, quality
     return key, Path(artifacts) / "quality" / key[:16]
 
 
-def quality_cached(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str,
-                   quality: dict[str, Any]) -> dict[str, Any] | None:
-    """The stage's ref (quality_stage's parameters) when its verified output is on disk, else None."""
-    key, out = _quality_key(artifacts, dataset_digest, quality)
+@dataclass(frozen=True)
+class QualityParams:
+    """The quality stage's parameters, built by quality_params; its cache key is their `asdict()`."""
+
+    artifacts: str
+    dataset: str  # the prepared dataset's folder
+    dataset_digest: str
+    quality: dict[str, Any]  # the quality section as JSON data
+
+    def key(self) -> tuple[str, Path]:
+        return _quality_key(self.artifacts, self.dataset_digest, self.quality)
+
+
+def quality_cached(params: QualityParams) -> dict[str, Any] | None:
+    """The stage's ref when its verified output is on disk, else None."""
+    key, out = params.key()
     m = find_valid_manifest(out, key)
     return None if m is None else stage_ref(out, m, "parts" if "parts" in m.outputs else "table")
 
 
-def quality_stage(artifacts: str | os.PathLike[str], dataset: str, dataset_digest: str,
-                  quality: dict[str, Any]) -> dict[str, Any]:
-    """The quality stage: flags for the prepared `dataset` in artifacts/quality/<key>/ (or the verified folder
+def quality_stage(params: QualityParams) -> dict[str, Any]:
+    """The quality stage: flags for the prepared dataset in artifacts/quality/<key>/ (or the verified folder
     already there). Returns its ref {"dir", "digest", "info"}."""
     import datasets
 
-    inputs = {"dataset": dataset_digest}
-    key, out = _quality_key(artifacts, dataset_digest, quality)
-    shards = dataset_shards(dataset)
+    inputs = {"dataset": params.dataset_digest}
+    key, out = params.key()
+    cfg = QualityConfig(**params.quality)
+    shards = dataset_shards(params.dataset)
     if shards is None:
-        m = reuse_or_compute(out, key, lambda: assess_quality(datasets.load_from_disk(dataset),
-                                                              QualityConfig(**quality), out, inputs=inputs))
+        m = reuse_or_compute(out, key, lambda: assess_quality(datasets.load_from_disk(params.dataset), cfg, out,
+                                                              inputs=inputs))
     else:
-        m = reuse_or_compute(out, key, lambda: _assess_shards(artifacts, shards, QualityConfig(**quality), out,
-                                                              inputs))
+        m = reuse_or_compute(out, key, lambda: _assess_shards(params.artifacts, shards, cfg, out, inputs))
     return stage_ref(out, m, "parts" if "parts" in m.outputs else "table")
 
 
 def quality_params(artifacts: str | os.PathLike[str], prepared_ref: dict[str, Any],
-                   quality: QualityConfig) -> dict[str, Any]:
+                   quality: QualityConfig) -> QualityParams:
     """The quality stage's parameters (its cache key) for a prepared dataset's ref."""
     dataset, digest = stage_dataset(prepared_ref)
-    return {"artifacts": str(artifacts), "dataset": dataset, "dataset_digest": digest,
-            "quality": quality.model_dump(mode="json")}
+    return QualityParams(artifacts=str(artifacts), dataset=dataset, dataset_digest=digest,
+                         quality=quality.model_dump(mode="json"))

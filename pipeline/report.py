@@ -366,19 +366,23 @@ class RoundProgress:
 
 @dataclass
 class StepReporter:
-    """Training progress every `every` optimizer steps (and at the last one), not every step: each report is an API
-    call when it goes to the Prefect UI. Use as `train_adapter(..., on_step=reporter)`."""
+    """Training progress every `every` optimizer steps (and at the first and last), not every step: each report is an
+    API call when it goes to the Prefect UI. Use as `train_adapter(..., on_step=reporter)`. The total is the training
+    loop's own, handed in with each step (micro-batch × accumulation × processes, as the loop chose them), so the
+    bar ends at 100 %: the sink is opened with it at the first step (`open_sink(total)`)."""
 
-    total: int
-    sink: Callable[[float, str], None]
-    every: int = 10
+    open_sink: Callable[[int], Callable[[float, str], None]]
+    every: int | None = None  # None: about 20 reports over the run
     losses: list[float] = field(default_factory=list)
+    sink: Callable[[float, str], None] | None = field(default=None, init=False, repr=False)
 
-    def __call__(self, step: int, loss: float) -> None:
+    def __call__(self, step: int, total: int, loss: float) -> None:
+        if self.sink is None:
+            self.sink, self.every = self.open_sink(total), self.every or max(1, total // 20)
         self.losses.append(float(loss))
-        if step % self.every == 0 or step >= self.total or step == 1:
+        if step % self.every == 0 or step >= total or step == 1:
             window = self.losses[-self.every:]
-            self.sink(min(100.0, 100.0 * step / max(1, self.total)),
-                      f"step {step} / {self.total}, loss {loss:.4f} (mean of last {len(window)}: "
+            self.sink(min(100.0, 100.0 * step / max(1, total)),
+                      f"step {step} / {total}, loss {loss:.4f} (mean of last {len(window)}: "
                       f"{sum(window) / len(window):.4f})")
 

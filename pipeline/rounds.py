@@ -12,7 +12,7 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import (
     AnnotateConfig,
@@ -34,6 +34,10 @@ from pipeline.store import (
     digest_json,
     save_dataset,
 )
+
+if TYPE_CHECKING:  # the stages' modules import torch: a round's plan is read without it
+    from pipeline.evaluate import EvalParams
+    from pipeline.model.train_stage import TrainParams
 
 ROUND_FILE = "round.json"
 SUMMARY_FILE = "summary.md"  # the round-summary artifact, also readable without the Prefect UI
@@ -382,18 +386,19 @@ def labeled_set(prepared_ref: Mapping[str, Any], plan: RoundPlan) -> dict[str, s
 
 
 def train_params(plan: RoundPlan, *, artifacts: str | os.PathLike[str], model: ModelConfig, train: TrainConfig,
-                 seed: int, labeled: dict[str, Any], augmented: dict[str, Any] | None) -> dict[str, Any]:
+                 seed: int, labeled: dict[str, Any], augmented: dict[str, Any] | None) -> TrainParams:
     """The train stage's parameters (its cache key) and output folder for this round: the labeled set's content,
     never the pool's (labeled_set)."""
     from pipeline.model.identity import keyed_model
+    from pipeline.model.train_stage import TrainParams
 
     init = plan.warm_start(train.init)
     # The model's content and library versions too: new weights at the same path retrain (pipeline/model/identity.py).
     sections = {"model": keyed_model(model, artifacts), "train": train.model_dump(mode="json")}
     key = digest_json({"labeled": labeled["digest"], **sections, "aug": augmented and augmented["digest"],
                        "init": init and init["adapter_digest"], "seed": seed})
-    return dict(artifacts=str(artifacts), labeled=labeled, augmented=augmented, seed=seed,
-                init_adapter=init, out_dir=str(Path(artifacts) / "train" / key[:16]), **sections)
+    return TrainParams(artifacts=str(artifacts), labeled=labeled, augmented=augmented, seed=seed,
+                       init_adapter=init, out_dir=str(Path(artifacts) / "train" / key[:16]), **sections)
 
 
 def test_set(artifacts: str | os.PathLike[str], prepared_ref: Mapping[str, Any], pool: PoolData) -> dict[str, str]:
@@ -410,14 +415,16 @@ def test_set(artifacts: str | os.PathLike[str], prepared_ref: Mapping[str, Any],
 
 
 def evaluate_params(*, artifacts: str | os.PathLike[str], model: ModelConfig, answers: Sequence[str] | None,
-                    batch_size: int, test: dict[str, str], adapter: dict[str, Any]) -> dict[str, Any]:
+                    batch_size: int, test: dict[str, str], adapter: dict[str, Any]) -> EvalParams:
     """The evaluate stage's parameters (its cache key) and output folder for a trained adapter on the test set
     (`batch_size`: select.score_batch_size, the scoring batch)."""
+    from pipeline.evaluate import EvalParams
     from pipeline.model.identity import keyed_model
 
     key = digest_json({"test": test["digest"], "adapter": adapter["adapter_digest"]})
-    return dict(artifacts=str(artifacts), test=test, adapter=adapter, model=keyed_model(model, artifacts),
-                answers=answers, batch_size=batch_size, out_dir=str(Path(artifacts) / "eval" / key[:16]))
+    return EvalParams(artifacts=str(artifacts), test=test, adapter=adapter, model=keyed_model(model, artifacts),
+                      answers=None if answers is None else list(answers), batch_size=batch_size,
+                      out_dir=str(Path(artifacts) / "eval" / key[:16]))
 
 
 def round_strategy(select: SelectConfig, *, cold: bool, phase: Mapping[str, str] | None = None) -> str:

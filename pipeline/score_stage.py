@@ -22,8 +22,8 @@ from pipeline.idindex import IdIndex
 from pipeline.scoring import SCORE_VERSION, make_scorer, plan_shards, pool_shard_size, save_scores
 from pipeline.store import Manifest, digest_json, find_valid_manifest, reuse_or_compute, stage_key
 
-__all__ = ["SCORE_VERSION", "PoolScoring", "plan_pool_scoring", "read_pool_file", "score_config", "score_shard",
-           "scored_on_disk", "shard_params", "write_pool_file"]
+__all__ = ["SCORE_VERSION", "PoolScoring", "ShardParams", "plan_pool_scoring", "read_pool_file", "score_config",
+           "score_shard", "scored_on_disk", "shard_params", "write_pool_file"]
 
 
 def score_config(select: SelectConfig, model: ModelConfig, *, answers: list[str] | None,
@@ -55,12 +55,28 @@ def shard_dir(artifacts: str | Path, adapter: dict[str, Any] | None, prepared: d
     return str(Path(artifacts) / "scores" / key[:16])
 
 
+@dataclass(frozen=True)
+class ShardParams:
+    """One score-shard stage's parameters, built by shard_params; its cache key is their `asdict()`."""
+
+    artifacts: str
+    model: dict[str, Any]  # the model section with its identity (pipeline.model.identity.keyed_model)
+    adapter: dict[str, Any] | None  # {dir, digest} of the round's adapter; None for the base model
+    prepared: dict[str, Any]  # the prepared data's ref
+    shard_ids: list[str]
+    scoring: dict[str, Any]  # score_config
+    out_dir: str
+
+    def inputs(self) -> dict[str, str]:
+        return shard_inputs(self.adapter, self.prepared, self.shard_ids)
+
+
 def shard_params(artifacts: str | Path, *, model: dict[str, Any], scoring: dict[str, Any],
                  adapter: dict[str, Any] | None, prepared: dict[str, Any], pool_ids: Sequence[str],
-                 shard_size: int) -> list[dict[str, Any]]:
+                 shard_size: int) -> list[ShardParams]:
     """One score-shard stage's parameters (its cache key) per shard of the pool, in shard order."""
-    return [dict(artifacts=str(artifacts), model=model, adapter=adapter, prepared=prepared, shard_ids=ids,
-                 scoring=scoring, out_dir=shard_dir(artifacts, adapter, prepared, ids, model, scoring))
+    return [ShardParams(artifacts=str(artifacts), model=model, adapter=adapter, prepared=prepared, shard_ids=ids,
+                        scoring=scoring, out_dir=shard_dir(artifacts, adapter, prepared, ids, model, scoring))
             for ids in plan_shards(pool_ids, shard_size)]
 
 
@@ -75,7 +91,7 @@ class PoolScoring:
 
     parts: dict[str, Any]
     shard_size: int
-    shards: list[dict[str, Any]]
+    shards: list[ShardParams]
 
 
 def plan_pool_scoring(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
@@ -108,14 +124,13 @@ def read_pool_file(path: str | Path) -> list[str]:
     return [r["sample_id"] for r in read_jsonl(path)]
 
 
-def scored_on_disk(params: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+def scored_on_disk(params: Sequence[ShardParams]) -> list[dict[str, Any]] | None:
     """The shard refs when every shard has verified scores on disk, else None."""
     refs = []
     for p in params:
-        inputs = shard_inputs(p["adapter"], p["prepared"], p["shard_ids"])
-        if (m := find_valid_manifest(p["out_dir"], shard_manifest_key(inputs, p["model"], p["scoring"]))) is None:
+        if (m := find_valid_manifest(p.out_dir, shard_manifest_key(p.inputs(), p.model, p.scoring))) is None:
             return None
-        refs.append({"dir": p["out_dir"], "digest": m.key})
+        refs.append({"dir": p.out_dir, "digest": m.key})
     return refs
 
 
@@ -135,14 +150,14 @@ def _index(prepared_dir: str) -> tuple[Any, IdIndex]:
     return ds, IdIndex.of_dataset(ds)
 
 
-def score_shard(artifacts: str, model: dict[str, Any], adapter: dict[str, Any] | None, prepared: dict[str, Any],
-                shard_ids: list[str], scoring: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    """The score-shard stage: one shard of the pool scored into `out_dir` (or its verified scores reused).
+def score_shard(params: ShardParams) -> dict[str, Any]:
+    """The score-shard stage: one shard of the pool scored into `params.out_dir` (or its verified scores reused).
 
     The manifest records stage "score": a "score_shard" key never matched, so a shard whose result Prefect had not
     recorded (killed just after its manifest, or a new PREFECT_HOME) was scored again despite verified outputs.
     """
-    inputs = shard_inputs(adapter, prepared, shard_ids)
+    model, adapter, prepared, scoring = params.model, params.adapter, params.prepared, params.scoring
+    shard_ids, out_dir, inputs = params.shard_ids, params.out_dir, params.inputs()
 
     def compute() -> Manifest:
         ds, index = _index(prepared["dir"])

@@ -189,9 +189,9 @@ def unchanged_prepare(artifacts: str | os.PathLike[str], digest: str, *, data: D
     from pipeline.data.ingest import ingest_cached
 
     ingest = ingest_cached(artifacts, digest, data.model_dump(mode="json"))
-    prepared = ingest and prep.preprocess_cached(**prep.preprocess_params(
+    prepared = ingest and prep.preprocess_cached(prep.preprocess_params(
         artifacts, ingest, preprocess, model, data.max_image_pixels))
-    checked = prepared and qual.quality_cached(**qual.quality_params(artifacts, prepared, quality))
+    checked = prepared and qual.quality_cached(qual.quality_params(artifacts, prepared, quality))
     if not checked:
         return None
     refs = {"prepare": prepared, "quality": checked}

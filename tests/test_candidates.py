@@ -223,7 +223,7 @@ def test_a_restricted_round_scores_only_its_candidates_and_records_how(tmp_path,
     scoring = score_config(cfg.select, cfg.model, answers=cfg.data.answers, seed=cfg.seed)
     shards = shard_params(cfg.artifacts, model=cfg.section("model"), scoring=scoring, adapter=adapter,
                           prepared=prepared, pool_ids=plan.candidates, shard_size=cfg.select.shard_size)
-    refs = [score_shard(**p) for p in shards]
+    refs = [score_shard(p) for p in shards]
     scored = [s for r in refs for s in load_scores(r["dir"]).sample_ids]
     assert sorted(scored) == plan.candidates and len(scored) == 18  # 12 candidates + 6 labeled, not 48
 

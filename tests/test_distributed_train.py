@@ -14,7 +14,7 @@ from test_model_train import adapter_weights, digit_rows, make_cfg
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model.distributed import free_port, launch, launched_rank, shard
 from pipeline.model.hardware import GPU, Hardware, choose_train_settings, resolve_num_processes
-from pipeline.model.train import step_indices, train_adapter
+from pipeline.model.train import TrainSpec, step_indices, train_adapter
 from pipeline.store import VERIFIED_NAME
 
 GiB = 1 << 30
@@ -166,8 +166,8 @@ def test_two_processes_equal_one_with_the_same_effective_batch(tiny_models, rows
     one_cfg = make_cfg(tiny_models["idefics3"], "qlora", batch_size=2, effective_batch_size=4, max_steps=4)
     two_cfg = make_cfg(tiny_models["idefics3"], "qlora", batch_size=2, effective_batch_size=4, max_steps=4,
                        num_processes=2)
-    one = train_adapter(one_cfg, rows, tmp_path / "one", progress=False)
-    two = train_adapter(two_cfg, rows, tmp_path / "two", progress=False)
+    one = train_adapter(TrainSpec.of(one_cfg), rows, tmp_path / "one", progress=False)
+    two = train_adapter(TrainSpec.of(two_cfg), rows, tmp_path / "two", progress=False)
     assert two.finished and two.info["num_processes"] == 2
     assert (two.settings["micro_batch"], two.settings["grad_accum"], two.settings["num_processes"]) == (2, 1, 2)
     assert one.losses[-1] < one.losses[0]
@@ -179,7 +179,7 @@ def test_two_processes_equal_one_with_the_same_effective_batch(tiny_models, rows
     assert listing(tmp_path / "two") == listing(tmp_path / "one")
     assert len(two.info["utilisation"]["per_process"]["peak_rss_mb"]) == 2
     # The manifest matches: a second call returns at once without spawning.
-    again = train_adapter(two_cfg, rows, tmp_path / "two", progress=False)
+    again = train_adapter(TrainSpec.of(two_cfg), rows, tmp_path / "two", progress=False)
     assert again.manifest is not None and again.losses == two.losses
 
 
@@ -188,13 +188,13 @@ def test_sigkill_of_one_rank_then_resume_matches_uninterrupted(tiny_models, rows
     cfg = make_cfg(tiny_models["idefics3"], "qlora", batch_size=1, effective_batch_size=4, max_steps=5,
                    checkpoint_every=2, num_processes=2)
     cfg.model.lora_dropout = 0.1  # each rank's restored RNG state must replay its own dropout masks
-    whole = train_adapter(cfg, rows, tmp_path / "whole", progress=False)
+    whole = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "whole", progress=False)
     out = tmp_path / "killed"
     with pytest.raises(ModelError, match=r"training process 1 of 2 failed \(killed by SIGKILL\)"):
-        train_adapter(cfg, rows, out, progress=False, oom_hook=KillRank(rank=1, step=3))
+        train_adapter(TrainSpec.of(cfg), rows, out, progress=False, oom_hook=KillRank(rank=1, step=3))
     assert not (out / "adapter").exists() and not (out / "manifest.json").exists()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-2"]
-    resumed = train_adapter(cfg, rows, out, progress=False)
+    resumed = train_adapter(TrainSpec.of(cfg), rows, out, progress=False)
     assert resumed.info["resumed_from_step"] == 2
     np.testing.assert_allclose(resumed.losses, whole.losses, rtol=1e-5)
     assert_same_adapter(whole, resumed, rtol=1e-5)
@@ -205,12 +205,12 @@ def test_two_process_checkpoint_resumes_in_one_process(tiny_models, rows, tmp_pa
     """A run stopped on 2 processes continues on 1 (the same effective batch): the step order is the step's alone."""
     two = make_cfg(tiny_models["idefics3"], "qlora", batch_size=2, effective_batch_size=4, max_steps=4,
                    checkpoint_every=2, num_processes=2)
-    part = train_adapter(two, rows, tmp_path / "run", progress=False, stop_after_steps=2)
+    part = train_adapter(TrainSpec.of(two), rows, tmp_path / "run", progress=False, stop_after_steps=2)
     assert not part.finished and part.steps == 2 and len(part.losses) == 2
     one = make_cfg(tiny_models["idefics3"], "qlora", batch_size=2, effective_batch_size=4, max_steps=4,
                    checkpoint_every=2)
-    resumed = train_adapter(one, rows, tmp_path / "run", progress=False)
-    whole = train_adapter(one, rows, tmp_path / "whole", progress=False)
+    resumed = train_adapter(TrainSpec.of(one), rows, tmp_path / "run", progress=False)
+    whole = train_adapter(TrainSpec.of(one), rows, tmp_path / "whole", progress=False)
     assert resumed.info["resumed_from_step"] == 2 and resumed.info["num_processes"] == 1
     np.testing.assert_allclose(resumed.losses, whole.losses, rtol=1e-4)
     assert_same_adapter(whole, resumed)
@@ -219,7 +219,7 @@ def test_two_process_checkpoint_resumes_in_one_process(tiny_models, rows, tmp_pa
 def test_spawned_ranks_need_picklable_hooks(tiny_models, rows, tmp_path):
     cfg = make_cfg(tiny_models["idefics3"], "qlora", max_steps=1, num_processes=2)
     with pytest.raises(ModelError, match="on_step must be picklable"):
-        train_adapter(cfg, rows, tmp_path / "x", progress=False, on_step=lambda s, loss: None)
+        train_adapter(TrainSpec.of(cfg), rows, tmp_path / "x", progress=False, on_step=lambda s, _total, loss: None)
 
 
 def test_planner_adds_the_allreduce_buffer_per_device():
@@ -246,7 +246,7 @@ def test_tamis_train_under_a_launcher_joins_as_each_rank(tiny_models, rows, tmp_
     from pipeline.store import read_manifest
 
     cfg = make_cfg(tiny_models["idefics3"], "qlora", batch_size=2, effective_batch_size=4, max_steps=3)
-    one = train_adapter(cfg, rows, tmp_path / "one", progress=False)
+    one = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "one", progress=False)
     (tmp_path / "cfg.yaml").write_text(cfg.to_yaml())
     Dataset.from_list(rows).save_to_disk(str(tmp_path / "labeled"))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
@@ -262,7 +262,7 @@ def test_tamis_train_under_a_launcher_joins_as_each_rank(tiny_models, rows, tmp_
     m = read_manifest(tmp_path / "two")  # written once, by rank 0, and valid
     assert m.info["num_processes"] == 2
     np.testing.assert_allclose(m.info["losses"], one.losses, rtol=1e-4)
-    two = train_adapter(cfg, rows, tmp_path / "two", progress=False)  # the same key: reused, nothing trains
+    two = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "two", progress=False)  # the same key: reused, nothing trains
     assert two.manifest is not None and two.info["num_processes"] == 2
     assert_same_adapter(one, two)
 
@@ -270,13 +270,13 @@ def test_tamis_train_under_a_launcher_joins_as_each_rank(tiny_models, rows, tmp_
 LAUNCHER = """
 import json, sys
 from pipeline.config import parse_config
-from pipeline.model.train import train_adapter
+from pipeline.model.train import TrainSpec, train_adapter
 cfg = parse_config(json.loads(open(sys.argv[1]).read()))
 rows = json.loads(open(sys.argv[2]).read())
 for r in rows:
     r["prepared"] = bytes.fromhex(r["prepared"])
 if __name__ == "__main__":
-    train_adapter(cfg, rows, sys.argv[3], progress=False)
+    train_adapter(TrainSpec.of(cfg), rows, sys.argv[3], progress=False)
 """
 
 
@@ -314,5 +314,5 @@ def test_ranks_die_with_a_killed_launcher_and_the_rerun_resumes(tiny_models, row
     _, alive = psutil.wait_procs(ranks, timeout=30)
     assert not alive, "training ranks outlived their killed launcher"
     assert not (out / "adapter").exists()
-    resumed = train_adapter(cfg, rows, out, progress=False)
+    resumed = train_adapter(TrainSpec.of(cfg), rows, out, progress=False)
     assert resumed.finished and resumed.info["resumed_from_step"] >= 2

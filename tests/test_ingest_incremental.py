@@ -245,7 +245,7 @@ def test_index_digest_is_the_sha256_of_the_file(tmp_path, verify):
 
 def test_adding_files_prepares_and_assesses_only_the_new_shard_as_a_whole_run_would(tmp_path):
     from pipeline import preprocess as prep
-    from pipeline.data.ingest import ingest_dir, ingest_key_config, ingest_stage
+    from pipeline.data.ingest import ingest_params, ingest_stage
     pool = tmp_path / "pool"
     write_pool(pool, range(30))
     cfg = parse_config({"data": {"sources": [{"kind": "folder", "path": str(pool)}],
@@ -254,10 +254,9 @@ def test_adding_files_prepares_and_assesses_only_the_new_shard_as_a_whole_run_wo
 
     def prepare():
         key = source_digest(cfg.data, cfg.artifacts)
-        data_config = ingest_key_config(cfg.section("data"))
-        ref = ingest_stage(str(cfg.artifacts), key, data_config, str(ingest_dir(cfg.artifacts, key, data_config)))
+        ref = ingest_stage(ingest_params(cfg.data, cfg.artifacts, key))
         params = prep.preprocess_params(cfg.artifacts, ref, cfg.preprocess, cfg.model, cfg.data.max_image_pixels)
-        return ref, prep.preprocess_stage(**params)
+        return ref, prep.preprocess_stage(params)
 
     def shard_runs(ref):
         return [s["dir"] for s in json.loads((Path(ref["dir"]) / "shards.json").read_text()) if s["prepared"]]
@@ -284,7 +283,7 @@ def test_adding_files_prepares_and_assesses_only_the_new_shard_as_a_whole_run_wo
     quality = cfg.quality.model_copy(update={"exclude": ["exact_duplicate", "near_duplicate"]})
 
     def assess(prepared):
-        return qual.quality_stage(**qual.quality_params(cfg.artifacts, prepared, quality))
+        return qual.quality_stage(qual.quality_params(cfg.artifacts, prepared, quality))
 
     assess(first)
     q = assess(second)
@@ -317,7 +316,7 @@ def test_a_saved_dataset_source_adds_rows_incrementally(tmp_path):
 def test_added_images_embed_only_their_shard_in_the_kept_fit_until_the_pool_doubles(tmp_path):
     from pipeline import embeddings as emb
     from pipeline import preprocess as prep
-    from pipeline.data.ingest import ingest_dir, ingest_key_config, ingest_stage
+    from pipeline.data.ingest import ingest_params, ingest_stage
 
     pool = tmp_path / "pool"
     write_pool(pool, range(30))
@@ -328,11 +327,10 @@ def test_added_images_embed_only_their_shard_in_the_kept_fit_until_the_pool_doub
 
     def embed():
         key = source_digest(cfg.data, cfg.artifacts)
-        data_config = ingest_key_config(cfg.section("data"))
-        ref = ingest_stage(str(cfg.artifacts), key, data_config, str(ingest_dir(cfg.artifacts, key, data_config)))
-        prepared = prep.preprocess_stage(**prep.preprocess_params(cfg.artifacts, ref, cfg.preprocess, cfg.model,
+        ref = ingest_stage(ingest_params(cfg.data, cfg.artifacts, key))
+        prepared = prep.preprocess_stage(prep.preprocess_params(cfg.artifacts, ref, cfg.preprocess, cfg.model,
                                                                   cfg.data.max_image_pixels))
-        out = emb.embeddings_stage(**emb.embeddings_params(cfg, prepared))
+        out = emb.embeddings_stage(emb.embeddings_params(cfg, prepared))
         ids, vectors = emb.load_selection_embeddings(out["dir"])
         return prepared, read_manifest(Path(out["dir"])).info, ids, np.asarray(vectors)
 

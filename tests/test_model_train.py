@@ -22,6 +22,7 @@ from pipeline.errors import DataError, ModelError
 from pipeline.model.loading import load_model
 from pipeline.model.optim import build_optimizer, optimizer_state, optimizer_state_bytes, optimizer_tensors
 from pipeline.model.train import (
+    TrainSpec,
     _enable_activation_checkpointing,
     _optimizer_step,
     step_indices,
@@ -69,7 +70,7 @@ def trained(tiny_models, rows, tmp_path_factory):
     """One finished lora run on a fixed batch (every step sees the same 4 rows)."""
     cfg = make_cfg(tiny_models["idefics3"], "qlora", batch_size=4, max_steps=5)
     out = tmp_path_factory.mktemp("train") / "run"
-    return cfg, train_adapter(cfg, rows[:4], out, progress=False)
+    return cfg, train_adapter(TrainSpec.of(cfg), rows[:4], out, progress=False)
 
 
 # ------------------------------------------------------------------------------------------ what moves
@@ -109,7 +110,7 @@ def test_loss_falls_and_adapter_is_recorded(trained):
 def test_finished_training_is_reused(trained, rows):
     cfg, result = trained
     calls = []
-    again = train_adapter(cfg, rows[:4], result.out_dir, progress=False, on_step=lambda s, loss: calls.append(s))
+    again = train_adapter(TrainSpec.of(cfg), rows[:4], result.out_dir, progress=False, on_step=lambda s, _total, loss: calls.append(s))
     assert calls == [] and again.losses == result.losses
     assert again.manifest.outputs["adapter"].digest == read_manifest(result.out_dir).outputs["adapter"].digest
 
@@ -134,8 +135,8 @@ def test_warm_start_continues_from_previous_adapter(trained, rows, tmp_path):
     cfg, first = trained
     warm_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init": "warm", "max_steps": 1})})
     fresh_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 1})})
-    warm = train_adapter(warm_cfg, rows[:4], tmp_path / "warm", init_adapter=first.adapter_dir, progress=False)
-    fresh = train_adapter(fresh_cfg, rows[:4], tmp_path / "fresh", init_adapter=first.adapter_dir, progress=False)
+    warm = train_adapter(TrainSpec.of(warm_cfg), rows[:4], tmp_path / "warm", init_adapter=first.adapter_dir, progress=False)
+    fresh = train_adapter(TrainSpec.of(fresh_cfg), rows[:4], tmp_path / "fresh", init_adapter=first.adapter_dir, progress=False)
     assert warm.losses[0] < 0.5 * fresh.losses[0]  # fresh ignores init_adapter: init is "fresh"
     assert read_manifest(warm.out_dir).inputs["init_adapter"] != ""
     assert read_manifest(fresh.out_dir).inputs["init_adapter"] == ""
@@ -143,7 +144,7 @@ def test_warm_start_continues_from_previous_adapter(trained, rows, tmp_path):
 
 def test_full_mode_saves_a_loadable_model(tiny_models, rows, tmp_path):
     cfg = make_cfg(tiny_models["qwen2_vl"], "full", max_steps=1)
-    result = train_adapter(cfg, rows, tmp_path / "full", progress=False)
+    result = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "full", progress=False)
     assert (result.adapter_dir / "config.json").is_file()
     reloaded = load_model(cfg.model, adapter=result.adapter_dir)
     assert reloaded.info["source"] == str(result.adapter_dir)
@@ -165,15 +166,15 @@ def test_resume_after_interruption_matches_uninterrupted(tiny_models, rows, tmp_
     # Gradient checkpointing on as well: recomputed forwards must replay the same dropout masks.
     cfg = make_cfg(tiny_models["qwen2_vl"], "lora", max_steps=4, effective_batch_size=2, gradient_checkpointing=True)
     cfg.model.lora_dropout = 0.1
-    whole = train_adapter(cfg, rows, tmp_path / "whole", progress=False)
+    whole = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "whole", progress=False)
 
-    part = train_adapter(cfg, rows, tmp_path / "resumed", progress=False, stop_after_steps=3)
+    part = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "resumed", progress=False, stop_after_steps=3)
     assert not part.finished and part.steps == 3
     ckpt = tmp_path / "resumed" / "checkpoints" / "step-2"
     assert sorted(p.suffix for p in ckpt.iterdir()) == [".json", ".json", ".safetensors", ".safetensors",
                                                          ".safetensors"]
     calls = []
-    resumed = train_adapter(cfg, rows, tmp_path / "resumed", progress=False, on_step=lambda s, _: calls.append(s))
+    resumed = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "resumed", progress=False, on_step=lambda s, _total, _: calls.append(s))
     assert calls == [3, 4]  # continued after the step-2 checkpoint; step 3 is redone
     np.testing.assert_allclose(resumed.losses, whole.losses, rtol=1e-5)
     a, b = adapter_weights(whole), adapter_weights(resumed)
@@ -184,16 +185,30 @@ def test_resume_after_interruption_matches_uninterrupted(tiny_models, rows, tmp_
 
 def test_stale_checkpoints_of_other_rows_are_not_resumed(tiny_models, rows, tmp_path):
     cfg = make_cfg(tiny_models["qwen2_vl"], "lora", max_steps=2, checkpoint_every=1, effective_batch_size=2)
-    train_adapter(cfg, rows, tmp_path / "run", progress=False, stop_after_steps=1)
+    train_adapter(TrainSpec.of(cfg), rows, tmp_path / "run", progress=False, stop_after_steps=1)
     calls = []
-    train_adapter(cfg, rows[:6], tmp_path / "run", progress=False, on_step=lambda s, _: calls.append(s))
+    train_adapter(TrainSpec.of(cfg), rows[:6], tmp_path / "run", progress=False, on_step=lambda s, _total, _: calls.append(s))
     assert calls == [1, 2]
+
+
+def test_the_progress_bar_counts_the_loops_own_steps(tiny_models, rows, tmp_path):
+    """An effective batch of 3 in micro-batches of 2 trains batches of 4 (2 × 2 accumulated): one epoch of 8 rows is
+    2 steps, not the 3 that the configured effective batch gives. The Prefect UI's bar reads the loop's total, so it
+    ends at step 2 / 2, 100 % (it stopped at 2 / 3 when the stage counted the steps itself)."""
+    from pipeline.report import StepReporter
+
+    cfg = make_cfg(tiny_models["idefics3"], "qlora", batch_size=2, effective_batch_size=3, max_steps=None, epochs=1.0)
+    reports, opened = [], []
+    reporter = StepReporter(lambda total: opened.append(total) or (lambda p, text: reports.append((p, text))))
+    result = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "run", progress=False, on_step=reporter)
+    assert result.steps == 2 and opened == [2]
+    assert reports[-1][0] == 100.0 and reports[-1][1].startswith("step 2 / 2"), reports
 
 
 # ----------------------------------------------------------------------------------------- OOM recovery
 def test_oom_halves_micro_batch_and_keeps_the_effective_batch(tiny_models, rows, tmp_path):
     cfg = make_cfg(tiny_models["qwen2_vl"], "lora", max_steps=3, effective_batch_size=2)
-    clean = train_adapter(cfg, rows, tmp_path / "clean", progress=False)
+    clean = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "clean", progress=False)
     seen = []
 
     def oom_once(step: int, micro: int) -> None:
@@ -201,7 +216,7 @@ def test_oom_halves_micro_batch_and_keeps_the_effective_batch(tiny_models, rows,
         if step == 1 and micro == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
 
-    recovered = train_adapter(cfg, rows, tmp_path / "oom", progress=False, oom_hook=oom_once)
+    recovered = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "oom", progress=False, oom_hook=oom_once)
     assert recovered.info["ooms"] == [{"step": 1, "micro_batch": 1, "grad_accum": 2}]
     assert recovered.settings["micro_batch"] == 1 and recovered.settings["grad_accum"] == 2
     assert (1, 1) in seen and (2, 1) in seen
@@ -216,7 +231,7 @@ def test_oom_at_micro_batch_one_gives_up_clearly(tiny_models, rows, tmp_path):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
 
     with pytest.raises(ModelError, match="out of GPU memory at step 0 even with micro-batch 1"):
-        train_adapter(cfg, rows, tmp_path / "oom", progress=False, oom_hook=always)
+        train_adapter(TrainSpec.of(cfg), rows, tmp_path / "oom", progress=False, oom_hook=always)
 
 
 # --------------------------------------------------------------------------------------------- inputs
@@ -231,25 +246,25 @@ def test_step_indices_cover_each_epoch_and_depend_only_on_the_step():
 def test_bad_rows_are_reported(tiny_models, rows, tmp_path):
     cfg = make_cfg(tiny_models["idefics3"], "lora", max_steps=1)
     with pytest.raises(DataError, match="no labeled rows"):
-        train_adapter(cfg, [], tmp_path / "a", progress=False)
+        train_adapter(TrainSpec.of(cfg), [], tmp_path / "a", progress=False)
     unlabeled = [dict(rows[0]), {**rows[1], "answer": None}]
     with pytest.raises(DataError, match=r"training row 1 \(sample d\d+\): field 'answer' is None"):
-        train_adapter(cfg, unlabeled, tmp_path / "b", progress=False)
+        train_adapter(TrainSpec.of(cfg), unlabeled, tmp_path / "b", progress=False)
     broken = [{**r, "prepared": b"not a png"} for r in rows[:4]]
     with pytest.raises(DataError, match=r"sample d\d+\): image bytes do not decode"):
-        train_adapter(cfg, broken, tmp_path / "c", progress=False)
+        train_adapter(TrainSpec.of(cfg), broken, tmp_path / "c", progress=False)
 
 
 # ------------------------------------------------------------------------------------- kill and resume
 CHILD = """
 import json, sys, time
 from pipeline.config import parse_config
-from pipeline.model.train import train_adapter
+from pipeline.model.train import TrainSpec, train_adapter
 cfg = parse_config(json.loads(sys.argv[1]))
 rows = json.loads(open(sys.argv[2]).read())
 for r in rows:
     r["prepared"] = bytes.fromhex(r["prepared"])
-train_adapter(cfg, rows, sys.argv[3], progress=False, on_step=lambda s, loss: time.sleep(0.5))
+train_adapter(TrainSpec.of(cfg), rows, sys.argv[3], progress=False, on_step=lambda s, _total, loss: time.sleep(0.5))
 """
 
 
@@ -257,7 +272,7 @@ train_adapter(cfg, rows, sys.argv[3], progress=False, on_step=lambda s, loss: ti
 def test_sigkill_between_steps_then_resume_matches(tiny_models, rows, tmp_path):
     cfg = make_cfg(tiny_models["idefics3"], "qlora", max_steps=6, checkpoint_every=2)
     cfg.model.lora_dropout = 0.1
-    whole = train_adapter(cfg, rows, tmp_path / "whole", progress=False)
+    whole = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "whole", progress=False)
 
     rows_file = tmp_path / "rows.json"
     rows_file.write_text(json.dumps([{**r, "prepared": r["prepared"].hex()} for r in rows]))
@@ -275,7 +290,7 @@ def test_sigkill_between_steps_then_resume_matches(tiny_models, rows, tmp_path):
     assert not (out / "adapter").exists()
 
     calls = []
-    resumed = train_adapter(cfg, rows, out, progress=False, on_step=lambda s, _: calls.append(s))
+    resumed = train_adapter(TrainSpec.of(cfg), rows, out, progress=False, on_step=lambda s, _total, _: calls.append(s))
     assert calls[0] in (3, 5) and calls[-1] == 6
     np.testing.assert_allclose(resumed.losses, whole.losses, rtol=1e-5)
     a, b = adapter_weights(whole), adapter_weights(resumed)
@@ -356,16 +371,16 @@ def test_full_training_resumes_exactly_with_8bit_state(tiny_models, rows, tmp_pa
     run ends with the same losses and weights as one that ran through."""
     cfg = make_cfg(tiny_models["idefics3"], "full", max_steps=4, effective_batch_size=2, optimizer="adamw_8bit",
                    learning_rate=1e-3)
-    whole = train_adapter(cfg, rows, tmp_path / "whole", progress=False)
+    whole = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "whole", progress=False)
     assert whole.settings["optimizer"] == "adamw_8bit" and whole.info["optimizer_state_mb"] > 0
 
-    part = train_adapter(cfg, rows, tmp_path / "resumed", progress=False, stop_after_steps=3)
+    part = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "resumed", progress=False, stop_after_steps=3)
     ckpt = tmp_path / "resumed" / "checkpoints" / "step-2"
     saved = load_file(ckpt / "optimizer.safetensors")
     assert any(t.dtype == torch.uint8 for t in saved.values())
     assert json.loads((ckpt / "state.json").read_text())["optimizer"] == "adamw_8bit"
     assert not part.finished
-    resumed = train_adapter(cfg, rows, tmp_path / "resumed", progress=False)
+    resumed = train_adapter(TrainSpec.of(cfg), rows, tmp_path / "resumed", progress=False)
     assert resumed.info["resumed_from_step"] == 2
     assert resumed.losses == whole.losses
     a = load_file(whole.adapter_dir / "model.safetensors")
@@ -377,10 +392,10 @@ def test_full_training_resumes_exactly_with_8bit_state(tiny_models, rows, tmp_pa
 
 def test_checkpoints_of_another_optimizer_are_not_resumed(tiny_models, rows, tmp_path):
     cfg = make_cfg(tiny_models["qwen2_vl"], "lora", max_steps=2, checkpoint_every=1, effective_batch_size=2)
-    train_adapter(cfg, rows, tmp_path / "run", progress=False, stop_after_steps=1)
+    train_adapter(TrainSpec.of(cfg), rows, tmp_path / "run", progress=False, stop_after_steps=1)
     other = cfg.model_copy(update={"train": cfg.train.model_copy(update={"optimizer": "adamw_8bit"})})
     calls = []
-    train_adapter(other, rows, tmp_path / "run", progress=False, on_step=lambda s, _: calls.append(s))
+    train_adapter(TrainSpec.of(other), rows, tmp_path / "run", progress=False, on_step=lambda s, _total, _: calls.append(s))
     assert calls == [1, 2]
 
 
@@ -415,7 +430,7 @@ def test_training_the_projector_and_tower_moves_their_adapters(tiny_models, rows
     cfg = make_cfg(tiny_models["qwen2_vl"], "qlora", batch_size=4, effective_batch_size=4, max_steps=5,
                    optimizer="paged_adamw_8bit")
     cfg.model.train = train
-    result = train_adapter(cfg, rows[:4], tmp_path / "run", progress=False)
+    result = train_adapter(TrainSpec.of(cfg), rows[:4], tmp_path / "run", progress=False)
     assert result.losses[-1] < 0.7 * result.losses[0], result.losses
     weights = adapter_weights(result)
     merger = [k for k in weights if "visual.merger" in k and "lora_B" in k]

@@ -103,10 +103,16 @@ def test_round_progress_moves_with_the_stages_and_training_reports_every_n_steps
     progress.complete("round 2: done")
     assert seen[-1] == (100.0, "round 2: done")
 
-    reports = []
-    reporter = StepReporter(total=45, sink=lambda p, text: reports.append((p, text)), every=10)
+    reports, opened = [], []
+
+    def open_sink(total):
+        opened.append(total)
+        return lambda p, text: reports.append((p, text))
+
+    reporter = StepReporter(open_sink, every=10)
     for step in range(1, 46):
-        reporter(step, 2.0 / step)
+        reporter(step, 45, 2.0 / step)  # the loop's own total comes with each step
+    assert opened == [45]  # one progress artifact, titled with the loop's total
     assert [round(p) for p, _ in reports] == [2, 22, 44, 67, 89, 100]  # step 1, every 10th, the last
     assert reports[-1][1].startswith("step 45 / 45, loss 0.0444")
     assert planned_train_steps(None, 2.0, 30, 4) == 15 and planned_train_steps(7, 2.0, 30, 4) == 7

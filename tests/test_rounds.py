@@ -87,12 +87,12 @@ def test_train_folder_follows_the_labels_and_the_warm_start(tmp_path):
         return train_params(plan, artifacts=c.artifacts, model=c.model, train=c.train, seed=c.seed, labeled={"dataset": "l", "digest": plan.labeled_digest}, augmented=None)
 
     a = params({"s03": "5"})
-    assert a["init_adapter"] is None and a["out_dir"].startswith(str(art / "train"))
+    assert a.init_adapter is None and a.out_dir.startswith(str(art / "train"))
     assert params({"s03": "5"}) == a  # the same round: the same key
-    assert params({"s03": "6"})["out_dir"] != a["out_dir"]
+    assert params({"s03": "6"}).out_dir != a.out_dir
     finish(art, plan_round(art, {"s03": "5"}), adapter={"adapter_digest": "a0", "adapter_dir": "x0"})
     b = params({"s03": "5", "s04": "1"})
-    assert b["init_adapter"]["adapter_digest"] == "a0" and b["out_dir"] != a["out_dir"]
+    assert b.init_adapter["adapter_digest"] == "a0" and b.out_dir != a.out_dir
 
 
 def test_the_pool_leaves_out_labeled_flagged_and_still_exported_samples(tmp_path, pool):
@@ -215,7 +215,7 @@ def test_the_last_round_trains_on_its_new_labels_and_selects_nothing(tmp_path, p
     assert last.index == 1 and last.rerun is None and len(last.labels) == 4  # 2 seed labels + the batch
     refs = dict(labeled={"dataset": "l", "digest": "l"}, augmented=None)
     job = train_params(last, **_sections(c), **refs)
-    assert job["out_dir"].startswith(str(art / "train")) and job["init_adapter"]["adapter_digest"] == "a0"
+    assert job.out_dir.startswith(str(art / "train")) and job.init_adapter["adapter_digest"] == "a0"
     ids, _ = eligible_pool(art, pool, last, set())
     reason = stop_reason(c.rounds, last.index, len(last.labels), [{"round": 1, "metric": "accuracy", "value": 0.4}], len(ids))
     assert ids and reason == "rounds.max_rounds = 2: round 1 is the last (0–1); trained, selects nothing"  # the pool is not what stops it
@@ -312,9 +312,9 @@ def test_train_evaluate_and_score_keys_know_the_models_weights_and_libraries(tmp
 
     def keys():
         job = train_params(plan, **_sections(c), **refs)
-        return job["out_dir"], job["model"], evaluate_params(
+        return job.out_dir, job.model, evaluate_params(
             artifacts=c.artifacts, model=c.model, answers=c.data.answers, batch_size=c.select.score_batch_size,
-            test={"digest": "t"}, adapter=adapter)["model"]
+            test={"digest": "t"}, adapter=adapter).model
 
     before = keys()
     assert before[1]["identity"]["checkpoint"].startswith("sha256:")

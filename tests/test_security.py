@@ -156,7 +156,7 @@ def assert_no_pickles(folder: Path) -> list[str]:
 def test_models_adapters_and_checkpoints_are_safetensors(tiny_models, tmp_path):
     from test_model_train import digit_rows
 
-    from pipeline.model.train import train_adapter
+    from pipeline.model.train import TrainSpec, train_adapter
 
     for family, folder in tiny_models.items():
         assert "model.safetensors" in assert_no_pickles(folder), family
@@ -166,11 +166,11 @@ def test_models_adapters_and_checkpoints_are_safetensors(tiny_models, tmp_path):
     out = tmp_path / "train"
     seen: list[str] = []
 
-    def look(step: int, loss: float) -> None:
+    def look(step: int, total: int, loss: float) -> None:
         if step == 2:  # the step-1 checkpoint is on disk until training finishes
             seen.extend(assert_no_pickles(out / "checkpoints"))
 
-    result = train_adapter(cfg, digit_rows(2), out, progress=False, on_step=look)
+    result = train_adapter(TrainSpec.of(cfg), digit_rows(2), out, progress=False, on_step=look)
     assert {"step-1/trainable.safetensors", "step-1/optimizer.safetensors", "step-1/rng.safetensors"} <= set(seen)
     assert result.finished and "adapter/adapter_model.safetensors" in assert_no_pickles(out)
 

@@ -377,13 +377,34 @@ def exported_sample_ids(artifacts: str | os.PathLike[str], *, before_round: int 
     return ids
 
 
-def export_stage(artifacts: str, selection: dict, prepared: dict, annotate: dict, answers: list[str] | None,
-                 round_index: int, out_dir: str) -> dict[str, Any]:
-    """The export stage: the round's selection written for annotators into `out_dir`, in every configured format."""
+@dataclass(frozen=True)
+class ExportParams:
+    """The export stage's parameters, built by export_params; its cache key is their `asdict()`."""
+
+    artifacts: str
+    selection: dict[str, Any]  # the select stage's ref
+    prepared: dict[str, Any]  # the prepared data's ref (the images exported)
+    annotate: dict[str, Any]  # the annotate section as JSON data
+    answers: list[str] | None
+    round_index: int
+    out_dir: str
+
+
+def export_params(annotate: AnnotateConfig, answers: Sequence[str] | None, *, artifacts: str | os.PathLike[str],
+                  selection: dict[str, Any], prepared: dict[str, Any], round_index: int) -> ExportParams:
+    """The export stage's parameters for round `round_index`'s selection, written into the round's export folder."""
+    return ExportParams(artifacts=str(artifacts), selection=selection, prepared=prepared,
+                        annotate=annotate.model_dump(mode="json"), answers=None if answers is None else list(answers),
+                        round_index=round_index, out_dir=str(export_dir(Path(artifacts), round_index)))
+
+
+def export_stage(params: ExportParams) -> dict[str, Any]:
+    """The export stage: the round's selection written for annotators into `params.out_dir`, in every configured
+    format."""
     from pipeline.preprocess import load_prepared
     from pipeline.store import read_jsonl
 
-    rows = read_jsonl(Path(selection["dir"]) / "selection.jsonl")
-    m = export_selection(rows, load_prepared(prepared["dir"]), AnnotateConfig.model_validate(annotate), answers,
-                         artifacts, out_dir, round_index=round_index)
-    return {"dir": out_dir, "digest": m.key, "count": m.info["count"]}
+    rows = read_jsonl(Path(params.selection["dir"]) / "selection.jsonl")
+    m = export_selection(rows, load_prepared(params.prepared["dir"]), AnnotateConfig.model_validate(params.annotate),
+                         params.answers, params.artifacts, params.out_dir, round_index=params.round_index)
+    return {"dir": params.out_dir, "digest": m.key, "count": m.info["count"]}

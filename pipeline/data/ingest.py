@@ -12,7 +12,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -348,17 +348,34 @@ def ingest_dir(artifacts: str | os.PathLike[str], digest: str, data_config: dict
     return Path(artifacts) / STAGE / key[:16]
 
 
-def ingest_stage(artifacts: str | os.PathLike[str], source_digest: str, data_config: dict[str, Any],
-                 out_dir: str) -> dict[str, Any]:
-    """The ingest stage: the sources of `data_config` ingested into `out_dir` (or the verified folder already
-    there). Returns {"dir", "digest", "counts"}.
+@dataclass(frozen=True)
+class IngestParams:
+    """The ingest stage's parameters, built by ingest_params; its cache key is their `asdict()`."""
 
-    `data_config` may leave out `verify`: the caller computed `source_digest` (with the configured mode) just before,
-    which refreshed the file index, so the body's own walk trusts it (stat)."""
-    data_config = ingest_key_config(data_config)
-    key = stage_key(STAGE, INGEST_VERSION, {"sources": source_digest}, data_config)
+    artifacts: str
+    source_digest: str  # source_digest: the sources' content, computed with the configured verify mode
+    data_config: dict[str, Any]  # the data section as the stage is keyed on it (ingest_key_config)
+    out_dir: str
+
+
+def ingest_params(data: DataConfig, artifacts: str | os.PathLike[str], digest: str) -> IngestParams:
+    """The ingest stage's parameters for the sources of `data` whose content digest is `digest`."""
+    data_config = ingest_key_config(data.model_dump(mode="json"))
+    return IngestParams(artifacts=str(artifacts), source_digest=digest, data_config=data_config,
+                        out_dir=str(ingest_dir(artifacts, digest, data_config)))
+
+
+def ingest_stage(params: IngestParams) -> dict[str, Any]:
+    """The ingest stage: the sources of the data section ingested into `params.out_dir` (or the verified folder
+    already there). Returns {"dir", "digest", "counts"}.
+
+    The key leaves out `verify`: the caller computed `source_digest` (with the configured mode) just before, which
+    refreshed the file index, so the body's own walk trusts it (stat)."""
+    data_config, out_dir = ingest_key_config(params.data_config), params.out_dir
+    key = stage_key(STAGE, INGEST_VERSION, {"sources": params.source_digest}, data_config)
     data = DataConfig.model_validate({**data_config, "verify": "stat"})
-    m = reuse_or_compute(out_dir, key, lambda: ingest(data, artifacts, Path(out_dir), digest=source_digest))
+    m = reuse_or_compute(out_dir, key, lambda: ingest(data, params.artifacts, Path(out_dir),
+                                                      digest=params.source_digest))
     return {"dir": str(out_dir), "digest": m.key, "counts": m.info["counts"]}
 
 

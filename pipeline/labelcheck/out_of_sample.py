@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import LabelCheckConfig, ModelConfig, SelectConfig, StageConfig, TrainConfig
+from pipeline.config import LabelCheckConfig, ModelConfig, SelectConfig, TrainConfig
 from pipeline.labelcheck.base import LABELCHECK_VERSION, LabelCheckError
 from pipeline.store import digest_path, find_valid_manifest, stage_key
 
@@ -93,10 +93,9 @@ def train_fold(model: ModelConfig, train: TrainConfig, seed: int, rows: list[dic
                hw: Any, progress: bool) -> Any:
     """train_adapter on a fold's rows, given exactly the sections it reads (model, train, seed): a read of any other
     would be an error, not a silent default."""
-    from pipeline.model.train import train_adapter
+    from pipeline.model.train import TrainSpec, train_adapter
 
-    cfg = StageConfig({"model": model.model_dump(mode="json"), "train": train.model_dump(mode="json"), "seed": seed})
-    return train_adapter(cfg, rows, out_dir, hw=hw, progress=progress)
+    return train_adapter(TrainSpec(model, train, seed), rows, out_dir, hw=hw, progress=progress)
 
 
 def _score_config(model: ModelConfig, train: TrainConfig, select: SelectConfig, labelcheck: LabelCheckConfig,

@@ -22,13 +22,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from PIL import Image
 
 from pipeline.codeversion import stage_version
-from pipeline.config import ProjectConfig
+from pipeline.config import ModelConfig, TrainConfig
 from pipeline.errors import DataError, ModelError
 from pipeline.model.distributed import Comm, Rank, init_rank, launch, launched_rank, shard
 from pipeline.model.hardware import TrainSettings
@@ -52,7 +52,7 @@ TRAIN_VERSION = stage_version("1", "pipeline.model.train_stage")
 KEEP_CHECKPOINTS = 2
 
 OomHook = Callable[[int, int], None]  # (optimizer step, micro-batch size) → may raise torch.cuda.OutOfMemoryError
-StepHook = Callable[[int, float], None]  # (optimizer steps done, loss) after each step
+StepHook = Callable[[int, int, float], None]  # (optimizer steps done, the run's total steps, loss) after each step
 
 
 @dataclass
@@ -267,19 +267,45 @@ def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
 
 
-def _fingerprint(cfg: ProjectConfig, rows_digest: str, init_digest: str) -> str:
+class _TrainSections(Protocol):
+    """Anything holding the sections training reads: a ProjectConfig, a stage's StageConfig."""
+
+    model: ModelConfig
+    train: TrainConfig
+    seed: int
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What training reads of a project, and nothing else: the model and train sections and the seed. The train
+    stage's manifest is keyed on `sections()`."""
+
+    model: ModelConfig
+    train: TrainConfig
+    seed: int
+
+    @classmethod
+    def of(cls, project: _TrainSections) -> TrainSpec:
+        return cls(project.model, project.train, project.seed)
+
+    def sections(self) -> dict[str, Any]:
+        return {"model": self.model.model_dump(mode="json"), "train": self.train.model_dump(mode="json"),
+                "seed": self.seed}
+
+
+def _fingerprint(spec: TrainSpec, rows_digest: str, init_digest: str) -> str:
     """What a checkpoint must match to be resumed: same rows, same model/train config, seed and initial adapter."""
-    train = cfg.section("train")
+    sections = spec.sections()
     # The micro-batch may be lowered after an OOM, and checkpointing changes nothing numerically; nor does the number
     # of processes the same effective batch is spread over (a run killed on 2 GPUs may resume on 1).
     for k in ("checkpoint_every", "batch_size", "gradient_checkpointing", "num_processes"):
-        train.pop(k, None)
-    return digest_json({"rows": rows_digest, "model": cfg.section("model"), "train": train, "seed": cfg.seed,
-                        "init": init_digest, "version": TRAIN_VERSION})  # another code's checkpoints: start over
+        sections["train"].pop(k, None)
+    return digest_json({"rows": rows_digest, **sections, "init": init_digest,
+                        "version": TRAIN_VERSION})  # another code's checkpoints: start over
 
 
 def train_adapter(
-    cfg: ProjectConfig,
+    spec: TrainSpec,
     rows: Sequence[dict[str, Any]],
     out_dir: str | Path,
     *,
@@ -304,14 +330,14 @@ def train_adapter(
     """
     from pipeline.model.hardware import detect_hardware, resolve_num_processes
 
-    out_dir = Path(out_dir)
+    out_dir, train = Path(out_dir), spec.train
     hw = hw if hw is not None else detect_hardware()
     rows_digest = check_rows(rows)
-    if cfg.train.init == "warm" and init_adapter is None:
+    if train.init == "warm" and init_adapter is None:
         log.info("train.init is warm but there is no previous adapter (first round): starting a fresh one")
-    init = Path(init_adapter) if cfg.train.init == "warm" and init_adapter is not None else None
+    init = Path(init_adapter) if train.init == "warm" and init_adapter is not None else None
     init_digest = digest_path(init) if init is not None else ""
-    config = {"model": cfg.section("model"), "train": cfg.section("train"), "seed": cfg.seed}
+    config = spec.sections()
     inputs = {"rows": rows_digest, "init_adapter": init_digest}
     key = stage_key("train", TRAIN_VERSION, inputs, config)
     done = find_valid_manifest(out_dir, key)
@@ -319,15 +345,15 @@ def train_adapter(
         log.info("training in %s is already complete (manifest matches); reusing it", out_dir)
         return _result_from_manifest(out_dir, done)
 
-    job = _Job(cfg, rows, out_dir, init, init_digest, rows_digest, inputs, config, hw, progress, stop_after_steps,
+    job = _Job(spec, rows, out_dir, init, init_digest, rows_digest, inputs, config, hw, progress, stop_after_steps,
                oom_hook, on_step)
     rank = launched_rank()
     if rank is not None:
-        if cfg.train.num_processes not in ("auto", rank.world):
+        if train.num_processes not in ("auto", rank.world):
             log.warning("train.num_processes is %s but the launcher started %d processes: using %d",
-                        cfg.train.num_processes, rank.world, rank.world)
+                        train.num_processes, rank.world, rank.world)
         return _train(job, rank)
-    nproc = resolve_num_processes(cfg.train.num_processes, hw)
+    nproc = resolve_num_processes(train.num_processes, hw)
     if nproc == 1:
         return _train(job, None)
     _check_picklable(oom_hook=oom_hook, on_step=on_step)
@@ -346,7 +372,7 @@ def train_adapter(
 class _Job:
     """Everything a training rank needs (picklable: spawned ranks receive it)."""
 
-    cfg: ProjectConfig
+    spec: TrainSpec
     rows: Sequence[dict[str, Any]]
     out_dir: Path
     init: Path | None
@@ -427,14 +453,14 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
     """The training loop of one process: the only one, or rank `rank` of several."""
     from pipeline.model.hardware import choose_train_settings
 
-    cfg, hw = job.cfg, job.hw
+    spec, hw = job.spec, job.hw
     comm = init_rank(rank, hw.device)[0] if rank is not None else None
     world = rank.world if rank is not None else 1
-    settings = choose_train_settings(cfg.train, cfg.model, hw, num_processes=world)
+    settings = choose_train_settings(spec.train, spec.model, hw, num_processes=world)
     effective = settings.micro_batch * settings.grad_accum * world
-    total_steps = planned_train_steps(cfg.train.max_steps, cfg.train.epochs, len(job.rows), effective)
-    warmup = math.ceil(cfg.train.warmup_ratio * total_steps)
-    fingerprint = _fingerprint(cfg, job.rows_digest, job.init_digest)
+    total_steps = planned_train_steps(spec.train.max_steps, spec.train.epochs, len(job.rows), effective)
+    warmup = math.ceil(spec.train.warmup_ratio * total_steps)
+    fingerprint = _fingerprint(spec, job.rows_digest, job.init_digest)
 
     loaded = _load_for_training(job, settings.gradient_checkpointing)
     opt, sched, scaler = _optimizer(loaded.model, job, settings, comm, total_steps, warmup)
@@ -442,7 +468,7 @@ def _train(job: _Job, rank: Rank | None) -> TrainResult:
                settings.micro_batch, settings.grad_accum)
     _resume(run, job.out_dir, settings.optimizer)
     log.info("training %s (%s) on %d rows: %d steps × %d samples (micro-batch %d × accumulation %d%s), %s, "
-             "gradient checkpointing %s, optimizer %s, activation offload %s", loaded.family.name, cfg.model.mode,
+             "gradient checkpointing %s, optimizer %s, activation offload %s", loaded.family.name, spec.model.mode,
              len(job.rows), total_steps, effective, run.micro, run.accum, f" × {world} processes" if world > 1 else "",
              settings.precision, "on" if settings.gradient_checkpointing else "off", settings.optimizer,
              "on" if settings.activation_offload else "off")
@@ -471,8 +497,8 @@ def _load_for_training(job: _Job, checkpointing: bool) -> Loaded:
         from pipeline.model.hardware import bound_cpu_allocator
 
         bound_cpu_allocator()  # resident memory = live tensors, as planned (see its docstring)
-    torch.manual_seed(job.cfg.seed)  # the LoRA initialisation
-    loaded: Loaded = load_model(job.cfg.model, adapter=job.init, trainable=True, hw=job.hw)
+    torch.manual_seed(job.spec.seed)  # the LoRA initialisation
+    loaded: Loaded = load_model(job.spec.model, adapter=job.init, trainable=True, hw=job.hw)
     model = loaded.model
     if checkpointing:
         _enable_activation_checkpointing(model)
@@ -486,10 +512,10 @@ def _load_for_training(job: _Job, checkpointing: bool) -> Loaded:
 def _optimizer(model: torch.nn.Module, job: _Job, settings: TrainSettings, comm: Comm | None, total_steps: int,
                warmup: int) -> tuple[torch.optim.Optimizer, Any, Any]:
     """(optimizer, LR schedule, grad scaler or None) over the trainable parameters, the same on every rank."""
-    train, device_type = job.cfg.train, job.hw.device
+    train, device_type = job.spec.train, job.hw.device
     params = list(_trainable(model).values())
     if not params:
-        raise ModelError(f"model.mode={job.cfg.model.mode}: nothing to train (no parameter requires a gradient)")
+        raise ModelError(f"model.mode={job.spec.model.mode}: nothing to train (no parameter requires a gradient)")
     if comm is not None:
         comm.broadcast_(params)
     opt = build_optimizer(settings.optimizer, params, train.learning_rate, train.weight_decay)
@@ -526,7 +552,7 @@ def _loop(run: _Run, job: _Job, loaded: Loaded, settings: TrainSettings) -> dict
     """Optimizer steps until total_steps (or stop_after_steps), checkpointing on the way; the utilisation summary."""
     from tqdm.auto import tqdm
 
-    cfg, device_type, device = job.cfg, job.hw.device, _model_device(run.model)
+    spec, device_type, device = job.spec, job.hw.device, _model_device(run.model)
     bar = tqdm(total=run.total_steps, initial=run.step, disable=not (job.progress and run.main), desc="train",
                unit="step")
     run.model.train()
@@ -534,12 +560,12 @@ def _loop(run: _Run, job: _Job, loaded: Loaded, settings: TrainSettings) -> dict
         while run.step < run.total_steps:
             if job.stop_after_steps is not None and run.step >= job.stop_after_steps:
                 break
-            idx = step_indices(run.step, len(job.rows), run.effective, cfg.seed)
+            idx = step_indices(run.step, len(job.rows), run.effective, spec.seed)
             if run.rank is not None:
                 idx = shard(idx, run.rank.rank, run.world)
             try:
                 loss = _optimizer_step(run.model, loaded.processor, loaded.family, job.rows, idx, run.micro, device,
-                                       device_type, settings.precision, run.opt, run.scaler, cfg.train.max_grad_norm,
+                                       device_type, settings.precision, run.opt, run.scaler, spec.train.max_grad_norm,
                                        run.step, job.oom_hook, comm=run.comm, offload=settings.activation_offload)
             except torch.cuda.OutOfMemoryError as exc:
                 _halve_micro_batch(run, exc, device_type)
@@ -550,8 +576,8 @@ def _loop(run: _Run, job: _Job, loaded: Loaded, settings: TrainSettings) -> dict
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
             if job.on_step is not None and run.main:
-                job.on_step(run.step, loss)
-            if run.step % cfg.train.checkpoint_every == 0 and run.step < run.total_steps:
+                job.on_step(run.step, run.total_steps, loss)
+            if run.step % spec.train.checkpoint_every == 0 and run.step < run.total_steps:
                 _save_checkpoint(job.out_dir, run.step, run.model, run.opt, run.sched, run.scaler,
                                  {"fingerprint": run.fingerprint, "losses": run.losses, "ooms": run.ooms,
                                   "micro_batch": run.micro, "grad_accum": run.accum, "total_steps": run.total_steps,
@@ -586,7 +612,7 @@ def _save_adapter(run: _Run, job: _Job, loaded: Loaded, settings_info: dict[str,
     if run.main:
         with atomic_dir(adapter_dir) as tmp:
             run.model.save_pretrained(tmp)
-            if job.cfg.model.mode == "full":
+            if job.spec.model.mode == "full":
                 loaded.processor.save_pretrained(tmp)
         manifest = write_manifest(out_dir, stage="train", stage_version=TRAIN_VERSION, inputs=job.inputs,
                                   config=job.config, outputs={"adapter": adapter_dir}, info=info)

@@ -7,15 +7,15 @@ and the augment stage's copies), so the model floor never reads the augment stag
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import StageConfig
-from pipeline.model.train import TRAIN_VERSION
+from pipeline.config import ModelConfig, TrainConfig
+from pipeline.model.train import TRAIN_VERSION, StepHook, TrainSpec, train_adapter
 from pipeline.store import read_manifest
 
-__all__ = ["TRAIN_VERSION", "train_stage", "trains_in_process"]
+__all__ = ["TRAIN_VERSION", "TrainParams", "train_stage", "trains_in_process"]
 
 
 def trains_in_process(train: Any) -> bool:
@@ -25,19 +25,29 @@ def trains_in_process(train: Any) -> bool:
     return resolve_num_processes(train.num_processes, detect_hardware()) == 1
 
 
-def train_stage(artifacts: str, rows: list[dict[str, Any]], model: dict, train: dict, seed: int,
-                init_adapter: dict | None, out_dir: str, *,
-                progress: Callable[[int], Callable[..., None] | None] | None = None) -> dict[str, Any]:
-    """Train the round's adapter on `rows` (the labeled and augmented rows: pipeline.augment.training_rows) into
-    `out_dir`, resuming from its last checkpoint. The caller's task is keyed on the rows' stage refs, not on the
-    rows. `progress(total_steps)` may return an `on_step` hook; it is used only when this process trains alone."""
-    from pipeline.model.train import planned_train_steps, train_adapter
+@dataclass(frozen=True)
+class TrainParams:
+    """The train stage's parameters, built by pipeline.rounds.train_params; its cache key is their `asdict()`. The
+    rows are keyed by their stage refs (the labeled set, the augment stage's copies), never listed."""
 
-    cfg = StageConfig({"model": model, "train": train, "seed": seed}, artifacts=artifacts)
-    total = planned_train_steps(cfg.train.max_steps, cfg.train.epochs, len(rows), cfg.train.effective_batch_size)
-    on_step = progress(total) if progress is not None and trains_in_process(cfg.train) else None
-    result = train_adapter(cfg, rows, Path(out_dir), init_adapter=init_adapter and init_adapter["adapter_dir"],
-                           on_step=on_step)
-    m = read_manifest(out_dir)
-    return {"dir": out_dir, "digest": m.key, "adapter_dir": str(result.adapter_dir),
+    artifacts: str
+    labeled: dict[str, Any]  # the labeled set's ref (pipeline.rounds.labeled_set)
+    augmented: dict[str, Any] | None  # the augment stage's ref; None without augmentation
+    model: dict[str, Any]  # the model section with its identity (pipeline.model.identity.keyed_model)
+    train: dict[str, Any]
+    seed: int
+    init_adapter: dict[str, Any] | None  # the previous round's adapter when train.init is warm
+    out_dir: str
+
+
+def train_stage(params: TrainParams, rows: list[dict[str, Any]], *, on_step: StepHook | None = None) -> dict[str, Any]:
+    """Train the round's adapter on `rows` (the labeled and augmented rows of `params`:
+    pipeline.augment.training_rows) into `params.out_dir`, resuming from its last checkpoint. `on_step` (steps done,
+    the run's total, loss) is called only when this process trains alone: spawned ranks cannot reach the caller."""
+    spec = TrainSpec(ModelConfig.model_validate(params.model), TrainConfig.model_validate(params.train), params.seed)
+    init = params.init_adapter
+    result = train_adapter(spec, rows, Path(params.out_dir), init_adapter=init and init["adapter_dir"],
+                           on_step=on_step if trains_in_process(spec.train) else None)
+    m = read_manifest(params.out_dir)
+    return {"dir": params.out_dir, "digest": m.key, "adapter_dir": str(result.adapter_dir),
             "adapter_digest": m.outputs["adapter"].digest}

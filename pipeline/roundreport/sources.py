@@ -87,10 +87,10 @@ def resolve_sources(cfg: ProjectConfig, state: RoundState | Mapping[str, Any],
     if prep is not None and (rd / POOL_FILE).is_file():
         plan = plan_pool_scoring(cfg, prepared=prep, adapter=adapter_ref(adapter),
                                  pool_ids=read_pool_file(rd / POOL_FILE))
-        shards = [(p["shard_ids"][0], p["out_dir"]) for p in plan.shards]
+        shards = [(p.shard_ids[0], p.out_dir) for p in plan.shards]
     return ReportSources(
         round=state.round, round_dir=str(rd), artifacts=str(cfg.artifacts), answers=cfg.data.answers,
         seed=cfg.seed, prepared_dir=prep and prep["dir"], quality_dir=((prepared or {}).get("quality") or {}).get("dir"),
-        space_dir=space and space["out_dir"], space_source=cfg.select.embeddings.source,
+        space_dir=space and space.out_dir, space_source=cfg.select.embeddings.source,
         shards=shards, eval_dir=eval_dir,
         labelcheck_dir=(state.labelcheck or {}).get("dir"))

@@ -173,6 +173,10 @@ def free_port() -> int:
 def _entry(index: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], threads: int, log_level: int,
            queue: Any) -> None:
     """What each spawned process runs: the rank's environment and logging, then fn(*args, queue)."""
+    # torch's spawn wrapper asks Linux to send this rank SIGINT when its parent dies (PR_SET_PDEATHSIG). A process
+    # started in the background (`nohup tamis run &`, a script's `&`) inherits SIGINT ignored, and an ignored death
+    # signal does nothing: the ranks of a killed round trained on, writing into the folder its re-run resumes from.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.update({**env, "RANK": str(index), "LOCAL_RANK": str(index)})
     torch.set_num_threads(threads)
     handler = logging.StreamHandler()

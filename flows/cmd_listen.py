@@ -10,6 +10,7 @@ for these labels is resumed instead (as `tamis resume` does), so its worker runs
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -149,7 +150,8 @@ class Listener:
 
 
 def listen_cmd(config: ConfigOpt = None) -> None:
-    """Receive Label Studio's webhooks and start the next round when rounds.trigger says so; Ctrl-C stops."""
+    """Receive Label Studio's webhooks and start the next round when rounds.trigger says so; Ctrl-C or SIGTERM
+    stops."""
     from pipeline.annotation.webhook_server import WebhookServer, secret_from_env
 
     cfg = load(config)
@@ -162,6 +164,9 @@ def listen_cmd(config: ConfigOpt = None) -> None:
              listener.trigger.url, listener.queue.path)
     out_console().print(f"listening on http://{host}:{port}; events go to {listener.queue.path}", highlight=False)
     stop = threading.Event()
+    # SIGTERM (systemd, Docker, `kill`) stops it as Ctrl-C does: a service started in the background has SIGINT
+    # ignored, and a round cut short resumes from its cached stages at the next start.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         listener.run(stop)
     except KeyboardInterrupt:

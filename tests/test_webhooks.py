@@ -275,6 +275,46 @@ def test_listen_and_setup_webhook_without_a_trigger_say_what_to_add(tmp_path):
     assert isinstance(res.exception, ConfigError) and "no rule would ever start a round" in str(res.exception)
 
 
+def test_tamis_listen_stops_on_sigterm_even_started_in_the_background(tmp_path):
+    """`tamis listen` run as a service (systemd, Docker, `nohup … &`) is stopped with SIGTERM, and a background job
+    starts with SIGINT ignored, so Ctrl-C's KeyboardInterrupt never comes: SIGTERM must stop it as Ctrl-C does (it
+    used to end it without its "stopped" line and its server's shutdown)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import yaml
+
+    config = _listener_project(tmp_path)
+    port = yaml.safe_load(config.read_text())["rounds"]["trigger"]["port"]
+    env = {**os.environ, "TAMIS_WEBHOOK_SECRET": "s" * 24, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "listen", "--config", str(config)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                assert time.monotonic() < deadline, "tamis listen did not answer within 60 s"
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)  # ignored, as in any background job
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "stopped" in output, output
+
+
 def test_with_wait_for_labels_the_suspended_deployed_round_is_resumed_not_run_twice(tmp_path, prefect_harness):
     """rounds.wait_for_labels: the project's round suspended on the server (as a deployed run suspends) is resumed
     with the form's answer, as `tamis resume` would; the listener runs nothing itself, and a run of another project

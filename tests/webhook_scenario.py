@@ -200,5 +200,5 @@ def round_trip(server: Any, root: Path, tiny_models: Any, *, token: str, token_e
         out.update(rounds=completed_rounds(cfg.artifacts), truth=truth,
                    log=" ".join(receiver.log().split()))  # log lines as one line each, however wrapped
     finally:
-        receiver.kill(signal.SIGINT)
+        receiver.kill(signal.SIGTERM)  # as a service manager stops it (a background runner has SIGINT ignored)
     return out

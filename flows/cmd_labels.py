@@ -165,8 +165,9 @@ def labels_orphans(
     config: ConfigOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the list as JSON (for scripts).")] = False,
 ) -> None:
-    """Labels that match no sample of the dataset any more (their image changed pixels, or was renamed and re-encoded,
-    or removed): they stay in the ledger; relabel the new images or put the old ones back."""
+    """Labels that match no sample of the dataset any more (their image was edited or cropped, or removed, or looks
+    like several images; a re-save or a re-encode carries the label over at the next round): they stay in the
+    ledger; relabel the new images or put the old ones back."""
     import json
 
     from pipeline.annotation.carry import orphan_labels

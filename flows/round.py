@@ -82,7 +82,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
                                                               round_index=plan.index,
                                                               cap=rounds.budget_left(cfg.rounds, state)))
             state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.answers,
-                                          prepared_dir=prep["prepare"]["dir"], round_index=plan.index))
+                                          prepared_dir=prep["prepare"]["dir"], round_index=plan.index,
+                                          cap=rounds.redundancy_cap(cfg.rounds, state)))
 
     state.adapter = adapter
     up = write_up(art, cfg.data.answers, plan, state, check, resolve=lambda: resolve_sources(cfg, state, prep))

@@ -266,6 +266,8 @@ def summary_markdown(state: RoundState | Mapping[str, Any], metrics_rows: Sequen
     if s.consensus_dir:
         lines += ["", f"Redundancy tasks (consensus below annotate.redundancy.threshold, {s.consensus_requeued} "
                   f"samples): `{s.consensus_dir}`"]
+    if s.consensus_trimmed:
+        lines += ["", f"Redundancy tasks held back: {s.consensus_trimmed['reason']}."]
     return "\n".join(lines)
 
 

@@ -70,6 +70,7 @@ class RoundState:
     label_studio_relabel: dict[str, Any] | None = None
     consensus_dir: str | None = None  # the redundancy tasks (annotate.redundancy)
     consensus_requeued: int | None = None
+    consensus_trimmed: dict[str, Any] | None = None  # unsure samples rounds.label_budget held back: {count, reason}
     adapter: dict[str, Any] | None = None  # the train stage's reference
     extra: dict[str, Any] = field(default_factory=dict)  # keys this tamis does not know, kept as they were
 

@@ -221,6 +221,13 @@ def budget_left(rounds_cfg: RoundsConfig, state: RoundState | Mapping[str, Any])
     return budget_batch(rounds_cfg, rounds_cfg.label_budget, (s.labels_spent or 0) + s.selected_count, s.tasks_out)
 
 
+def redundancy_cap(rounds_cfg: RoundsConfig, state: RoundState) -> int | None:
+    """The labels rounds.label_budget leaves for the redundancy queue (each second opinion costs one): what the batch
+    left (budget_left) less the re-label tasks sent with it; None without a budget."""
+    left = budget_left(rounds_cfg, state)
+    return None if left is None else max(0, left - (state.relabel or 0))
+
+
 def outstanding_tasks(artifacts: str | os.PathLike[str], plan: RoundPlan) -> int:
     """Samples exported in earlier rounds and not labeled yet: the label budget has promised them already."""
     return len(exported_before(artifacts, plan.index) - set(plan.labels))

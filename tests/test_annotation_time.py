@@ -90,3 +90,50 @@ def test_status_reports_hours_per_annotator_and_the_next_batch(tmp_path, project
     assert t["annotators"]["ann"] == {"n": 4, "median_s": 25.0, "p90_s": 79.0}
     assert t["annotators"]["bob"]["median_s"] == 60.0
     assert t["median_s"] == 45.0 and t["next_batch_hours"] == pytest.approx(36 * 45 / 3600, abs=1e-3)
+
+
+# ------------------------------------------------------------------ each annotation counted once (issue 46, row 8)
+def _votes_and_time(art):
+    from pipeline.annotation.consensus import read_votes
+
+    votes = sorted((v.sample_id, v.annotator, v.label) for vs in read_votes(art).values() for v in vs)
+    return votes, sum(t["seconds"] for t in Ledger(ledger_path(art)).times())
+
+
+def _import(art, path, known):
+    return import_labels(path, known_ids=known, answers=DIGITS, ledger=Ledger(ledger_path(art)), round_index=1,
+                         rejections_dir=art / "rejections")
+
+
+def test_a_csv_imported_half_written_then_whole_books_time_and_votes_once(tmp_path):
+    """20 rows of a 40-row file, then all 40: the same seconds and votes as the 40 imported once (200 s, not 300)."""
+    known = {f"x{i:02d}" for i in range(20)}
+    rows = [f"x{i // 2:02d},{i % 10 // 2},{'ann' if i % 2 else 'bob'},5\n" for i in range(40)]
+    head = "sample_id,label,annotator,seconds\n"
+    whole, half = tmp_path / "whole.csv", tmp_path / "half.csv"
+    whole.write_text(head + "".join(rows))
+    half.write_text(head + "".join(rows[:20]))
+    _import(tmp_path / "once", whole, known)
+    _import(tmp_path / "twice", half, known)
+    half.write_text(head + "".join(rows))  # the copy finished: the same file, whole
+    rep = _import(tmp_path / "twice", half, known)
+    once, twice = _votes_and_time(tmp_path / "once"), _votes_and_time(tmp_path / "twice")
+    assert once[1] == 200.0 and twice == once and len(twice[0]) == 40
+    assert not rep.already_imported and len(rep.times) == 20  # only the 20 rows it had not seen
+    assert Ledger(ledger_path(tmp_path / "twice")).labels() == Ledger(ledger_path(tmp_path / "once")).labels()
+
+
+def test_cumulative_label_studio_exports_count_each_annotation_once_its_newest_version(tmp_path, project):
+    art, led, run = project
+    a1 = ls_ann("3", 1, 10.0, 101) | {"updated_at": "2026-01-01T10:00:00Z"}
+    b = ls_ann("3", 2, 20.0, 102) | {"updated_at": "2026-01-02T10:00:00Z"}
+    a2 = ls_ann("5", 1, 15.0, 101) | {"updated_at": "2026-01-03T10:00:00Z"}  # annotation 101 edited: 5 s more
+    for n, anns in enumerate(([a1], [a1, b], [a2, b])):  # v1, v2 (a second opinion), v3 (the first one edited)
+        (tmp_path / f"v{n}.json").write_text(json.dumps([ls_task("s000", *anns)]))
+        run(tmp_path / f"v{n}.json")
+    votes, seconds = _votes_and_time(art)
+    assert votes == [("s000", "1", "5"), ("s000", "2", "3")] and seconds == 35.0
+    # An older export imported late, with a third opinion: it re-reads 101's older version, which stays replaced.
+    (tmp_path / "late.json").write_text(json.dumps([ls_task("s000", a1, b, ls_ann("5", 3, 7.0, 103))]))
+    run(tmp_path / "late.json")
+    assert _votes_and_time(art) == (votes + [("s000", "3", "5")], seconds + 7.0)

@@ -103,3 +103,64 @@ def test_other_pixels_at_the_same_path_do_not_take_the_label(project, tmp_path, 
     assert labels_now(art, prep, PoolData.of(load_prepared(prep)), round_index=1) == {}
     assert [o["label"] for o in json.loads(runner.invoke(
         app, ["labels", "orphans", "--json", "--config", str(config)]).output)] == ["cat"]
+
+
+def _jpeg_smaller(src, dest, quality=70, scale=0.8):
+    im = Image.open(src).convert("RGB")
+    im.resize((round(im.width * scale), round(im.height * scale)), Image.Resampling.LANCZOS).save(
+        dest, "JPEG", quality=quality)
+
+
+def test_a_photo_re_encoded_with_loss_renamed_or_not_keeps_its_label_a_changed_one_does_not(project, tmp_path,
+                                                                                             prefect_harness):
+    """Issue 46, row 21: a PNG re-saved as a JPEG (quality 70, resized by 0.8) in place or under another name is the
+    same picture; a photo with a patch painted over is not, and stays an orphan."""
+    config, photos, more = project
+    art = load_config(config).artifacts
+    _prepared(config)
+    (tmp_path / "l.csv").write_text("image,label\nchelsea.png,cat\ncoffee.png,cup\nastronaut.png,person\n")
+    assert runner.invoke(app, ["labels", "import", str(tmp_path / "l.csv"), "--config", str(config)]).exit_code == 0
+    old = Ledger(ledger_path(art)).labels()
+    # A project whose labeled images were recorded before looks were: the next round records them while it can.
+    prep = _prepared(config)
+    labels_now(art, prep, PoolData.of(load_prepared(prep)), round_index=0)
+    record = art / "labeled_images.jsonl"
+    record.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "look"}) + "\n"
+                              for line in record.read_text().splitlines()))
+    labels_now(art, prep, PoolData.of(load_prepared(prep)), round_index=0)
+    assert {json.loads(line)["sample_id"] for line in record.read_text().splitlines() if json.loads(line).get("look")
+            } == set(old)
+
+    _jpeg_smaller(photos / "chelsea.png", photos / "chelsea.jpg")  # another format in place
+    _jpeg_smaller(photos / "coffee.png", more / "mug-0001.jpg")  # renamed and moved by a photo tool
+    patched = np.asarray(Image.open(photos / "astronaut.png")).copy()
+    patched[40:52, 60:72] = 255  # a few pixels changed in one place: another picture
+    Image.fromarray(patched).save(photos / "astronaut-edited.png")
+    for name in ("chelsea", "coffee", "astronaut"):
+        (photos / f"{name}.png").unlink()
+    prep = _prepared(config)
+    pool = PoolData.of(load_prepared(prep))
+    labels_after = labels_now(art, prep, pool, round_index=1)
+    by_path = dict(zip(pool.ids.to_pylist(), load_prepared(prep)["image_path"], strict=True))
+    carried = {by_path[s].replace(str(tmp_path) + "/", ""): label for s, label in labels_after.items()}
+    assert carried == {"photos/chelsea.jpg": "cat", "more/mug-0001.jpg": "cup"}
+    entries = [e for e in Ledger(ledger_path(art)).entries() if e["kind"] == "carry"]
+    assert all(e["reason"].startswith("same picture re-encoded") for e in entries) and len(entries) == 2
+    assert labels_now(art, prep, pool, round_index=1) == labels_after  # a re-run carries nothing twice
+    res = runner.invoke(app, ["labels", "orphans", "--json", "--config", str(config)])
+    assert [o["sample_id"] for o in json.loads(res.output)] == [s for s, lab in old.items() if lab == "person"]
+
+
+def test_a_re_encoded_photo_with_a_look_alike_in_the_pool_stays_an_orphan(project, tmp_path, prefect_harness):
+    """Unique and mutual: two images of the pool look like the orphan (the re-encoded photo and a copy of it), so
+    neither gets its label."""
+    config, photos, more = project
+    art = load_config(config).artifacts
+    _prepared(config)
+    (tmp_path / "l.csv").write_text("image,label\nchelsea.png,cat\n")
+    assert runner.invoke(app, ["labels", "import", str(tmp_path / "l.csv"), "--config", str(config)]).exit_code == 0
+    _jpeg_smaller(photos / "chelsea.png", photos / "chelsea.jpg")
+    _jpeg_smaller(photos / "chelsea.png", more / "chelsea-copy.jpg", quality=80)
+    (photos / "chelsea.png").unlink()
+    prep = _prepared(config)
+    assert labels_now(art, prep, PoolData.of(load_prepared(prep)), round_index=1) == {}

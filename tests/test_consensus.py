@@ -208,6 +208,47 @@ def test_redundancy_requeues_unsure_samples_counts_them_and_settles_them(tmp_pat
     assert settled["samples"] == 30
 
 
+def _prepared_folder(ds, folder):
+    """`ds` as the prepare stage's output folder (what queue_redundancy reads the pool from)."""
+    from pipeline.preprocess import STAGE
+    from pipeline.store import save_dataset, write_manifest
+
+    save_dataset(ds, folder / "dataset")
+    write_manifest(folder, stage=STAGE, stage_version="test", inputs={}, config={}, outputs={"dataset": "dataset"})
+    return folder
+
+
+def test_the_redundancy_queue_is_capped_by_the_label_budget_and_says_so(tmp_path, make_vqa):
+    """Issue 46, row 19: each second opinion costs a label; the queue gets what the budget leaves after the batch and
+    the re-label tasks, least confident first, and the round says how many it held back and why."""
+    from pipeline.annotation.redundancy import queue_redundancy
+    from pipeline.report import summary_markdown
+    from pipeline.round_state import RoundState
+    from pipeline.rounds import redundancy_cap
+
+    cfg, ds, gt, ids = _project(tmp_path, make_vqa, redundancy={"threshold": 0.8, "max_labels": 3})
+    simulate_annotators(export_dir(cfg.artifacts, 0), gt, cfg.artifacts / "inbox", annotators=ANNOTATORS,
+                        redundancy=2, round_index=0, seed=1)
+    [rep] = _import_inbox(cfg, ids)
+    ties = [c.sample_id for c in rep.conflicts if c.outcome == "tie"]
+    assert len(ties) > 3
+    apply_consensus(cfg.artifacts, cfg.annotate, answers=DIGITS, round_index=0)
+    rounds_cfg = parse_config({"rounds": {"label_budget": 45}}, root=tmp_path).rounds
+    # 30 labels spent, a batch of 10 and 2 re-label tasks: the budget of 45 leaves 3 second opinions.
+    state = RoundState(round=1, labels_spent=30, selected=10, relabel=2)
+    assert redundancy_cap(rounds_cfg, state) == 3
+    assert redundancy_cap(rounds_cfg, RoundState(round=1, labels_spent=40, selected=10)) == 0
+    state.update(queue_redundancy(cfg.artifacts, cfg.annotate, answers=DIGITS, round_index=1,
+                                  prepared_dir=_prepared_folder(ds, tmp_path / "prepared"),
+                                  cap=redundancy_cap(rounds_cfg, state)))
+    assert state.consensus_requeued == 3 and redundancy_spent(cfg.artifacts, before_round=2) == 3
+    assert state.consensus_trimmed["count"] == len(ties) - 3
+    why = state.consensus_trimmed["reason"]
+    assert f"{len(ties) - 3} of {len(ties)} samples" in why and "rounds.label_budget leaves 3" in why
+    assert why in summary_markdown(state, [])
+    assert RoundState.from_json(state.to_json()).consensus_trimmed == state.consensus_trimmed  # round.json keeps it
+
+
 def test_votes_log_counts_a_file_imported_twice_once(tmp_path, make_vqa):
     cfg, _, gt, ids = _project(tmp_path, make_vqa, n=6)
     simulate_annotators(export_dir(cfg.artifacts, 0), gt, cfg.artifacts / "inbox", annotators=ANNOTATORS,
@@ -255,7 +296,10 @@ def test_rounds_with_a_crowd_dawid_skene_and_redundancy(tmp_path, tiny_models, p
              {"name": "cat", "accuracy": 0.3, "seconds": {"base": 5, "per": "detail", "scale": 30}}]
     import yaml
 
-    config = write_project(tmp_path, tiny_models, rounds={"simulate_annotators": crowd, "simulate_redundancy": 2})
+    # label_budget 13: 6 labels in round 0, a batch of 6 in round 1, which leaves 1 for its re-label and redundancy
+    # tasks (issue 46, row 19: the queue is capped, and the round says by how much)
+    config = write_project(tmp_path, tiny_models, rounds={"simulate_annotators": crowd, "simulate_redundancy": 2,
+                                                          "label_budget": 13})
     raw = yaml.safe_load(config.read_text())
     # threshold 1: every sample short of certainty goes out again, so the queue is never empty here
     raw["annotate"] = {"consensus": "dawid_skene", "redundancy": {"threshold": 1.0, "max_labels": 3}}
@@ -272,6 +316,8 @@ def test_rounds_with_a_crowd_dawid_skene_and_redundancy(tmp_path, tiny_models, p
     n = second["consensus_requeued"]  # the unsure ones went out again, and the budget knows
     assert n > 0 and n == len(redundancy_queued(art)[1]) and redundancy_spent(art, before_round=2) == n
     assert "Redundancy tasks" in summary
+    assert n + (second.get("relabel") or 0) <= 1 and second["consensus_trimmed"]["count"] > 0, second
+    assert "Redundancy tasks held back: " in summary and "rounds.label_budget leaves" in summary
     crowd_file = json.loads((art / "inbox/simulated-consensus-001.json").read_text())
     voted = read_votes(art)
     assert all(a["completed_by"] not in {v.annotator for v in voted[t["data"]["sample_id"]]}

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pipeline.annotation.counted import count_once
 from pipeline.store import read_jsonl
 
 VOTES_NAME = "annotation_votes.jsonl"  # beside the ledger: every accepted raw vote, one line each
@@ -201,15 +202,12 @@ def votes_path(artifacts: str | os.PathLike[str]) -> Path:
 
 
 def read_votes(artifacts: str | os.PathLike[str]) -> dict[str, list[Vote]]:
-    """sample_id → its raw votes, oldest first. A file imported twice (a crash between its votes and its ledger
-    write, then the import again) wrote its rows twice: they count once."""
-    seen: dict[tuple[Any, str, str, str], Vote] = {}
-    for r in read_jsonl(votes_path(artifacts)):
-        v = Vote(str(r["sample_id"]), str(r["annotator"]), str(r["label"]))
-        seen[(r.get("source_digest"), v.sample_id, v.annotator, v.label)] = v
+    """sample_id → its raw votes, oldest first. An annotation two files carried (a CSV imported half-written then
+    whole, cumulative exports, a crash between the votes and the ledger write, then the import again) is one vote,
+    its newest version (pipeline/annotation/counted.py)."""
     out: dict[str, list[Vote]] = defaultdict(list)
-    for v in seen.values():
-        out[v.sample_id].append(v)
+    for r in count_once(read_jsonl(votes_path(artifacts))):
+        out[str(r["sample_id"])].append(Vote(str(r["sample_id"]), str(r["annotator"]), str(r["label"])))
     return dict(out)
 
 

@@ -41,6 +41,7 @@ class LabelRow:
     # Label Studio's IDs: its task, and the annotation as imported (ID + content digest, so an edited one is new).
     task: str | None = None
     annotation: str | None = None
+    updated: str | None = None  # the annotation's updated_at: its newest version's time and vote count (counted.py)
     # The re-label task set the row answers ("001/relabel"), "" for a round's task: its answer corrects the label.
     relabel: str = ""
     # Filled in by SampleIndex.resolve: the tamis sample, which key matched it and the key's value.
@@ -272,6 +273,7 @@ class LabelStudioReader(LabelReader):
                     row.label, row.problem = _result_label(result)
                     _timed(row, ann.get("lead_time"))
                 row.task, row.annotation = _taken_key(task.get("id"), ann.get("id"), row)
+                row.updated = _cell(ann.get("updated_at"))
                 rows.append(row)
         return rows, unlabeled
 
@@ -309,6 +311,7 @@ class LabelStudioMinReader(LabelReader):
                 image=image, relabel=relabel_set(task, image),
             ), task.get("lead_time"))
             row.task, row.annotation = _taken_key(task.get("id"), task.get("annotation_id"), row)
+            row.updated = _cell(task.get("updated_at"))
             rows.append(row)
         return rows, unlabeled
 

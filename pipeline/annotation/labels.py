@@ -29,13 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.annotation.consensus import Majority, votes_path
+from pipeline.annotation.counted import annotation_key, new_rows
 from pipeline.annotation.label_files import LabelFile, LabelKeys, LabelRow, read_label_file
 from pipeline.annotation.ledger import Ledger, make_entry
 from pipeline.annotation.matching import SampleIndex
 from pipeline.annotation.taken import already_taken, remember, taken
 from pipeline.errors import LabelImportError
 from pipeline.evaluate import normalize_answer
-from pipeline.store import append_jsonl, atomic_write_jsonl, digest_bytes
+from pipeline.store import append_jsonl, atomic_write_jsonl, digest_bytes, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +140,14 @@ def _open_key(label: str) -> str:
     return normalize_answer(label)
 
 
+def _counted(sid: str, r: LabelRow) -> dict[str, Any]:
+    """What a time or vote row is counted once by: its annotation (pipeline/annotation/counted.py)."""
+    return {"annotation": annotation_key(sid, r), **({"updated_at": r.updated} if r.updated else {})}
+
+
 def _vote_row(sid: str, r: LabelRow, round_index: int, digest: str) -> dict[str, Any]:
-    return {"sample_id": sid, "annotator": r.annotator, "label": r.label, "round": round_index, "source_digest": digest}
+    return {"sample_id": sid, "annotator": r.annotator, "label": r.label, "round": round_index, "source_digest": digest,
+            **_counted(sid, r)}
 
 
 def _validate(lf: LabelFile, rep: ImportReport, *, index: SampleIndex, allowed: set[str] | None,
@@ -228,7 +235,7 @@ def _settle(sid: str, rows: list[LabelRow], rep: ImportReport, round_index: int)
     decision = Majority.decide_one([r.label for r in rows])
     one_annotator = len({r.annotator for r in rows}) == 1
     times = [{"sample_id": sid, "annotator": r.annotator, "seconds": r.seconds, "round": round_index,
-              "source_digest": rep.digest} for r in rows if r.seconds is not None]
+              "source_digest": rep.digest, **_counted(sid, r)} for r in rows if r.seconds is not None]
     if decision.outcome != "agreed":
         tie = decision.label is None
         rep.conflicts.append(Conflict(sid, decision.votes, decision.outcome, decision.label))
@@ -271,6 +278,10 @@ def _apply(
     allowed = set(answers) if answers else None
     votes = _validate(lf, rep, index=index, allowed=allowed, answers=answers, skip=set(skip))
     _decide(votes, rep, current=ledger.current(), open_answers=allowed is None, round_index=round_index)
+    # Times and votes an earlier file already booked (the same CSV half-written, an earlier cumulative export) are
+    # not booked again: they are facts of the annotation, not of the file (pipeline/annotation/counted.py).
+    rep.times = new_rows(rep.times, read_jsonl(ledger.times_path))
+    rep.votes = new_rows(rep.votes, read_jsonl(votes_path(ledger.path.parent)))
     if not rep.accounted:  # a bug, not bad input: never write a ledger batch that lost rows
         raise AssertionError(f"{name}: row accounting broken: {rep.summary()}")
 

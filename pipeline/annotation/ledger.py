@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pipeline.annotation.counted import count_once
 from pipeline.errors import LabelImportError
 from pipeline.store import LogProblem, LogRead, append_jsonl, digest_json, read_jsonl, read_log
 
@@ -124,7 +125,7 @@ class Ledger:
             append_jsonl(self.times_path, rows)
 
     def times(self) -> list[dict[str, Any]]:
-        """One row per timed annotation: sample_id, annotator, seconds, round, source_digest (an import that
-        crashed before its ledger write and ran again wrote its rows twice: they count once)."""
-        rows = {(r.get("source_digest"), r.get("sample_id"), r.get("annotator")): r for r in read_jsonl(self.times_path)}
-        return list(rows.values())
+        """One row per timed annotation: sample_id, annotator, seconds, round, source_digest, annotation. An
+        annotation two files carried (a CSV imported half-written then whole, cumulative exports, an import that
+        crashed before its ledger write and ran again) counts once, its newest version (pipeline/annotation/counted.py)."""
+        return count_once(read_jsonl(self.times_path))

@@ -1,7 +1,8 @@
 """The redundancy queue (annotate.redundancy): samples whose consensus is unsure go to another annotator with the
 next export, as a separate task set (rounds/NNN/consensus/) beside the round's batch, the way the label check's
-re-label queue goes out. Every task sent costs an annotator's time, so rounds.label_budget counts them
-(`redundancy_spent`), as it counts re-label tasks.
+re-label queue goes out. Every task sent costs an annotator's time, one label each, so rounds.label_budget counts
+them (`redundancy_spent`), as it counts re-label tasks, and caps the queue: a round sends at most what the budget
+leaves after its batch and its re-label tasks (`budget_trim`), least confident first, and says how many it held back.
 """
 
 from __future__ import annotations
@@ -77,6 +78,22 @@ def redundancy_candidates(record: ConsensusRecord | None, rule: Any, *, queued: 
             if d.n > asked.get(sid, 0) and (eligible is None or sid in eligible)]
 
 
+def budget_trim(rows: Sequence[Mapping[str, Any]], cap: int | None
+                ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """(the rows the budget pays for, the trim as round.json records it, or None when nothing was held back). `rows`
+    come least confident first (redundancy_candidates), so the samples that need a second opinion most go first;
+    `cap`: the labels rounds.label_budget leaves for the queue (pipeline.rounds.redundancy_cap), None without one."""
+    rows = [dict(r) for r in rows]
+    if cap is None or len(rows) <= cap:
+        return rows, None
+    kept = rows[:max(0, cap)]
+    held = len(rows) - len(kept)
+    return kept, {"count": held, "reason": (
+        f"{held} of {len(rows)} samples below annotate.redundancy.threshold not sent to another annotator: each costs "
+        f"a label and rounds.label_budget leaves {max(0, cap)} after this round's batch and re-label tasks (the least "
+        "confident went first); raise rounds.label_budget to send them")}
+
+
 def export_redundancy(rows: Sequence[Mapping[str, Any]], dataset: Any, out_dir: str | os.PathLike[str], *,
                       annotate: Any, answers: Sequence[str] | None, artifacts: str | os.PathLike[str],
                       round_index: int) -> Manifest | None:
@@ -111,9 +128,11 @@ def export_redundancy(rows: Sequence[Mapping[str, Any]], dataset: Any, out_dir: 
 
 
 def queue_redundancy(artifacts: str | os.PathLike[str], annotate: Any, *, answers: Sequence[str] | None,
-                     prepared_dir: str | os.PathLike[str], round_index: int) -> dict[str, Any]:
-    """The round's redundancy queue from the current consensus.json, as round.json records it:
-    {"consensus_dir", "consensus_requeued"}, or {} when annotate.redundancy is off or no sample is unsure."""
+                     prepared_dir: str | os.PathLike[str], round_index: int, cap: int | None = None) -> dict[str, Any]:
+    """The round's redundancy queue from the current consensus.json, at most `cap` tasks (what rounds.label_budget
+    leaves: pipeline.rounds.redundancy_cap), as round.json records it: {"consensus_dir", "consensus_requeued"}, with
+    "consensus_trimmed" ({"count", "reason"}) when the budget held samples back; {} when annotate.redundancy is off
+    or no sample is unsure."""
     from pipeline.annotation.consensus import read_consensus
     from pipeline.preprocess import load_prepared
 
@@ -123,10 +142,14 @@ def queue_redundancy(artifacts: str | os.PathLike[str], annotate: Any, *, answer
     rows = redundancy_candidates(read_consensus(artifacts), annotate.redundancy,
                                  queued=redundancy_queued(artifacts, round_index),
                                  eligible=set(column(prepared, "sample_id")))
+    rows, trimmed = budget_trim(rows, cap)
+    if trimmed:
+        log.warning("redundancy queue: %s", trimmed["reason"])
     out = redundancy_dir(artifacts, round_index)
     m = export_redundancy(rows, prepared, out, annotate=annotate, answers=answers, artifacts=artifacts,
                           round_index=round_index)
-    return {} if m is None else {"consensus_dir": str(out), "consensus_requeued": int(m.info["count"])}
+    sent = {} if m is None else {"consensus_dir": str(out), "consensus_requeued": int(m.info["count"])}
+    return sent | ({"consensus_trimmed": trimmed} if trimmed else {})
 
 
 def settle_votes(artifacts: str | os.PathLike[str], annotate: Any, *, answers: Sequence[str] | None,

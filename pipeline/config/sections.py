@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
+    PrivateAttr,
     field_validator,
     model_serializer,
     model_validator,
@@ -157,6 +158,14 @@ class ModelConfig(Section):
     # Set by tamis, never in a config file: the checkpoint's content and the library versions (pipeline/model/
     # identity.py), filled into the section the train, evaluate, score and label-check stages are keyed on.
     identity: dict[str, Any] | None = None
+    # name_or_path as the config file spells it, before loading makes a local folder absolute: what an export names
+    # as its base (an absolute path would tell whoever receives it the user's name and the host's layout). Private,
+    # so no dump and no cache key sees it.
+    _as_written: str | None = PrivateAttr(default=None)
+
+    @property
+    def name_as_written(self) -> str:
+        return self._as_written or self.name_or_path
 
     @model_serializer(mode="wrap")
     def _identity_when_known(self, handler: Any) -> Any:

@@ -47,7 +47,7 @@ def predict_cmd(
 
 
 def export_model_cmd(
-    out: Annotated[Path, typer.Option("--out", help="The folder to write (adapter/, README.md, lineage.json, "
+    out: Annotated[Path, typer.Option("--out", help="A new or empty folder to write (adapter/, README.md, lineage.json, "
                                       "merged/).")],
     config: ConfigOpt = None,
     merge: Annotated[bool, typer.Option("--merge", help="Also write merged/: the base (4-bit weights dequantized) "

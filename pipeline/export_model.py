@@ -364,8 +364,8 @@ EXPORT_NAMES = ("adapter", "merged", "README.md", "lineage.json")  # what an exp
 def check_out(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *, force: bool) -> Path:
     """The export's folder, refused when writing there would destroy something: any folder in the project's
     artifacts (a round's train folder holds the adapter `predict` verifies), or one that already holds files,
-    unless `force` (then only EXPORT_NAMES are replaced: as `git clone` and `tamis init` do, an export never empties
-    a folder it did not make)."""
+    unless `force`. Like `git clone` and `tamis init`, it wants a new or empty folder; `force` replaces EXPORT_NAMES
+    there and never empties a folder it did not make."""
     out, art = Path(out), Path(artifacts).resolve()
     where = out.resolve()
     clash = where if where.is_relative_to(art) else next(

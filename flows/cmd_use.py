@@ -47,7 +47,7 @@ def predict_cmd(
 
 
 def export_model_cmd(
-    out: Annotated[Path, typer.Option("--out", help="The folder to write (adapter/, README.md, lineage.json, "
+    out: Annotated[Path, typer.Option("--out", help="A new or empty folder to write (adapter/, README.md, lineage.json, "
                                       "merged/).")],
     config: ConfigOpt = None,
     merge: Annotated[bool, typer.Option("--merge", help="Also write merged/: the base (4-bit weights dequantized) "
@@ -56,13 +56,17 @@ def export_model_cmd(
     dtype: Annotated[str, typer.Option("--dtype", help="The merged weights' dtype: auto (what tamis computes in "
                                        "here: bfloat16 on a bf16 GPU, float32 on a CPU), bfloat16, float16, "
                                        "float32.")] = "auto",
+    force: Annotated[bool, typer.Option("--force", help="Write into a folder that is not empty, replacing the "
+                                        "adapter/, merged/, README.md and lineage.json there (other files are "
+                                        "kept). Never allowed inside the project's artifacts folder.")] = False,
 ) -> None:
-    """Export a round's model with its model card and lineage (the labels and config behind it)."""
+    """Export a round's model with its model card and lineage (the labels and config behind it) to a new or empty
+    folder."""
     from pipeline.export_model import export_model
 
     cfg = load(config)
     res = export_model(out, artifacts=cfg.artifacts, round_index=round_index, merge=merge, dtype=dtype,
-                       sections={"data": cfg.data, "preprocess": cfg.preprocess, "model": cfg.model,
+                       force=force, sections={"data": cfg.data, "preprocess": cfg.preprocess, "model": cfg.model,
                                  "train": cfg.train, "annotate": cfg.annotate, "seed": cfg.seed})
     lines = [f"exported round {res.round}'s model ({res.labels} training labels) to {res.dir}",
              f"  adapter: {res.adapter}", f"  model card: {res.card}", f"  lineage: {res.lineage}"]

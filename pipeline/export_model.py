@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError, ModelError
+from pipeline.mdtext import code_span, escape_md, fenced
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
@@ -32,6 +34,7 @@ class Provenance:
     state: dict[str, Any]
     train_manifest: Any
     labels: list[dict[str, Any]]  # one per training label: ledger entry fields, or source "seed"
+    artifacts: Path  # the project's: paths under it are written relative to it
 
 
 def round_state(artifacts: str | os.PathLike[str], round_index: int | None) -> dict[str, Any]:
@@ -66,6 +69,7 @@ def training_labels(artifacts: str | os.PathLike[str], state: Mapping[str, Any])
     for e in Ledger(ledger_path(artifacts)).entries():
         if "sample_id" in e and int(e.get("round", 0)) <= state["round"]:
             newest[e["sample_id"]] = e
+    logged = logged_votes(artifacts, state["round"])
     out = []
     for sid, answer in zip(ds["sample_id"], ds["answer"], strict=True):
         e = newest.get(sid)
@@ -73,12 +77,58 @@ def training_labels(artifacts: str | os.PathLike[str], state: Mapping[str, Any])
             out.append({"sample_id": sid, "label": answer, "source": "seed"})
             continue
         row = {"sample_id": sid, "label": answer, "source": "ledger", "entry_id": e.get("entry_id"),
-               "annotator": e.get("annotator"), "round": e.get("round"), "kind": e.get("kind"),
-               "source_file": e.get("source_file"), "source_digest": e.get("source_digest")}
+               "annotator": e.get("annotator"), "votes": logged.get(sid) or entry_votes(e), "round": e.get("round"),
+               "kind": e.get("kind"), "source_file": shareable_path(e.get("source_file"), artifacts),
+               "source_digest": e.get("source_digest")}
         if e.get("label") != answer:  # e.g. a consensus of several annotators' votes replaced the entry's label
             row["ledger_label"] = e.get("label")
         out.append(row)
     return out
+
+
+def logged_votes(artifacts: str | os.PathLike[str], round_index: int) -> dict[str, list[dict[str, str]]]:
+    """sample_id → every raw vote on it up to `round_index` (the vote log beside the ledger: each annotator's answer,
+    outvoted ones and votes a later consensus settled included), oldest first. A file imported twice counts once."""
+    from pipeline.annotation.consensus import votes_path
+    from pipeline.store import read_jsonl
+
+    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in read_jsonl(votes_path(artifacts)):
+        if "sample_id" in r and int(r.get("round", 0)) <= round_index:
+            seen.setdefault((r.get("source_digest"), r["sample_id"], r.get("annotator"), r.get("label")), r)
+    out: dict[str, list[dict[str, str]]] = {}
+    for r in seen.values():
+        out.setdefault(str(r["sample_id"]), []).append({"annotator": str(r["annotator"]), "label": str(r["label"])})
+    return out
+
+
+def entry_votes(e: Mapping[str, Any]) -> list[dict[str, str]]:
+    """A ledger entry's votes, for a label the vote log does not know (an older project, a simulated annotator):
+    the votes it recorded, else its one annotator. Never its `annotator` field split on commas: that field joins
+    the names of the winning side only, and a name may hold a comma."""
+    if e.get("votes"):
+        return [{"annotator": str(v["annotator"]), "label": str(v["label"])} for v in e["votes"]]
+    return [{"annotator": str(e["annotator"]), "label": str(e["label"])}] if e.get("annotator") else []
+
+
+def annotators(labels: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every person who voted on a training label, once each, outvoted ones included (the model as a consensus
+    rater is not a person)."""
+    from pipeline.annotation.consensus import MODEL_RATER
+
+    return sorted({v["annotator"] for r in labels for v in r.get("votes", ()) if v["annotator"] != MODEL_RATER})
+
+
+def shareable_path(path: str | os.PathLike[str] | None, artifacts: str | os.PathLike[str]) -> str | None:
+    """A project path as an export may name it: relative to the artifacts folder when inside it, else only its
+    file name (an absolute path tells whoever receives the export the user's name and the host's layout)."""
+    if path is None:
+        return None
+    p, art = Path(path), Path(artifacts)
+    for root in (art, art.resolve()):
+        if p.is_relative_to(root):
+            return p.relative_to(root).as_posix()
+    return p.name
 
 
 def provenance(artifacts: str | os.PathLike[str], round_index: int | None) -> Provenance:
@@ -86,7 +136,7 @@ def provenance(artifacts: str | os.PathLike[str], round_index: int | None) -> Pr
 
     state = round_state(artifacts, round_index)
     return Provenance(state["round"], state, read_manifest(state["adapter"]["dir"]),
-                      training_labels(artifacts, state))
+                      training_labels(artifacts, state), Path(artifacts))
 
 
 def lineage(prov: Provenance, *, model: Mapping[str, Any], train: Mapping[str, Any], seed: int) -> dict[str, Any]:
@@ -96,7 +146,8 @@ def lineage(prov: Provenance, *, model: Mapping[str, Any], train: Mapping[str, A
     ref, m = prov.state["adapter"], prov.train_manifest
     return {
         "round": prov.round,
-        "adapter": {"digest": ref.get("adapter_digest"), "train_key": ref.get("digest"), "train_dir": ref.get("dir"),
+        "adapter": {"digest": ref.get("adapter_digest"), "train_key": ref.get("digest"),
+                    "train_dir": shareable_path(ref.get("dir"), prov.artifacts),
                     "stage_version": m.stage_version, "inputs": dict(m.inputs)},
         "config_digest": digest_json({"model": dict(model), "train": dict(train), "seed": seed}),
         "train_config_digest": m.config_digest,
@@ -120,71 +171,96 @@ def _prompt_example(loaded: Any, question: str) -> str:
 
 
 def _how_to_load(base: str, merged_dtype: str | None) -> list[str]:
-    lines = ["## How to load it", "", "The adapter on its base model (PEFT):", "", "```python",
-             "from peft import PeftModel",
-             "from transformers import AutoModelForImageTextToText, AutoProcessor",
-             f'base = AutoModelForImageTextToText.from_pretrained("{base}")',
-             'model = PeftModel.from_pretrained(base, "adapter")',
-             'processor = AutoProcessor.from_pretrained("adapter")', "```", ""]
+    lines = ["## How to load it", "", "The adapter on its base model (PEFT):", "",
+             *fenced("\n".join(["from peft import PeftModel",
+                                "from transformers import AutoModelForImageTextToText, AutoProcessor",
+                                f"base = AutoModelForImageTextToText.from_pretrained({json.dumps(base)})",
+                                'model = PeftModel.from_pretrained(base, "adapter")',
+                                'processor = AutoProcessor.from_pretrained("adapter")']), "python"), ""]
     if merged_dtype:
         lines += [f"The merged checkpoint (`merged/`, {merged_dtype} weights; no PEFT needed):", "", "```python",
                   "from transformers import AutoModelForImageTextToText, AutoProcessor",
                   'model = AutoModelForImageTextToText.from_pretrained("merged")',
                   'processor = AutoProcessor.from_pretrained("merged")', "```", ""]
     return lines + ["Or with tamis: `tamis predict IMAGES --adapter adapter` (same preparation and prompt).", "",
-                    "Lineage: `lineage.json` lists every training label's ledger entry (id, annotator, round, the "
-                    "imported file's digest) and the config digest behind this adapter."]
+                    "Lineage: `lineage.json` lists every training label's ledger entry (id, annotators and their "
+                    "votes, round, the imported file's digest) and the config digest behind this adapter."]
+
+
+def _provenance_lines(prov: Provenance, *, model_cfg: Any, family: str, adapter_config: Mapping[str, Any],
+                      rounds_done: int, consensus: str, base: str) -> list[str]:
+    """The card's Provenance section; every name a user or annotator chose goes through escape_md."""
+    labels, people = prov.labels, annotators(prov.labels)
+    lines = [
+        "## Provenance", "",
+        f"- base model: {code_span(base)} (family `{family}`)",
+        f"- mode: **{model_cfg.mode}**" + (" (4-bit NF4 base + LoRA)" if model_cfg.mode == "qlora" else ""),
+        f"- LoRA: r = {adapter_config.get('r')}, alpha = {adapter_config.get('lora_alpha')}, dropout = "
+        f"{adapter_config.get('lora_dropout')}, target modules = "
+        f"{code_span(str(adapter_config.get('target_modules')))}",
+        f"- rounds: this adapter is round {prov.round}'s; {rounds_done} rounds finished (0 … {prov.round})",
+        f"- labels: **{len(labels)}** ({sum(r['source'] == 'ledger' for r in labels)} from the label ledger, "
+        f"{sum(r['source'] == 'seed' for r in labels)} that came with the data)",
+        f"- annotators: {len(people)} ({', '.join(map(escape_md, people)) or 'none'}); consensus method: "
+        f"{escape_md(consensus)}",
+    ]
+    check = prov.state.get("labelcheck")
+    if check:
+        lines.append(f"- label check ({escape_md(str(check.get('method')))}): " + (
+            f"could not judge yet ({check.get('checked')} labels checked)" if check.get("abstained") else
+            f"{check.get('issues')} likely label errors of {check.get('checked')} checked"))
+    else:
+        lines.append("- label check: none this round")
+    return lines
+
+
+def metrics_markdown(state: Mapping[str, Any], evaluation: Any) -> list[str]:
+    """The card's test metrics: the per-class table (answer names escaped), else each metric with its interval."""
+    from pipeline.report import per_class_markdown, per_group_markdown
+
+    pc = evaluation.per_class if evaluation is not None else None
+    if pc:
+        return per_class_markdown({**pc, "per_class": [{**r, "answer": escape_md(r["answer"])} for r in pc["per_class"]],
+                                   "confusion_columns": [escape_md(c) for c in pc["confusion_columns"]],
+                                   "answers": [escape_md(a) for a in pc["answers"]]})
+    metrics, ci = state.get("metrics") or {}, _intervals(evaluation)
+    if not metrics:
+        return []
+    lines = [", ".join(f"{k} = {v:.4f}" + (f" (95% CI {ci[k][0]:.3f}–{ci[k][1]:.3f})" if k in ci else "")
+                       for k, v in metrics.items())]
+    if evaluation is not None and evaluation.per_group:
+        pg = evaluation.per_group
+        lines += [""] + per_group_markdown({**pg, "groups": [{**g, "group": escape_md(str(g["group"]))}
+                                                             for g in pg["groups"]]})
+    return lines
 
 
 def model_card(prov: Provenance, *, model_cfg: Any, loaded: Any, adapter_config: Mapping[str, Any],
                rounds_done: int, consensus: str, question: str, answers: Sequence[str] | None,
                evaluation: Any, base: str, preprocess_note: str, merged_dtype: str | None) -> str:
-    """README.md: a Hugging Face model card (YAML header) saying where the model came from and how to use it."""
-    from pipeline.report import per_class_markdown, per_group_markdown
-
-    state, labels = prov.state, prov.labels
-    annotators = sorted({r["annotator"] for r in labels if r.get("annotator")})
-    metrics = state.get("metrics") or {}
-    header = ["---", f"base_model: {base}", "library_name: peft", "pipeline_tag: image-text-to-text",
+    """README.md: a Hugging Face model card (YAML header) saying where the model came from and how to use it.
+    Names users and annotators chose (answers, annotators, the question, the base's name) are text, never markup:
+    escaped, or code delimited by more backticks than they hold (pipeline/mdtext.py); JSON-quoted in the YAML
+    header."""
+    plain = re.fullmatch(r"[A-Za-z0-9/][A-Za-z0-9._/-]*", base)  # a hub ID as YAML reads it; anything else quoted
+    header = ["---", f"base_model: {base if plain else json.dumps(base)}", "library_name: peft",
+              "pipeline_tag: image-text-to-text",
               "tags:", "- tamis", "- active-learning", f"- {model_cfg.mode}", "---", ""]
     lines = header + [
         f"# tamis model: round {prov.round}", "",
         "Trained by tamis (data-centric active learning for vision-language models) from the labels listed in "
         "`lineage.json`.", "",
-        "## Provenance", "",
-        f"- base model: `{base}` (family `{loaded.family.name}`)",
-        f"- mode: **{model_cfg.mode}**" + (" (4-bit NF4 base + LoRA)" if model_cfg.mode == "qlora" else ""),
-        f"- LoRA: r = {adapter_config.get('r')}, alpha = {adapter_config.get('lora_alpha')}, dropout = "
-        f"{adapter_config.get('lora_dropout')}, target modules = `{adapter_config.get('target_modules')}`",
-        f"- rounds: this adapter is round {prov.round}'s; {rounds_done} rounds finished (0 … {prov.round})",
-        f"- labels: **{len(labels)}** ({sum(r['source'] == 'ledger' for r in labels)} from the label ledger, "
-        f"{sum(r['source'] == 'seed' for r in labels)} that came with the data)",
-        f"- annotators: {len(annotators)} ({', '.join(annotators) or 'none'}); consensus method: {consensus}",
-    ]
-    check = state.get("labelcheck")
-    if check:
-        lines.append(f"- label check ({check.get('method')}): " + (
-            f"could not judge yet ({check.get('checked')} labels checked)" if check.get("abstained") else
-            f"{check.get('issues')} likely label errors of {check.get('checked')} checked"))
-    else:
-        lines.append("- label check: none this round")
-    lines += ["", "## Test metrics", ""]
-    pc = evaluation.per_class if evaluation is not None else None
-    if pc:
-        lines += per_class_markdown(pc)
-    elif metrics:
-        ci = _intervals(evaluation)
-        lines += [", ".join(f"{k} = {v:.4f}" + (f" (95% CI {ci[k][0]:.3f}–{ci[k][1]:.3f})" if k in ci else "")
-                            for k, v in metrics.items())]
-        if evaluation is not None and evaluation.per_group:
-            lines += [""] + per_group_markdown(evaluation.per_group)
-    lines += ["", "## Prompt", "", f"Question: `{question}`" + (f"; answers: {', '.join(answers)}" if answers else
-                                                             " (open answers)"),
-              "", "The model sees this text (the image placeholder expands in the processor):", "", "```",
-              _prompt_example(loaded, question), "```", "", preprocess_note,
-              "tamis scores every candidate answer's tokens after the prompt (mean log-probability per token) and "
-              "answers the most likely one." if answers else "tamis answers by greedy generation.", "",
-              *_how_to_load(base, merged_dtype)]
+        *_provenance_lines(prov, model_cfg=model_cfg, family=loaded.family.name, adapter_config=adapter_config,
+                           rounds_done=rounds_done, consensus=consensus, base=base),
+        "", "## Test metrics", "", *metrics_markdown(prov.state, evaluation),
+        "", "## Prompt", "",
+        f"Question: {code_span(question)}" + (f"; answers: {', '.join(map(escape_md, answers))}" if answers else
+                                               " (open answers)"),
+        "", "The model sees this text (the image placeholder expands in the processor):", "",
+        *fenced(_prompt_example(loaded, question)), "", preprocess_note,
+        "tamis scores every candidate answer's tokens after the prompt (mean log-probability per token) and "
+        "answers the most likely one." if answers else "tamis answers by greedy generation.", "",
+        *_how_to_load(base, merged_dtype)]
     return "\n".join(lines) + "\n"
 
 
@@ -222,7 +298,7 @@ def write_adapter(adapter_dir: Path, out: Path, *, base: str, processor: Any) ->
     with atomic_dir(out) as tmp:
         for name in ADAPTER_FILES:
             if (adapter_dir / name).is_file():
-                shutil.copy2(adapter_dir / name, tmp / name)
+                shutil.copyfile(adapter_dir / name, tmp / name)
         cfg = json.loads((tmp / "adapter_config.json").read_text(encoding="utf-8"))
         cfg["base_model_name_or_path"] = base
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
@@ -282,37 +358,69 @@ def storage_dtype(choice: str, model_cfg: Any) -> Any:
     return DTYPES[choice]
 
 
+EXPORT_NAMES = ("adapter", "merged", "README.md", "lineage.json")  # what an export writes into its folder
+
+
+def check_out(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *, force: bool) -> Path:
+    """The export's folder, refused when writing there would destroy something: any folder in the project's
+    artifacts (a round's train folder holds the adapter `predict` verifies), or one that already holds files,
+    unless `force`. Like `git clone` and `tamis init`, it wants a new or empty folder; `force` replaces EXPORT_NAMES
+    there and never empties a folder it did not make."""
+    out, art = Path(out), Path(artifacts).resolve()
+    where = out.resolve()
+    clash = where if where.is_relative_to(art) else next(
+        (out / n for n in EXPORT_NAMES if (where / n).resolve().is_relative_to(art)
+         or art.is_relative_to((where / n).resolve())), None)
+    if clash is not None:
+        raise ConfigError(f"--out {out}: {clash} is in the project's artifacts folder {art} (or holds it), whose "
+                          "files the rounds own (a round's adapter, which `predict` verifies); an export there would "
+                          f"replace them, so it is refused even with --force. Export to a folder outside it, e.g. "
+                          f"--out {art.parent / 'export'}")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: a file, not a folder; name a new or empty folder")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not force:
+        shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
+        raise ConfigError(f"--out {out}: the folder is not empty ({len(held)} entries: {shown}); export-model "
+                          f"writes {', '.join(EXPORT_NAMES)} there. Name a new or empty folder, or pass --force to "
+                          "replace those (anything else in the folder is kept)")
+    return out
+
+
 def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[str], sections: Mapping[str, Any],
-                 round_index: int | None = None, merge: bool = False, dtype: str = "auto") -> ExportResult:
+                 round_index: int | None = None, merge: bool = False, dtype: str = "auto",
+                 force: bool = False) -> ExportResult:
     """Write DIR/adapter, DIR/README.md, DIR/lineage.json (and DIR/merged with `merge`) for a round's adapter.
-    `sections`: the config sections read (data, preprocess, model, train, annotate) and `seed`."""
+    `sections`: the config sections read (data, preprocess, model, train, annotate) and `seed`. A DIR that is not
+    empty needs `force` (check_out); paths in the export are relative, the base named as the config names it."""
     from pipeline.perclass import load_eval_report
     from pipeline.preprocess import resolve_size
     from pipeline.rounds import completed_rounds
     from pipeline.store import atomic_write_json, atomic_write_text
 
     data, pre, model_cfg = sections["data"], sections["preprocess"], sections["model"]
-    out = Path(out)
+    out = check_out(out, artifacts, force=force)
     prov = provenance(artifacts, round_index)
     adapter_src = Path(prov.state["adapter"]["adapter_dir"])
-    # Local folders are named absolutely (the adapter is read from elsewhere); a hub ID stays as the project names it.
-    base = str(Path(model_cfg.name_or_path).resolve()) if Path(model_cfg.name_or_path).exists() else model_cfg.name_or_path
+    base = model_cfg.name_as_written  # a hub ID, or the folder as the user wrote it (never the resolved path)
     loaded = load_processor(model_cfg)
     size = resolve_size(pre, model_cfg)
     processor = processor_for_export(loaded, size)
     out.mkdir(parents=True, exist_ok=True)
+    adapter_out, adapter_cfg = out / "adapter", {}
     if model_cfg.mode == "full":
-        adapter_cfg: dict[str, Any] = {}
-        adapter_out = out / "adapter"
         merge = True  # a full fine-tune has no adapter: the whole model is the hand-off
+        if adapter_out.is_dir():  # an earlier export's (--force): it would not match this model
+            shutil.rmtree(adapter_out)
     else:
-        adapter_out = out / "adapter"
         adapter_cfg = write_adapter(adapter_src, adapter_out, base=base, processor=processor)
     merged_dtype = None
     if merge:
         dt = storage_dtype(dtype, model_cfg)
         merge_adapter(model_cfg, adapter_src, out / "merged", processor=processor, dtype=dt)
         merged_dtype = str(dt).removeprefix("torch.")
+    elif (out / "merged").is_dir():  # an earlier export's (--force): it would not match this adapter
+        shutil.rmtree(out / "merged")
     lin = lineage(prov, model=sections["model"].model_dump(mode="json"), train=sections["train"].model_dump(mode="json"),
                   seed=sections["seed"])
     atomic_write_json(out / "lineage.json", lin)

@@ -193,6 +193,20 @@ def atomic_write_jsonl(path: str | os.PathLike[str], rows: list[Mapping[str, Any
     return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows))
 
 
+def _usual_modes(folder: Path) -> None:
+    """Give what other libraries wrote into `folder` the modes a plain open() would: safetensors writes its weights
+    through a 0600 temp file, a copy keeps its source's mode, and an export or a Label Studio running as another user
+    must read them. Executable bits stay where they were set."""
+    mask = current_umask()
+    for p in folder.rglob("*"):
+        if p.is_symlink():
+            continue
+        if p.is_dir():
+            os.chmod(p, 0o777 & ~mask)
+        elif p.is_file():
+            os.chmod(p, (0o777 if os.stat(p).st_mode & 0o111 else 0o666) & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Build a folder under a temp name and swap it in only when the block succeeds.
@@ -210,6 +224,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise
     try:
         yield tmp
+        _usual_modes(tmp)
         for p in tmp.rglob("*"):
             if p.is_file():
                 with open(p, "rb") as f:

@@ -37,3 +37,22 @@ def test_outputs_get_umask_derived_modes(tmp_path, umask, mask, file_mode, dir_m
     assert _mode(tmp_path / "out" / "images" / "a.png") == file_mode
     append_jsonl(tmp_path / "out" / "labels.jsonl", [{"a": 1}])
     assert _mode(tmp_path / "out" / "labels.jsonl") == file_mode
+
+
+def test_atomic_dir_gives_what_libraries_wrote_the_usual_modes(tmp_path, umask):
+    """safetensors writes through a 0600 temp file and a copy keeps its source's mode: what lands in an atomic_dir
+    folder gets a plain open()'s mode (an exported model's weights as readable as its README), executables stay so."""
+    import torch
+    from safetensors.torch import save_file
+
+    umask(0o022)
+    with atomic_dir(tmp_path / "merged") as tmp:
+        save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+        (tmp / "sub").mkdir(mode=0o700)
+        (tmp / "sub" / "copied.bin").write_bytes(b"x")
+        os.chmod(tmp / "sub" / "copied.bin", 0o600)
+        (tmp / "run.sh").write_text("#!/bin/sh\n")
+        os.chmod(tmp / "run.sh", 0o700)
+    out = tmp_path / "merged"
+    assert _mode(out / "model.safetensors") == 0o644 and _mode(out / "sub" / "copied.bin") == 0o644
+    assert _mode(out / "sub") == 0o755 and _mode(out / "run.sh") == 0o755

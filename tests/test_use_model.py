@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -171,13 +174,14 @@ def test_export_model_merged_loads_in_plain_transformers_and_answers_like_predic
     assert res.exit_code == 0, res.output
     assert "merged (float32)" in res.stdout  # auto on a CPU: the fp32 tamis computes in
 
+    written = yaml.safe_load(config.read_text())["model"]["name_or_path"]  # the base as the config names it
     adapter_cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert adapter_cfg["base_model_name_or_path"] == str(Path(cfg.model.name_or_path).resolve())
+    assert adapter_cfg["base_model_name_or_path"] == written
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "adapter" / "chat_template.jinja").is_file() or "chat_template" in json.loads(
         (out / "adapter" / "processor_config.json").read_text())
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nbase_model: " + str(Path(cfg.model.name_or_path).resolve()))
+    assert card.startswith(f"---\nbase_model: {written}\n")
     assert "- labels: **6**" in card and "this adapter is round 1's; 2 rounds finished" in card
     assert "mode: **qlora**" in card and "Accuracy **" in card and "95% CI" in card
     lineage = json.loads((out / "lineage.json").read_text())
@@ -188,6 +192,10 @@ def test_export_model_merged_loads_in_plain_transformers_and_answers_like_predic
     assert lineage["adapter"]["digest"] == states[1]["adapter"]["adapter_digest"]
     merged_cfg = json.loads((out / "merged" / "config.json").read_text())
     assert "quantization_config" not in merged_cfg
+    from pipeline.store import current_umask
+
+    for p in [*out.rglob("*")]:  # safetensors writes 0600; the export's files are as shareable as its README
+        assert stat.S_IMODE(p.stat().st_mode) == (0o777 if p.is_dir() else 0o666) & ~current_umask(), p
 
     folder = tmp_path / "squares"
     names = photo_folder(folder, square=32)  # the demo project's preprocess.size
@@ -209,6 +217,153 @@ def test_export_model_merged_loads_in_plain_transformers_and_answers_like_predic
     # against x @ dequantize(W).T in fp32), the merged fp32 model does not.
     for n, (_, p) in plain["answers"].items():
         assert p == pytest.approx(tamis[n][1], abs=0.03)
+
+
+# ------------------------------------------------------------------ export-model as a user runs it: safe and shareable
+TAMIS = Path(sys.executable).parent / "tamis"
+REPO = Path(__file__).parents[1]
+
+
+def tamis_cli(*args: object, cwd: Path | None = None, umask: int | None = None) -> subprocess.CompletedProcess[str]:
+    """The `tamis` console script in a child process (this checkout's code), its messages one line wide."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "1000", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("TAMIS_DEBUG", None)
+    return subprocess.run([str(TAMIS), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env=env, preexec_fn=None if umask is None else (lambda: os.umask(umask)))
+
+
+def said(proc: subprocess.CompletedProcess[str]) -> str:
+    return " ".join((proc.stdout + proc.stderr).split())
+
+
+def test_export_model_refuses_a_folder_that_holds_files_unless_forced_and_then_replaces_only_its_own(project,
+                                                                                                     tmp_path):
+    config, _, _ = project
+    out = tmp_path / "shared"
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "mine.bin").write_bytes(b"the user's")
+    (out / "notes.txt").write_text("keep me")
+    (out / "merged").mkdir()  # an earlier export's merged checkpoint: it would not match a new adapter
+    (out / "merged" / "config.json").write_text("{}")
+
+    res = tamis_cli("export-model", "-c", config, "--out", out)
+    assert res.returncode == 2, said(res)
+    msg = said(res)
+    assert f"--out {out}: the folder is not empty (3 entries: adapter, merged, notes.txt)" in msg
+    assert "pass --force" in msg and "anything else in the folder is kept" in msg
+    assert (out / "adapter" / "mine.bin").read_bytes() == b"the user's" and (out / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "merged", "notes.txt"]
+
+    # --force replaces what an export writes (adapter/, merged/, README.md, lineage.json) and keeps the rest.
+    res = tamis_cli("export-model", "-c", config, "--out", out, "--force")
+    assert res.returncode == 0, said(res)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter", "lineage.json", "notes.txt"]
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert (out / "adapter" / "adapter_model.safetensors").is_file() and not (out / "adapter" / "mine.bin").exists()
+
+
+def test_export_model_never_writes_into_the_projects_artifacts_even_with_force(project, tmp_path):
+    from pipeline.predict import find_adapter
+    from pipeline.store import digest_dir
+
+    config, art, states = project
+    train_dir = Path(states[1]["adapter"]["dir"])
+    before = digest_dir(train_dir)
+    # The round's own train folder (whose adapter `predict` verifies), and a new folder anywhere under artifacts/.
+    for target, force in ((train_dir, []), (art / "exports" / "mine", ["--force"])):
+        res = tamis_cli("export-model", "-c", config, "--out", target, *force)
+        assert res.returncode == 2, said(res)
+        msg = said(res)
+        assert f"--out {target}: {target} is in the project's artifacts folder {art.resolve()}" in msg
+        assert "refused even with --force" in msg and f"--out {art.resolve().parent / 'export'}" in msg
+    assert digest_dir(train_dir) == before and not (art / "exports").exists()
+    assert find_adapter(art, round_index=1).dir == Path(states[1]["adapter"]["adapter_dir"])  # still verifies
+
+
+# Three annotators on every sample; the third is always wrong, so always outvoted. Their names are what a Label
+# Studio user may type: a comma (the ledger joins the winners' names with commas), a table pipe, an image that
+# would load from elsewhere, a script.
+CROWD = [{"name": "Lee, Ann", "accuracy": 1.0}, {"name": "bob | admin", "accuracy": 1.0},
+         {"name": "![x](http://example.invalid/x.png)<script>alert(1)</script>", "accuracy": 0.0}]
+
+
+@pytest.fixture(scope="module")
+def crowd_project(tmp_path_factory, tiny_models, prefect_harness):
+    """(project root, config path, artifacts) after two rounds labeled by CROWD, three votes per sample."""
+    from flows.round import labeling_round
+
+    root = tmp_path_factory.mktemp("crowd")
+    config = write_project(root, tiny_models, rounds={"simulate_annotators": CROWD, "simulate_redundancy": 3})
+    labeling_round(str(config))
+    assert labeling_round(str(config), simulate=False)["adapter"]
+    return root, config, load_config(config).artifacts
+
+
+def test_export_lineage_lists_every_vote_and_the_card_counts_every_annotator(crowd_project, tmp_path):
+    from markdown_it import MarkdownIt
+
+    root, config, art = crowd_project
+    out = tmp_path / "export"
+    res = tamis_cli("export-model", "-c", config, "--out", out)
+    assert res.returncode == 0, said(res)
+    names = sorted(a["name"] for a in CROWD)
+    lineage = json.loads((out / "lineage.json").read_text())
+    assert lineage["counts"]["from_ledger"] == len(lineage["labels"]) > 0
+    for row in lineage["labels"]:
+        assert sorted(v["annotator"] for v in row["votes"]) == names  # the outvoted one too, with the answer given
+        assert {v["label"] for v in row["votes"] if v["annotator"] != CROWD[2]["name"]} == {row["label"]}
+        assert [v["label"] for v in row["votes"] if v["annotator"] == CROWD[2]["name"]] != [row["label"]]
+
+    card = (out / "README.md").read_text()
+    line = next(x for x in card.splitlines() if x.startswith("- annotators: "))
+    assert line.startswith("- annotators: 3 (")
+    html = MarkdownIt("commonmark").enable("table").render(card)
+    assert "<img" not in html and "<script" not in html
+    text = __import__("html").unescape(html)
+    for name in names:  # each name shows as the text it is
+        assert name in text, name
+
+
+def test_the_card_escapes_answer_names_in_its_per_class_table():
+    from markdown_it import MarkdownIt
+
+    from pipeline.export_model import metrics_markdown
+    from pipeline.perclass import EvalReport, per_class_report
+
+    answers = ["cat | dog", "![y](http://example.invalid/y.png)", "<b>bold</b>", "a`b\\"]
+    refs = [answers[i % 4] for i in range(12)]
+    report = EvalReport(Path("unused"), per_class_report(refs[::-1], refs, answers, resamples=20), None)
+    html = MarkdownIt("commonmark").enable("table").render("\n".join(metrics_markdown({}, report)) + "\n")
+    rows = html.split("<tr>")[2:]
+    assert len(rows) == 4 and all(r.count("<td") == 5 for r in rows)  # a pipe in a name adds no column
+    assert "<img" not in html and "<b>" not in html
+    cells = [r.split("<td>")[1].split("</td>")[0] for r in rows]
+    assert [__import__("html").unescape(c) for c in cells] == answers
+
+
+def test_export_holds_relative_paths_and_ordinary_file_modes(crowd_project, tmp_path):
+    root, config, art = crowd_project
+    # The config as a user writes it in the project folder: the base model as a relative folder name.
+    rel = root / "relative.yaml"
+    rel.write_text(config.read_text().replace(f"name_or_path: {root / 'model'}", "name_or_path: model"))
+    assert "name_or_path: model\n" in rel.read_text()
+    out = tmp_path / "export"
+    res = tamis_cli("export-model", "-c", rel, "--out", out, cwd=root, umask=0o002)
+    assert res.returncode == 0, said(res)
+
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == "model"
+    assert (out / "README.md").read_text().startswith("---\nbase_model: model\n")
+    lineage = json.loads((out / "lineage.json").read_text())
+    assert lineage["adapter"]["train_dir"] == f"train/{Path(lineage['adapter']['train_dir']).name}"
+    assert {r["source_file"] for r in lineage["labels"]} == {"inbox/simulated-round-000.json"}
+    for f in out.rglob("*"):
+        if f.is_file() and f.suffix in (".md", ".json", ".jinja"):
+            text = f.read_text()
+            assert str(root) not in text and str(tmp_path) not in text and str(Path.home()) + "/" not in text, f
+    # Modes as a plain open() gives them under the user's umask (0002 here): weights too, not safetensors' 0600.
+    for p in [out, *out.rglob("*")]:
+        assert stat.S_IMODE(p.stat().st_mode) == (0o775 if p.is_dir() else 0o664), p
 
 
 def test_the_evaluation_folder_holds_per_class_metrics_shown_in_the_summary_and_status(project):

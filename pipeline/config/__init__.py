@@ -187,7 +187,8 @@ def _absolutize(cfg: ProjectConfig, root: Path) -> ProjectConfig:
     # A local model directory is a path; a hub ID ("org/name") is not, unless such a folder exists here.
     mp = Path(cfg.model.name_or_path)
     if mp.is_absolute() or (root / mp).exists() or cfg.model.build_tiny_if_missing:
-        cfg.model.name_or_path = str(fix(mp))
+        written, cfg.model.name_or_path = cfg.model.name_or_path, str(fix(mp))
+        cfg.model._as_written = (written, cfg.model.name_or_path)
     return cfg
 
 

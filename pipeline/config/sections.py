@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
+    PrivateAttr,
     field_validator,
     model_serializer,
     model_validator,
@@ -157,6 +158,17 @@ class ModelConfig(Section):
     # Set by tamis, never in a config file: the checkpoint's content and the library versions (pipeline/model/
     # identity.py), filled into the section the train, evaluate, score and label-check stages are keyed on.
     identity: dict[str, Any] | None = None
+    # (name_or_path as the config file spells it, the absolute folder loading made of it): what an export names as
+    # its base (an absolute path would tell whoever receives it the user's name and the host's layout). Private, so
+    # no dump and no cache key sees it.
+    _as_written: tuple[str, str] | None = PrivateAttr(default=None)
+
+    @property
+    def name_as_written(self) -> str:
+        """name_or_path as the config wrote it; name_or_path itself once something else has replaced it."""
+        if self._as_written is not None and self._as_written[1] == self.name_or_path:
+            return self._as_written[0]
+        return self.name_or_path
 
     @model_serializer(mode="wrap")
     def _identity_when_known(self, handler: Any) -> Any:

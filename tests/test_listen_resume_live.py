@@ -3,10 +3,11 @@ process worker (as tests/test_deployment.py starts them), a real Label Studio 1.
 tests/test_label_studio_live.py runs it; under CI=true a server that cannot start fails the test), and `tamis
 setup-webhook` then `tamis listen` run as a user runs them.
 
-The deployed run (rounds.wait_for_labels) pushes round 0's batch to Label Studio and suspends; the batch is annotated
-through Label Studio's API, as annotators would; Label Studio's webhook reaches the listener, which resumes that same
-run (not a fresh round of its own); the worker runs it: it pulls the annotations into the ledger, trains, pushes the
-next batch and completes.
+The deployed run (rounds.wait_for_labels; its config_path relative to the project folder, as prefect.yaml's schedule
+gives it, while the listener runs in another folder) pushes round 0's batch to Label Studio and suspends; the batch is
+annotated through Label Studio's API, as annotators would; Label Studio's webhook reaches the listener, which resumes
+that same run (not a fresh round of its own); the worker runs it: it pulls the annotations into the ledger, trains,
+pushes the next batch and completes.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ def test_the_listener_resumes_the_deployed_round_waiting_for_labels_and_its_work
            "PYTHONPATH": os.pathsep.join([str(project), *(p for p in sys.path if p), *([str(site)] if site else [])])}
 
     worker_log = tmp_path / "worker.log"
-    run_id, worker = deploy_run_and_start_worker(env, project, str(config), worker_log)
+    # config_path relative to the project folder, as prefect.yaml's scheduled runs carry it; the listener runs in
+    # another folder (tmp_path), as a service does, with the config's full path.
+    run_id, worker = deploy_run_and_start_worker(env, project, config.name, worker_log)
     receiver = Receiver(tmp_path, config, env, f"http://127.0.0.1:{port}/health")
     try:
         with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
@@ -128,7 +131,10 @@ def test_the_listener_resumes_the_deployed_round_waiting_for_labels_and_its_work
                 annotate(server, t, truth[t["data"]["sample_id"]])
             annotated = time.time()
 
-            run = _wait_for(client, run_id, lambda r: r.state.is_final(), "finished", worker, worker_log, limit=600)
+            def settled(r) -> bool:  # the run ended, or the listener ran the round itself (the run waits in vain)
+                return r.state.is_final() or "round 1 finished" in " ".join(receiver.log().split())
+
+            run = _wait_for(client, run_id, settled, "finished", worker, worker_log, limit=600)
             logs = [lg.message for lg in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
             assert run.state.is_completed(), (
                 f"run ended {run.state.name}: {run.state.message}\n" + "\n".join(logs[-40:])

@@ -38,6 +38,23 @@ def _trigger(cfg: Any, command: str) -> Any:
     return cfg.rounds.trigger
 
 
+def run_config_path(run: Any) -> Path | None:
+    """The config file a deployed run reads. A relative config_path (prefect.yaml's default, `--param
+    config_path=configs/x.yaml`) is relative to the folder the run works in, TAMIS_PROJECT_DIR of its job variables
+    (prefect.yaml's pull step moves there), not to this process's working directory."""
+    from prefect import get_client
+
+    path = run.parameters.get("config_path")
+    if path is None or Path(path).is_absolute():
+        return None if path is None else Path(path)
+    env = dict((run.job_variables or {}).get("env") or {})
+    if "TAMIS_PROJECT_DIR" not in env and run.deployment_id is not None:
+        with get_client(sync_client=True) as client:
+            env = dict((client.read_deployment(run.deployment_id).job_variables or {}).get("env") or {})
+    folder = env.get("TAMIS_PROJECT_DIR")
+    return Path(folder, path) if folder else Path(path)
+
+
 def resume_waiting_round(config: Path | None, note: str) -> str | None:
     """Resume this project's deployed round suspended waiting for its labels (rounds.wait_for_labels), as
     `tamis resume` does; its name, or None when none waits (or no Prefect server is configured)."""
@@ -49,11 +66,12 @@ def resume_waiting_round(config: Path | None, note: str) -> str | None:
     if not get_current_settings().api.url:
         return None  # Prefect's embedded server: no deployment, nothing can be suspended
 
-    def same(path: str | None) -> bool:
+    def same(run: Any) -> bool:
+        path = run_config_path(run)
         return (path is None and config is None) or (
-            path is not None and config is not None and Path(path).resolve() == Path(config).resolve())
+            path is not None and config is not None and path.resolve() == Path(config).resolve())
 
-    mine = sorted((r for r in waiting_rounds() if same(r.parameters.get("config_path"))), key=lambda r: r.created)
+    mine = sorted((r for r in waiting_rounds() if same(r)), key=lambda r: r.created)
     if not mine:
         return None
     run = mine[-1]

@@ -131,14 +131,20 @@ def prefect_server(tmp_path_factory) -> Iterator[tuple[str, dict[str, str]]]:
         _stop(server)
 
 
-def _tiny_project(root: Path) -> Path:
-    """A copy of the project code + a tiny config (60 digits, tiny model built on first use) → the config path."""
-    from pipeline.data.demo import write_digits
-
+def copy_project_code(root: Path) -> None:
+    """The project's code, configs and prefect.yaml copied into `root`: the folder `prefect deploy` runs in and the
+    deployment's runs start in (its packages shadow the editable install on PYTHONPATH)."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("flows", "pipeline", "configs"):
         shutil.copytree(ROOT / name, root / name, ignore=ignore)
     shutil.copy2(ROOT / "prefect.yaml", root / "prefect.yaml")
+
+
+def _tiny_project(root: Path) -> Path:
+    """A copy of the project code + a tiny config (60 digits, tiny model built on first use) → the config path."""
+    from pipeline.data.demo import write_digits
+
+    copy_project_code(root)
     data = write_digits(root / "data" / "digits", limit=60)
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     cfg["paths"]["artifacts"] = str(root / "artifacts")
@@ -239,6 +245,18 @@ def test_serve_registers_the_scheduled_deployment_from_the_config(prefect_server
     assert dep.work_pool_name is None  # served from the process itself, no work pool
 
 
+def deploy_run_and_start_worker(env: dict[str, str], project: Path, config_path: str,
+                                log: Path) -> tuple[str, subprocess.Popen]:
+    """prefect.yaml deployed from `project` onto the process pool `tamis`, a run of it with `config_path`, and a
+    worker started in `log`'s folder → (the run's ID, the worker)."""
+    _cli(["work-pool", "create", "tamis", "--type", "process", "--overwrite"], env, project)
+    _cli(["deploy", "--all", "--no-prompt"], env, project, timeout=300)
+    out = _cli(["deployment", "run", "labeling-round/scheduled", "--param", f"config_path={config_path}"], env, project)
+    run_id = re.search(r"UUID: ([0-9a-f-]{36})", out)
+    assert run_id, out
+    return run_id.group(1), _start([PREFECT, "worker", "start", "--pool", "tamis"], env, log, log.parent)
+
+
 def _wait_for(client, run_id: str, done, what: str, worker: subprocess.Popen, worker_log: Path, limit: float = 900):
     deadline = time.monotonic() + limit
     while not done(run := client.read_flow_run(run_id)):
@@ -293,13 +311,8 @@ def test_a_deployed_round_waits_for_its_annotators_and_resumes_into_the_next_rou
     art = project / "artifacts"
     env = {**env, "PWD": str(project), "PYTHONPATH": str(project)}
 
-    _cli(["work-pool", "create", "tamis", "--type", "process", "--overwrite"], env, project)
-    _cli(["deploy", "--all", "--no-prompt"], env, project, timeout=300)
-    out = _cli(["deployment", "run", "labeling-round/scheduled", "--param", f"config_path={config}"], env, project)
-    run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
-
     worker_log = tmp_path / "worker.log"
-    worker = _start([PREFECT, "worker", "start", "--pool", "tamis"], env, worker_log, tmp_path)
+    run_id, worker = deploy_run_and_start_worker(env, project, str(config), worker_log)
     try:
         with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
             run = _wait_for(client, run_id, lambda r: r.state.is_paused(), "suspended", worker, worker_log)

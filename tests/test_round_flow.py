@@ -16,16 +16,19 @@ from pipeline.rounds import completed_rounds
 from pipeline.store import executions, read_jsonl, read_manifest
 
 
-def write_project(root, tiny_models, limit=60, **overrides):
-    digits = write_digits(root / "digits", limit=limit)
+def write_project(root, tiny_models, limit=60, data=None, **overrides):
+    """A tiny project under `root` (its config → root/tamis.yaml): `limit` digits, or the `data` section given."""
+    if data is None:
+        digits = write_digits(root / "digits", limit=limit)
+        data = {"sources": [{"kind": "jsonl", "path": str(digits / "manifest.jsonl")}],
+                "answers": [str(d) for d in range(10)], "question": "Which digit is shown in the image?",
+                "ground_truth": str(digits / "ground_truth.jsonl")}
     model_dir = root / "model"
     shutil.copytree(tiny_models["idefics3"], model_dir)
     cfg = {
         "seed": 0,
         "paths": {"artifacts": str(root / "artifacts")},
-        "data": {"sources": [{"kind": "jsonl", "path": str(digits / "manifest.jsonl")}],
-                 "answers": [str(d) for d in range(10)], "question": "Which digit is shown in the image?",
-                 "ground_truth": str(digits / "ground_truth.jsonl")},
+        "data": data,
         "preprocess": {"size": 32, "pad": "square"},
         "model": {"name_or_path": str(model_dir), "family": "idefics3", "mode": "qlora"},
         "train": {"batch_size": 4, "effective_batch_size": 4, "max_steps": 2, "learning_rate": 0.002,

@@ -351,3 +351,49 @@ def test_with_wait_for_labels_the_suspended_deployed_round_is_resumed_not_run_tw
         resumed, left = client.read_flow_run(mine.id), client.read_flow_run(other.id)
         assert not resumed.state.is_paused() and left.state.is_paused()
     assert resume_waiting_round(config, "again") is None  # nothing of this project waits any more
+
+
+def test_a_deployed_round_given_a_relative_config_path_is_resumed_from_a_listener_started_elsewhere(
+        tmp_path, prefect_harness, monkeypatch):
+    """prefect.yaml's runs get a config_path relative to the project folder their pull step moves into
+    (TAMIS_PROJECT_DIR): a listener started in another folder (a service's working directory) with the config's full
+    path still finds its suspended run and resumes it, instead of running a second round of its own. A relative path
+    under another project folder is not this project's."""
+    import yaml
+    from prefect import flow, get_client
+    from prefect.states import Suspended
+
+    from flows.cmd_listen import Listener
+    from flows.waiting import WAIT_KEY
+    from pipeline.config import load_config
+
+    project = tmp_path / "project"
+    project.mkdir()
+    config = _listener_project(project)
+    data = yaml.safe_load(config.read_text())
+    data["rounds"]["wait_for_labels"] = True
+    config.write_text(yaml.safe_dump(data))
+    (tmp_path / "service").mkdir()
+    monkeypatch.chdir(tmp_path / "service")
+
+    @flow(name="labeling-round")
+    def stand_in(config_path: str | None = None) -> None:
+        pass
+
+    relative = str(config.relative_to(tmp_path))  # project/c.yaml
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow(stand_in)
+        runs = {}
+        for name, folder in (("other", tmp_path / "another"), ("mine", tmp_path)):
+            deployment = client.create_deployment(flow_id=flow_id, name=f"scheduled-{name}",
+                                                  entrypoint="flows/round.py:labeling_round",
+                                                  job_variables={"env": {"TAMIS_PROJECT_DIR": str(folder)}})
+            runs[name] = client.create_flow_run_from_deployment(
+                deployment, parameters={"config_path": relative}, state=Suspended(pause_key=WAIT_KEY))
+    calls = []
+    listener = Listener(config.resolve(), load_config(config), run_round=calls.append)
+    _annotated(listener.queue, "a", "b", "c")
+    assert listener.step() is None and calls == []  # resumed, not run here
+    with get_client(sync_client=True) as client:
+        assert not client.read_flow_run(runs["mine"].id).state.is_paused()
+        assert client.read_flow_run(runs["other"].id).state.is_paused()

@@ -40,12 +40,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tasks(server: Any, pid: int) -> list[dict]:
+def project_tasks(server: Any, pid: int) -> list[dict]:
     tasks = server.api("GET", f"/api/tasks?project={pid}&page_size=1000&fields=all")
     return sorted(tasks["tasks"] if isinstance(tasks, dict) else tasks, key=lambda t: t["id"])
 
 
-def _annotate(server: Any, task: dict, choice: str) -> dict:
+def annotate(server: Any, task: dict, choice: str) -> dict:
     return server.api("POST", f"/api/tasks/{task['id']}/annotations/", {"result": [
         {"from_name": "answer", "to_name": "image", "type": "choices", "value": {"choices": [choice]}}],
         "was_cancelled": False, "lead_time": 4.0})
@@ -132,7 +132,7 @@ def _round0_and_webhook(server: Any, root: Path, tiny_models: Any, token: str, t
     os.environ[token_env] = token
     first = labeling_round(str(config))
     pid = first["label_studio"]["project"]
-    batch = _tasks(server, pid)
+    batch = project_tasks(server, pid)
     assert len(batch) == first["selected"] == first["label_studio"]["pushed"], first
     setup = subprocess.run([sys.executable, "-m", "flows.cli", "setup-webhook", "--config", str(config)], cwd=root,
                            env=env, capture_output=True, text=True, timeout=300)
@@ -147,7 +147,7 @@ def _first_half_restart_correction(server: Any, scene: dict[str, Any], receiver:
     Label Studio's first (now stale) body for it replayed twice. Returns the labels so far (sample → answer)."""
     batch, truth, half = scene["batch_tasks"], {}, len(scene["batch_tasks"]) // 2
     for i, t in enumerate(batch[:half]):
-        _annotate(server, t, truth.setdefault(t["data"]["sample_id"], str(i)))
+        annotate(server, t, truth.setdefault(t["data"]["sample_id"], str(i)))
     _wait("the first half's events", lambda: events() == half, 30, receiver)
     ann = server.api("GET", f"/api/tasks/{batch[0]['id']}/annotations/")[0]
     stale = {"action": "ANNOTATION_CREATED", "annotation": ann, "task": batch[0], "project": {"id": scene["project"]}}
@@ -184,13 +184,13 @@ def round_trip(server: Any, root: Path, tiny_models: Any, *, token: str, token_e
         truth = _first_half_restart_correction(
             server, out, receiver, url, lambda: len(read_jsonl(queue)))  # committed events (the log frames batches)
         for i, t in enumerate(batch[len(batch) // 2:-1], start=len(batch) // 2):
-            _annotate(server, t, truth.setdefault(t["data"]["sample_id"], str(i)))
+            annotate(server, t, truth.setdefault(t["data"]["sample_id"], str(i)))
         t_last = time.monotonic()
-        _annotate(server, batch[-1], truth.setdefault(batch[-1]["data"]["sample_id"], "7"))
+        annotate(server, batch[-1], truth.setdefault(batch[-1]["data"]["sample_id"], "7"))
         out["ack_s"] = time.monotonic() - t_last  # the annotation POST includes Label Studio's synchronous delivery
 
         def next_batch() -> bool:
-            new = sum(t["data"].get("tamis_set") == "001/export" for t in _tasks(server, pid))
+            new = sum(t["data"].get("tamis_set") == "001/export" for t in project_tasks(server, pid))
             return new == out["first"]["selected"]
 
         waited = _wait("the next batch in Label Studio", next_batch, NEXT_BATCH_WITHIN_S, receiver, every=0.5)

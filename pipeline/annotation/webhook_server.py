@@ -68,8 +68,11 @@ def _addresses(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]
 
 
 def every_interface(host: str) -> bool:
-    """"" and 0.0.0.0 / :: mean every interface of the machine, public ones included."""
-    return not host.strip() or any(a.is_unspecified for a in _addresses(host))
+    """"", 0.0.0.0 and :: mean every interface of the machine, public ones included (a name is not looked up)."""
+    try:
+        return not host.strip() or ipaddress.ip_address(host.strip().split("%", 1)[0]).is_unspecified
+    except ValueError:
+        return False
 
 
 def check_bind(trigger: TriggerConfig) -> str | None:

@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_webhooks import SECRET, _free_port, _listener_project, ann_payload
+from webhook_scenario import Receiver
 
 from pipeline.annotation.label_studio import annotation_key, pulled_path
 from pipeline.annotation.webhook_server import MAX_BODY, SECRET_HEADER, WebhookServer
@@ -237,8 +239,13 @@ def test_tamis_listen_on_every_interface_is_refused_and_allowed_with_a_warning(t
     data = yaml.safe_load(config.read_text())
     data["rounds"]["trigger"]["allow_public_bind"] = True
     config.write_text(yaml.safe_dump(data))
-    with receiver(tmp_path, host="0.0.0.0", allow_public_bind=True) as server:  # listens, and says so
-        assert "every interface" in server.warning and post(server.server_address[1], event(1))[0] == 200
+    listen = Receiver(tmp_path, config, env, f"http://127.0.0.1:{data['rounds']['trigger']['port']}/health")
+    listen.start()  # listens, and says so
+    try:
+        assert post(data["rounds"]["trigger"]["port"], event(1))[0] == 200
+    finally:
+        listen.kill(signal.SIGTERM)
+    assert "warning: the webhook receiver listens on every interface" in " ".join(listen.log().split()), listen.log()
 
 
 def test_setup_webhook_never_registers_an_every_interface_url(tmp_path):

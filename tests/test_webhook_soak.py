@@ -40,10 +40,13 @@ pytestmark = pytest.mark.slow
 
 SOAK_S = float(os.environ.get("TAMIS_SOAK_S", "600"))
 BURST = 200  # concurrent valid deliveries per burst
-NEW_PER_BURST = 60  # of them, events never sent before; the rest are redeliveries
+NEW_PER_BURST = 10  # of them, events never sent before; the rest are redeliveries (see RSS_GROWTH_MIB)
 SLOW_CLIENTS = 30
 READ_TIMEOUT_S = 5.0
-RSS_GROWTH_MIB = 24  # the stated bound on one process's RSS growth after its first half (flat, not leaking)
+# The stated bound: one process's RSS grows at most this much from the first half of its samples to the second. At
+# 600 s here each process went from ~63 to ~70 MiB, most of it in its first minutes (the allocator's arenas filling
+# for 240 threads at once), then flat; Python's own allocations grew 57 KiB over 4,000 requests (tracemalloc).
+RSS_GROWTH_MIB = 8
 PATH = "/label-studio"
 
 
@@ -181,7 +184,7 @@ class Soak:
                 go.wait(30)
             try:
                 answers[i] = _post(self.port, bodies[i], {"X-Tamis-Secret": SECRET})
-            except OSError as exc:
+            except (OSError, http.client.HTTPException) as exc:  # the SIGKILL cuts some answers short
                 answers[i] = repr(exc)
 
         def malformed(i: int) -> None:
@@ -189,7 +192,7 @@ class Soak:
                 go.wait(30)
             try:
                 bad_answers[i] = bad[i][2]()
-            except OSError as exc:
+            except (OSError, http.client.HTTPException) as exc:
                 bad_answers[i] = repr(exc)
 
         threads = [threading.Thread(target=valid, args=(i,)) for i in range(len(bodies))]

@@ -153,7 +153,7 @@ def test_a_queued_event_the_loop_cannot_read_is_parked_and_the_loop_goes_on(tmp_
 # ----------------------------------------------------------------------------------- 4: deadline, connection cap
 def test_half_sent_requests_are_cut_at_the_deadline_and_connections_are_capped(tmp_path):
     """Without the secret and without ever finishing, 150 such requests held 150 threads for ever."""
-    with receiver(tmp_path, read_timeout_s=1.0, max_connections=8) as server:
+    with receiver(tmp_path, read_timeout_s=2.0, max_connections=8) as server:
         port = server.server_address[1]
         before = threading.active_count()
         t0 = time.monotonic()
@@ -162,13 +162,13 @@ def test_half_sent_requests_are_cut_at_the_deadline_and_connections_are_capped(t
             s.sendall(b"POST /label-studio HTTP/1.1\r\nHost: x\r\nContent-Le")
         time.sleep(0.3)
         status, answer = post(port, event(1), timeout=5)  # at the cap: a quick 503, not a wait
-        assert status == 503 and "max_connections" in answer["error"] and time.monotonic() - t0 < 1.5
+        assert status == 503 and "max_connections" in answer["error"] and time.monotonic() - t0 < 2.0
         dribble = socket.create_connection(("127.0.0.1", port))  # a byte now and then: the deadline is the total
         socks = [*held, dribble]
         for s in socks:
             s.setblocking(False)
         closed_at: dict[int, float] = {}
-        while len(closed_at) < len(socks) and time.monotonic() - t0 < 10:
+        while len(closed_at) < len(socks) and time.monotonic() - t0 < 12:
             with contextlib.suppress(OSError):
                 dribble.send(b"P")
             for i, s in enumerate(socks):
@@ -180,7 +180,7 @@ def test_half_sent_requests_are_cut_at_the_deadline_and_connections_are_capped(t
                 except ConnectionResetError:
                     closed_at[i] = time.monotonic() - t0
             time.sleep(0.1)
-        assert len(closed_at) == len(socks) and max(closed_at.values()) < 4.0, closed_at
+        assert len(closed_at) == len(socks) and max(closed_at.values()) < 5.0, closed_at  # 2 s + a poll
         for s in socks:
             s.close()
         assert post(port, event(2))[0] == 200  # the slots are free again

@@ -102,15 +102,15 @@ class Listener:
         self.rounds_started = 0
 
     def pending(self) -> Any:
-        from pipeline.annotation.webhooks import current_batch, pending, pulled_keys
+        from pipeline.annotation.webhooks import current_batch, pending, pulled_keys, retired_keys
         from pipeline.rounds import completed_rounds
 
         art = self.cfg.artifacts
         states = completed_rounds(art)
         last = states[-1] if states else None
-        events = self.queue.events()
-        return pending(events, pulled_keys(art, {e.get("project") for e in events}), current_batch(art, last),
-                       stopped=(last or {}).get("stopped"))
+        events = self.queue.readable()  # an event it cannot fold is parked in dead-letter.jsonl, never fatal
+        done = pulled_keys(art, {e.get("project") for e in events}) | retired_keys(art)
+        return pending(events, done, current_batch(art, last), stopped=(last or {}).get("stopped"))
 
     def step(self) -> float | None:
         """Decide once and run the round when due; the seconds to wait before the next look (None: look again now)."""
@@ -139,11 +139,25 @@ class Listener:
             return None
         log.info("round %s finished: %s selected, export %s", state.get("round"), state.get("selected"),
                  state.get("export_dir"))
-        if left := p.new & self.pending().new:  # Label Studio was down during the pull
-            log.warning("%d labels the round started for are still not imported; next try in %.0f s", len(left),
-                        self.trigger.retry_s)
-            self.retry_at = time.time() + self.trigger.retry_s
+        self._after_round(state, p.new & self.pending().new)
         return None
+
+    def _after_round(self, state: dict, left: frozenset[str]) -> None:
+        """Labels the round started for but did not import: retried after retry_s when its pull failed (Label Studio
+        down), retired when the pull reached Label Studio (deleted or edited again while the receiver was down)."""
+        from pipeline.annotation.webhooks import retire, stale_after
+
+        if not left:
+            return
+        if stale := stale_after(state.get("imports") or [], left):
+            log.warning("%d labels the round started for are no longer in Label Studio as announced (deleted or "
+                        "edited while the receiver was down); they stop counting as new (%s)", len(stale),
+                        ", ".join(sorted(stale)[:5]))
+            retire(self.cfg.artifacts, stale)
+            return
+        log.warning("%d labels the round started for are still not imported (the pull failed); next try in %.0f s",
+                    len(left), self.trigger.retry_s)
+        self.retry_at = time.time() + self.trigger.retry_s
 
     def _resumed(self, reason: str) -> bool:
         """A deployed round suspended for these labels is resumed on its worker (and shows in the UI as resumed);
@@ -181,6 +195,8 @@ def listen_cmd(config: ConfigOpt = None) -> None:
     log.info("listening for Label Studio webhooks on http://%s:%s (Label Studio calls %s); events in %s", host, port,
              listener.trigger.url, listener.queue.path)
     out_console().print(f"listening on http://{host}:{port}; events go to {listener.queue.path}", highlight=False)
+    if server.warning:
+        out_console().print(f"warning: {server.warning}", highlight=False)
     stop = threading.Event()
     # SIGTERM (systemd, Docker, `kill`) stops it as Ctrl-C does: a service started in the background has SIGINT
     # ignored, and a round cut short resumes from its cached stages at the next start.
@@ -200,15 +216,15 @@ def setup_webhook_cmd(
                                              "rounds.trigger.public_url, else http://host:port of the receiver).")] = None,
 ) -> None:
     """Register (or update) the Label Studio project's webhook that calls `tamis listen`, with the secret header."""
-    from pipeline.annotation.webhook_server import register_webhook, secret_from_env
+    from pipeline.annotation.webhook_server import register_webhook, registrable_url, secret_from_env
 
     cfg = load(config)
     trigger = _trigger(cfg, "setup-webhook")
-    done = register_webhook(cfg.annotate, cfg.artifacts, url or trigger.url, secret_from_env(trigger))
+    url = registrable_url(trigger, url)
+    done = register_webhook(cfg.annotate, cfg.artifacts, url, secret_from_env(trigger))
     verb = "created" if done["created"] else "updated"
     out_console().print(f"webhook {done['webhook']} {verb} on Label Studio project {done['project']}: it calls "
-                        f"{url or trigger.url} on annotation events; run `tamis listen` to receive them",
-                        highlight=False)
+                        f"{url} on annotation events; run `tamis listen` to receive them", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

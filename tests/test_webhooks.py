@@ -233,17 +233,19 @@ def test_a_round_that_leaves_the_labels_unimported_is_retried_after_retry_s(tmp_
     import time
 
     from flows.cmd_listen import Listener
+    from pipeline.annotation.label_studio import PULL_FAILED
     from pipeline.config import load_config
 
     config = _listener_project(tmp_path, retry_s=120)
     calls = []
     outcome = {"raise": None}
 
-    def a_round(path):  # Label Studio is down: the round pulls nothing; later the round itself fails
+    def a_round(path):  # Label Studio is down: the round's pull fails (its import record says so); later the round fails
         calls.append(path)
         if outcome["raise"]:
             raise outcome["raise"]
-        return {"round": 1}
+        return {"round": 1, "imports": [{"file": "Label Studio http://127.0.0.1:9 project 7",
+                                         "error": "connection refused", PULL_FAILED: True}]}
 
     listener = Listener(config, load_config(config), run_round=a_round)
     _annotated(listener.queue, "a", "b", "c")

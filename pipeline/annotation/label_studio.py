@@ -224,6 +224,9 @@ def annotation_key(a: Mapping[str, Any]) -> str:
     return f"{a.get('id')}:{digest_json([a.get('result'), a.get('was_cancelled')])[:12]}"
 
 
+PULL_FAILED = "pull_failed"  # marks the import record of a pull that did not reach (or was refused by) Label Studio
+
+
 def pull_labels(annotate: AnnotateConfig, data: DataConfig, artifacts: str | os.PathLike[str], *, known_ids: Any,
                 round_index: int, client: Any | None = None) -> list[dict[str, Any]]:
     """Pull new annotations from annotate.label_studio into the ledger through the file importer.
@@ -250,7 +253,7 @@ def pull_labels(annotate: AnnotateConfig, data: DataConfig, artifacts: str | os.
         project.mark_pulled(keys)
     except (LabelStudioError, LabelImportError) as exc:
         log.error("%s: nothing imported: %s", where, exc)
-        return [{"file": where, "error": str(exc)}]
+        return [{"file": where, "error": str(exc), PULL_FAILED: True}]
     return [{"file": rep.file, "summary": rep.summary(), "accepted": len(rep.accepted),
              "rejected": len(rep.rejected), "already_imported": rep.already_imported}]
 

@@ -13,19 +13,28 @@ between needs no bookkeeping here: whatever a round pulled stops counting.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from pipeline.annotation.export import TASKS_FILE
-from pipeline.annotation.label_studio import annotation_key, pulled_path, task_set_name
+from pipeline.annotation.label_studio import PULL_FAILED, annotation_key, pulled_path, task_set_name
 from pipeline.config import TriggerConfig
-from pipeline.store import append_jsonl, digest_json, read_jsonl
+from pipeline.store import append_jsonl, atomic_write_text, digest_json, read_jsonl
+
+log = logging.getLogger(__name__)
 
 WEBHOOK_DIR = "webhooks"
 EVENTS_FILE = "events.jsonl"
+DEAD_LETTER_FILE = "dead-letter.jsonl"  # queued events the loop cannot read: parked here, never retried
+RETIRED_FILE = "retired.json"  # annotation keys a successful pull could not import (deleted, superseded)
+MAX_ID = 2**63 - 1  # Label Studio's IDs are 64-bit database keys
 CREATED, UPDATED, DELETED = "ANNOTATION_CREATED", "ANNOTATION_UPDATED", "ANNOTATIONS_DELETED"
 ACTIONS = (CREATED, UPDATED, DELETED)
 
@@ -35,10 +44,31 @@ def events_path(artifacts: str | Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------------ events
+def _id(value: Any, what: str) -> int:
+    """A Label Studio ID: a JSON integer in 0..2**63-1 (a float, a bool, a string or a list is refused)."""
+    if type(value) is not int or not 0 <= value <= MAX_ID:
+        raise ValueError(f"{what} must be an integer ID in 0..{MAX_ID}, got {_show(value)}")
+    return value
+
+
+def _optional(value: Any, types: tuple[type, ...], what: str) -> Any:
+    """A field that may be absent (None) or one of `types` (bool is never an int here)."""
+    if value is None or (isinstance(value, types) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"{what} must be {' or '.join(t.__name__ for t in types)} or absent, got {_show(value)}")
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return f"{type(value).__name__} {text[:40]}{'…' if len(text) > 40 else ''}"
+
+
 def parse_event(payload: Any, received: float) -> dict[str, Any] | None:
     """One webhook body as a queue record, or None for an action the loop does not read (still acknowledged).
 
-    Raises ValueError for a body that is not a Label Studio annotation event; the receiver answers 400.
+    Raises ValueError for a body that is not a Label Studio annotation event, field types included (an ID that is
+    not an integer, a list where a name belongs): the receiver answers 400 and queues nothing, so the loop never
+    meets a record it cannot fold.
     """
     if not isinstance(payload, Mapping) or not isinstance(payload.get("action"), str):
         raise ValueError("not a Label Studio webhook: a JSON object with an 'action' is expected")
@@ -47,24 +77,54 @@ def parse_event(payload: Any, received: float) -> dict[str, Any] | None:
         return None
     project = payload.get("project")
     project = project.get("id") if isinstance(project, Mapping) else project
+    project = None if project is None else _id(project, "project (or project.id)")
     if action == DELETED:
         anns = payload.get("annotations")
         if not isinstance(anns, list) or not all(isinstance(a, Mapping) and "id" in a for a in anns):
             raise ValueError(f"{action}: 'annotations' must be a list of objects with an 'id'")
-        record = {"action": action, "project": project, "deleted": sorted(int(a["id"]) for a in anns)}
+        record = {"action": action, "project": project,
+                  "deleted": sorted(_id(a["id"], "annotations[].id") for a in anns)}
     else:
         ann, task = payload.get("annotation"), payload.get("task")
         if not isinstance(ann, Mapping) or "id" not in ann or not isinstance(task, Mapping):
             raise ValueError(f"{action}: 'annotation' (with an 'id') and 'task' objects are expected")
         data = task.get("data") if isinstance(task.get("data"), Mapping) else {}
-        record = {"action": action, "project": project, "annotation": int(ann["id"]),
+        record = {"action": action, "project": project, "annotation": _id(ann["id"], "annotation.id"),
                   # the pull's own key for this annotation's content: "imported yet?" is a set look-up
-                  "ann_key": annotation_key(ann), "updated_at": str(ann.get("updated_at") or ""),
-                  "task": task.get("id"), "sample_id": data.get("sample_id"), "tamis_set": data.get("tamis_set")}
+                  "ann_key": annotation_key(ann),
+                  "updated_at": _optional(ann.get("updated_at"), (str,), "annotation.updated_at") or "",
+                  "task": None if task.get("id") is None else _id(task["id"], "task.id"),
+                  "sample_id": _optional(data.get("sample_id"), (str, int), "task.data.sample_id"),
+                  "tamis_set": _optional(data.get("tamis_set"), (str,), "task.data.tamis_set")}
     # The delivery key: the same event delivered twice (or replayed) is the same record; an edit is a new one.
     record["key"] = digest_json(record)[:24]
     record["received"] = received
     return record
+
+
+def record_problem(e: Any) -> str | None:
+    """Why a queued record cannot be folded (a line written by an older receiver, or by hand); None when it can."""
+    try:
+        if not isinstance(e, Mapping) or e.get("action") not in ACTIONS:
+            return "not an annotation event record"
+        if type(e.get("received")) not in (int, float) or not math.isfinite(e["received"]):
+            return f"'received' must be a number, got {_show(e.get('received'))}"
+        _optional(e.get("project"), (int,), "project")
+        if e["action"] == DELETED:
+            if not isinstance(e.get("deleted"), list):
+                return f"'deleted' must be a list of IDs, got {_show(e.get('deleted'))}"
+            for i in e["deleted"]:
+                _id(i, "deleted[]")
+            return None
+        _id(e.get("annotation"), "annotation")
+        for field in ("ann_key", "updated_at"):
+            if not isinstance(e.get(field), str):
+                return f"{field!r} must be a string, got {_show(e.get(field))}"
+        _optional(e.get("sample_id"), (str, int), "sample_id")
+        _optional(e.get("tamis_set"), (str,), "tamis_set")
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 class EventQueue:
@@ -72,8 +132,9 @@ class EventQueue:
 
     def __init__(self, artifacts: str | Path):
         self.path = events_path(artifacts)
+        self.dead_letter = self.path.with_name(DEAD_LETTER_FILE)
         self._lock = threading.Lock()
-        self._keys = {e.get("key") for e in read_jsonl(self.path)}
+        self._keys = {k for e in read_jsonl(self.path) if isinstance(k := e.get("key"), str)}
 
     def append(self, record: Mapping[str, Any]) -> bool:
         """Write the event durably; False (and nothing written) when its delivery key is already in the queue."""
@@ -86,6 +147,29 @@ class EventQueue:
 
     def events(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path)
+
+    def readable(self) -> list[dict[str, Any]]:
+        """The events the loop can fold. One it cannot (a wrong type in an old line) is parked once in
+        dead-letter.jsonl with its reason and a log line, and skipped from then on: it can never stop the loop."""
+        good, bad = [], []
+        for e in self.events():
+            problem = record_problem(e)
+            if problem is None:
+                good.append(e)
+            else:
+                bad.append((e, problem))
+        if bad:
+            self._park(bad)
+        return good
+
+    def _park(self, bad: list[tuple[dict[str, Any], str]]) -> None:
+        parked = {d.get("digest") for d in read_jsonl(self.dead_letter)}
+        new = [{"digest": digest_json(e), "reason": why, "parked_at": time.time(), "event": e} for e, why in bad]
+        new = [d for d in new if d["digest"] not in parked]
+        for d in new:
+            log.warning("%s: an event the trigger cannot read is parked in %s and skipped: %s", self.path,
+                        self.dead_letter, d["reason"])
+        append_jsonl(self.dead_letter, new)
 
 
 # ---------------------------------------------------------------------------------------------- what is pending
@@ -112,6 +196,38 @@ def pulled_keys(artifacts: str | Path, projects: Iterable[Any]) -> set[str]:
     return out
 
 
+def retired_path(artifacts: str | Path) -> Path:
+    return Path(artifacts) / WEBHOOK_DIR / RETIRED_FILE
+
+
+def retired_keys(artifacts: str | Path) -> set[str]:
+    """Annotation keys a round's pull (which reached Label Studio) could not import: the annotation was deleted, or
+    edited again, while the receiver was down. They no longer count as new."""
+    path = retired_path(artifacts)
+    return set(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else set()
+
+
+def retire(artifacts: str | Path, keys: Iterable[str]) -> None:
+    atomic_write_text(retired_path(artifacts), json.dumps(sorted(retired_keys(artifacts) | set(keys)), indent=0) + "\n")
+
+
+def stale_after(imports: Iterable[Mapping[str, Any]], left: set[str] | frozenset[str]) -> set[str]:
+    """Of the labels a round started for and left unimported, those to retire: all of them when its pull reached
+    Label Studio (what it did not import is gone or superseded there, and would start a round every retry_s for
+    ever), none when the pull failed (Label Studio down: they wait for a retry)."""
+    return set() if any(i.get(PULL_FAILED) for i in imports) else set(left)
+
+
+def instant(stamp: str) -> float:
+    """Label Studio's updated_at as seconds since the epoch, so `…:00Z` sorts before `…:00.400000Z` (as text it
+    sorts after). Without a zone it is UTC, as Label Studio writes it; unreadable sorts first (-inf)."""
+    try:
+        when = datetime.fromisoformat(stamp.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+    except (ValueError, AttributeError):
+        return -math.inf
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+
 @dataclass(frozen=True)
 class Pending:
     """What the events say now: annotations not imported yet, and how much of the batch is annotated."""
@@ -125,8 +241,8 @@ class Pending:
 
 def pending(events: Iterable[Mapping[str, Any]], pulled: set[str], batch: set[tuple[str, str]],
             stopped: str | None = None) -> Pending:
-    """Fold the events, in any order: per annotation its newest version (Label Studio's updated_at, then arrival)
-    counts, and a deleted annotation stays deleted (Label Studio never reuses an ID)."""
+    """Fold the events, in any order: per annotation its newest version (Label Studio's updated_at as an instant, then
+    arrival) counts, and a deleted annotation stays deleted (Label Studio never reuses an ID)."""
     latest: dict[int, Mapping[str, Any]] = {}
     deleted: set[int] = set()
     last = None
@@ -136,7 +252,8 @@ def pending(events: Iterable[Mapping[str, Any]], pulled: set[str], batch: set[tu
             deleted.update(e["deleted"])
             continue
         have = latest.get(e["annotation"])
-        if have is None or (e["updated_at"], e["received"]) >= (have["updated_at"], have["received"]):
+        if have is None or (instant(e["updated_at"]), e["received"]) >= (instant(have["updated_at"]),
+                                                                          have["received"]):
             latest[e["annotation"]] = e
     live = [e for a, e in latest.items() if a not in deleted]
     done = {(str(e["sample_id"]), e["tamis_set"]) for e in live}

@@ -32,6 +32,15 @@ class TriggerConfig(Section):
     public_url: str | None = Field(
         default=None, description="The URL Label Studio calls (behind a reverse proxy, or when Label Studio runs on "
                                   "another host); None = http://host:port" + WEBHOOK_PATH + ".")
+    allow_public_bind: bool = Field(
+        default=False, description="Let `host` be an address other than a loopback or private one (0.0.0.0, \"\", "
+                                    "::, a public address): the receiver speaks plain HTTP, so this is refused "
+                                    "unless set, and warned about when set; prefer a TLS reverse proxy.")
+    read_timeout_s: float = Field(
+        default=15, gt=0, description="A connection must have sent its whole request (headers and body) within this "
+                                      "many seconds, or it is closed.")
+    max_connections: int = Field(
+        default=256, ge=1, description="Connections handled at once; one more is answered 503 and closed at once.")
     secret_env: str = Field(
         default="TAMIS_WEBHOOK_SECRET", description="The environment variable holding the shared secret Label "
                                                     "Studio sends in the X-Tamis-Secret header (never in the config).")

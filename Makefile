@@ -39,7 +39,7 @@ test: $(STAMP)
 # the round's label check at demo size, a code edit recomputing only its stage, cache keys stable across revisions,
 # rounds with a crowd of annotators, label imports SIGKILLed mid ledger write (in test_fault_injection.py), a round
 # reading a torn ledger, rounds started by Label Studio's webhooks, the listener resuming a deployed round that waits
-# for its labels (worker, Prefect server and Label Studio all real).
+# for its labels (worker, Prefect server and Label Studio all real), a ten-minute soak of the webhook receiver.
 CLAIMS := tests/test_demo.py tests/test_fault_injection.py tests/test_deployment.py tests/test_dask_scoring.py \
 	tests/test_dask_cluster.py tests/test_distributed_train.py tests/test_open_round.py tests/test_label_studio_live.py \
 	tests/test_round_labelcheck.py tests/test_code_keys.py tests/test_cache_stability.py tests/test_consensus.py \

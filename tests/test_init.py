@@ -323,3 +323,74 @@ def test_init_warns_of_classes_with_fewer_than_2_images(tmp_path, tiny_models):
                                       "that one image (0 or 100 %)")
     assert "stratified split" in res.warnings[0] and "label at least one more image" in res.warnings[0]
     assert not any("add a labeled test set" in s for s in res.next_steps)
+
+
+SHAPE_NAMES = ("disc", "square", "bar")  # shapes() draws shape i % 3
+
+
+def _shape_manifest(root: Path, pool: int, test: int, answer=lambda name: name) -> Path:
+    """A JSONL manifest as a new user has one: `pool` unlabeled rows first, then `test` rows with `answer` and
+    `split: test` (the only rows with an answer), one generated image each."""
+    files = shapes(root / "images", pool + test)
+    rows = [{"image": f"images/{p.name}"} for p in files[:pool]]
+    rows += [{"image": f"images/{p.name}", "answer": answer(SHAPE_NAMES[i % 3]), "split": "test"}
+             for i, p in enumerate(files[pool:], pool)]
+    (root / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / "manifest.jsonl"
+
+
+def _label_the_batch(artifacts: Path, round_index: int, answer) -> int:
+    """What a user does between rounds: fill the label column of the exported annotate.csv and drop the file into
+    artifacts/inbox/. Returns the rows labeled."""
+    with (artifacts / "rounds" / f"{round_index:03d}" / "export" / "annotate.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["label"] = answer(SHAPE_NAMES[int(Path(r["original_image"]).stem.removeprefix("img")) % 3])
+    inbox = artifacts / "inbox"
+    inbox.mkdir(parents=True, exist_ok=True)
+    with (inbox / f"labels-round-{round_index:03d}.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return len(rows)
+
+
+def _three_rounds(project: Path, env: dict, answer) -> list[dict]:
+    states = []
+    for i in range(3):
+        rnd = subprocess.run([str(TAMIS), "round"], cwd=project, env=env, capture_output=True, text=True,
+                             timeout=1800)
+        assert rnd.returncode == 0, f"round {i}:\n{rnd.stdout}\n{rnd.stderr}"
+        assert "using ./tamis.yaml" in rnd.stderr
+        states.append(json.loads((project / "artifacts" / "rounds" / f"{i:03d}" / "round.json").read_text()))
+        if i < 2:
+            assert _label_the_batch(project / "artifacts", i, answer) == states[-1]["selected"] > 0
+    return states
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["closed", "open"])
+def test_cli_a_new_users_manifest_runs_from_init_to_round_2_without_hand_edits(tmp_path, tiny_models, kind):
+    """Issue 47's first "done when": a JSONL manifest whose test rows come last (40 pool images, 12 test rows),
+    `tamis init` (closed: the 3 shapes; open: `--open`, answers typed as short phrases), then `tamis round` three
+    times in the project folder without -c, the batches labeled by filling annotate.csv into artifacts/inbox/ —
+    no edit of the config written."""
+    answer = (lambda name: name) if kind == "closed" else (lambda name: f"a {name}")
+    manifest = _shape_manifest(tmp_path / "data", pool=40, test=12, answer=answer)
+    project = tmp_path / "project"
+    project.mkdir()
+    env = {**os.environ, "COLUMNS": "2000"}
+    init = _run_init(project, str(manifest), "--model", str(tiny_models["idefics3"]),
+                     *(["--open"] if kind == "open" else []), env=env)
+    assert init.returncode == 0, init.stdout + init.stderr
+    assert "add a labeled test set" not in init.stdout
+    cfg = load_config(project / "tamis.yaml")
+    assert cfg.data.answers == (sorted(SHAPE_NAMES) if kind == "closed" else None)
+
+    states = _three_rounds(project, env, answer)
+    assert [s["round"] for s in states] == [0, 1, 2]
+    assert states[2]["labeled"] == states[0]["selected"] + states[1]["selected"]
+    main = "accuracy" if kind == "closed" else "token_f1"
+    assert main in states[2]["metrics"] and main in states[1]["metrics"]
+    if kind == "open":
+        assert states[2]["strategy"].startswith("semantic_entropy")

@@ -12,7 +12,8 @@ Manifest columns are found by content, not only by name: the image column is the
 that exist (relative to the manifest's folder, as the readers resolve them), the answer column the one named like an
 answer (answer, label, category, class…), or else the only other column. A JSONL row may leave out keys, so the
 columns are those of every row, not the first one's: a manifest whose 500 test rows (the only ones with an answer)
-come after 100,000 pool rows still has its answer column. Rows whose split cell says `test` are the test split. Every refusal names the file and the fix.
+come after 100,000 pool rows still has its answer column. Rows whose split cell says `test` are the test split.
+Every refusal names the file and the fix.
 """
 
 from __future__ import annotations

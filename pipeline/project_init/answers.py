@@ -65,7 +65,7 @@ def choose_answers(found: list[Found], mode: AnswerMode = "auto") -> AnswerChoic
             raise ConfigError(f"--closed: a closed answer set needs at least 2 answers, and {len(seen)} "
                               f"({', '.join(seen) or 'none'}) were found; give a labeled --test file or one sub-folder "
                               "per class, list data.answers in the config, or drop --closed for open answers")
-        return AnswerChoice(seen, f"{len(seen)} answers (--closed): classification over them")
+        return AnswerChoice(seen, "a closed set (--closed): classification over them")
     if len(seen) < 2:
         return AnswerChoice(None, f"open answers: {'one answer' if seen else 'no answers'} found (a closed set needs "
                             "2); pass a labeled --test file for a closed set", longest)
@@ -74,7 +74,7 @@ def choose_answers(found: list[Found], mode: AnswerMode = "auto") -> AnswerChoic
     if reason:
         return AnswerChoice(None, f"open answers: {reason}; pass --closed to classify over the {len(seen)} answers "
                             "instead", longest)
-    return AnswerChoice(seen, f"{len(seen)} answers, a closed set; pass --open if they are free text", longest)
+    return AnswerChoice(seen, "a closed set (classification); pass --open if they are free text", longest)
 
 
 def generation_budget(max_words: int) -> int:

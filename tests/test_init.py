@@ -15,7 +15,7 @@ from PIL import Image
 from skimage import data
 
 from pipeline.config import load_config
-from pipeline.errors import ConfigError, DataError
+from pipeline.errors import ConfigError, DataError, ModelError
 from pipeline.model.hardware import Hardware
 from pipeline.project_init import init_project
 from pipeline.project_init.detect import detect_source, detect_test
@@ -293,13 +293,23 @@ def test_free_form_rule():
 
 
 def test_cli_init_stops_on_a_model_that_does_not_exist_and_puts_an_unreachable_one_first(tmp_path):
-    """A local folder that is no model stops init (nothing written); a hub model this offline machine cannot reach
-    still gets its config, with the problem as its first line and the first next step."""
+    """A local folder that is no model, or a checkpoint a round cannot load (text-only), stops init (nothing
+    written); a hub model this offline machine cannot reach still gets its config, with the problem as its first
+    line and the first next step."""
     pool, labels = photo_project(tmp_path / "data")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-cache")}
     (tmp_path / "not-a-model").mkdir()
     bad = _run_init(tmp_path, str(pool), "--test", str(labels), "--model", str(tmp_path / "not-a-model"), env=env)
     assert bad.returncode == 2 and "not a model folder (no config.json)" in bad.stderr
+    assert not (tmp_path / "tamis.yaml").exists()
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    text_only = tmp_path / "text-only"  # a checkpoint here that no round can load: stopped, with the finding
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=128)).save_pretrained(text_only)
+    with pytest.raises(ModelError, match=r"a round could not load it \(family: .*text-only checkpoint"):
+        init_project(pool, test=labels, model=str(text_only), out=tmp_path / "tamis.yaml", hw=CPU)
     assert not (tmp_path / "tamis.yaml").exists()
 
     far = _run_init(tmp_path, str(pool), "--test", str(labels), "--model", "org/some-vlm", env=env)

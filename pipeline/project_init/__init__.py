@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError, ModelUnreachable
+from pipeline.errors import ConfigError, ModelError, ModelUnreachable
 from pipeline.project_init.answers import AnswerMode, choose_answers, generation_budget, small_classes
 from pipeline.project_init.detect import Found, detect_source, detect_test
 from pipeline.project_init.render import render_config
-from pipeline.project_init.settings import Settings, choose_settings, model_facts
+from pipeline.project_init.settings import ModelFacts, Settings, choose_settings, model_facts
 
 DEFAULT_QUESTION = "What is shown in the image?"
 
@@ -51,6 +51,22 @@ def _resolve(model: str) -> tuple[Any, str, str]:
     return resolved, resolved.note, ""
 
 
+def _check_files(model: str, facts: ModelFacts) -> None:
+    """A checkpoint that is here (a folder, an HF cache snapshot) but that a round could not load (a text-only model,
+    a folder missing its processor or chat template) stops init with check-model's finding and fix."""
+    if facts.resolved is None or not facts.resolved.path:
+        return
+    from pipeline.config import ModelConfig
+    from pipeline.model.check import check_files
+
+    report = check_files(ModelConfig(name_or_path=facts.resolved.path, family=facts.family))
+    if not report.ok:
+        row = report.failures[0]
+        raise ModelError(f"--model {model}: a round could not load it ({row.check}: {row.found}); tamis init writes "
+                         "no config naming a model a round cannot load: fix the checkpoint or pick another --model "
+                         f"(`tamis check-model {model}` checks it end to end)")
+
+
 def init_project(path: Path, *, test: Path | None, model: str, out: Path, force: bool = False,
                  question: str | None = None, hw: Any = None, root: Path | None = None,
                  answer_mode: AnswerMode = "auto") -> InitResult:
@@ -67,6 +83,7 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     choice = choose_answers(found, answer_mode)
     resolved, note, problem = _resolve(model)
     facts = model_facts(model, resolved)
+    _check_files(model, facts)
     if hw is None:
         from pipeline.model.hardware import detect_hardware
 

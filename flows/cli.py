@@ -24,7 +24,7 @@ from flows import (
     cmd_rounds,
     cmd_use,
 )
-from flows.cli_common import ConfigOpt
+from flows.cli_common import ConfigOpt, config_file
 from flows.cli_logging import configure_logging
 from pipeline import __version__
 from pipeline.errors import TamisError
@@ -63,6 +63,7 @@ app.add_typer(config_app, name="config")
 @config_app.command("show")
 def config_show(config: ConfigOpt = None) -> None:
     """Print the resolved config (defaults filled in, paths made absolute)."""
+    config = config_file(config)
     from pipeline.config import load_config
 
     typer.echo(load_config(config).to_yaml(), nl=False)

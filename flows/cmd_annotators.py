@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from flows.cli_common import ConfigOpt, out_console
+from flows.cli_common import ConfigOpt, config_file, out_console
 
 
 def labels_annotators(
@@ -17,6 +17,7 @@ def labels_annotators(
     = False,
 ) -> None:
     """The consensus of every raw vote as annotate.consensus derives it now (nothing is written), per annotator."""
+    config = config_file(config)
     from pipeline.annotation.consensus import annotator_rows, derive_consensus
     from pipeline.annotation.redundancy import requeued_ids
     from pipeline.config import load_config

@@ -7,11 +7,12 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_common import ConfigOpt, load, out_console
+from flows.cli_common import ConfigOpt, config_file, load, out_console
 
 
 def ingest_cmd(config: ConfigOpt = None) -> None:
     """Read every data source into a validated dataset; bad rows go to quarantine.jsonl with a reason."""
+    config = config_file(config)
     from rich.table import Table
 
     from pipeline.data.ingest import source_digest

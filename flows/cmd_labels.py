@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from flows.cli_common import ConfigOpt, out_console
+from flows.cli_common import ConfigOpt, config_file, out_console
 from flows.cmd_annotators import labels_annotators
 
 LOCK_NAME = "round.lock"
@@ -32,6 +32,7 @@ def labels_import(
     = False,
 ) -> None:
     """Validate a label file and append its labels to the ledger (artifacts/labels.jsonl)."""
+    config = config_file(config)
     from pipeline.annotation import Ledger, import_labels, ledger_path
     from pipeline.annotation.labels import LabelKeys, project_index
     from pipeline.config import load_config
@@ -76,6 +77,7 @@ def labels_history(
     config: ConfigOpt = None,
 ) -> None:
     """Every ledger entry of one sample, oldest first; the last one is its current label."""
+    config = config_file(config)
     from pipeline.annotation import Ledger, ledger_path
     from pipeline.config import load_config
 
@@ -108,6 +110,7 @@ def labels_issues(
     top: Annotated[int, typer.Option(help="How many likely errors to list.")] = 20,
 ) -> None:
     """The likely label errors and annotator agreement found by a round's label check."""
+    config = config_file(config)
     import json
 
     from pipeline.config import load_config
@@ -168,6 +171,7 @@ def labels_orphans(
     """Labels that match no sample of the dataset any more (their image was edited or cropped, or removed, or looks
     like several images; a re-save or a re-encode carries the label over at the next round): they stay in the
     ledger; relabel the new images or put the old ones back."""
+    config = config_file(config)
     import json
 
     from pipeline.annotation.carry import orphan_labels
@@ -201,6 +205,7 @@ def simulate(
     seed: Annotated[int | None, typer.Option(help="Seed for the flips (default: the config's seed).")] = None,
 ) -> None:
     """Answer an exported round from data.ground_truth; writes a Label Studio export into artifacts/inbox."""
+    config = config_file(config)
     from pipeline.annotation import export_dir, simulate_annotator
     from pipeline.annotation.simulate import sidecar_path
     from pipeline.config import load_config

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 import typer
 
-from flows.cli_common import ConfigOpt, load, out_console
+from flows.cli_common import ConfigOpt, config_file, load, out_console
 from pipeline.errors import ConfigError, LockError
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,7 @@ class Listener:
 def listen_cmd(config: ConfigOpt = None) -> None:
     """Receive Label Studio's webhooks and start the next round when rounds.trigger says so; Ctrl-C or SIGTERM
     stops."""
+    config = config_file(config)
     from pipeline.annotation.webhook_server import WebhookServer, secret_from_env
 
     cfg = load(config)
@@ -217,6 +218,8 @@ def setup_webhook_cmd(
 ) -> None:
     """Register (or update) the Label Studio project's webhook that calls `tamis listen`, with the secret header."""
     from pipeline.annotation.webhook_server import register_webhook, registrable_url, secret_from_env
+
+    config = config_file(config)
 
     cfg = load(config)
     trigger = _trigger(cfg, "setup-webhook")

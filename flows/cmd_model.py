@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_common import ConfigOpt, out_console
+from flows.cli_common import ConfigOpt, config_file, out_console, project_config
 
 
 def make_tiny_model_cmd(
@@ -28,16 +28,16 @@ def make_tiny_model_cmd(
 
 def check_quant_cmd(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Hub ID or local folder (default: the config's model).")] = None,
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="Project config YAML.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Project config YAML (default: ./tamis.yaml "
+                                                "if there is one, else the defaults).")] = None,
     n: Annotated[int, typer.Option("--n", help="Number of synthetic images in the batch.", min=1)] = 8,
     json_out: Annotated[Path | None, typer.Option("--json-out", help="Also write the report here.")] = None,
 ) -> None:
     """Load the model in 4-bit and in 16-bit (fp32 on CPU), run one batch, report top-1 agreement and mean KL."""
-    from pipeline.config import load_config
     from pipeline.model.quant_check import check_quant, synthetic_images
     from pipeline.store import atomic_write_json
 
-    cfg = load_config(config)
+    cfg = project_config(config, required=model is None)
     model_cfg = cfg.model
     if model is not None:
         local = Path(model).exists()
@@ -69,12 +69,12 @@ def check_model_cmd(
     Exits 1 when a round would fail, naming the reason."""
     from rich.table import Table
 
-    from pipeline.config import load_config
     from pipeline.model.check import check_model
     from pipeline.model.resolve import local_folder, resolve_model
     from pipeline.store import atomic_write_json
 
-    cfg = load_config(config)
+    config = config_file(config, required=path is None)
+    cfg = project_config(config, required=False)
     # A hub ID is checked from its HF cache snapshot (or downloaded first); offline and not cached: the fixes.
     target = path or cfg.model.name_or_path
     if Path(target).exists():  # a folder: the report's own checkpoint row says what is wrong with it
@@ -114,7 +114,8 @@ def check_model_cmd(
 
 
 def hardware_cmd(
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="Project config YAML.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Project config YAML (default: ./tamis.yaml "
+                                                "if there is one, else the defaults).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Show the detected GPU/CPU and the training settings (micro-batch, accumulation, checkpointing) chosen for it."""
@@ -122,10 +123,9 @@ def hardware_cmd(
 
     from rich.table import Table
 
-    from pipeline.config import load_config
     from pipeline.model.hardware import choose_train_settings, detect_hardware, resolve_num_processes
 
-    cfg = load_config(config)
+    cfg = project_config(config, required=False)
     hw = detect_hardware()
     nproc = resolve_num_processes(cfg.train.num_processes, hw)
     s = choose_train_settings(cfg.train, cfg.model, hw, image_size=cfg.preprocess.size, num_processes=nproc)
@@ -156,12 +156,11 @@ def hardware_cmd(
 
 def print_knobs(config: Path | None, gpu_memory: str | None, seq_len: int) -> None:
     """`tamis plan --config`: one table of what each training knob saves and costs for this project config."""
-    from pipeline.config import load_config
     from pipeline.model.hardware import SAFETY, choose_train_settings, detect_hardware, parse_memory
     from pipeline.model.knobs import alternatives, knobs_table, plan_kwargs
     from pipeline.model.planner import analyze
 
-    cfg = load_config(config)
+    cfg = project_config(config)
     hw = detect_hardware()
     settings = choose_train_settings(cfg.train, cfg.model, hw, seq_len=seq_len, image_size=cfg.preprocess.size)
     shape = analyze(cfg.model.name_or_path)
@@ -227,6 +226,7 @@ def train_cmd(
 ) -> None:
     """Train an adapter outside a round: on train.num_processes devices, or as each rank of a launcher
     (`accelerate launch --multi_gpu --num_processes 4 $(which tamis) train …`, torchrun)."""
+    config = config_file(config)
     import datasets
 
     from pipeline.config import load_config

@@ -7,11 +7,12 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_common import ConfigOpt, load, out_console
+from flows.cli_common import ConfigOpt, config_file, load, out_console
 
 
 def prepare_cmd(config: ConfigOpt = None) -> None:
     """Ingest, preprocess (resize, pad) and quality-flag the data; every stage is cached on its inputs."""
+    config = config_file(config)
     from rich.table import Table
 
     from pipeline.data.ingest import source_digest
@@ -55,6 +56,7 @@ def quality_report_cmd(
     top: Annotated[int, typer.Option("--top", min=1, help="Worst examples shown per flag.")] = 10,
 ) -> None:
     """Counts per quality flag and the worst examples' IDs and image paths (from the last `tamis prepare`)."""
+    config = config_file(config)
     from rich.table import Table
 
     from pipeline.preprocess import latest_refs, load_prepared

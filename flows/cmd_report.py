@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_common import ConfigOpt, load, out_console
+from flows.cli_common import ConfigOpt, config_file, load, out_console
 
 
 def report_cmd(
@@ -17,6 +17,7 @@ def report_cmd(
 ) -> None:
     """Write artifacts/rounds/NNN/report.html: the batch as a contact sheet, the pool map, what the model gets wrong,
     the quality flags, the learning curve and the labels, in one file that opens offline."""
+    config = config_file(config)
     from pipeline.roundreport import rebuild_report
     from pipeline.roundreport.sources import resolve_sources
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from flows.cli_common import ConfigOpt, load, out_console
+from flows.cli_common import ConfigOpt, config_file, load, out_console
 from flows.deploy import register_serve, server_url
 from pipeline.config import ProjectConfig
 from pipeline.errors import ConfigError, DataError
@@ -52,6 +52,7 @@ def round_cmd(
                                        "round (it replays that round from the cache).")] = False,
 ) -> None:
     """Run the next labeling round (or finish / re-run the current one: finished work comes from the cache)."""
+    config = config_file(config)
     from pipeline.model.resolve import resolve_configured
     from pipeline.unchanged import round_inputs, unchanged_round
 
@@ -94,8 +95,13 @@ def demo_cmd(
     rounds: Annotated[int | None, typer.Option("--rounds", min=1, help="Stop after this many rounds "
                                                  "(default: rounds.max_rounds).")] = None,
 ) -> None:
-    """The demo: digits data + a tiny 4-bit model, several rounds with the simulated annotator, on the CPU."""
+    """The demo: digits data + a tiny 4-bit model, several rounds with the simulated annotator, on the CPU (the
+    built-in configs/demo.yaml unless -c names another)."""
     import time
+
+    from pipeline.config import DEFAULT_CONFIG
+
+    config = config_file(config) if config is not None else DEFAULT_CONFIG
 
     cfg = load(config)
     out = out_console()
@@ -120,7 +126,9 @@ def demo_cmd(
         if state.stopped:
             break
     out.print(f"learning curve: {cfg.artifacts / 'learning_curve.png'}", highlight=False)
-    out.print(f"round reports: {cfg.artifacts / 'rounds'}/NNN/report.html (`tamis report --open` opens the last)",
+    named = "demo" if config == DEFAULT_CONFIG else config  # the built-in config, as other commands ask for it
+    out.print(f"round reports: {cfg.artifacts / 'rounds'}/NNN/report.html (`tamis report --open -c {named}` opens "
+              "the last)",
               highlight=False)
     last_export = next((s.export_dir for s in reversed(states) if s.export_dir), None)
     if last_export:
@@ -182,6 +190,7 @@ def status_cmd(
                                             "precision / recall / F1 / support (per group for open answers).")] = False,
 ) -> None:
     """Rounds so far, labeled / pool / quarantined counts, last metrics."""
+    config = config_file(config)
     import json
 
     from pipeline.metrics import merge_equal_metrics
@@ -249,6 +258,7 @@ def resume_cmd(
     run_id: Annotated[str | None, typer.Option("--run-id", help="The suspended run (default: the only one).")] = None,
 ) -> None:
     """Resume a round waiting for its annotators (rounds.wait_for_labels), as the Resume button in the Prefect UI."""
+    config = config_file(config)
     load(config)
     if labels is not None and not labels.is_file():
         raise DataError(f"--labels {labels}: no such file; give the annotators' export (Label Studio JSON, or CSV / "

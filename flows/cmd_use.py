@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_common import ConfigOpt, load, out_console
+from flows.cli_common import ConfigOpt, config_file, load, out_console
 
 RoundOpt = Annotated[int | None, typer.Option("--round", min=0, help="Use this round's adapter (default: the latest "
                                               "round that trained one).")]
@@ -25,6 +25,7 @@ def predict_cmd(
                                                  "project's question, or each manifest row's).")] = None,
 ) -> None:
     """Answer new images with a round's adapter: one CSV row per image (answer, probability, adapter used)."""
+    config = config_file(config)
     from rich.console import Console
 
     from pipeline.model.loading import load_model
@@ -62,6 +63,7 @@ def export_model_cmd(
 ) -> None:
     """Export a round's model with its model card and lineage (the labels and config behind it) to a new or empty
     folder."""
+    config = config_file(config)
     from pipeline.export_model import export_model
 
     cfg = load(config)

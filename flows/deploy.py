@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from flows.cli_common import ConfigOpt, load
+from flows.cli_common import ConfigOpt, config_file, load
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def server_url() -> str:
 
 def serve_round(config: Path | None, cron: str | None, cfg: Any) -> None:
     """Register `labeling-round/scheduled` with `cron` (default: rounds.cron) and run its flow runs until stopped."""
-    origin = "--cron" if cron else f"{config or 'the demo config'}: rounds.cron"
+    origin = "--cron" if cron else f"{config}: rounds.cron"
     schedule = checked_cron(cron or cfg.rounds.cron, origin)
     url = server_url()
     from flows.round import labeling_round
@@ -68,6 +68,9 @@ def serve_cmd(
                                               "(default: rounds.cron of the config).")] = None,
 ) -> None:
     """Run labeling rounds on a schedule from this process (deployment labeling-round/scheduled); Ctrl-C stops."""
+    if cron is not None:
+        checked_cron(cron, "--cron")  # a bad --cron is refused before the config is looked for
+    config = config_file(config)
     serve_round(config, cron, load(config))
 
 

@@ -29,5 +29,10 @@ class ModelError(TamisError):
     pass
 
 
+class ModelUnreachable(ModelError):
+    """The model may well exist, but this machine cannot have it now (the hub is off or out of reach, and it is not
+    in the HF cache): a property of the machine, not of the config that names it."""
+
+
 class LockError(TamisError):
     pass

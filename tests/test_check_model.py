@@ -159,3 +159,24 @@ def test_cli_make_tiny_model_builds_a_new_family(tmp_path):
     assert res.exit_code == 0, res.output
     assert detect_family(tmp_path / "m") == "llava_onevision"
     assert json.loads((tmp_path / "m" / "tamis_tiny.json").read_text())["family"] == "llava_onevision"
+
+
+def test_cli_check_model_refuses_what_a_round_would_refuse(tmp_path, tiny_models):
+    """A closed-set heuristic with open answers used to pass check-model and fail at round 1's selection, after
+    preparing, training and scoring; now the config is refused before any model is loaded, naming field and fix."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = tmp_path / "tamis.yaml"
+    config.write_text(f"model: {{name_or_path: {tiny_models['idefics3']}}}\npreprocess: {{size: 32}}\n"
+                      "data: {answers: null}\nselect: {strategy: margin, diversity: stratified}\n")
+    proc = subprocess.run([str(Path(sys.executable).parent / "tamis"), "check-model"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "2000"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    msg = " ".join(proc.stderr.split())
+    assert "using ./tamis.yaml" in msg and "tamis.yaml: invalid config" in msg
+    assert "select.strategy: 'margin' reads class probabilities, and data.answers is null" in msg
+    assert "select.diversity: 'stratified' spreads a batch over predicted classes" in msg
+    assert "load + LoRA" not in proc.stdout  # refused before the model is loaded

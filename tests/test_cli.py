@@ -60,3 +60,30 @@ def test_console_script_turns_user_errors_into_exit_2_without_traceback(tmp_path
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "config file not found" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+
+
+def _tamis(cwd, *args):
+    return subprocess.run([str(TAMIS), *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "COLUMNS": "2000"})
+
+
+def test_without_c_a_command_reads_tamis_yaml_and_never_the_demo(tmp_path):
+    """Issue 47: `tamis round` without -c in a project folder ran the demo config inside the user's artifacts/ and
+    failed on artifacts/demo/digits/manifest.jsonl. Now: no ./tamis.yaml, a clear error and nothing written."""
+    empty = _tamis(tmp_path, "round")
+    assert empty.returncode == 2, empty.stdout + empty.stderr
+    msg = " ".join(empty.stderr.split())
+    assert "no config: -c was not given and there is no ./tamis.yaml" in msg
+    assert "pass -c tamis.yaml" in msg and "`tamis init PATH_TO_IMAGES`" in msg and "demo/digits" not in msg
+    assert list(tmp_path.iterdir()) == []  # no artifacts/ of the demo's
+
+    (tmp_path / "tamis.yaml").write_text(yaml.safe_dump({"paths": {"artifacts": "project-artifacts"},
+                                                         "data": {"answers": ["sky", "sea"]}}))
+    shown = _tamis(tmp_path, "config", "show")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stderr.strip() == "using ./tamis.yaml"
+    assert yaml.safe_load(shown.stdout)["paths"]["artifacts"] == str(tmp_path / "project-artifacts")
+
+    demo = _tamis(tmp_path, "config", "show", "-c", "demo")  # the built-in demo, asked for by name
+    assert demo.returncode == 0, demo.stderr
+    assert yaml.safe_load(demo.stdout)["data"]["answers"] == [str(d) for d in range(10)] and "using" not in demo.stderr

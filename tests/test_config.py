@@ -113,3 +113,61 @@ def test_a_token_is_named_by_its_environment_variable():
     cfg = parse_config({"annotate": {"label_studio": {"token": "${TEAM_LS_TOKEN}"}}})
     assert cfg.annotate.label_studio.token_env == "TEAM_LS_TOKEN"
     assert "    token_env: TEAM_LS_TOKEN" in cfg.to_yaml().splitlines()
+
+
+# --- combinations a round would refuse later, refused at load (pipeline/config/combinations.py) ---
+CLOSED = ["cat", "dog"]
+REFUSED = [
+    ({"answers": None}, {"strategy": "margin"},
+     "select.strategy: 'margin' reads class probabilities, and data.answers is null", "use token_entropy"),
+    ({"answers": None}, {"strategy": "bald", "mc_dropout_passes": 4},
+     "select.strategy: 'bald' reads class probabilities, and data.answers is null", "or list data.answers"),
+    ({"answers": CLOSED}, {"strategy": "semantic_entropy", "mc_dropout_passes": 4},
+     "select.strategy: 'semantic_entropy' reads generated free-text answers, and data.answers is a closed set of 2",
+     "or set data.answers: null"),
+    ({"answers": CLOSED}, {"strategy": "token_entropy"}, "'token_entropy' reads generated free-text answers",
+     "use least_confidence, margin or entropy"),
+    ({"answers": None}, {"strategy": "semantic_entropy"},
+     "select.strategy: 'semantic_entropy' compares answers sampled under MC dropout, and select.mc_dropout_passes "
+     "is 0", "set select.mc_dropout_passes: 4 (at least 2), or use token_entropy"),
+    ({"answers": None}, {"strategy": "answer_disagreement", "mc_dropout_passes": 1}, "mc_dropout_passes is 1",
+     "set select.mc_dropout_passes: 4"),
+    ({"answers": CLOSED}, {"strategy": "bald", "mc_dropout_passes": 1}, "'bald' compares answers sampled",
+     "or use margin, which needs none"),
+    ({"answers": None}, {"strategy": "token_entropy", "diversity": "stratified"},
+     "select.diversity: 'stratified' spreads a batch over predicted classes", "use cluster_margin"),
+]
+
+
+@pytest.mark.parametrize(("data", "select", "what", "fix"), REFUSED, ids=[f"{s['strategy']}-{d['answers'] is None}"
+                                                                           for d, s, *_ in REFUSED])
+def test_load_refuses_what_a_round_would_refuse(tmp_path, data, select, what, fix):
+    path = tmp_path / "c.yaml"
+    path.write_text(__import__("yaml").safe_dump({"data": data, "select": select}))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: invalid config\n  select.") and what in msg and fix in msg
+    assert "<top level>" not in msg and "is not allowed" not in msg  # the sentence, not the whole input quoted
+
+
+def test_what_a_round_runs_still_loads():
+    for data, select in [({"answers": CLOSED}, {"strategy": "margin"}),
+                         ({"answers": CLOSED}, {"strategy": "bald", "mc_dropout_passes": 2}),
+                         ({"answers": None}, {"strategy": "semantic_entropy", "mc_dropout_passes": 4}),
+                         ({"answers": None}, {"strategy": "random", "diversity": "k_center"}),
+                         ({"answers": CLOSED}, {"diversity": "stratified"})]:
+        parse_config({"data": data, "select": select})
+    # Open answers that name no strategy get token_entropy: the default (entropy) reads class probabilities.
+    assert parse_config({}).select.strategy == "token_entropy"
+    assert parse_config({"data": {"answers": CLOSED}}).select.strategy == "entropy"
+    for shipped in sorted((Path(__file__).parent.parent / "configs").glob("*.yaml")):
+        if not shipped.name.startswith("label_efficiency"):  # benchmark files: a project section inside
+            load_config(shipped)
+
+
+def test_combination_table_mirrors_the_heuristics():
+    from pipeline.config.combinations import STRATEGY_READS
+    from pipeline.strategies import HEURISTICS
+
+    assert STRATEGY_READS == {name: h.input for name, h in HEURISTICS.items()}

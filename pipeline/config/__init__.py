@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from pipeline.config.annotate import (  # noqa: F401 (re-exported: callers import sections from pipeline.config)
     AnnotateConfig,
@@ -26,6 +26,7 @@ from pipeline.config.annotate import (  # noqa: F401 (re-exported: callers impor
     StableRule,
 )
 from pipeline.config.base import Section  # noqa: F401 (re-exported)
+from pipeline.config.combinations import OPEN_DEFAULT_STRATEGY, combination_errors
 from pipeline.config.secrets import HIDDEN, is_secret_key, redact
 from pipeline.config.sections import (  # noqa: F401 (re-exported: callers import sections from pipeline.config)
     DASK_PROTOCOLS,
@@ -72,6 +73,18 @@ class ProjectConfig(Section):
     rounds: RoundsConfig = Field(default_factory=RoundsConfig)
     seed: int = 0
     paths: PathsConfig = Field(default_factory=PathsConfig)
+
+    @model_validator(mode="after")
+    def _a_round_can_run_this(self) -> ProjectConfig:
+        """Refuse, at load (and so in every command, check-model included), each combination of settings a round
+        would refuse later (pipeline/config/combinations.py). Open answers that name no strategy get token_entropy:
+        the default, entropy, reads class probabilities they do not have."""
+        if self.data.answers is None and "strategy" not in self.select.model_fields_set:
+            self.select.strategy = OPEN_DEFAULT_STRATEGY
+        errors = combination_errors(self.data, self.select)
+        if errors:
+            raise ValueError("\n  ".join(errors))
+        return self
 
     def section(self, name: str) -> dict[str, Any]:
         """A section as plain JSON data: what a stage records next to its outputs and keys its cache on."""
@@ -167,8 +180,8 @@ def _describe(err: dict[str, Any]) -> str:
     if kind == "literal_error":
         return f"{loc}: {value!r} is not allowed; must be one of {ctx.get('expected')}"
     msg = err["msg"].removeprefix("Value error, ")
-    if kind == "value_error" and msg.startswith((f"{loc}:", f"{loc}.")):
-        return msg
+    if kind == "value_error" and (not err["loc"] or msg.startswith((f"{loc}:", f"{loc}."))):
+        return msg  # a whole-config check names its own fields
     return f"{loc}: {value!r} is not allowed; {msg}"
 
 

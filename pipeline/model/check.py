@@ -95,13 +95,30 @@ def _sample_images(size: int) -> list[Any]:
     return [square, wide.resize((size, max(1, size // 2)))]
 
 
-def _run(report: CheckReport, model: ModelConfig, preprocess: PreprocessConfig, data: DataConfig,
-         train: TrainConfig, hw: Any) -> None:
-    """The steps that need no model weights: the folder, the family, the processor and the prompt."""
+def check_files(model: ModelConfig) -> CheckReport:
+    """The checks that read the checkpoint's files and load no weights (the folder, its family, its processor, its
+    chat template): seconds. `tamis init` runs them before it writes a config that names the model."""
+    report = CheckReport(model=model.name_or_path)
+    try:
+        _file_steps(report, model)
+    except _Stop:
+        pass
+    return report
+
+
+def _file_steps(report: CheckReport, model: ModelConfig) -> tuple[Path, Any, Any]:
     path = _step(report, "checkpoint", lambda: _source(model.name_or_path))
     fam = _step(report, "family", lambda: _family(model, path))
     proc = _step(report, "processor", lambda: _processor(path))
     _step(report, "chat template", lambda: _template(proc, fam))
+    return path, fam, proc
+
+
+def _run(report: CheckReport, model: ModelConfig, preprocess: PreprocessConfig, data: DataConfig,
+         train: TrainConfig, hw: Any) -> None:
+    """The steps that need no model weights (the folder, the family, the processor and the prompt), then the
+    model's own."""
+    path, fam, proc = _file_steps(report, model)
     size = _step(report, "image size", lambda: (
         "ok", f"{preprocess.size} px (preprocess.size)", preprocess.size) if preprocess.size else (
         "ok", f"{fam.default_image_size} px (the {fam.name} default; preprocess.size unset)", fam.default_image_size))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from pipeline.config import ModelConfig
-from pipeline.errors import ModelError
+from pipeline.errors import ModelError, ModelUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,9 @@ def resolve_model(name: str, *, family: str | None = None, build_tiny_if_missing
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     if constants.is_offline_mode():
-        raise ModelError(f"model.name_or_path {name!r}: not in the HF cache ({constants.HF_HUB_CACHE}) and the hub "
-                         f"is off (HF_HUB_OFFLINE is set), so this round cannot load it; {fixes(name, family)}")
+        raise ModelUnreachable(f"model.name_or_path {name!r}: not in the HF cache ({constants.HF_HUB_CACHE}) and "
+                               "the hub is off (HF_HUB_OFFLINE is set), so this round cannot load it; "
+                               f"{fixes(name, family)}")
     try:
         HfApi().model_info(name, timeout=timeout_s)
     except GatedRepoError:
@@ -105,9 +106,9 @@ def resolve_model(name: str, *, family: str | None = None, build_tiny_if_missing
         raise ModelError(f"model.name_or_path {name!r}: no such model on the hub ({constants.ENDPOINT}) and no such "
                          "local folder; check its spelling, or point it at a checkpoint folder") from None
     except Exception as exc:  # noqa: BLE001 - a refused connection, a timeout, a proxy: the hub is out of reach
-        raise ModelError(f"model.name_or_path {name!r}: not in the HF cache ({constants.HF_HUB_CACHE}) and the hub "
-                         f"({constants.ENDPOINT}) did not answer within {timeout_s:g} s ({type(exc).__name__}); "
-                         f"{fixes(name, family)}") from None
+        raise ModelUnreachable(f"model.name_or_path {name!r}: not in the HF cache ({constants.HF_HUB_CACHE}) and "
+                               f"the hub ({constants.ENDPOINT}) did not answer within {timeout_s:g} s "
+                               f"({type(exc).__name__}); {fixes(name, family)}") from None
     return ResolvedModel(name, "hub", None, f"model: {name} from the hub ({constants.ENDPOINT}), downloaded into the "
                          "HF cache when first loaded")
 

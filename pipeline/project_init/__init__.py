@@ -7,14 +7,15 @@ entry point; the CLI only prints what it returns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError, ModelError
+from pipeline.errors import ConfigError, ModelError, ModelUnreachable
+from pipeline.project_init.answers import AnswerMode, choose_answers, generation_budget, small_classes
 from pipeline.project_init.detect import Found, detect_source, detect_test
 from pipeline.project_init.render import render_config
-from pipeline.project_init.settings import Settings, choose_settings, model_facts
+from pipeline.project_init.settings import ModelFacts, Settings, choose_settings, model_facts
 
 DEFAULT_QUESTION = "What is shown in the image?"
 
@@ -28,20 +29,49 @@ class InitResult:
     answers: list[str] | None
     model_note: str
     next_steps: list[str]
+    answers_why: str = ""
+    warnings: list[str] = field(default_factory=list)
+    model_problem: str = ""  # the model cannot be had from here yet: the config's first line, the first next step
 
 
-def _answers(found: list[Found]) -> list[str] | None:
-    """The closed answer set: every answer seen in class folders, answer columns and the test file; None (open
-    answers) when there is none, or a single one (a closed set needs 2)."""
-    seen = sorted({a for f in found for a in f.answers})
-    return seen if len(seen) >= 2 else None
+def _resolve(model: str) -> tuple[Any, str, str]:
+    """(the resolved model or None, the note init prints, the problem to fix first or "").
+
+    A model the config names wrongly (a local folder that is not a model, a hub ID with no such model, a gated one)
+    stops init with the fix: a config naming it would fail every round. A hub model this machine cannot reach now
+    (offline, HF_HUB_OFFLINE, a proxy) still gets its config, because the rounds may well run on a machine that can
+    (init on a laptop, rounds on the GPU box); the problem is then the config's first line and the first next step.
+    """
+    from pipeline.model.resolve import resolve_model
+
+    try:
+        resolved = resolve_model(model, build_tiny_if_missing=False)
+    except ModelUnreachable as exc:
+        return None, f"model: {model} is not reachable from here yet", str(exc)
+    return resolved, resolved.note, ""
+
+
+def _check_files(model: str, facts: ModelFacts) -> None:
+    """A checkpoint that is here (a folder, an HF cache snapshot) but that a round could not load (a text-only model,
+    a folder missing its processor or chat template) stops init with check-model's finding and fix."""
+    if facts.resolved is None or not facts.resolved.path:
+        return
+    from pipeline.config import ModelConfig
+    from pipeline.model.check import check_files
+
+    report = check_files(ModelConfig(name_or_path=facts.resolved.path, family=facts.family))
+    if not report.ok:
+        row = report.failures[0]
+        raise ModelError(f"--model {model}: a round could not load it ({row.check}: {row.found}); tamis init writes "
+                         "no config naming a model a round cannot load: fix the checkpoint or pick another --model "
+                         f"(`tamis check-model {model}` checks it end to end)")
 
 
 def init_project(path: Path, *, test: Path | None, model: str, out: Path, force: bool = False,
-                 question: str | None = None, hw: Any = None, root: Path | None = None) -> InitResult:
+                 question: str | None = None, hw: Any = None, root: Path | None = None,
+                 answer_mode: AnswerMode = "auto") -> InitResult:
     """Detect, decide, render and write `out` (refusing to replace an existing file without `force`)."""
     from pipeline.config import parse_config
-    from pipeline.model.resolve import looks_local, resolve_model
 
     if out.exists() and not force:
         raise ConfigError(f"{out}: already exists; tamis init never overwrites a config: pass --force to replace it, "
@@ -50,28 +80,26 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     found = [detect_source(path)]
     if test is not None:
         found.append(detect_test(test.expanduser().resolve(), path))
-    try:
-        resolved = resolve_model(model, build_tiny_if_missing=False)
-        note = resolved.note
-    except ModelError as exc:
-        if looks_local(model):
-            raise
-        # A hub model this machine cannot reach yet: the config is still right; the round will say how to fix it.
-        resolved, note = None, f"model: {model} is not reachable from here yet ({exc})"
+    choice = choose_answers(found, answer_mode)
+    resolved, note, problem = _resolve(model)
     facts = model_facts(model, resolved)
+    _check_files(model, facts)
     if hw is None:
         from pipeline.model.hardware import detect_hardware
 
         hw = detect_hardware()
     pool = sum(f.images - f.labeled for f in found if f.source.get("default_split") != "test")
-    sizes = [s for f in found for s in f.sizes]
-    settings = choose_settings(pool, sizes, facts, hw)
-    answers = _answers(found)
+    settings = choose_settings(pool, [s for f in found for s in f.sizes], facts, hw)
+    if choice.answers is None and choice.max_words:
+        settings.max_new_tokens = generation_budget(choice.max_words)
     model_path = str(Path(model).expanduser().resolve()) if resolved is not None and resolved.where == "folder" \
         else model
-    text = render_config(found, answers=answers, question=question or DEFAULT_QUESTION, model=model_path,
-                         facts=facts, settings=settings, pool=pool,
-                         artifacts=str(out.expanduser().resolve().parent / "artifacts"))
+    artifacts = out.expanduser().resolve().parent / "artifacts"
+    text = render_config(found, answers=choice.answers, question=question or DEFAULT_QUESTION, model=model_path,
+                         facts=facts, settings=settings, pool=pool, artifacts=str(artifacts),
+                         answers_why=choice.why)
+    if problem:
+        text = f"# FIRST, before a round: {problem}\n" + text
     import yaml
 
     parse_config(yaml.safe_load(text), origin=str(out), root=root)  # what `load_config` will accept, checked first
@@ -79,8 +107,11 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     from pipeline.store import atomic_write_text
 
     atomic_write_text(out, text)
-    return InitResult(out, text, found, settings, answers, note,
-                      next_steps(out, out.expanduser().resolve().parent / "artifacts", answers, test is not None))
+    has_test = any(f.test for f in found)
+    steps = ([f"fix the model first: {problem}"] if problem else []) + next_steps(out, artifacts, choice.answers,
+                                                                                  has_test)
+    return InitResult(out, text, found, settings, choice.answers, note, steps, choice.why,
+                      small_classes(found, choice.answers), problem)
 
 
 def next_steps(out: Path, artifacts: Path, answers: list[str] | None, has_test: bool) -> list[str]:
@@ -92,5 +123,6 @@ def next_steps(out: Path, artifacts: Path, answers: list[str] | None, has_test: 
     if not has_test:
         steps.append("add a labeled test set (tamis init … --test labels.csv) to measure each round")
     if answers is None:
-        steps.append("no answer set found: open answers (free text); list data.answers to classify instead")
+        steps.append("open answers (free text): to classify instead, list data.answers (or rerun tamis init with "
+                     "--closed)")
     return steps

@@ -10,7 +10,10 @@
 
 Manifest columns are found by content, not only by name: the image column is the one whose cells name image files
 that exist (relative to the manifest's folder, as the readers resolve them), the answer column the one named like an
-answer (answer, label, category, class…), or else the only other column. Every refusal names the file and the fix.
+answer (answer, label, category, class…), or else the only other column. A JSONL row may leave out keys, so the
+columns are those of every row, not the first one's: a manifest whose 500 test rows (the only ones with an answer)
+come after 100,000 pool rows still has its answer column. Rows whose split cell says `test` are the test split.
+Every refusal names the file and the fix.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".t
 ANSWER_NAMES = ("answer", "label", "labels", "category", "class", "target", "caption", "y")
 IMAGE_NAMES = ("image", "file", "filename", "file_name", "path", "image_path", "img", "filepath")
 SIZE_SAMPLE = 200  # images whose header is read for their size (the preprocess size reads their median)
+# Rows spread over a manifest whose cells are checked on disk to find its image column; the column found is then
+# checked on every row (one stat each). A 100,000-row JSONL is read and checked in about a second.
+COLUMN_SAMPLE = 2_000
 
 
 @dataclass
@@ -42,6 +48,10 @@ class Found:
     answers: list[str] = field(default_factory=list)  # the answers seen (class folders, answer cells)
     sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of a sample of its images
     what: str = ""  # one line for the report: "flat folder of 1,000 images (unlabeled pool)"
+    counts: dict[str, int] = field(default_factory=dict)  # labeled images per answer
+    test: int = 0  # rows in the test split (a split cell saying test, or a --test file)
+    test_counts: dict[str, int] = field(default_factory=dict)  # labeled test rows per answer
+    free_text: bool = False  # answers typed per row (a manifest's cells), not class folder names
 
 
 def _is_image(name: str) -> bool:
@@ -91,7 +101,7 @@ def _folder(path: Path) -> Found:
         what = f"flat folder of {len(top):,} images (unlabeled pool)"
         classes, n_labeled = {}, 0
     return Found({"kind": "folder", "path": str(path)}, len(paths), n_labeled, sorted(classes),
-                 image_sizes(paths), what)
+                 image_sizes(paths), what, counts={c: len(v) for c, v in classes.items()})
 
 
 def _hf(path: Path) -> Found:
@@ -119,7 +129,8 @@ def _hf(path: Path) -> Found:
         source["answer_column"] = answer
     labeled = [a for a in answers if a]
     return Found(source, len(ds), len(labeled), sorted(set(labeled)), [],
-                 f"saved HF dataset of {len(ds):,} rows ({len(labeled):,} with an answer in `{answer}`)")
+                 f"saved HF dataset of {len(ds):,} rows ({len(labeled):,} with an answer in `{answer}`)",
+                 counts=dict(Counter(labeled)), free_text=True)
 
 
 def _by_name(columns: list[str], names: tuple[str, ...]) -> str | None:
@@ -161,28 +172,38 @@ def read_table(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _spread(rows: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
+    """Up to `limit` rows spread evenly over the file (first and last included), not the first `limit`."""
+    if len(rows) <= limit:
+        return rows
+    step = (len(rows) - 1) / (limit - 1)
+    return [rows[round(i * step)] for i in range(limit)]
+
+
+def _image_files(base: Path, rows: list[dict[str, Any]], col: str) -> list[Path]:
+    paths = [(base / _cell(r.get(col))) for r in rows if _cell(r.get(col))]
+    return [p for p in paths if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
+
+
 def manifest_columns(path: Path, rows: list[dict[str, Any]]) -> tuple[str, str | None, list[Path]]:
     """(image column, answer column or None, the image files found) of a manifest's rows: the image column is the one
-    whose cells name existing images relative to the manifest's folder (a name like `image` breaks ties)."""
+    whose cells name existing images relative to the manifest's folder (a name like `image` breaks ties), judged on
+    a sample spread over the file; the columns are every row's keys (JSONL rows may leave some out)."""
     base = path.resolve().parent
-    columns = list(rows[0])
-
-    def found(col: str) -> list[Path]:
-        paths = [(base / _cell(r.get(col))) for r in rows if _cell(r.get(col))]
-        return [p for p in paths if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
-
-    hits = {c: found(c) for c in columns}
-    best = max(columns, key=lambda c: (len(hits[c]), c.lower() in IMAGE_NAMES))
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    sample = _spread(rows, COLUMN_SAMPLE)
+    hits = {c: len(_image_files(base, sample, c)) for c in columns}
+    best = max(columns, key=lambda c: (hits[c], c.lower() in IMAGE_NAMES))
     if not hits[best]:
         named = [c for c in columns if any(os.path.splitext(_cell(r.get(c)))[1].lower() in IMAGE_SUFFIXES
-                                           for r in rows[:50])]
-        example = _cell(rows[0].get(named[0])) if named else ""
+                                           for r in sample[:50])]
+        example = next((_cell(r.get(named[0])) for r in sample if _cell(r.get(named[0]))), "") if named else ""
         raise DataError(f"{path}: none of its columns ({', '.join(columns)}) names an image file found relative to "
                         f"{base}" + (f" (column {named[0]!r}, e.g. {example!r}, is not there)" if named else "")
                         + "; put the manifest beside its images or write the image paths relative to its folder")
     others = [c for c in columns if c != best]
     answer = _by_name(others, ANSWER_NAMES) or (others[0] if len(others) == 1 else None)
-    return best, answer, hits[best]
+    return best, answer, _image_files(base, rows, best)
 
 
 def _manifest(path: Path) -> Found:
@@ -190,16 +211,22 @@ def _manifest(path: Path) -> Found:
     image, answer, files = manifest_columns(path, rows)
     answers = [_cell(r.get(answer)) for r in rows] if answer else []
     labeled = [a for a in answers if a]
+    # The readers' split column (docs/config.md: a row's `split` cell, else the source's default_split).
+    tests = [_cell(r.get(answer)) for r in rows if _cell(r.get("split")).lower() == "test"] if answer else []
+    test = sum(1 for r in rows if _cell(r.get("split")).lower() == "test")
     source = {"kind": "jsonl" if path.suffix.lower() == ".jsonl" else "csv", "path": str(path),
               "image_column": image}
     if answer is not None:
         source["answer_column"] = answer
     missing = len(rows) - len(files)
     what = (f"{source['kind'].upper()} manifest of {len(rows):,} rows (images in `{image}`"
-            + (f", answers in `{answer}`: {len(labeled):,} labeled" if answer else ", no answer column") + ")"
+            + (f", answers in `{answer}`: {len(labeled):,} labeled" if answer else ", no answer column")
+            + (f", {test:,} in the test split" if test else "") + ")"
             + (f"; {missing:,} rows name no image file found (ingest quarantines them with a reason)" if missing
                else ""))
-    return Found(source, len(rows), len(labeled), sorted(set(labeled)), image_sizes(files), what)
+    return Found(source, len(rows), len(labeled), sorted(set(labeled)), image_sizes(files), what,
+                 counts=dict(Counter(labeled)), test=test, test_counts=dict(Counter(a for a in tests if a)),
+                 free_text=True)
 
 
 def _label_studio(path: Path) -> Found:
@@ -256,5 +283,6 @@ def detect_test(path: Path, pool: Path) -> Found:
         raise DataError(f"{path}: column {found.source['answer_column']!r} is empty in every row: a test file needs "
                         "each image's answer")
     found.source["default_split"] = "test"
+    found.test, found.test_counts = found.labeled, dict(found.counts)
     found.what = "test set: " + found.what
     return found

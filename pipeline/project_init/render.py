@@ -62,7 +62,7 @@ def _train_lines(facts: ModelFacts) -> list[str]:
 
 
 def render_config(found: list[Found], *, answers: list[str] | None, question: str, model: str, facts: ModelFacts,
-                  settings: Settings, pool: int, artifacts: str) -> str:
+                  settings: Settings, pool: int, artifacts: str, answers_why: str = "") -> str:
     s = settings
     lines = ["# Written by `tamis init`: every setting below was chosen from your data, model and hardware, with the",
              "# reason beside it. Edit freely; `tamis config show -c THIS_FILE` prints it with every default filled in.",
@@ -73,7 +73,7 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
     for f in found:
         lines += _source_lines(f)
     if answers is None:
-        lines.append("  # No answer set found (no class folders, no answers): open answers, scored by semantic entropy.")
+        lines.append(f"  # {answers_why or 'open answers'}; scored by semantic entropy (docs/open-answers.md).")
         lines.append("  answers: null")
     else:
         lines.append(f"  # {len(answers)} answers, from " + " and ".join(
@@ -88,6 +88,9 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
               "  exclude: [exact_duplicate, low_information]",
               "augment:", "  copies: 0"]
     lines += _model_lines(model, facts, s)
+    if s.max_new_tokens is not None:
+        lines.append(f"  max_new_tokens: {s.max_new_tokens}                   # the generation budget: about 2 tokens "
+                     "a word of your longest answer, 8 to spare")
     lines += _train_lines(facts)
     lines += ["select:", f"  # {s.batch_size.why}", f"  batch_size: {s.batch_size.value}",
               f"  # {s.embeddings.why}", f"  embeddings: {s.embeddings.value}",

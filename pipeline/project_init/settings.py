@@ -79,6 +79,7 @@ class Settings:
     stop_set: Choice = field(default_factory=lambda: Choice(0, "no stop set"))
     train_plan: str = ""
     notes: list[str] = field(default_factory=list)
+    max_new_tokens: int | None = None  # open answers: the generation budget (pipeline.project_init.answers)
 
 
 def image_size(sizes: list[tuple[int, int]], facts: ModelFacts) -> Choice:

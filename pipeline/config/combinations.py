@@ -1,0 +1,56 @@
+"""Settings that are each valid alone but that a round would refuse together, refused when the config loads.
+
+A selection heuristic reads one kind of score (`pipeline.strategies.heuristics`, each class's `input`); which kinds a
+round's scoring produces depends on the answers and on select.mc_dropout_passes:
+
+| answers | scoring produces (the second with mc_dropout_passes ≥ 2) | heuristics that read it |
+|---|---|---|
+| closed (data.answers) | class probabilities; their MC-dropout samples | least_confidence, margin, entropy; bald |
+| open (data.answers: null) | per-token entropies; sampled answers | token_entropy; answer_disagreement, semantic_entropy |
+
+`random` reads nothing. The `stratified` selector spreads a batch over predicted classes, which open answers have
+not. Without this check a round found out at its first selection, after preparing, training and scoring
+(`pipeline.selection.round_pair`: "select.strategy … needs …"). `STRATEGY_READS` mirrors each heuristic's `input`
+(tests/test_config.py checks that they agree), so the config needs no import of the strategies package.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# heuristic → the score it reads (pipeline.strategies.heuristics: each class's `input`)
+STRATEGY_READS = {"random": "none", "least_confidence": "probs", "margin": "probs", "entropy": "probs",
+                  "bald": "mc_probs", "token_entropy": "token_entropy", "answer_disagreement": "agreement",
+                  "semantic_entropy": "meanings"}
+CLOSED_READS = frozenset({"probs", "mc_probs"})
+OPEN_READS = frozenset({"token_entropy", "agreement", "meanings"})
+SAMPLED_READS = frozenset({"mc_probs", "agreement", "meanings"})  # need select.mc_dropout_passes >= 2
+OPEN_DEFAULT_STRATEGY = "token_entropy"  # the default select.strategy (entropy) reads class probabilities
+CLOSED_ONLY_DIVERSITY = frozenset({"stratified"})
+
+CLOSED_FIX = "least_confidence, margin or entropy (or bald with select.mc_dropout_passes: 4)"
+OPEN_FIX = "token_entropy, or semantic_entropy / answer_disagreement with select.mc_dropout_passes: 4"
+
+
+def combination_errors(data: Any, select: Any) -> list[str]:
+    """One sentence per combination of `data` (DataConfig) and `select` (SelectConfig) a round would refuse, each
+    naming the fields and the fix; [] when there is none."""
+    errors = []
+    reads = STRATEGY_READS[select.strategy]
+    closed = data.answers is not None
+    if closed and reads in OPEN_READS:
+        errors.append(f"select.strategy: {select.strategy!r} reads generated free-text answers, and data.answers "
+                      f"is a closed set of {len(data.answers)} (scored as class probabilities); use {CLOSED_FIX}, "
+                      "or set data.answers: null for open answers")
+    if not closed and reads in CLOSED_READS:
+        errors.append(f"select.strategy: {select.strategy!r} reads class probabilities, and data.answers is null "
+                      f"(open answers, generated as free text); use {OPEN_FIX}, or list data.answers for a closed set")
+    if reads in SAMPLED_READS and select.mc_dropout_passes < 2:
+        errors.append(f"select.strategy: {select.strategy!r} compares answers sampled under MC dropout, and "
+                      f"select.mc_dropout_passes is {select.mc_dropout_passes}; set select.mc_dropout_passes: 4 "
+                      f"(at least 2), or use {'margin' if closed else 'token_entropy'}, which needs none")
+    if not closed and select.diversity in CLOSED_ONLY_DIVERSITY:
+        errors.append(f"select.diversity: {select.diversity!r} spreads a batch over predicted classes, and open "
+                      "answers (data.answers: null) have none; use cluster_margin, k_center or uncertainty_herding, "
+                      "or list data.answers")
+    return errors

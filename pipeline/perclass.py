@@ -125,9 +125,12 @@ def per_class_report(preds: Sequence[str | None], refs: Sequence[str], answers: 
 
 
 def mean_interval(values: Sequence[float], *, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED) -> list[float]:
-    """95 % bootstrap interval of the mean of per-row scores."""
+    """95 % bootstrap interval of the mean of per-row scores, drawn in chunks as bootstrap_intervals draws."""
     v = np.asarray(values, dtype=float)
-    means = v[np.random.default_rng(seed).integers(0, len(v), size=(resamples, len(v)))].mean(1)
+    rng, n = np.random.default_rng(seed), len(v)
+    chunk = max(1, BOOTSTRAP_CELLS // max(n, 1))
+    means = np.concatenate([v[rng.integers(0, n, size=(min(chunk, resamples - start), n))].mean(1)
+                            for start in range(0, resamples, chunk)])
     return [round(float(np.percentile(means, 2.5)), 6), round(float(np.percentile(means, 97.5)), 6)]
 
 

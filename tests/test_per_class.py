@@ -14,6 +14,7 @@ from pipeline.perclass import (
     EvalReport,
     bootstrap_intervals,
     load_eval_report,
+    mean_interval,
     per_class_report,
     per_group_report,
     plot_confusion,
@@ -92,10 +93,20 @@ def test_the_bootstrap_keeps_its_memory_flat_as_the_answers_grow():
     finally:
         tracemalloc.stop()
     assert peak < 32 * 2**20, f"bootstrap peaked at {peak / 2**20:.0f} MiB for 400 answers"
+    # The open answers' interval of a mean: flat too (it held [1000, n] indices and values, 320 MB at 20,000 rows).
+    scores = np.random.default_rng(1).random(20_000)
+    tracemalloc.start()
+    try:
+        mean_ci = mean_interval(scores)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20, f"mean_interval peaked at {peak / 2**20:.0f} MiB for 20,000 rows"
     # The chunks change nothing: the same seed gives the same intervals from one chunk per resample.
     old, perclass.BOOTSTRAP_CELLS = perclass.BOOTSTRAP_CELLS, 1
     try:
         assert bootstrap_intervals(true, pred, 400, keep, resamples=300, seed=3) == got
+        assert mean_interval(scores) == mean_ci
     finally:
         perclass.BOOTSTRAP_CELLS = old
 

@@ -38,13 +38,14 @@ def predict_cmd(
     loaded = load_model(cfg.model, adapter=choice.dir)
     preds = predict_path(path, loaded, choice=choice, data=cfg.data, preprocess=cfg.preprocess, model=cfg.model,
                          select=cfg.select, question=question)
-    csv_path, jsonl = write_predictions(preds, out)
+    files = write_predictions(preds, out)
     err = Console(stderr=True)
     bad = [p for p in preds if p.error]
     for p in bad:
         err.print(f"skipped {p.file}: {p.error}", highlight=False, markup=False)
-    out_console().print(f"{len(preds) - len(bad)} images answered, {len(bad)} skipped (reason in the `error` column) "
-                        f"with {choice.why} ({choice.dir}): {csv_path} and {jsonl}", highlight=False)
+    out_console().print(f"{len(preds) - len(bad)} images answered, {len(bad)} skipped (reason in the `error` column "
+                        f"and in {files.rejected}) with {choice.why} ({choice.dir}): {files.csv} and {files.jsonl}",
+                        highlight=False)
 
 
 def export_model_cmd(

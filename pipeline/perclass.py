@@ -3,7 +3,8 @@ accuracy and macro-F1 with bootstrap intervals), per-group metrics for open answ
 
 `per_class.json` is a contract: the round's HTML report reads it as written here (keys and their order of meaning
 are documented in docs/use-your-model.md). The point figures come from scikit-learn; the bootstrap recomputes the
-same figures from confusion counts (one `bincount` per resample), which a test checks against scikit-learn.
+same figures from per-answer counts (true positives, support, predictions) in chunks of resamples, which a test
+checks against scikit-learn.
 """
 
 from __future__ import annotations
@@ -34,30 +35,49 @@ def _codes(values: Sequence[str | None], answers: Sequence[str]) -> np.ndarray:
     return np.array([at.get((v or "").strip(), len(answers)) for v in values], dtype=np.int64)
 
 
-def _f1_from_counts(cm: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """[..., c] F1 of each answer from confusion counts [..., c, c + 1] (rows true, columns predicted, the last
-    column predictions outside the set); 0 where precision or recall is undefined (scikit-learn's zero_division=0)."""
-    c = cm.shape[-2]
-    tp = np.diagonal(cm[..., :c], axis1=-2, axis2=-1).astype(float)
-    support, predicted = cm.sum(-1), cm[..., :c].sum(-2)
-    denom = support + predicted
+BOOTSTRAP_CELLS = 1 << 18  # values per array per chunk of resamples: memory stays flat (a few MB) at any size
+
+
+def _f1_from_counts(tp: np.ndarray, support: np.ndarray, predicted: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """[..., c] F1 of each answer from its true positives, support (true rows) and predictions of it; 0 where
+    precision or recall is undefined (scikit-learn's zero_division=0). Columns restricted to `keep`."""
+    tp = tp.astype(float)
+    denom = (support + predicted).astype(float)
     f1 = np.divide(2 * tp, denom, out=np.zeros_like(tp), where=denom > 0)
     return f1[..., keep]
+
+
+def _row_counts(codes: np.ndarray, width: int) -> np.ndarray:
+    """[b, width] count of each code on each row of `codes` [b, n] (one `bincount` with a per-row offset)."""
+    b = codes.shape[0]
+    offsets = (np.arange(b, dtype=np.int64) * width)[:, None]
+    return np.bincount((codes + offsets).ravel(), minlength=b * width).reshape(b, width)
 
 
 def bootstrap_intervals(true: np.ndarray, pred: np.ndarray, n_answers: int, keep: np.ndarray, *,
                         resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict[str, list[float]]:
     """95 % percentile intervals of accuracy and macro-F1 over `resamples` resamples of the test rows (with
-    replacement). Macro-F1 averages the answers in `keep` (those the test split holds)."""
+    replacement). Macro-F1 averages the answers in `keep` (those the test split holds).
+
+    F1 needs only three counts per answer (true positives, support, predictions), not the whole confusion matrix:
+    a [resamples, c, c + 1] matrix took 1.3 GB at 400 answers and grew with their square. The resamples are drawn
+    in chunks of about BOOTSTRAP_CELLS values; the generator yields the same stream however its draws are split,
+    so a seed gives the same intervals as one [resamples, n] draw."""
     rng = np.random.default_rng(seed)
     n, width = len(true), n_answers + 1
-    idx = rng.integers(0, n, size=(resamples, n))
-    flat = true[idx] * width + pred[idx]  # [B, n] cell of each resampled row
-    offsets = (np.arange(resamples) * n_answers * width)[:, None]
-    cm = np.bincount((flat + offsets).ravel(), minlength=resamples * n_answers * width)
-    cm = cm.reshape(resamples, n_answers, width)
-    acc = (true[idx] == pred[idx]).mean(1)
-    macro = _f1_from_counts(cm, keep).mean(1)
+    chunk = max(1, BOOTSTRAP_CELLS // max(n, width))
+    acc, macro = np.empty(resamples), np.empty(resamples)
+    for start in range(0, resamples, chunk):
+        b = min(chunk, resamples - start)
+        idx = rng.integers(0, n, size=(b, n))
+        t, p = true[idx], pred[idx]
+        del idx
+        hit = t == p
+        acc[start: start + b] = hit.mean(1)
+        tp = _row_counts(np.where(hit, t, n_answers), width)[:, :n_answers]  # misses land in the spare column
+        support = _row_counts(t, width)[:, :n_answers]
+        predicted = _row_counts(p, width)[:, :n_answers]
+        macro[start: start + b] = _f1_from_counts(tp, support, predicted, keep).mean(1)
     return {name: [round(float(np.percentile(v, 2.5)), 6), round(float(np.percentile(v, 97.5)), 6)]
             for name, v in (("accuracy", acc), ("macro_f1", macro))}
 
@@ -105,9 +125,12 @@ def per_class_report(preds: Sequence[str | None], refs: Sequence[str], answers: 
 
 
 def mean_interval(values: Sequence[float], *, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED) -> list[float]:
-    """95 % bootstrap interval of the mean of per-row scores."""
+    """95 % bootstrap interval of the mean of per-row scores, drawn in chunks as bootstrap_intervals draws."""
     v = np.asarray(values, dtype=float)
-    means = v[np.random.default_rng(seed).integers(0, len(v), size=(resamples, len(v)))].mean(1)
+    rng, n = np.random.default_rng(seed), len(v)
+    chunk = max(1, BOOTSTRAP_CELLS // max(n, 1))
+    means = np.concatenate([v[rng.integers(0, n, size=(min(chunk, resamples - start), n))].mean(1)
+                            for start in range(0, resamples, chunk)])
     return [round(float(np.percentile(means, 2.5)), 6), round(float(np.percentile(means, 97.5)), 6)]
 
 
@@ -130,34 +153,100 @@ def per_group_report(rows: Sequence[Mapping[str, Any]], row_scores: Mapping[str,
     return {"by": by, "metrics": list(row_scores), "groups": groups, "n": len(rows)}
 
 
-def plot_confusion(report: Mapping[str, Any], out_png: str | os.PathLike[str]) -> Path:
-    """The confusion matrix as a PNG (counts in the cells, rows true, columns predicted)."""
+CONFUSION_MATRIX_MAX = 30  # answers up to which the picture is the whole matrix; above, cells are too small to read
+CONFUSION_TOP = 20  # confusions the picture ranks above CONFUSION_MATRIX_MAX answers
+LABEL_CHARS = 32  # an answer's name on the picture, cut beyond this
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= LABEL_CHARS else name[: LABEL_CHARS - 1] + "…"
+
+
+def top_confusions(report: Mapping[str, Any], k: int = CONFUSION_TOP) -> list[tuple[str, str, int, int]]:
+    """The `k` largest off-diagonal cells of the confusion matrix as (true answer, predicted answer, count, support
+    of the true answer), largest first (ties in matrix order, so the same report gives the same list)."""
+    cm = np.array(report["confusion"], dtype=np.int64)
+    rows, cols = report["answers"], report["confusion_columns"]
+    off = cm.copy()
+    np.fill_diagonal(off[:, : len(rows)], 0)
+    flat = off.ravel()
+    order = np.argsort(-flat, kind="stable")[:k]
+    support = cm.sum(1)
+    return [(rows[i // len(cols)], cols[i % len(cols)], int(flat[i]), int(support[i // len(cols)]))
+            for i in order if flat[i] > 0]
+
+
+def _draw_matrix(ax: Any, report: Mapping[str, Any]) -> None:
+    from sklearn.metrics import ConfusionMatrixDisplay
+
+    cm = np.array(report["confusion"])
+    rows, cols = report["answers"], report["confusion_columns"]
+    # ConfusionMatrixDisplay wants a square matrix: the "(other)" column gets an all-zero row it then hides.
+    square = np.zeros((len(cols), len(cols)), dtype=int)
+    square[: len(rows)] = cm
+    disp = ConfusionMatrixDisplay(square, display_labels=[_short(c) for c in cols])
+    disp.plot(ax=ax, cmap="Blues", colorbar=False, values_format="d", xticks_rotation=45)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    for text in disp.text_[len(rows):].ravel():
+        text.set_visible(False)
+    import matplotlib.pyplot as plt
+
+    plt.setp(ax.get_xticklabels(), ha="right", rotation_mode="anchor")
+    ax.set_ylabel("true answer")
+    ax.set_xlabel("predicted answer")
+    ax.set_title(f"Confusion matrix (n = {report['n']}, accuracy {report['accuracy']:.3f})")
+
+
+def _draw_top(ax: Any, report: Mapping[str, Any], pairs: Sequence[tuple[str, str, int, int]]) -> None:
+    """A ranked bar chart of the largest confusions: one readable row per pair instead of every cell."""
+    labels = [f"{_short(t)} → {_short(p)}" for t, p, _, _ in pairs]
+    counts = [c for _, _, c, _ in pairs]
+    y = np.arange(len(pairs))
+    ax.barh(y, counts, color="#4c72b0")
+    ax.set_yticks(y, labels, fontsize=9)
+    ax.invert_yaxis()  # the largest confusion on top
+    for k, (_, _, c, support) in enumerate(pairs):
+        ax.text(c, k, f" {c} ({c / support:.0%} of its true rows)" if support else f" {c}", va="center",
+                fontsize=8)
+    ax.set_xlim(0, max(counts, default=1) * 1.45)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # counts of rows: no 2.5 ticks
+    ax.set_xlabel("test rows (true answer → predicted answer)")
+    ax.set_title(f"Top {len(pairs)} confusions of {len(report['answers'])} answers (n = {report['n']}, accuracy "
+                 f"{report['accuracy']:.3f}); per_class.json holds the whole matrix", fontsize=10)
+
+
+def confusion_figure(report: Mapping[str, Any]) -> Any:
+    """The confusion picture as a matplotlib Figure (the caller closes it): the whole matrix up to
+    CONFUSION_MATRIX_MAX answers, else the CONFUSION_TOP largest confusions ranked (a 200-answer matrix took 31 s
+    to draw, weighed 1.9 MB and could not be read)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and workers
     import matplotlib.pyplot as plt
-    from sklearn.metrics import ConfusionMatrixDisplay
 
+    cols = report["confusion_columns"]
+    if len(cols) <= CONFUSION_MATRIX_MAX:
+        side = min(14.0, 2.5 + 0.45 * len(cols))
+        fig, ax = plt.subplots(figsize=(side, side * 0.85), dpi=100)
+        _draw_matrix(ax, report)
+    else:
+        pairs = top_confusions(report)
+        fig, ax = plt.subplots(figsize=(10, 1.5 + 0.32 * max(len(pairs), 1)), dpi=100)
+        _draw_top(ax, report, pairs)
+    fig.tight_layout()
+    return fig
+
+
+def plot_confusion(report: Mapping[str, Any], out_png: str | os.PathLike[str]) -> Path:
+    """confusion_figure written as a PNG."""
     from pipeline.store import atomic_write_bytes
 
-    cm = np.array(report["confusion"])
-    rows, cols = report["answers"], report["confusion_columns"]
-    side = min(14.0, 2.5 + 0.45 * len(cols))
-    fig, ax = plt.subplots(figsize=(side, side * 0.85), dpi=100)
+    fig = confusion_figure(report)
+    import matplotlib.pyplot as plt
+
     try:
-        # ConfusionMatrixDisplay wants a square matrix: the "(other)" column gets an all-zero row it then hides.
-        square = np.zeros((len(cols), len(cols)), dtype=int)
-        square[: len(rows)] = cm
-        disp = ConfusionMatrixDisplay(square, display_labels=cols)
-        disp.plot(ax=ax, cmap="Blues", colorbar=False, values_format="d", xticks_rotation=45)
-        ax.set_ylim(len(rows) - 0.5, -0.5)
-        for text in disp.text_[len(rows):].ravel():
-            text.set_visible(False)
-        plt.setp(ax.get_xticklabels(), ha="right", rotation_mode="anchor")
-        ax.set_ylabel("true answer")
-        ax.set_xlabel("predicted answer")
-        ax.set_title(f"Confusion matrix (n = {report['n']}, accuracy {report['accuracy']:.3f})")
-        fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png", metadata={"Software": None})  # same counts, same bytes
     finally:

@@ -3,13 +3,12 @@
 New images come from a folder, a JSONL / CSV manifest or a saved dataset, read by the ingest readers
 (pipeline/data/readers.py) and prepared by the preprocess stage's ImagePreparer, so the model sees what it saw in
 training and evaluation: the same preparation, the same prompt (the family's chat template around the question).
-A file that cannot be read or decoded becomes a row with its reason and no answer, never an exception.
+A file that cannot be read or decoded, or a row whose question is too long to ask, becomes a row with its reason and
+no answer (and a line of `<out>.rejected.csv`), never an exception.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import itertools
 import math
 import os
@@ -24,6 +23,11 @@ from pipeline.errors import ConfigError, DataError
 
 CSV_COLUMNS = ("file", "question", "answer", "probability", "mean_logprob", "label", "adapter", "error")
 CHUNK = 256  # images decoded and scored at a time: a 10⁵-image folder is never held in memory at once
+# A question longer than this is refused on its row: ~1,000 tokens, more than any VQA prompt, while a 5 MB one would
+# be tokenized into a million positions past the model's context and abort the whole run.
+MAX_QUESTION_CHARS = 4_000
+QUESTION_SHOWN = 200  # characters of a refused question kept in the output
+REJECTED_COLUMNS = ("file", "reason")
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,12 @@ def read_new_images(path: str | os.PathLike[str], *, data: Any, preprocess: Any,
             yield NewImage(_name(item, base), default_q or data.question, error=item.reason)
             continue
         out = NewImage(_name(item, base), question or item.question, label=item.answer)
+        if len(out.question) > MAX_QUESTION_CHARS:
+            out.error = (f"question is {len(out.question):,} characters, over the {MAX_QUESTION_CHARS:,} predict "
+                         "asks; shorten it in the manifest or give --question")
+            out.question = out.question[:QUESTION_SHOWN] + "…"
+            yield out
+            continue
         try:
             out.prepared = encode_png(prepare(item.image)[0])
         except (DataError, ValueError, OSError, cv2.error) as exc:
@@ -203,16 +213,25 @@ def predict_path(path: str | os.PathLike[str], loaded: Any, *, choice: AdapterCh
     return out
 
 
-def write_predictions(preds: Sequence[Prediction], out_csv: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """The CSV (one row per input) and the JSONL beside it (same rows, plus the closed answers' distributions)."""
+@dataclass(frozen=True)
+class PredictionFiles:
+    csv: Path
+    jsonl: Path
+    rejected: Path  # `<out>.rejected.csv`: the rows predicted nothing and why (header only when none)
+
+
+def write_predictions(preds: Sequence[Prediction], out_csv: str | os.PathLike[str]) -> PredictionFiles:
+    """The CSV (one row per input), the JSONL beside it (same rows, plus the closed answers' distributions) and the
+    rejections list (file, reason) of the rows that got no answer, so a skipped row is found without a filter."""
+    from pipeline.csvcells import csv_text
     from pipeline.store import atomic_write_jsonl, atomic_write_text
 
     out_csv = Path(out_csv)
-    buf = io.StringIO(newline="")
-    writer = csv.DictWriter(buf, fieldnames=list(CSV_COLUMNS), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(p.csv_row() for p in preds)
-    atomic_write_text(out_csv, buf.getvalue())
+    # csv_text: a file name or answer like =HYPERLINK(…) must not run as a formula when the CSV is opened.
+    atomic_write_text(out_csv, csv_text(CSV_COLUMNS, (p.csv_row() for p in preds)))
     jsonl = out_csv.with_suffix(".jsonl")
     atomic_write_jsonl(jsonl, [p.json_row() for p in preds])
-    return out_csv, jsonl
+    rejected = out_csv.with_suffix(".rejected.csv")
+    atomic_write_text(rejected, csv_text(REJECTED_COLUMNS, ({"file": p.file, "reason": p.error} for p in preds
+                                                            if p.error)))
+    return PredictionFiles(out_csv, jsonl, rejected)

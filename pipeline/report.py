@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.mdtext import escape_md
 from pipeline.metrics import merge_equal_metrics
 from pipeline.round_state import RoundState
 
@@ -110,7 +111,7 @@ def annotators_markdown(rec: Mapping[str, Any]) -> str:
     lines = [f"### Annotators (consensus: {rec['method']}{', model as a rater' if rec['model_rater'] else ''})", "",
              "| annotator | votes | on shared samples | agreement with consensus | estimated accuracy |",
              "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['annotator']} | {r['votes']} | {r['shared']} | {pct(r['agreement'])} | {pct(r['accuracy'])} |"
+    lines += [f"| {escape_md(r['annotator'])} | {r['votes']} | {r['shared']} | {pct(r['agreement'])} | {pct(r['accuracy'])} |"
               for r in rec["annotators"]]
     lines += ["", f"{rec['samples']} samples with votes, {rec['undecided']} undecided (ties), mean consensus "
                   f"confidence {rec['mean_confidence']:.3f}."]
@@ -131,11 +132,11 @@ def per_class_markdown(pc: Mapping[str, Any], *, limit: int = PER_CLASS_ROWS) ->
         rows = sorted(rows, key=lambda r: (r["f1"], -r["support"]))[:limit]
         lines += [f"The {limit} answers with the lowest F1 of {len(pc['per_class'])} (all in per_class.json):", ""]
     lines += ["| answer | precision | recall | F1 | support |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['answer']} | {r['precision']:.3f} | {r['recall']:.3f} | {r['f1']:.3f} | {r['support']} |"
+    lines += [f"| {escape_md(r['answer'])} | {r['precision']:.3f} | {r['recall']:.3f} | {r['f1']:.3f} | {r['support']} |"
               for r in rows]
     if pc["confusion_columns"][-1] not in pc["answers"]:
         other = sum(row[-1] for row in pc["confusion"])
-        lines += ["", f"{other} predictions fell outside the answer set (column {pc['confusion_columns'][-1]})."]
+        lines += ["", f"{other} predictions fell outside the answer set (column {escape_md(pc['confusion_columns'][-1])})."]
     return lines
 
 
@@ -143,7 +144,7 @@ def per_group_markdown(pg: Mapping[str, Any]) -> list[str]:
     """Open answers: each metric per question or per answer-length bucket (pipeline.perclass's per_group.json)."""
     names = list(pg["metrics"])
     lines = [f"| {pg['by'].replace('_', ' ')} | n | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
-    lines += [f"| {g['group']} | {g['n']} | " + " | ".join(f"{g[m]:.3f}" for m in names) + " |" for g in pg["groups"]]
+    lines += [f"| {escape_md(g['group'])} | {g['n']} | " + " | ".join(f"{g[m]:.3f}" for m in names) + " |" for g in pg["groups"]]
     return lines
 
 
@@ -213,7 +214,7 @@ def _counts_lines(s: RoundState) -> list[str]:
         lines.append(_time_line(s.annotation_time))
     if s.cost:
         lines.append(_cost_line(s.cost))
-    return lines + [f"- inbox: {imp.get('summary') or 'REJECTED ' + imp['file'] + ': ' + imp['error']}"
+    return lines + [f"- inbox: {escape_md(imp.get('summary') or 'REJECTED ' + imp['file'] + ': ' + imp['error'])}"
                     for imp in s.imports]
 
 
@@ -223,7 +224,7 @@ def _handoff_lines(s: RoundState) -> list[str]:
     if s.export_dir:
         lines += ["", f"Export for annotators: `{s.export_dir}` (artifact `export-folder`: what to do with it)"]
     if ls := s.label_studio:
-        lines += [f"Label Studio: NOT pushed: {ls['error']}" if "error" in ls else
+        lines += [f"Label Studio: NOT pushed: {escape_md(ls['error'])}" if "error" in ls else
                   f"Label Studio: project {ls['project']} ← {ls['pushed']} new tasks ({ls['already']} already there)"]
     if s.relabel_dir:
         lines += [f"Re-label tasks (likely label errors, {s.relabel} samples): `{s.relabel_dir}`"]

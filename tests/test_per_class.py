@@ -14,6 +14,7 @@ from pipeline.perclass import (
     EvalReport,
     bootstrap_intervals,
     load_eval_report,
+    mean_interval,
     per_class_report,
     per_group_report,
     plot_confusion,
@@ -65,6 +66,86 @@ def test_the_bootstrap_from_confusion_counts_equals_scikit_learn_on_each_resampl
     acc = [(true[i] == pred[i]).mean() for i in idx]
     assert fast["macro_f1"] == pytest.approx([np.percentile(macro, 2.5), np.percentile(macro, 97.5)], abs=1e-6)
     assert fast["accuracy"] == pytest.approx([np.percentile(acc, 2.5), np.percentile(acc, 97.5)], abs=1e-6)
+
+
+def many_answers(n_answers, n_rows, seed=5):
+    """A test split over `n_answers` answers, 70 % right, the misses mostly between neighbouring answers."""
+    rng = np.random.default_rng(seed)
+    answers = [f"species {k:03d}" for k in range(n_answers)]
+    true = rng.integers(0, n_answers, size=n_rows)
+    wrong = (true + rng.choice([1, 2, int(rng.integers(0, n_answers))], size=n_rows)) % n_answers
+    pred = np.where(rng.random(n_rows) < 0.7, true, wrong)
+    return answers, true, pred
+
+
+def test_the_bootstrap_keeps_its_memory_flat_as_the_answers_grow():
+    """Issue 46 #11: the bootstrap held a [resamples, c, c + 1] matrix (1.44 GB at 400 answers, ~8 GB at 1,000)."""
+    import tracemalloc
+
+    from pipeline import perclass
+
+    answers, true, pred = many_answers(400, 3000)
+    keep = np.bincount(true, minlength=400) > 0
+    tracemalloc.start()
+    try:
+        got = bootstrap_intervals(true, pred, 400, keep, resamples=300, seed=3)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20, f"bootstrap peaked at {peak / 2**20:.0f} MiB for 400 answers"
+    # The open answers' interval of a mean: flat too (it held [1000, n] indices and values, 320 MB at 20,000 rows).
+    scores = np.random.default_rng(1).random(20_000)
+    tracemalloc.start()
+    try:
+        mean_ci = mean_interval(scores)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20, f"mean_interval peaked at {peak / 2**20:.0f} MiB for 20,000 rows"
+    # The chunks change nothing: the same seed gives the same intervals from one chunk per resample.
+    old, perclass.BOOTSTRAP_CELLS = perclass.BOOTSTRAP_CELLS, 1
+    try:
+        assert bootstrap_intervals(true, pred, 400, keep, resamples=300, seed=3) == got
+        assert mean_interval(scores) == mean_ci
+    finally:
+        perclass.BOOTSTRAP_CELLS = old
+
+
+def test_many_answers_get_a_ranked_chart_of_the_top_confusions(tmp_path):
+    """Issue 46 #11: at 200 answers the full matrix took 31 s, weighed 1.9 MB and could not be read."""
+    import time
+
+    import matplotlib.pyplot as plt
+
+    from pipeline.perclass import confusion_figure, top_confusions
+
+    answers, true, pred = many_answers(200, 4000)
+    rep = per_class_report([answers[k] for k in pred], [answers[k] for k in true], answers, resamples=50)
+    start = time.perf_counter()
+    png = plot_confusion(rep, tmp_path / "confusion.png")
+    assert time.perf_counter() - start < 10
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size < 150_000
+    pairs = top_confusions(rep)
+    cm = np.array(rep["confusion"])
+    np.fill_diagonal(cm, 0)
+    assert [c for _, _, c, _ in pairs] == np.sort(cm.ravel())[::-1][: len(pairs)].tolist()  # the largest, ranked
+    t, p, c, _ = pairs[0]
+    assert rep["confusion"][answers.index(t)][answers.index(p)] == c and t != p
+    fig = confusion_figure(rep)
+    try:
+        labels = [x.get_text() for x in fig.axes[0].get_yticklabels()]
+        assert 0 < len(labels) <= 30 and labels[0] == f"{t} → {p}"
+        assert min(x.get_fontsize() for x in fig.axes[0].get_yticklabels()) >= 8
+        assert fig.get_size_inches()[1] < 12  # a page, not a poster
+    finally:
+        plt.close(fig)
+    # A few answers keep the whole matrix, every cell labelled.
+    small = per_class_report(*noisy(), ANSWERS, resamples=20)
+    fig = confusion_figure(small)
+    try:
+        assert [x.get_text() for x in fig.axes[0].get_yticklabels()] == ANSWERS
+    finally:
+        plt.close(fig)
 
 
 def test_predictions_outside_the_answer_set_get_their_column_and_bad_references_are_refused(tmp_path):

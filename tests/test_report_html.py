@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -264,3 +265,39 @@ def test_the_prefect_round_summary_shows_the_contact_sheet_and_the_confusion_mat
     assert f"`{art / 'rounds/001' / REPORT_FILE}`" in md and "tamis report --round 1 --open" in md
     # summary.md (the file) stays readable text: no pictures inline.
     assert "data:image" not in (art / "rounds/001/summary.md").read_text()
+
+
+def test_tamis_report_says_a_deleted_prepared_folder_is_gone_and_how_to_rebuild_it(photo_rounds):
+    """Issue 46 #18: with the prepared data folder deleted, `tamis report` said its stage "has not finished here";
+    it finished, its output is gone. The message names the path and the command that rebuilds it, which does."""
+    from prefect.settings import get_current_settings
+
+    from pipeline.roundreport.sources import SOURCES_FILE
+
+    config, art, _ = photo_rounds
+    prepared = Path(ReportSources.load(art / "rounds/001").prepared_dir)
+    kept = prepared.with_name(prepared.name + ".kept")
+    env = {**os.environ, "PREFECT_API_URL": str(get_current_settings().api.url), "COLUMNS": "300"}
+    tamis = str(Path(sys.executable).parent / "tamis")
+    prepared.rename(kept)  # the user deletes the prepared data (kept aside so the module's other tests keep theirs)
+    try:
+        res = subprocess.run([tamis, "report", "-c", str(config), "--round", "1"], capture_output=True, text=True,
+                             env=env, timeout=300)
+        err = " ".join((res.stdout + res.stderr).split())
+        assert res.returncode != 0 and "has not finished here" not in err, err
+        assert f"the prepared images (prepare stage): {prepared} is gone" in err
+        assert "their stages ran" in err and str(art / "rounds/001" / SOURCES_FILE) in err
+        assert "to rebuild the prepared images: `tamis prepare -c <your config>`" in err
+        # The fix it names works: prepare writes the same folder again and the report builds.
+        prep = subprocess.run([tamis, "prepare", "-c", str(config)], capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert prep.returncode == 0 and (prepared / "manifest.json").is_file(), prep.stdout + prep.stderr
+        again = subprocess.run([tamis, "report", "-c", str(config), "--round", "1"], capture_output=True, text=True,
+                               env=env, timeout=300)
+        assert again.returncode == 0 and "report:" in again.stdout, again.stdout + again.stderr
+    finally:
+        if kept.exists():
+            if prepared.exists():
+                shutil.rmtree(kept)
+            else:
+                kept.rename(prepared)

@@ -283,3 +283,51 @@ def test_next_steps_say_where_the_batch_is_how_labels_come_back_and_what_comes_n
     stopped = next_steps({**state, "stopped": "rounds.max_rounds = 4: …", "adapter": {"adapter_dir": "/a/3"}},
                          artifacts=tmp_path, config="", files=files, batch_size=40, max_rounds=4)
     assert stopped == ["stopped: rounds.max_rounds = 4: …", "the model: adapter /a/3 (docs/use-your-model.md)"]
+
+
+HOSTILE = ["cat | dog", "![x](http://evil.example/p.png)", "<script>alert(1)</script>", "a_b *c*\nd", "back\\slash"]
+
+
+def test_the_summary_shows_class_and_annotator_names_as_text_never_as_markup():
+    """Issue 46 #15: summary.md (a Prefect markdown artifact) copied names raw: a `|` shifted the table's columns,
+    `![](http://…)` fetched a remote image when viewed, `<script>` reached the markdown."""
+    from pathlib import Path
+
+    from markdown_it import MarkdownIt
+
+    from pipeline.labelcheck import label_report_markdown
+    from pipeline.perclass import EvalReport, per_class_report
+
+    refs = [HOSTILE[i % 5] for i in range(20)]
+    pc = per_class_report([HOSTILE[(i * 3) % 5] for i in range(20)], refs, HOSTILE, resamples=20)
+    who = {"annotator": "eve | ![](http://evil.example/a.png)", "votes": 3, "shared": 3, "agreement": 1.0,
+           "accuracy": None}
+    consensus = {"method": "majority", "model_rater": False, "annotators": [who], "samples": 3, "undecided": 0,
+                 "mean_confidence": 1.0}
+    issue = {"rank": 1, "sample_id": "s|1", "given_label": HOSTILE[1], "suggested_label": HOSTILE[2],
+             "confidence": 0.9, "signals": ["model"], "annotators": [who["annotator"]], "origin": "human",
+             "source_file": "/inbox/<b>x</b>.csv"}
+    checked = label_report_markdown([issue], {who["annotator"]: {"n": 3, "agree_majority": 1.0, "n_model": 3,
+                                                                 "agree_model": 0.5}}, method="kfold", checked=3)
+    state = {**STATE, "consensus": consensus,
+             "imports": [{"file": "l|x.csv", "error": "![](http://evil.example/e.png)"}]}
+    md = summary_markdown(state, [], checked, evaluation=EvalReport(Path("/nowhere"), pc, None))
+    html = MarkdownIt("commonmark").enable("table").render(md)
+    assert "<img" not in html and not [u for u in re.findall(r'(?:src|href)="([^"]*)"', html) if "evil" in u]
+    assert "<script" not in html and "<b>" not in html
+    for table in re.findall(r"<table>.*?</table>", html, flags=re.S):
+        header = len(re.findall(r"<th[ >]", table.split("</thead>")[0]))
+        assert {len(re.findall(r"<td[ >]", row)) for row in re.findall(r"<tr>(.*?)</tr>", table.split("</thead>")[1],
+                                                                     flags=re.S)} == {header}
+    text = re.sub(r"<[^>]+>", "", html)  # what the reader sees: every name, as written (its newline a space)
+    for name in [*HOSTILE[:4], "back\\slash", who["annotator"]]:
+        shown = name.replace("\n", " ").replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        assert shown in text, name
+
+
+def test_escape_md_leaves_plain_text_alone_and_escapes_each_markup_character():
+    from pipeline.mdtext import escape_md
+
+    assert escape_md("golden retriever 3") == "golden retriever 3"
+    assert escape_md("a|b") == "a\\|b" and escape_md("x\r\ny\nz") == "x y z"
+    assert escape_md("\\`*_[]()!|<>#") == "".join("\\" + c for c in "\\`*_[]()!|<>#")

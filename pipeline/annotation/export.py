@@ -6,7 +6,6 @@ re-exporting the same selection gives byte-identical files and the same digests.
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import logging
@@ -22,6 +21,7 @@ from PIL import Image
 
 from pipeline.codeversion import stage_version
 from pipeline.config import AnnotateConfig
+from pipeline.csvcells import csv_text
 from pipeline.errors import TamisError
 from pipeline.idindex import IdIndex
 from pipeline.round_state import ROUNDS_DIR, round_dir
@@ -199,12 +199,9 @@ class CsvExporter(Exporter):
     name = "csv"
 
     def write(self, items: Sequence[ExportItem], out_dir: Path) -> list[str]:
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=TABLE_COLUMNS, lineterminator="\n")
-        w.writeheader()
-        for row in _table_rows(items):
-            w.writerow({k: "" if v is None else v for k, v in row.items()})
-        atomic_write_text(out_dir / CSV_FILE, buf.getvalue())
+        # Formula-like cells (a file named =HYPERLINK(…), an open answer starting with -) get a leading ' so a
+        # spreadsheet shows them as text; the label import takes it off again (pipeline/csvcells.py).
+        atomic_write_text(out_dir / CSV_FILE, csv_text(TABLE_COLUMNS, _table_rows(items)))
         return [CSV_FILE]
 
 

@@ -20,6 +20,7 @@ from urllib.parse import unquote
 
 from pipeline.annotation.export import FROM_NAME
 from pipeline.config import DataConfig
+from pipeline.csvcells import unescape_cell
 from pipeline.errors import LabelImportError
 from pipeline.store import digest_bytes
 
@@ -361,7 +362,9 @@ class LabelCsvReader(LabelReader):
                         f"{name}:{line}: {len(record)} fields, but the header has {len(header)}; quote values that "
                         "contain commas"
                     )
-                rows.append(_table_row(dict(zip(header, record, strict=True)), line, name, self.keys))
+                # annotate.csv's formula-like cells carry a leading ' (pipeline/csvcells.py): read the values back.
+                cells = [unescape_cell(c) for c in record]
+                rows.append(_table_row(dict(zip(header, cells, strict=True)), line, name, self.keys))
         except csv.Error as exc:
             raise LabelImportError(f"{name}:{reader.line_num}: not valid CSV ({exc}); fix that line") from None
         if header is None:

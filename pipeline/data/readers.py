@@ -344,6 +344,9 @@ class CsvReader(Reader):
                 f"{path}:{line}: not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); "
                 "re-save the CSV as UTF-8"
             ) from None
+        # The file is in memory already, so a long cell costs nothing more: it is its row's problem (a reason on that
+        # row, e.g. a question too long to ask), not a "not valid CSV" for the whole file at csv's 128 kB default.
+        csv.field_size_limit(max(csv.field_size_limit(), len(text) + 1))
         # strict: an unclosed quote must be an error, not a cell that silently swallows every row after it.
         reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
         start = 1

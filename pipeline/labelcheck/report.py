@@ -14,6 +14,7 @@ import numpy as np
 from pipeline.labelcheck.base import LABELCHECK_VERSION
 from pipeline.labelcheck.detection import Issue, false_alarm_text
 from pipeline.labelcheck.out_of_sample import OOSResult
+from pipeline.mdtext import escape_md
 from pipeline.store import (
     Manifest,
     atomic_write_bytes,
@@ -173,9 +174,10 @@ def label_report_markdown(table: Sequence[Mapping[str, Any]], agreement: Mapping
     if table:
         lines += ["| rank | sample | given | suggested | P(wrong) | signals | annotators | source |",
                   "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['rank']} | {r['sample_id']} | {r['given_label']} | {r['suggested_label']} | "
-                  f"{r.get('confidence', 1.0):.2f} | {', '.join(r.get('signals', []))} | "
-                  f"{', '.join(r['annotators']) or r['origin']} | {Path(r['source_file']).name} |"
+        lines += [f"| {r['rank']} | {escape_md(r['sample_id'])} | {escape_md(r['given_label'])} | "
+                  f"{escape_md(r['suggested_label'])} | {r.get('confidence', 1.0):.2f} | "
+                  f"{', '.join(r.get('signals', []))} | {escape_md(', '.join(r['annotators']) or r['origin'])} | "
+                  f"{escape_md(Path(r['source_file']).name)} |"
                   for r in table[:top]]
     if agreement:
         def pct(x: Any) -> str:
@@ -183,7 +185,7 @@ def label_report_markdown(table: Sequence[Mapping[str, Any]], agreement: Mapping
 
         lines += ["", "| annotator | votes on shared samples | agree with majority | labels checked | "
                   "agree with model |", "|---|---|---|---|---|"]
-        lines += [f"| {who} | {a['n']} | {pct(a['agree_majority'])} | {a['n_model']} | {pct(a['agree_model'])} |"
+        lines += [f"| {escape_md(who)} | {a['n']} | {pct(a['agree_majority'])} | {a['n_model']} | {pct(a['agree_model'])} |"
                   for who, a in agreement.items()]
     return "\n".join(lines)
 

@@ -143,7 +143,7 @@ def rebuild_report(artifacts: str | os.PathLike[str], round_index: int | None = 
     `resolve(state, prepared refs or None)` (resolve_sources on the project)."""
     from pipeline.metrics import read_metrics
     from pipeline.preprocess import latest_refs
-    from pipeline.roundreport.sources import SOURCES_FILE
+    from pipeline.roundreport.sources import SOURCES_FILE, check_sources
     from pipeline.rounds import ROUND_FILE, completed_states
 
     art = Path(artifacts)
@@ -158,10 +158,12 @@ def rebuild_report(artifacts: str | os.PathLike[str], round_index: int | None = 
     rd = round_dir(art, r)
     if (rd / SOURCES_FILE).is_file():
         sources = ReportSources.load(rd)
+        check_sources(sources, str(rd / SOURCES_FILE))
     else:
         try:
             prepared = latest_refs(art)
         except ArtifactError:
             prepared = None  # no prepared data: the report shows what the round's own files hold
         sources = resolve(states[r], prepared)
+        check_sources(sources, f"the round's {ROUND_FILE} and the last `tamis prepare`")
     return write_round_report(sources, states[r], read_metrics(art))

@@ -14,9 +14,18 @@ from typing import Any
 from pipeline.config import ProjectConfig
 from pipeline.errors import ArtifactError
 from pipeline.round_state import RoundState, adapter_ref, round_dir
-from pipeline.store import atomic_write_json
+from pipeline.store import MANIFEST_NAME, atomic_write_json
 
 SOURCES_FILE = "report_sources.json"
+_PREPARE = "`tamis prepare -c <your config>` (the same images and config write the same folder)"
+_ROUND = "`tamis round --full -c <your config>` (it replays the latest round, writing again what is gone)"
+# The stage folders a report reads (score shards aside: a missing one only leaves its samples' answers out), what
+# each holds and what writes it again.
+RECORDED = (("prepared_dir", "the prepared images (prepare stage)", _PREPARE),
+            ("quality_dir", "the quality flags (quality stage)", _PREPARE),
+            ("space_dir", "the selection embeddings (embeddings stage)", _ROUND),
+            ("eval_dir", "the evaluation (evaluate stage)", _ROUND),
+            ("labelcheck_dir", "the label check (labelcheck stage)", _ROUND))
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,24 @@ class ReportSources:
                                 "--round N` again to resolve them from the project's config") from exc
         data["shards"] = [tuple(s) for s in data.get("shards", [])]
         return cls(**data)
+
+
+def check_sources(sources: ReportSources, recorded_in: str) -> None:
+    """Refuse, naming each path and what rebuilds it, a report whose stage folders were recorded (so their stages
+    ran) but are gone now: "has not finished here" would send the user to run a stage that did finish."""
+    gone = [(what, folder, fix) for field_name, what, fix in RECORDED
+            if (folder := getattr(sources, field_name)) and not (Path(folder) / MANIFEST_NAME).is_file()]
+    if not gone:
+        return
+    lines = [f"round {sources.round}'s report reads stage outputs that are gone: their stages ran (recorded in "
+             f"{recorded_in}), their output was deleted since:"]
+    lines += [f"  - {what}: {folder} " + ("has lost its manifest.json (partly deleted)" if Path(folder).exists()
+                                          else "is gone") for what, folder, _ in gone]
+    lines += [f"to rebuild {', '.join(w.split(' (')[0] for w, _, f in gone if f == fix)}: {fix}"
+              for fix in dict.fromkeys(f for _, _, f in gone)]
+    lines.append(f"then `tamis report --round {sources.round}` again; if the data changed since, delete "
+                 f"{Path(sources.round_dir) / SOURCES_FILE} and the report is drawn from the project's current data")
+    raise ArtifactError("\n".join(lines))
 
 
 def find_eval_dir(artifacts: str | os.PathLike[str], adapter_digest: str) -> str | None:

@@ -215,14 +215,12 @@ def _provenance_lines(prov: Provenance, *, model_cfg: Any, family: str, adapter_
 
 
 def metrics_markdown(state: Mapping[str, Any], evaluation: Any) -> list[str]:
-    """The card's test metrics: the per-class table (answer names escaped), else each metric with its interval."""
+    """The card's test metrics: the per-class table (pipeline.report escapes the names), else each metric with its interval."""
     from pipeline.report import per_class_markdown, per_group_markdown
 
     pc = evaluation.per_class if evaluation is not None else None
     if pc:
-        return per_class_markdown({**pc, "per_class": [{**r, "answer": escape_md(r["answer"])} for r in pc["per_class"]],
-                                   "confusion_columns": [escape_md(c) for c in pc["confusion_columns"]],
-                                   "answers": [escape_md(a) for a in pc["answers"]]})
+        return per_class_markdown(pc)
     metrics, ci = state.get("metrics") or {}, _intervals(evaluation)
     if not metrics:
         return []
@@ -230,8 +228,7 @@ def metrics_markdown(state: Mapping[str, Any], evaluation: Any) -> list[str]:
                        for k, v in metrics.items())]
     if evaluation is not None and evaluation.per_group:
         pg = evaluation.per_group
-        lines += [""] + per_group_markdown({**pg, "groups": [{**g, "group": escape_md(str(g["group"]))}
-                                                             for g in pg["groups"]]})
+        lines += [""] + per_group_markdown(pg)
     return lines
 
 

@@ -56,8 +56,7 @@ def import_inbox(artifacts: str | os.PathLike[str], *, index: SampleIndex | set[
             continue
         if not rep.already_imported:
             log.info(rep.summary())
-        reports.append({"file": rep.file, "summary": rep.summary(), "accepted": len(rep.accepted),
-                        "rejected": len(rep.rejected), "already_imported": rep.already_imported})
+        reports.append(rep.record())
     return reports
 
 

@@ -228,7 +228,7 @@ def pull_labels(annotate: AnnotateConfig, data: DataConfig, artifacts: str | os.
                 round_index: int, client: Any | None = None) -> list[dict[str, Any]]:
     """Pull new annotations from annotate.label_studio into the ledger through the file importer.
 
-    Returns import records like the inbox's ({"file", "summary", "accepted", "rejected", "already_imported"}, or
+    Returns import records like the inbox's (ImportReport.record: counts, summary, first rejected rows, or
     {"file", "error"} when Label Studio cannot be reached or the pull is refused); [] when not configured.
     """
     from pipeline.annotation.labels import LabelKeys, import_labels
@@ -251,8 +251,7 @@ def pull_labels(annotate: AnnotateConfig, data: DataConfig, artifacts: str | os.
     except (LabelStudioError, LabelImportError) as exc:
         log.error("%s: nothing imported: %s", where, exc)
         return [{"file": where, "error": str(exc)}]
-    return [{"file": rep.file, "summary": rep.summary(), "accepted": len(rep.accepted),
-             "rejected": len(rep.rejected), "already_imported": rep.already_imported}]
+    return [rep.record()]
 
 
 def push_batch(annotate: AnnotateConfig, artifacts: str | os.PathLike[str], export_dir: str | os.PathLike[str],

@@ -32,10 +32,12 @@ from pipeline.annotation.consensus import Majority, votes_path
 from pipeline.annotation.label_files import LabelFile, LabelKeys, LabelRow, read_label_file
 from pipeline.annotation.ledger import Ledger, make_entry
 from pipeline.annotation.matching import SampleIndex
+from pipeline.annotation.rejections import write_rejections
 from pipeline.annotation.taken import already_taken, remember, taken
 from pipeline.errors import LabelImportError
 from pipeline.evaluate import normalize_answer
-from pipeline.store import append_jsonl, atomic_write_jsonl, digest_bytes
+from pipeline.report import REJECTIONS_SHOWN
+from pipeline.store import append_jsonl, digest_bytes
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,14 @@ class ImportReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def record(self) -> dict[str, Any]:
+        """What a round keeps of the import (round.json's imports): counts, the summary, the first rejected rows with
+        their file:line and reason, and where the full list is (pipeline.report.rejection_lines words them)."""
+        return {"file": self.file, "summary": self.summary(), "accepted": len(self.accepted),
+                "rejected": len(self.rejected), "already_imported": self.already_imported,
+                "rejections": [{"where": x.where, "reason": x.reason} for x in self.rejected[:REJECTIONS_SHOWN]],
+                "rejections_file": self.rejections_file}
 
 
 # -------------------------------------------------------------------------------------------------- import
@@ -275,16 +285,15 @@ def _apply(
         raise AssertionError(f"{name}: row accounting broken: {rep.summary()}")
 
     if not dry_run:
-        _commit(rep, ledger, rejections_dir=rejections_dir, strict=strict)
+        _commit(rep, ledger, rejections_dir=rejections_dir, strict=strict, round_index=round_index)
     return rep  # the caller reports rep.summary() once: the CLI prints it, the round logs it
 
 
-def _commit(rep: ImportReport, ledger: Ledger, *, rejections_dir: Path, strict: bool) -> None:
+def _commit(rep: ImportReport, ledger: Ledger, *, rejections_dir: Path, strict: bool, round_index: int) -> None:
     """Write what `rep` decided: the rejection report, then (unless strict and anything was rejected) the times,
     the votes and the ledger entries."""
     if rep.rejected:
-        out = Path(rejections_dir) / f"{rep.digest[:16]}.jsonl"
-        atomic_write_jsonl(out, [asdict(x) for x in rep.rejected])
+        out = write_rejections(rejections_dir, rep.digest, [asdict(x) for x in rep.rejected], round_index=round_index)
         rep.rejections_file = str(out)
         if strict:
             first_rows = "\n".join(f"  {x.where}: {x.reason}" for x in rep.rejected[:5])
@@ -329,8 +338,11 @@ def import_labels(
                  rejections_dir=Path(rejections_dir), strict=strict, dry_run=dry_run,
                  skip=already_taken(lf.rows, known))
     if not dry_run:  # after the ledger's write: a crash in between re-reads these tasks, never loses one
-        remember(ledger.path, (r for r in lf.rows if r.resolved), source_file=rep.file, source_digest=rep.digest,
-                 known=known)
+        # A rejected annotation is not taken: the next export of the task (fixed, or judged by a fixed config: an
+        # answer alias) is read again, its sample back among the candidates meanwhile (rejections.py).
+        refused = {x.where for x in rep.rejected}
+        remember(ledger.path, (r for r in lf.rows if r.resolved and r.where not in refused), source_file=rep.file,
+                 source_digest=rep.digest, known=known)
     return rep
 
 

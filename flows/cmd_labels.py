@@ -54,6 +54,7 @@ def labels_import(
             strict=strict,
             keys=LabelKeys.from_config(cfg.data),
             dry_run=dry_run,
+            aliases=cfg.data.answer_aliases,
         )
     out.print(rep.summary())
     if dry_run:

@@ -246,7 +246,8 @@ def pull_labels(annotate: AnnotateConfig, data: DataConfig, artifacts: str | os.
             return []
         rep = import_labels(path, known_ids=known_ids, answers=data.answers,
                             ledger=Ledger(ledger_path(artifacts)), round_index=round_index,
-                            rejections_dir=artifacts / "rejections", keys=LabelKeys.from_config(data))
+                            rejections_dir=artifacts / "rejections", keys=LabelKeys.from_config(data),
+                            aliases=data.answer_aliases)
         project.mark_pulled(keys)
     except (LabelStudioError, LabelImportError) as exc:
         log.error("%s: nothing imported: %s", where, exc)

@@ -81,6 +81,7 @@ class ImportReport:
     dry_run: bool = False
     matched_by: dict[str, int] = field(default_factory=dict)  # key kind → label rows it matched
     mapped: dict[str, int] = field(default_factory=dict)  # "'h' → 'H'" → rows whose label named a declared answer so
+    answer_column: str = "label"  # a table's column the answers were read from (LabelKeys.answer_column)
     times: list[dict[str, Any]] = field(default_factory=list)  # annotation-time rows (accepted votes with a time)
     votes: list[dict[str, Any]] = field(default_factory=list)  # raw-vote rows for the consensus log (ties included)
 
@@ -106,6 +107,8 @@ class ImportReport:
             f"{self.skipped_cancelled} skipped/cancelled, {len(self.conflicts)} annotator conflicts"
             + (f", {self.already_taken} taken by an earlier import" if self.already_taken else "")
             + (f"; rows matched: {keys}" if keys and set(self.matched_by) != {"sample_id"} else "")
+            + (f"; answers read from column {self.answer_column!r} (no `label` column)"
+               if self.answer_column != "label" else "")
             + (f"; mapped {sum(self.mapped.values())} labels: "
                + ", ".join(f"{k} ({n})" for k, n in sorted(self.mapped.items(), key=lambda kv: -kv[1]))
                if self.mapped else "")
@@ -288,7 +291,7 @@ def _apply(
     """Validate the rows → decide each sample's label (no I/O: the outcome is `rep`) → commit it (unless dry_run)."""
     name = str(lf.path)
     rep = ImportReport(file=name, digest=lf.digest, format=lf.format, rows_read=len(lf.rows),
-                       unlabeled_tasks=lf.unlabeled_tasks, dry_run=dry_run)
+                       unlabeled_tasks=lf.unlabeled_tasks, dry_run=dry_run, answer_column=lf.answer_column)
     closed = ClosedAnswers.of(answers, aliases) if answers else None
     votes = _validate(lf, rep, index=index, closed=closed, skip=set(skip))
     _decide(votes, rep, current=ledger.current(), open_answers=closed is None, round_index=round_index)

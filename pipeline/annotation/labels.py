@@ -183,8 +183,8 @@ def _validate(lf: LabelFile, rep: ImportReport, *, index: SampleIndex, closed: C
         elif not raw:
             _reject(rep, r, "empty label; fill it in or delete the row")
         elif label is None:
-            _reject(rep, r, f"label {raw!r} is not in the answer set [{', '.join(closed.answers)}] (case and spaces "
-                            "ignored); use one of these, or map it to one in data.answer_aliases")
+            _reject(rep, r, f"label {raw!r} is not in the answer set [{', '.join(closed.answers)}]; use one of these "
+                            "(case and spaces do not matter), or map it to one in data.answer_aliases")
         elif (r.resolved, r.relabel, r.annotator, label) in seen:
             _reject(rep, r, f"duplicate row: {r.resolved} by {r.annotator} already given at "
                             f"{seen[r.resolved, r.relabel, r.annotator, label]}")

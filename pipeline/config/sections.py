@@ -83,10 +83,6 @@ class DataConfig(Section):
                              "(open answers); declare data.answers or remove the aliases")
         return self
 
-    def closed_answers(self) -> ClosedAnswers | None:
-        """How labels name the declared answers (answers and aliases); None for open answers."""
-        return None if self.answers is None else ClosedAnswers.of(self.answers, self.answer_aliases)
-
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> Any:
         # Without aliases the section dumps as before the field existed: the ingest key of a project is unchanged.

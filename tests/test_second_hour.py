@@ -84,14 +84,22 @@ def test_init_then_three_rounds_with_lower_case_labels_in_a_letter_column(tmp_pa
     labeled = set()
     for r in (1, 2):
         sent = _label_batch(art, r - 1, truth)
+        if r == 1:  # a teammate's typo in a file of their own: named, with its line and where the full list is
+            spare = next(n for n in sorted(truth) if n not in sent.read_text())
+            (art / "inbox" / "typos.csv").write_text(f"file,letter\n{spare},q\n")
         out = _round(tmp_path, env)
         state = json.loads((art / "rounds" / f"{r:03d}" / "round.json").read_text())
         [imp] = [i for i in state["imports"] if i["file"] == str(sent)]
         # Every row landed: the letter column read as the answers, 'a' as 'A', nothing rejected.
         assert imp["rejected"] == 0 and imp["accepted"] == len(sent.read_text().splitlines()) - 1
         assert "answers read from column 'letter'" in imp["summary"] and "mapped" in imp["summary"]
-        assert "rejected in" not in out
+        assert f"typos.csv:2: label 'q' is not in the answer set [{', '.join(LETTERS)}]" in " ".join(out.split())
+        assert f"full list: {art / 'rejections'}" in " ".join(out.split())
         labeled |= {line.split(",")[0] for line in sent.read_text().splitlines()[1:]}
         assert state["round"] == r and state["labeled"] == len(labeled) and state["metrics"]
     assert set(Ledger(ledger_path(art)).labels().values()) <= set(LETTERS)  # stored as declared: upper case
     assert (art / "rounds" / "002" / "round.json").is_file()
+    status = subprocess.run([str(TAMIS), "status", "-c", "tamis.yaml"], cwd=tmp_path, env={**env, "COLUMNS": "400"},
+                            capture_output=True, text=True, timeout=300)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert f"1 rejected label rows, see {art / 'rejections'}" in status.stdout

@@ -16,8 +16,9 @@ LOCK_NAME = "round.lock"
 
 
 def labels_import(
-    file: Annotated[Path, typer.Argument(help="Label Studio JSON / JSON_MIN export, CSV or JSONL: a label column and "
-                                              "a key column (sample_id, your own id, or the image path).")],
+    file: Annotated[Path, typer.Argument(help="Label Studio JSON / JSON_MIN export, CSV or JSONL: an answer column "
+                                              "(`label`, or the one `tamis init` would read, e.g. `letter`) and a key "
+                                              "column (sample_id, your own id, or the image path).")],
     config: ConfigOpt = None,
     round_index: Annotated[
         int | None, typer.Option("--round", help="Round the labels belong to (default: the next round, the first "
@@ -55,6 +56,7 @@ def labels_import(
             strict=strict,
             keys=LabelKeys.from_config(cfg.data),
             dry_run=dry_run,
+            aliases=cfg.data.answer_aliases,
         )
     out.print(rep.summary())
     if dry_run:

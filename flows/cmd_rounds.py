@@ -11,6 +11,7 @@ from flows.cli_common import ConfigOpt, config_file, load, out_console
 from flows.deploy import register_serve, server_url
 from pipeline.config import ProjectConfig
 from pipeline.errors import ConfigError, DataError
+from pipeline.report import rejection_lines
 from pipeline.round_state import RoundState
 from pipeline.rounds import main_metric, simulated
 
@@ -75,6 +76,8 @@ def round_cmd(
     state = RoundState.from_json(labeling_round(str(config) if config else None, simulate=simulate))
     out = out_console()
     out.print(_rounds_table([state], main_metric(cfg.data.answers)))
+    if rejected := rejection_lines(state.imports):
+        out.print("\n".join(rejected), highlight=False, soft_wrap=True, markup=False)
     print_next_steps(out, cfg, state, config, simulate)
 
 
@@ -226,6 +229,10 @@ def status_cmd(
         f"inbox files not imported yet: {len(summary['inbox_pending'])}"
         + "".join(f"\n  {p}" for p in summary["inbox_pending"]),
     ]
+    if summary["rejected_rows"]:
+        lines.append(f"{summary['rejected_rows']} rejected label rows, see {summary['rejections_dir']} (file:line and "
+                     f"reason; {summary['rejected_unlabeled']} of their samples have no label: back among the "
+                     "candidates of the next batch)")
     if summary["last_round_evaluated"] is not None:
         lines.append(f"last evaluated round {summary['last_round_evaluated']}: {metrics}")
     lines += time_lines(summary["annotation_time"])

@@ -52,7 +52,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         pool, start = rounds.PoolData.of(load_prepared(prep["prepare"]["dir"])), rounds.import_round(art)
         # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
         imports = pull_labels(cfg.annotate, cfg.data, art, known_ids=pool.index, round_index=start) + import_inbox(
-            art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg.data))
+            art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg.data),
+            aliases=cfg.data.answer_aliases)
         agreed = settle_votes(art, cfg.annotate, answers=cfg.data.answers, round_index=start)
         plan = rounds.plan_round(art, rounds.labels_now(art, prep["prepare"]["dir"], pool, round_index=start))
         state = plan.state(imports, annotation_time=annotation_time(art, next_batch=cfg.select.batch_size),

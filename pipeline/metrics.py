@@ -29,7 +29,13 @@ def append_metrics(artifacts: str | os.PathLike[str], row: Mapping[str, Any]) ->
 
 
 def read_metrics(artifacts: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    return read_jsonl(Path(artifacts) / METRICS_NAME)
+    """The project's metrics series: one row per round and metric, the newest logged (a round re-run after it failed
+    past its evaluation, or re-evaluated, supersedes what it logged before), in round order. Every reader (the
+    curve, the summary, the report, `tamis status`, the stop rules) reads this, never the raw log."""
+    latest: dict[tuple[int, str], dict[str, Any]] = {}
+    for r in read_jsonl(Path(artifacts) / METRICS_NAME):
+        latest[int(r["round"]), r["metric"]] = r
+    return sorted(latest.values(), key=lambda r: int(r["round"]))
 
 
 def merge_equal_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -119,15 +125,20 @@ def plot_learning_curve(
 
 def book_metrics(artifacts: str | os.PathLike[str], *, round_index: int, labels: int, metrics: Mapping[str, float],
                  strategy: str, intervals: Mapping[str, Sequence[float]] | None = None) -> None:
-    """Log a round's evaluation once: a re-run of the round (or a resumed one) appends nothing it already holds.
-    `intervals`: each metric's 95 % bootstrap interval, logged as the row's `ci95`."""
-    recorded = {(m["round"], m["metric"]) for m in read_metrics(artifacts)}
+    """Log a round's evaluation: a re-run that evaluates the same (or a resumed one) appends nothing; a re-run whose
+    rows differ (other labels, another strategy, after the first run failed past its evaluation) logs all of them
+    again in one batch, and read_metrics shows only those. `intervals`: each metric's 95 % bootstrap interval,
+    logged as the row's `ci95`."""
+    rows = []
     for name, value in metrics.items():
-        if (round_index, name) not in recorded:
-            row = {"round": round_index, "labels": labels, "metric": name, "value": value, "strategy": strategy}
-            if intervals and name in intervals:
-                row["ci95"] = [float(x) for x in intervals[name]]
-            append_metrics(artifacts, row)
+        row = {"round": round_index, "labels": labels, "metric": name, "value": float(value), "strategy": strategy}
+        if intervals and name in intervals:
+            row["ci95"] = [float(x) for x in intervals[name]]
+        rows.append(row)
+    logged = {(m["round"], m["metric"]): {k: m.get(k) for k in (*METRIC_KEYS, "ci95")} for m in read_metrics(artifacts)}
+    if any(logged.get((round_index, r["metric"])) != {"ci95": None, **r} for r in rows):
+        now = time.time()
+        append_jsonl(Path(artifacts) / METRICS_NAME, [{**r, "time": now} for r in rows])
 
 
 CURVE_FILE = "learning_curve.png"

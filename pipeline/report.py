@@ -68,6 +68,26 @@ def import_record(previous: Mapping[str, Any] | None, imports: list[dict[str, An
     return kept + [i for i in imports if not i.get("already_imported") and i not in kept]
 
 
+REJECTIONS_SHOWN = 5  # rejected label rows a round's output names; the rest are in the file it points to
+
+
+def rejection_lines(imports: Sequence[Mapping[str, Any]], limit: int = REJECTIONS_SHOWN) -> list[str]:
+    """What a round prints about its imports' rejected rows: the first `limit` of each file with file:line and the
+    reason, where the full list is, and that their samples go back to the pool."""
+    lines = []
+    for imp in imports:
+        n, shown = imp.get("rejected") or 0, imp.get("rejections") or []
+        if not n:
+            continue
+        lines.append(f"{n} label rows rejected in {imp['file']} (their samples return to the candidates of the next "
+                     f"batch; fix the rows and drop the file into the inbox again):")
+        lines += [f"  {r['where']}: {r['reason']}" for r in shown[:limit]]
+        more = f"… and {n - min(limit, len(shown))} more; " if n > min(limit, len(shown)) else ""
+        if imp.get("rejections_file"):
+            lines.append(f"  {more}full list: {imp['rejections_file']}")
+    return lines
+
+
 def curve_table(metrics_rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The learning-curve history as markdown rows, one per round; metrics with the same value share a column
     (accuracy = exact_match on a closed answer set), and a re-evaluated round shows its newest values."""
@@ -214,8 +234,10 @@ def _counts_lines(s: RoundState) -> list[str]:
         lines.append(_time_line(s.annotation_time))
     if s.cost:
         lines.append(_cost_line(s.cost))
-    return lines + [f"- inbox: {escape_md(imp.get('summary') or 'REJECTED ' + imp['file'] + ': ' + imp['error'])}"
-                    for imp in s.imports]
+    for imp in s.imports:
+        lines.append(f"- inbox: {escape_md(imp.get('summary') or 'REJECTED ' + imp['file'] + ': ' + imp['error'])}")
+        lines += [f"  - {escape_md(x.strip())}" for x in rejection_lines([imp])]  # the first rejected rows, the rest
+    return lines
 
 
 def _handoff_lines(s: RoundState) -> list[str]:

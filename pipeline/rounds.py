@@ -82,6 +82,22 @@ def exported_before(artifacts: str | os.PathLike[str], round_index: int) -> set[
     return exported_sample_ids(artifacts, before_round=round_index)
 
 
+def still_out(artifacts: str | os.PathLike[str], plan: RoundPlan) -> set[str]:
+    """Samples exported in earlier rounds and still with the annotators: not labeled, and not given back by a
+    rejected label row since their last export (pipeline/annotation/rejections.py): those return to the pool."""
+    from pipeline.annotation.export import exported_sample_ids
+    from pipeline.annotation.rejections import rejected_samples
+
+    out = exported_before(artifacts, plan.index) - set(plan.labels)
+    since: dict[int, set[str]] = {}
+    for sid, r in rejected_samples(artifacts).items():
+        if sid in out:
+            since.setdefault(r, set()).add(sid)
+    for r, sids in since.items():  # rejected at the import of round r: exported again in round r or later → out
+        out -= sids - exported_sample_ids(artifacts, since_round=r, before_round=plan.index)
+    return out
+
+
 def save_labeled_set(prepared: Any, labels: Mapping[str, str], out_dir: str | os.PathLike[str], *,
                      digest: str) -> dict[str, str]:
     """The labeled training set: prepared rows of the labeled samples with their current label as the answer.
@@ -229,8 +245,8 @@ def redundancy_cap(rounds_cfg: RoundsConfig, state: RoundState) -> int | None:
 
 
 def outstanding_tasks(artifacts: str | os.PathLike[str], plan: RoundPlan) -> int:
-    """Samples exported in earlier rounds and not labeled yet: the label budget has promised them already."""
-    return len(exported_before(artifacts, plan.index) - set(plan.labels))
+    """Samples exported in earlier rounds and still out (still_out): the label budget has promised them already."""
+    return len(still_out(artifacts, plan))
 
 
 def recorded_hours(artifacts: str | os.PathLike[str]) -> float:
@@ -445,9 +461,8 @@ def round_strategy(select: SelectConfig, *, cold: bool, phase: Mapping[str, str]
 def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: RoundPlan,
                   quality_excluded: set[str], *, stop: Sequence[str] = ()) -> tuple[list[str], set[str]]:
     """(pool samples the round may select, every ID it must not): labeled, flagged by quality, exported in an
-    earlier round and not labeled yet (still with the annotators), or in the stop set."""
-    labeled = set(plan.labels)
-    exclude = labeled | quality_excluded | (exported_before(artifacts, plan.index) - labeled) | set(stop)
+    earlier round and still with the annotators (still_out), or in the stop set."""
+    exclude = set(plan.labels) | quality_excluded | still_out(artifacts, plan) | set(stop)
     return pool.pool_ids(exclude), exclude
 
 

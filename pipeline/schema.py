@@ -29,6 +29,17 @@ from __future__ import annotations
 
 from pipeline.store import digest_bytes
 
+# Column names that mean "the answer" in a table of images: a source's manifest (`tamis init`) or a label file.
+ANSWER_NAMES = ("answer", "label", "labels", "category", "class", "target", "caption", "y")
+
+
+def answer_column(columns: list[str]) -> str | None:
+    """The answer column among a table's other columns (its image and key columns left out): the first named like
+    an answer (ANSWER_NAMES, any case), else the only column there is; None when neither tells."""
+    low = {c.lower(): c for c in columns}
+    return next((low[n] for n in ANSWER_NAMES if n in low), None) or (columns[0] if len(columns) == 1 else None)
+
+
 SPLITS = ("train", "pool", "test")
 INGEST_COLUMNS = (
     "sample_id", "image", "image_path", "question", "answer", "split", "source", "sources", "width", "height", "mode",

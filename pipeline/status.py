@@ -9,6 +9,7 @@ from typing import Any
 from pipeline.annotation.carry import orphan_labels
 from pipeline.annotation.inbox import inbox_dir, inbox_files
 from pipeline.annotation.ledger import Ledger, ledger_path
+from pipeline.annotation.rejections import read_rejections, rejections_dir
 from pipeline.metrics import read_metrics
 from pipeline.round_state import ROUNDS_DIR
 from pipeline.rounds import completed_rounds
@@ -27,6 +28,7 @@ def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
     done = {e.get("source_digest") for e in entries}
     metrics = read_metrics(artifacts)
     last_round = max((int(m["round"]) for m in metrics), default=None)
+    rejected = read_rejections(artifacts)
     return {
         "rounds_exported": exported,
         # Finished rounds (round.json written), as `tamis status` lists them; a round that stopped exports nothing.
@@ -43,6 +45,12 @@ def status_summary(artifacts: str | os.PathLike[str]) -> dict[str, Any]:
         "orphan_labels": None if (orphans := orphan_labels(artifacts)) is None else len(orphans),
         # Inbox files no ledger entry came from yet (a file whose rows were all rejected stays listed).
         "inbox_pending": [str(p) for p in inbox_files(inbox_dir(artifacts)) if digest_file(p) not in done],
+        # Label rows refused (file:line and reason in rejections/*.jsonl); their samples without a label since are
+        # back among the candidates of the next batch.
+        "rejected_rows": len(rejected),
+        "rejections_dir": str(rejections_dir(artifacts)),
+        "rejected_unlabeled": len({r["sample_id"] for r in rejected if r.get("sample_id")}
+                                  - {e["sample_id"] for e in entries if "sample_id" in e}),
         "last_round_evaluated": last_round,
         "last_metrics": {m["metric"]: m["value"] for m in metrics if last_round is not None and m["round"] == last_round},
         "metrics_rows": len(metrics),

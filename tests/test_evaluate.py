@@ -14,6 +14,7 @@ from pipeline.evaluate import (
 )
 from pipeline.metrics import append_metrics, plot_learning_curve, read_metrics
 from pipeline.status import status_summary
+from pipeline.store import read_jsonl
 
 
 def test_metric_functions():
@@ -40,8 +41,11 @@ def test_metrics_log_curve_and_status(tmp_path):
     append_metrics(art, {"round": 2, "labels": 120, "metric": "exact_match", "value": 0.75, "strategy": "margin"})
     with pytest.raises(DataError, match="lacks labels, metric"):
         append_metrics(art, {"round": 3, "value": 1.0, "strategy": "margin"})
-    rows = read_metrics(art)
+    rows = read_jsonl(art / "metrics.jsonl")  # the log: two strategies per round, as a comparison plots them
     assert len(rows) == 7 and all("time" in r for r in rows)
+    # The project's series: one row per round and metric, the newest logged.
+    assert [(m["round"], m["metric"], m["strategy"]) for m in read_metrics(art)] == [
+        (0, "accuracy", "random"), (1, "accuracy", "random"), (2, "accuracy", "random"), (2, "exact_match", "margin")]
 
     png = plot_learning_curve(rows, art / "learning_curve.png")
     with Image.open(png) as im:

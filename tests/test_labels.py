@@ -130,7 +130,7 @@ def test_row_rejections_name_file_and_line(tmp_path, env):
         ("empty.json", "  \n", "the file is empty"),
         ("bad.csv", 'sample_id,label\ns000,1\ns001,"2\n', ":3"),
         ("fields.csv", "sample_id,label\ns000,1\ns001,2,3\n", ":3: 3 fields, but the header has 2"),
-        ("header.csv", "name,answer\ns000,1\n", ":1: the header lacks column(s) label, sample_id (or id"),
+        ("header.csv", "annotator,seconds\nbob,3\n", ":1: the header lacks column(s) label, sample_id (or id"),
         ("bad.jsonl", '{"sample_id": "s000", "label": "1"}\n{"sample_id": "s001", "label": }\n', ":2:"),
         ("list.jsonl", '["s000", "1"]\n', ":1: a list"),
         ("labels.txt", "s000 1\n", "unknown label file type '.txt'"),

@@ -376,3 +376,59 @@ def test_new_weights_in_the_model_folder_retrain_re_evaluate_and_re_score(tmp_pa
     assert again["round"] == 1 and ran["train"] == 1 and ran["evaluate"] == 1 and ran["score_shard"] >= 1, ran
     assert again["adapter"]["adapter_dir"] != first["adapter"]["adapter_dir"]
     assert ran["ingest"] == 0 and ran["preprocess"] == 0  # the data did not change
+
+
+@pytest.mark.slow  # three `tamis round` processes, one of them killed
+def test_a_round_killed_after_its_evaluation_and_run_again_shows_one_entry_per_round(tmp_path, tiny_models,
+                                                                                    prefect_harness):
+    """Issue 47: round 1 is killed (SIGKILL) once its evaluation is in metrics.jsonl, before round.json; the team
+    changes the strategy and runs it again. The curve, the summary's table and `tamis status` read one entry for
+    round 1, the one round.json has."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from prefect.settings import PREFECT_API_URL
+
+    from pipeline.metrics import _curve_lines, read_metrics
+    from pipeline.report import curve_table
+    from pipeline.status import status_summary
+
+    config = write_project(tmp_path, tiny_models)
+    art = load_config(config).artifacts
+    tamis = [str(Path(sys.executable).parent / "tamis"), "round", "-c", str(config)]
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}  # the session's test server
+    first = subprocess.run(tamis, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout + first.stderr
+
+    run = subprocess.Popen([*tamis, "--no-simulate"], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 900
+    while not any(m["round"] == 1 for m in read_jsonl(art / "metrics.jsonl")):
+        assert run.poll() is None and time.monotonic() < deadline, "round 1 ended before its evaluation was logged"
+        time.sleep(0.02)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    assert not (art / "rounds" / "001" / "round.json").exists()  # killed past its evaluation, before its end
+    killed = {m["strategy"] for m in read_jsonl(art / "metrics.jsonl")}
+
+    cfg = yaml.safe_load(config.read_text())
+    cfg["select"].update(strategy="entropy", diversity="top_k")
+    config.write_text(yaml.safe_dump(cfg))
+    again = subprocess.run([*tamis, "--no-simulate"], env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout + again.stderr
+    state = json.loads((art / "rounds" / "001" / "round.json").read_text())
+    assert state["round"] == 1 and state["strategy"] not in killed
+
+    rows = read_metrics(art)
+    assert sorted((m["round"], m["metric"]) for m in rows) == [(1, "accuracy"), (1, "exact_match")]
+    assert {m["strategy"] for m in rows} == {state["strategy"]} and {m["labels"] for m in rows} == {state["labeled"]}
+    acc = next(m for m in rows if m["metric"] == "accuracy")
+    assert _curve_lines(rows, "accuracy") == {state["strategy"]: {state["labeled"]: (state["metrics"]["accuracy"],
+                                                                                   acc.get("ci95"))}}
+    assert len(curve_table(rows)) == 3  # the table's header, its rule and round 1
+    assert status_summary(art)["last_metrics"] == state["metrics"]
+    assert f"- strategy: {state['strategy']}" in (art / "rounds" / "001" / "summary.md").read_text()

@@ -354,14 +354,15 @@ def export_selection(
     )
 
 
-def exported_sample_ids(artifacts: str | os.PathLike[str], *, before_round: int | None = None) -> set[str]:
+def exported_sample_ids(artifacts: str | os.PathLike[str], *, before_round: int | None = None,
+                        since_round: int = 0) -> set[str]:
     """Every sample_id tamis has sent out for labeling (any round, any task set under rounds/), or with
-    `before_round` only the round exports (rounds/NNN/export/) of the rounds before it."""
+    `before_round` only the round exports (rounds/NNN/export/) of the rounds before it (from `since_round` on)."""
     rounds = Path(artifacts) / ROUNDS_DIR
     if before_round is None:
         files = sorted(rounds.rglob(TASKS_FILE)) if rounds.is_dir() else []
     else:
-        files = [round_dir(artifacts, r, "export", TASKS_FILE) for r in range(before_round)]
+        files = [round_dir(artifacts, r, "export", TASKS_FILE) for r in range(since_round, before_round)]
     ids: set[str] = set()
     for p in files:
         if not p.is_file():

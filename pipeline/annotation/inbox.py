@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,8 @@ def inbox_files(inbox: str | os.PathLike[str]) -> list[Path]:
 
 
 def import_inbox(artifacts: str | os.PathLike[str], *, index: SampleIndex | set[str], answers: Sequence[str] | None,
-                 round_index: int, keys: LabelKeys | None = None) -> list[dict[str, Any]]:
+                 round_index: int, keys: LabelKeys | None = None,
+                 aliases: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Import every inbox file (sorted by name) into the ledger; one report dict per file, in that order. The inbox
     folder is made on the way: from round 0 on, the folder every message tells the annotators to use exists (a file
     copied to a missing `inbox/` would become a file named inbox)."""
@@ -49,15 +50,14 @@ def import_inbox(artifacts: str | os.PathLike[str], *, index: SampleIndex | set[
     for path in inbox_files(inbox_dir(artifacts)):
         try:
             rep = import_labels(path, known_ids=index, answers=answers, ledger=ledger, round_index=round_index,
-                                rejections_dir=Path(artifacts) / "rejections", keys=keys)
+                                rejections_dir=Path(artifacts) / "rejections", keys=keys, aliases=aliases)
         except LabelImportError as exc:
             log.error("label file rejected, nothing imported from it: %s", exc)
             reports.append({"file": str(path), "error": str(exc)})
             continue
         if not rep.already_imported:
             log.info(rep.summary())
-        reports.append({"file": rep.file, "summary": rep.summary(), "accepted": len(rep.accepted),
-                        "rejected": len(rep.rejected), "already_imported": rep.already_imported})
+        reports.append(rep.record())
     return reports
 
 

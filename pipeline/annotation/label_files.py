@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import unquote
 
-from pipeline.annotation.export import FROM_NAME
+from pipeline.annotation.export import FROM_NAME, TABLE_COLUMNS
 from pipeline.config import DataConfig
 from pipeline.csvcells import unescape_cell
 from pipeline.errors import LabelImportError
+from pipeline.schema import answer_column
 from pipeline.store import digest_bytes
+
+# A table's columns about an annotation, not its answer (a `seconds` / `lead_time` cell: read_seconds).
+META_COLUMNS = ("annotator", "seconds", "lead_time")
 
 
 @dataclass
@@ -193,19 +197,49 @@ def _result_label(result: list[Any]) -> tuple[str | None, str | None]:
 
 @dataclass(frozen=True)
 class LabelKeys:
-    """Where label files carry their keys besides sample_id: the user's ID columns and the image columns."""
+    """Where label files carry their keys besides sample_id (the user's ID columns and the image columns) and, in
+    a table without a `label` column, their answers (answer_column)."""
 
     id_columns: tuple[str, ...] = ("id",)
     image_columns: tuple[str, ...] = ("image", "image_path")
+    answer_columns: tuple[str, ...] = ()  # the sources' answer columns: a tie-break among candidate answer columns
 
     @classmethod
     def from_config(cls, data: DataConfig) -> LabelKeys:
-        """From the data section: every source's id_column and image column / Label Studio image key."""
+        """From the data section: every source's id_column, image column / Label Studio image key, answer column."""
         ids, images = list(cls.id_columns), list(cls.image_columns)
         for src in data.sources:
             ids.append(src.id_column)
             images += [src.image_column, src.data_image_key]
-        return cls(tuple(dict.fromkeys(ids)), tuple(dict.fromkeys(images)))
+        answers = tuple(dict.fromkeys(src.answer_column for src in data.sources))
+        return cls(tuple(dict.fromkeys(ids)), tuple(dict.fromkeys(images)), answers)
+
+    def answer_candidates(self, header: Sequence[str]) -> list[str]:
+        """A table's columns that may hold the answers: not a key, an annotation's metadata or a column tamis's own
+        export (annotate.csv) fills in."""
+        skip = {c.lower() for c in ("sample_id", *self.id_columns, *self.image_columns, *TABLE_COLUMNS,
+                                    *META_COLUMNS) if c != "label"}
+        return [c for c in header if c.lower() not in skip]
+
+    def answer_column(self, header: Sequence[str]) -> str | None:
+        """The column a table's answers are in: `label`; else the one `tamis init` reads as a manifest's answer
+        column (pipeline.schema.answer_column) among answer_candidates; else the only candidate a source names as
+        its answer_column. None when that leaves none or several."""
+        if "label" in header:
+            return "label"
+        candidates = self.answer_candidates(header)
+        named = [c for c in candidates if c.lower() in {a.lower() for a in self.answer_columns}]
+        return answer_column(candidates) or (named[0] if len(named) == 1 else None)
+
+    def answer_problem(self, header: Sequence[str], where: str) -> LabelImportError:
+        """Why a table has no answer column, with its candidates and the fix."""
+        cands = self.answer_candidates(header)
+        if len(cands) < 2:
+            return LabelImportError(f"{where}: the header lacks a label column (found: {', '.join(header)}); name the "
+                                    "column that holds the answers `label`")
+        return LabelImportError(
+            f"{where}: no `label` column, and {len(cands)} columns could each hold the answers: {', '.join(cands)}; "
+            "rename the answer column to `label` (or remove the other columns)")
 
     def first(self, d: dict[str, Any], names: Sequence[str], *, skip: Sequence[str] = ()) -> str | None:
         return next((v for k in names if k not in skip and (v := _cell(d.get(k))) is not None), None)
@@ -220,6 +254,7 @@ class LabelReader:
 
     def __init__(self, keys: LabelKeys | None = None):
         self.keys = keys or LabelKeys()
+        self.answer = "label"  # the column (a table's) answers were read from: LabelKeys.answer_column
 
     def check_complete(self, text: str, name: str) -> None:
         if not self.rows_end_lines or not text.strip() or text.endswith(("\n", "\r")):
@@ -317,8 +352,8 @@ class LabelStudioMinReader(LabelReader):
         return rows, unlabeled
 
 
-def _table_row(d: dict[str, Any], line: int, name: str, keys: LabelKeys) -> LabelRow:
-    label = d.get("label")
+def _table_row(d: dict[str, Any], line: int, name: str, keys: LabelKeys, answer: str = "label") -> LabelRow:
+    label = d.get(answer)
     return _timed(LabelRow(
         _cell(d.get("sample_id")),
         None if label is None else str(label),
@@ -347,7 +382,8 @@ class LabelCsvReader(LabelReader):
                     continue
                 if header is None:
                     header = [c.strip().lower() for c in record]
-                    missing = [] if "label" in header else ["label"]
+                    self.answer = self.keys.answer_column(header) or ""
+                    missing = [] if self.answer or len(self.keys.answer_candidates(header)) > 1 else ["label"]
                     if not any(k.lower() in header for k in key_columns):
                         missing.append("sample_id (or " + " / ".join(key_columns[1:]) + ")")
                     if missing:
@@ -356,6 +392,8 @@ class LabelCsvReader(LabelReader):
                             f"{', '.join(header)}); the first line must name the label column and a key column: "
                             "sample_id, your own id, or the image path"
                         )
+                    if not self.answer:
+                        raise self.keys.answer_problem(header, f"{name}:{line}")
                     continue
                 if len(record) != len(header):
                     raise LabelImportError(
@@ -364,7 +402,7 @@ class LabelCsvReader(LabelReader):
                     )
                 # annotate.csv's formula-like cells carry a leading ' (pipeline/csvcells.py): read the values back.
                 cells = [unescape_cell(c) for c in record]
-                rows.append(_table_row(dict(zip(header, cells, strict=True)), line, name, self.keys))
+                rows.append(_table_row(dict(zip(header, cells, strict=True)), line, name, self.keys, self.answer))
         except csv.Error as exc:
             raise LabelImportError(f"{name}:{reader.line_num}: not valid CSV ({exc}); fix that line") from None
         if header is None:
@@ -389,7 +427,11 @@ class LabelJsonlReader(LabelReader):
                 ) from None
             if not isinstance(d, dict):
                 raise LabelImportError(f"{name}:{n}: a {type(d).__name__}, not a JSON object with sample_id and label")
-            rows.append(_table_row(d, n, name, self.keys))
+            if not rows and "label" not in d:  # the first object names the answer key of the file, as a header
+                self.answer = self.keys.answer_column(list(d)) or ""
+                if not self.answer:
+                    raise self.keys.answer_problem(list(d), f"{name}:{n}")
+            rows.append(_table_row(d, n, name, self.keys, self.answer))
         return rows, 0
 
 
@@ -420,6 +462,7 @@ class LabelFile:
     format: str
     rows: list[LabelRow]
     unlabeled_tasks: int
+    answer_column: str = "label"  # a table's column the answers came from (LabelKeys.answer_column)
 
 
 def read_label_file(path: str | os.PathLike[str], keys: LabelKeys | None = None) -> LabelFile:
@@ -441,4 +484,4 @@ def read_label_file(path: str | os.PathLike[str], keys: LabelKeys | None = None)
     if not rows and unlabeled:
         hint = f" (answers are read from keys {', '.join(LabelStudioMinReader.label_keys)})" if fmt.endswith("min") else ""
         raise LabelImportError(f"{path}: no label rows in {unlabeled} task(s){hint}; is this the annotated export?")
-    return LabelFile(path, digest_bytes(raw), fmt, rows, unlabeled)
+    return LabelFile(path, digest_bytes(raw), fmt, rows, unlabeled, reader.answer)

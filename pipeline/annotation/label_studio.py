@@ -231,7 +231,7 @@ def pull_labels(annotate: AnnotateConfig, data: DataConfig, artifacts: str | os.
                 round_index: int, client: Any | None = None) -> list[dict[str, Any]]:
     """Pull new annotations from annotate.label_studio into the ledger through the file importer.
 
-    Returns import records like the inbox's ({"file", "summary", "accepted", "rejected", "already_imported"}, or
+    Returns import records like the inbox's (ImportReport.record: counts, summary, first rejected rows, or
     {"file", "error"} when Label Studio cannot be reached or the pull is refused); [] when not configured.
     """
     from pipeline.annotation.labels import LabelKeys, import_labels
@@ -249,13 +249,13 @@ def pull_labels(annotate: AnnotateConfig, data: DataConfig, artifacts: str | os.
             return []
         rep = import_labels(path, known_ids=known_ids, answers=data.answers,
                             ledger=Ledger(ledger_path(artifacts)), round_index=round_index,
-                            rejections_dir=artifacts / "rejections", keys=LabelKeys.from_config(data))
+                            rejections_dir=artifacts / "rejections", keys=LabelKeys.from_config(data),
+                            aliases=data.answer_aliases)
         project.mark_pulled(keys)
     except (LabelStudioError, LabelImportError) as exc:
         log.error("%s: nothing imported: %s", where, exc)
         return [{"file": where, "error": str(exc), PULL_FAILED: True}]
-    return [{"file": rep.file, "summary": rep.summary(), "accepted": len(rep.accepted),
-             "rejected": len(rep.rejected), "already_imported": rep.already_imported}]
+    return [rep.record()]
 
 
 def push_batch(annotate: AnnotateConfig, artifacts: str | os.PathLike[str], export_dir: str | os.PathLike[str],

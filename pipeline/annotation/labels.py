@@ -23,7 +23,7 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,10 +33,13 @@ from pipeline.annotation.counted import annotation_key, new_rows
 from pipeline.annotation.label_files import LabelFile, LabelKeys, LabelRow, read_label_file
 from pipeline.annotation.ledger import Ledger, make_entry
 from pipeline.annotation.matching import SampleIndex
+from pipeline.annotation.rejections import write_rejections
 from pipeline.annotation.taken import already_taken, remember, taken
+from pipeline.config.answers import ClosedAnswers
 from pipeline.errors import LabelImportError
 from pipeline.evaluate import normalize_answer
-from pipeline.store import append_jsonl, atomic_write_jsonl, digest_bytes, read_jsonl
+from pipeline.report import REJECTIONS_SHOWN
+from pipeline.store import append_jsonl, digest_bytes, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,8 @@ class ImportReport:
     rejections_file: str | None = None
     dry_run: bool = False
     matched_by: dict[str, int] = field(default_factory=dict)  # key kind → label rows it matched
+    mapped: dict[str, int] = field(default_factory=dict)  # "'h' → 'H'" → rows whose label named a declared answer so
+    answer_column: str = "label"  # a table's column the answers were read from (LabelKeys.answer_column)
     times: list[dict[str, Any]] = field(default_factory=list)  # annotation-time rows (accepted votes with a time)
     votes: list[dict[str, Any]] = field(default_factory=list)  # raw-vote rows for the consensus log (ties included)
 
@@ -103,12 +108,25 @@ class ImportReport:
             f"{self.skipped_cancelled} skipped/cancelled, {len(self.conflicts)} annotator conflicts"
             + (f", {self.already_taken} taken by an earlier import" if self.already_taken else "")
             + (f"; rows matched: {keys}" if keys and set(self.matched_by) != {"sample_id"} else "")
+            + (f"; answers read from column {self.answer_column!r} (no `label` column)"
+               if self.answer_column != "label" else "")
+            + (f"; mapped {sum(self.mapped.values())} labels: "
+               + ", ".join(f"{k} ({n})" for k, n in sorted(self.mapped.items(), key=lambda kv: -kv[1]))
+               if self.mapped else "")
             + (f"; {len(self.times)} timed annotations, {sum(t['seconds'] for t in self.times) / 3600:.2f} h"
                if self.times else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def record(self) -> dict[str, Any]:
+        """What a round keeps of the import (round.json's imports): counts, the summary, the first rejected rows with
+        their file:line and reason, and where the full list is (pipeline.report.rejection_lines words them)."""
+        return {"file": self.file, "summary": self.summary(), "accepted": len(self.accepted),
+                "rejected": len(self.rejected), "already_imported": self.already_imported,
+                "rejections": [{"where": x.where, "reason": x.reason} for x in self.rejected[:REJECTIONS_SHOWN]],
+                "rejections_file": self.rejections_file}
 
 
 # -------------------------------------------------------------------------------------------------- import
@@ -150,15 +168,17 @@ def _vote_row(sid: str, r: LabelRow, round_index: int, digest: str) -> dict[str,
             **_counted(sid, r)}
 
 
-def _validate(lf: LabelFile, rep: ImportReport, *, index: SampleIndex, allowed: set[str] | None,
-              answers: Sequence[str] | None, skip: set[int]) -> dict[tuple[str, str], list[LabelRow]]:
+def _validate(lf: LabelFile, rep: ImportReport, *, index: SampleIndex, closed: ClosedAnswers | None,
+              skip: set[int]) -> dict[tuple[str, str], list[LabelRow]]:
     """Check each row on its own (rejections go to `rep`) → the votes per (sample, re-label set): a re-label task's
-    answers are a later decision on the sample, not more votes beside the round's. `skip`: rows of tasks taken
-    before (pipeline/annotation/taken.py)."""
+    answers are a later decision on the sample, not more votes beside the round's. `closed`: the declared answers a
+    label must name (case and spaces ignored, or through an alias), None for open answers. `skip`: rows of tasks
+    taken before (pipeline/annotation/taken.py)."""
     votes: dict[tuple[str, str], list[LabelRow]] = {}
     seen: dict[tuple[str, str, str, str], str] = {}
     for i, r in enumerate(lf.rows):
-        label = (r.label or "").strip()
+        raw = (r.label or "").strip()
+        label = closed.match(raw) if closed is not None and raw else raw
         if i in skip:
             rep.already_taken += 1
         elif r.cancelled:
@@ -167,10 +187,11 @@ def _validate(lf: LabelFile, rep: ImportReport, *, index: SampleIndex, allowed: 
             _reject(rep, r, r.problem)
         elif (why := index.resolve(r)) is not None:
             _reject(rep, r, why)
-        elif not label:
+        elif not raw:
             _reject(rep, r, "empty label; fill it in or delete the row")
-        elif allowed is not None and label not in allowed:
-            _reject(rep, r, f"label {label!r} is not in the answer set [{', '.join(answers or [])}]; use one of these")
+        elif label is None:
+            _reject(rep, r, f"label {raw!r} is not in the answer set [{', '.join(closed.answers)}]; use one of these "
+                            "(case and spaces do not matter), or map it to one in data.answer_aliases")
         elif (r.resolved, r.relabel, r.annotator, label) in seen:
             _reject(rep, r, f"duplicate row: {r.resolved} by {r.annotator} already given at "
                             f"{seen[r.resolved, r.relabel, r.annotator, label]}")
@@ -178,6 +199,8 @@ def _validate(lf: LabelFile, rep: ImportReport, *, index: SampleIndex, allowed: 
             # The same annotator (or an unnamed one: a CSV without an annotator column) giving two different
             # answers is a conflict, decided like two annotators: a tie is rejected, never first-row-wins.
             seen[r.resolved, r.relabel, r.annotator, label] = r.where
+            if label != raw:
+                rep.mapped[f"{raw!r} → {label!r}"] = rep.mapped.get(f"{raw!r} → {label!r}", 0) + 1
             r.label = label
             votes.setdefault((r.resolved, r.relabel), []).append(r)
     return votes
@@ -270,14 +293,15 @@ def _apply(
     strict: bool,
     dry_run: bool = False,
     skip: Collection[int] = (),
+    aliases: Mapping[str, str] | None = None,
 ) -> ImportReport:
     """Validate the rows → decide each sample's label (no I/O: the outcome is `rep`) → commit it (unless dry_run)."""
     name = str(lf.path)
     rep = ImportReport(file=name, digest=lf.digest, format=lf.format, rows_read=len(lf.rows),
-                       unlabeled_tasks=lf.unlabeled_tasks, dry_run=dry_run)
-    allowed = set(answers) if answers else None
-    votes = _validate(lf, rep, index=index, allowed=allowed, answers=answers, skip=set(skip))
-    _decide(votes, rep, current=ledger.current(), open_answers=allowed is None, round_index=round_index)
+                       unlabeled_tasks=lf.unlabeled_tasks, dry_run=dry_run, answer_column=lf.answer_column)
+    closed = ClosedAnswers.of(answers, aliases) if answers else None
+    votes = _validate(lf, rep, index=index, closed=closed, skip=set(skip))
+    _decide(votes, rep, current=ledger.current(), open_answers=closed is None, round_index=round_index)
     # Times and votes an earlier file already booked (the same CSV half-written, an earlier cumulative export) are
     # not booked again: they are facts of the annotation, not of the file (pipeline/annotation/counted.py).
     rep.times = new_rows(rep.times, read_jsonl(ledger.times_path))
@@ -286,16 +310,15 @@ def _apply(
         raise AssertionError(f"{name}: row accounting broken: {rep.summary()}")
 
     if not dry_run:
-        _commit(rep, ledger, rejections_dir=rejections_dir, strict=strict)
+        _commit(rep, ledger, rejections_dir=rejections_dir, strict=strict, round_index=round_index)
     return rep  # the caller reports rep.summary() once: the CLI prints it, the round logs it
 
 
-def _commit(rep: ImportReport, ledger: Ledger, *, rejections_dir: Path, strict: bool) -> None:
+def _commit(rep: ImportReport, ledger: Ledger, *, rejections_dir: Path, strict: bool, round_index: int) -> None:
     """Write what `rep` decided: the rejection report, then (unless strict and anything was rejected) the times,
     the votes and the ledger entries."""
     if rep.rejected:
-        out = Path(rejections_dir) / f"{rep.digest[:16]}.jsonl"
-        atomic_write_jsonl(out, [asdict(x) for x in rep.rejected])
+        out = write_rejections(rejections_dir, rep.digest, [asdict(x) for x in rep.rejected], round_index=round_index)
         rep.rejections_file = str(out)
         if strict:
             first_rows = "\n".join(f"  {x.where}: {x.reason}" for x in rep.rejected[:5])
@@ -322,10 +345,12 @@ def import_labels(
     strict: bool = False,
     keys: LabelKeys | None = None,
     dry_run: bool = False,
+    aliases: Mapping[str, str] | None = None,
 ) -> ImportReport:
     """Validate one label file and append its accepted labels to the ledger in one write.
 
     `known_ids`: the samples labels may name (a SampleIndex matches the user's IDs and image paths too).
+    `answers`, `aliases`: data.answers and data.answer_aliases (a label names an answer as ClosedAnswers.match says).
     `dry_run`: everything but the writes; the report says what would land.
     """
     path = Path(path)
@@ -338,10 +363,13 @@ def import_labels(
     known = taken(ledger.path)
     rep = _apply(lf, index=index, answers=answers, ledger=ledger, round_index=round_index,
                  rejections_dir=Path(rejections_dir), strict=strict, dry_run=dry_run,
-                 skip=already_taken(lf.rows, known))
+                 skip=already_taken(lf.rows, known), aliases=aliases)
     if not dry_run:  # after the ledger's write: a crash in between re-reads these tasks, never loses one
-        remember(ledger.path, (r for r in lf.rows if r.resolved), source_file=rep.file, source_digest=rep.digest,
-                 known=known)
+        # A rejected annotation is not taken: the next export of the task (fixed, or judged by a fixed config: an
+        # answer alias) is read again, its sample back among the candidates meanwhile (rejections.py).
+        refused = {x.where for x in rep.rejected}
+        remember(ledger.path, (r for r in lf.rows if r.resolved and r.where not in refused), source_file=rep.file,
+                 source_digest=rep.digest, known=known)
     return rep
 
 

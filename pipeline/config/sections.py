@@ -14,6 +14,7 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline.config.answers import ClosedAnswers
 from pipeline.config.base import Section
 
 SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio"]
@@ -46,6 +47,11 @@ class DataConfig(Section):
     sources: list[SourceConfig] = Field(default_factory=list)
     # Closed answer set (classification / multiple-choice VQA). None means open answers (captions, free-form VQA).
     answers: list[str] | None = None
+    answer_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Other spellings annotators use for a closed answer → the answer of data.answers they mean, e.g. "
+        "{'hotdog': 'hot dog'}. Labels match an answer ignoring case, character width and repeated spaces without "
+        "an alias (pipeline/config/answers.py); each import reports the labels it mapped.")
     question: str = "What is shown in the image?"
     # Decompression-bomb guard: images with more pixels than this are quarantined, not decoded.
     max_image_pixels: int = Field(default=64_000_000, ge=1)
@@ -68,6 +74,23 @@ class DataConfig(Section):
             if len(set(v)) != len(v):
                 raise ValueError("answers must be unique")
         return v
+
+    @model_validator(mode="after")
+    def _answers_distinct_as_labels(self) -> DataConfig:
+        if self.answers is not None:
+            ClosedAnswers.of(self.answers, self.answer_aliases)  # ValueError naming both colliding spellings
+        elif self.answer_aliases:
+            raise ValueError("data.answer_aliases maps labels to a closed answer set, but data.answers is not set "
+                             "(open answers); declare data.answers or remove the aliases")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        # Without aliases the section dumps as before the field existed: the ingest key of a project is unchanged.
+        data = handler(self)
+        if isinstance(data, dict) and not self.answer_aliases:
+            data.pop("answer_aliases", None)
+        return data
 
 
 class PreprocessConfig(Section):

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import DataError
+from pipeline.schema import ANSWER_NAMES, answer_column  # label files read their answers by the same rule
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"})
-ANSWER_NAMES = ("answer", "label", "labels", "category", "class", "target", "caption", "y")
 IMAGE_NAMES = ("image", "file", "filename", "file_name", "path", "image_path", "img", "filepath")
 SIZE_SAMPLE = 200  # images whose header is read for their size (the preprocess size reads their median)
 # Rows spread over a manifest whose cells are checked on disk to find its image column; the column found is then
@@ -202,7 +202,7 @@ def manifest_columns(path: Path, rows: list[dict[str, Any]]) -> tuple[str, str |
                         f"{base}" + (f" (column {named[0]!r}, e.g. {example!r}, is not there)" if named else "")
                         + "; put the manifest beside its images or write the image paths relative to its folder")
     others = [c for c in columns if c != best]
-    answer = _by_name(others, ANSWER_NAMES) or (others[0] if len(others) == 1 else None)
+    answer = answer_column(others)
     return best, answer, _image_files(base, rows, best)
 
 

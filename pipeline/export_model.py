@@ -140,6 +140,7 @@ def model_card(prov: Provenance, *, model_cfg: Any, loaded: Any, adapter_config:
                rounds_done: int, consensus: str, question: str, answers: Sequence[str] | None,
                evaluation: Any, base: str, preprocess_note: str, merged_dtype: str | None) -> str:
     """README.md: a Hugging Face model card (YAML header) saying where the model came from and how to use it."""
+    from pipeline.chance import card_lines as chance_card_lines
     from pipeline.report import per_class_markdown, per_group_markdown
 
     state, labels = prov.state, prov.labels
@@ -168,6 +169,7 @@ def model_card(prov: Provenance, *, model_cfg: Any, loaded: Any, adapter_config:
             f"{check.get('issues')} likely label errors of {check.get('checked')} checked"))
     else:
         lines.append("- label check: none this round")
+    lines += chance_card_lines(state)
     lines += ["", "## Test metrics", ""]
     pc = evaluation.per_class if evaluation is not None else None
     if pc:

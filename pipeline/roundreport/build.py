@@ -63,7 +63,7 @@ def _header(state: RoundState, sources: ReportSources) -> dict[str, Any]:
     metrics = ", ".join(f"{k} = {v:.4f}" for k, v in merge_equal_metrics(state.metrics or {}).items())
     return {"round": state.round, "labeled": state.labeled, "pool": state.pool, "selected": state.selected_count,
             "strategy": state.strategy, "phase": phase.get("phase"), "phase_reason": phase.get("reason"),
-            "metrics": metrics, "stopped": state.stopped, "round_dir": sources.round_dir}
+            "metrics": metrics, "stopped": state.stopped, "at_chance": state.at_chance, "round_dir": sources.round_dir}
 
 
 def build_report(sources: ReportSources, state: RoundState | Mapping[str, Any],

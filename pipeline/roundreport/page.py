@@ -25,6 +25,7 @@ th:first-child,td:first-child{text-align:left}.bar{display:inline-block;height:1
 <p>{{ r.labeled }} labeled samples · pool {{ r.pool }} eligible · {{ r.selected }} selected · strategy
 <b>{{ r.strategy }}</b>{% if r.phase %} · phase <b>{{ r.phase }}</b>: {{ r.phase_reason }}{% endif %}
 {% if r.metrics %}<br>test: {{ r.metrics }}{% endif %}{% if r.stopped %}<br><b>stopped:</b> {{ r.stopped }}{% endif %}</p>
+{% if r.at_chance %}<p class="bad" id="at-chance"><b>{{ r.at_chance }}</b></p>{% endif %}
 <nav><a href="#batch">the batch</a><a href="#map">pool map</a><a href="#errors">what the model gets wrong</a>
 <a href="#quality">quality flags</a><a href="#curve">learning curve &amp; labels</a></nav>
 

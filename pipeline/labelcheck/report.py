@@ -158,6 +158,9 @@ def verdict_signals(verdict: Mapping[str, Any]) -> list[str]:
                      f"{knn['source']} agree with {knn['accuracy']:.2f} of these labels.")
     elif knn:
         lines.append(f"kNN signal not used: {knn.get('note') or 'unavailable'}.")
+    if nb := sig.get("neighbours"):  # the model abstained: the neighbours judged alone, or were too weak to
+        lines.append(f"Neighbours alone ({nb['k']} nearest labeled neighbours in {nb['source']}, leave-one-out "
+                     f"agreement {nb['accuracy']:.2f} with these labels): {nb['note']}.")
     return lines
 
 

@@ -81,8 +81,11 @@ def build_report(sources: ReportSources, state: RoundState | Mapping[str, Any],
     flags, checked = gather.quality_flags(sources.quality_dir)
     images = gather.Images(sources.prepared_dir)
     batch_png = images.png([b.sample_id for b in batch[:pictures.SHEET_MAX]])
-    thumbs = _thumbs([b.sample_id for b in batch] + [w["sample_id"] for w in wrong] + [i["sample_id"] for i in issues]
-                     + [f.example for f in flags if f.example], images)
+    shown = [b.sample_id for b in batch] + [w["sample_id"] for w in wrong] + [i["sample_id"] for i in issues]
+    thumbs = _thumbs(shown + [f.example for f in flags if f.example], images)
+    names = images.names(list(dict.fromkeys(shown)))  # the user's file names: what the cards are headed by
+    for b in batch:
+        b.name = names[b.sample_id]
     sheet = pictures.contact_sheet(batch, batch_png)
     confusion = pictures.confusion_png(pc, sources.eval_dir) if pc else None
     curve = pictures.curve_png(metrics_rows, state.round)
@@ -98,9 +101,9 @@ def build_report(sources: ReportSources, state: RoundState | Mapping[str, Any],
             f"at most {gather.MAP_EXTRA:,} labeled and outliers, {gather.MAP_POINTS:,} at random; projected by a PCA "
             f"fitted on them. " + ", ".join(f"{pool_map.kind.count(k)} {k}" for k in gather.KINDS)),
         "pc": pc, "confusion": confusion and pictures.data_uri(confusion), "evaluated": bool(sources.eval_dir),
-        "wrong": [{"sample_id": w["sample_id"], "answer": w["answer"], "prediction": w.get("prediction"),
+        "wrong": [{"sample_id": w["sample_id"], "name": names[w["sample_id"]], "answer": w["answer"], "prediction": w.get("prediction"),
                    "confidence": w.get("confidence"), "thumb": thumbs.get(w["sample_id"])} for w in wrong],
-        "issues": [{"sample_id": i["sample_id"], "given_label": i.get("given_label"),
+        "issues": [{"sample_id": i["sample_id"], "name": names[i["sample_id"]], "given_label": i.get("given_label"),
                     "suggested_label": i.get("suggested_label"), "confidence": i.get("confidence"),
                     "annotators": i.get("annotators") or [], "thumb": thumbs.get(i["sample_id"])} for i in issues],
         "check_message": check_message,

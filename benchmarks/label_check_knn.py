@@ -7,7 +7,8 @@ labeled-set size and seed, `--noise` of the labels (at least one) are flipped to
 out-of-sample probabilities are a chance-level model's (softmax of small random logits, as the tiny random-weight
 model gives), so the model abstains and the neighbours judge alone, in the labeled images' HOG space
 (check.neighbour_space with select.embeddings: model: their gradient histograms). Measured: recall (planted flips reported), false-alarm rate
-(correct labels reported / correct labels), precision, and how often the neighbours abstained (too weak).
+(correct labels reported / correct labels), precision, and how often the neighbours abstained (too weak); beside
+them, the same check without the neighbours (what a round did before: the model at chance abstains, nothing found).
 
     python benchmarks/label_check_knn.py --json-out benchmarks/results/label_check_knn.json
 """
@@ -106,9 +107,15 @@ def run_one(rows: list[dict], answers: list[str], noise: float, seed: int) -> di
                               min_oos_accuracy=labelcheck.min_oos_accuracy, knn_k=labelcheck.knn_k)
     flagged = {i.sample_id for i in det.issues}
     nb = det.signals.get("neighbours", {})
+    # The check before the neighbours took over (no model-independent space): what a round reported until now.
+    before = detect_label_issues(chance_probs(len(rows), len(answers), seed), [r["answer"] for r in rows], answers,
+                                 sample_ids=[r["sample_id"] for r in rows], knn=None,
+                                 min_oos_accuracy=labelcheck.min_oos_accuracy, knn_k=labelcheck.knn_k)
     return {"n": len(rows), "flipped": len(flipped), "flagged": len(flagged), "hits": len(flagged & flipped),
             "false_alarms": len(flagged - flipped), "clean": len(rows) - len(flipped),
-            "abstained": det.abstained is not None, "neighbour_agreement": nb.get("accuracy")}
+            "abstained": det.abstained is not None, "neighbour_agreement": nb.get("accuracy"),
+            "hits_without_neighbours": len({i.sample_id for i in before.issues} & flipped),
+            "abstained_without_neighbours": before.abstained is not None}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -119,7 +126,10 @@ def summarize(runs: list[dict]) -> dict:
             "false_alarm_rate": round(fa / clean, 4) if clean else None,
             "precision": round(hits / flagged, 4) if flagged else None,
             "abstained": sum(r["abstained"] for r in runs), "flipped": flipped, "hits": hits,
-            "false_alarms": fa, "clean_labels": clean}
+            "false_alarms": fa, "clean_labels": clean,
+            "recall_without_neighbours": round(sum(r["hits_without_neighbours"] for r in runs) / flipped, 4)
+            if flipped else None,
+            "abstained_without_neighbours": sum(r["abstained_without_neighbours"] for r in runs)}
 
 
 def main() -> None:

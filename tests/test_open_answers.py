@@ -15,9 +15,9 @@ from pipeline.config import ModelConfig
 from pipeline.evaluate import edit_similarity, exact_match, score_answers, token_f1
 from pipeline.model.loading import load_model
 from pipeline.scoring import (
+    REPLACEMENT,
     OpenAnswerScorer,
     agreement_codes,
-    REPLACEMENT,
     concat_scores,
     decode_rgb,
     decode_whole,

@@ -9,7 +9,7 @@ import numpy as np
 
 from benchmarks.label_check_knn import LETTERS, chance_probs, letter_rows
 from pipeline.config import ProjectConfig
-from pipeline.labelcheck import check_labels, detect_label_issues
+from pipeline.labelcheck import check_labels, check_report_markdown, detect_label_issues
 from pipeline.labelcheck.check import neighbour_space
 
 
@@ -63,3 +63,7 @@ def test_first_labeled_round_check_flags_the_planted_f_labeled_e(tmp_path, tiny_
     hit = next(i for i in issues if i["sample_id"] == bad)
     assert hit["given_label"] == "E" and hit["suggested_label"] == "F"
     assert m.info["issues"] == len(issues) and np.isfinite(verdict["signals"]["neighbours"]["accuracy"])
+    # The round summary's section says who judged, and why the model did not.
+    md = check_report_markdown({"dir": str(tmp_path / "report"), "method": "kfold", "checked": len(rows)})
+    assert "judged by their neighbours: the model cannot judge labels yet" in md
+    assert "Neighbours alone (5 nearest labeled neighbours in the labeled images' gradient histograms (HOG)" in md

@@ -170,6 +170,8 @@ def label_report_markdown(table: Sequence[Mapping[str, Any]], agreement: Mapping
     how = ("out-of-sample probabilities from k-fold adapters" if method == "kfold" else
            "out-of-sample probabilities from the round's adapter on samples it did not train on")
     verdict = verdict or {}
+    if ((verdict.get("signals") or {}).get("neighbours") or {}).get("used"):
+        how = "judged by their neighbours: the model cannot judge labels yet"
     lines = ["## Label quality", "", verdict_headline(verdict, len(table), checked, how), ""]
     if signals := verdict_signals(verdict):
         lines += ["- " + s for s in signals] + [""]

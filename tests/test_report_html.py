@@ -195,6 +195,9 @@ def test_likely_label_errors_show_with_image_given_label_and_model_answer(photo_
     assert "label check: 1 likely label error" in section and "93 % likely wrong" in section
     assert 'given <b class="bad">rocket</b>' in section and "model <b>coffee</b>" in section
     assert f'title="sample {sid}"' in section
+    # Headed by the user's file name (the photo's crop file), not the sample ID.
+    assert re.search(r'<b class="name"\s+title="sample ' + sid + r'">(astronaut|coffee|cat|rocket)_\d\d\.(png|jpg)</b>',
+                     section)
     assert "ann-&lt;b&gt;" in section and "ann-<b>" not in section  # user data is escaped, never markup
 
 

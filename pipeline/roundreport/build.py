@@ -83,7 +83,8 @@ def build_report(sources: ReportSources, state: RoundState | Mapping[str, Any],
     batch_png = images.png([b.sample_id for b in batch[:pictures.SHEET_MAX]])
     shown = [b.sample_id for b in batch] + [w["sample_id"] for w in wrong] + [i["sample_id"] for i in issues]
     thumbs = _thumbs(shown + [f.example for f in flags if f.example], images)
-    names = images.names(list(dict.fromkeys(shown)))  # the user's file names: what the cards are headed by
+    # The user's file names: what the cards are headed by.
+    names = images.names(list(dict.fromkeys(shown + [f.example for f in flags if f.example])))
     for b in batch:
         b.name = names[b.sample_id]
     sheet = pictures.contact_sheet(batch, batch_png)
@@ -107,7 +108,8 @@ def build_report(sources: ReportSources, state: RoundState | Mapping[str, Any],
                     "suggested_label": i.get("suggested_label"), "confidence": i.get("confidence"),
                     "annotators": i.get("annotators") or [], "thumb": thumbs.get(i["sample_id"])} for i in issues],
         "check_message": check_message,
-        "flags": [{**asdict(f), "thumb": thumbs.get(f.example) if f.example else None} for f in flags],
+        "flags": [{**asdict(f), "thumb": thumbs.get(f.example) if f.example else None,
+                   "name": names.get(f.example) if f.example else None} for f in flags],
         "checked": checked, "curve": curve and pictures.data_uri(curve), "balance": balance,
         "balance_max": max([n for _, n in balance] or [1]) or 1, "time": _time_line(state.annotation_time),
         "annotators": state.consensus, "seconds": time.perf_counter() - start,

@@ -74,7 +74,8 @@ i.annotators|join(', ') }}</span>{% endif %}</figcaption></figure>{% endfor %}</
 {% if flags %}<p class="muted">{{ checked }} prepared samples checked; flagged samples stay in the data, those in
 quality.exclude stay out of the pool.</p><div class="sheet">{% for f in flags %}<figure class="card">
 {% if f.thumb %}<img src="{{ f.thumb.uri }}" width="{{ f.thumb.w }}" height="{{ f.thumb.h }}" alt="{{ f.flag }}">{% endif %}
-<figcaption><b>{{ f.flag }}</b><br>{{ f.count }} ({{ '%.2f'|format(100 * f.share) }} %)<br><span class="why">{{ f.reason
+<figcaption><b>{{ f.flag }}</b><br>{{ f.count }} ({{ '%.2f'|format(100 * f.share) }} %)<br>{% if f.name %}e.g. <span
+class="name" title="sample {{ f.example }}">{{ f.name }}</span><br>{% endif %}<span class="why">{{ f.reason
 }}</span></figcaption></figure>{% endfor %}</div>{% else %}<p class="muted">No quality stage output.</p>{% endif %}</section>
 
 <section id="curve"><h2>Learning curve and labels</h2><div class="row">

@@ -3,7 +3,8 @@ detect_label_issues) find planted label errors in a first labeled round, and how
 
 Two image sets, neither needing a model: generated letter tiles (8 letters A–H drawn in Pillow's font at random
 sizes, offsets, grey levels, with pixel noise) and scikit-learn's 8×8 digits (10 classes, upscaled to 32 px). For each
-labeled-set size and seed, `--noise` of the labels (at least one) are flipped to another answer; the model's
+labeled-set size and seed, each `--noise` rate of the labels is flipped to another answer (at least one label
+unless the rate is 0: the clean labels' false alarms); the model's
 out-of-sample probabilities are a chance-level model's (softmax of small random logits, as the tiny random-weight
 model gives), so the model abstains and the neighbours judge alone, in the labeled images' HOG space
 (check.neighbour_space with select.embeddings: model: their gradient histograms). Measured: recall (planted flips reported), false-alarm rate
@@ -74,11 +75,11 @@ def digit_rows(n: int, seed: int) -> list[dict]:
 
 
 def flip(rows: list[dict], answers: list[str], noise: float, seed: int) -> set[str]:
-    """Flip max(1, noise·n) labels in place to another answer; the flipped IDs."""
+    """Flip max(1, noise·n) labels (none at noise 0) in place to another answer; the flipped IDs."""
     import numpy as np
 
     rng = np.random.default_rng(seed + 1000)
-    chosen = rng.choice(len(rows), max(1, round(noise * len(rows))), replace=False)
+    chosen = rng.choice(len(rows), max(1, round(noise * len(rows))) if noise else 0, replace=False)
     for i in chosen:
         others = [a for a in answers if a != rows[i]["answer"]]
         rows[i]["answer"] = others[int(rng.integers(len(others)))]
@@ -122,7 +123,7 @@ def summarize(runs: list[dict]) -> dict:
     flipped, hits = sum(r["flipped"] for r in runs), sum(r["hits"] for r in runs)
     flagged, fa, clean = sum(r["flagged"] for r in runs), sum(r["false_alarms"] for r in runs), sum(
         r["clean"] for r in runs)
-    return {"runs": len(runs), "recall": round(hits / flipped, 4) if flipped else None,
+    return {"runs": len(runs), "recall": round(hits / flipped, 4) if flipped else None, "flagged": flagged,
             "false_alarm_rate": round(fa / clean, 4) if clean else None,
             "precision": round(hits / flagged, 4) if flagged else None,
             "abstained": sum(r["abstained"] for r in runs), "flipped": flipped, "hits": hits,
@@ -136,22 +137,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="40,80,160", help="labeled-set sizes (a first labeled round's)")
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--noise", type=float, default=0.05)
+    ap.add_argument("--noise", default="0,0.05", help="label noise rates (comma-separated)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     started = time.time()
     sizes = [int(s) for s in args.sizes.split(",")]
     sets = {"letters": (letter_rows, LETTERS), "digits": (digit_rows, [str(d) for d in range(10)])}
-    result: dict = {"noise": args.noise, "seeds": args.seeds, "sizes": sizes, "model": "chance-level probabilities",
-                    "space": "the labeled images' gradient histograms (HOG, check.hog_features), labelcheck defaults (knn_k 5, "
-                             "min_oos_accuracy 0.75)", "results": {}}
-    for name, (make, answers) in sets.items():
-        per_size = {}
-        for n in sizes:
-            runs = [run_one(make(n, seed), answers, args.noise, seed) for seed in range(args.seeds)]
-            per_size[str(n)] = {**summarize(runs), "per_seed": runs}
-        result["results"][name] = {**summarize([r for s in per_size.values() for r in s["per_seed"]]),
-                                   "by_size": per_size}
+    noises = [float(x) for x in args.noise.split(",")]
+    result: dict = {"noise": noises, "seeds": args.seeds, "sizes": sizes, "model": "chance-level probabilities",
+                    "space": "the labeled images' gradient histograms (HOG, check.hog_features), labelcheck defaults "
+                             "(knn_k 5, min_oos_accuracy 0.75)", "results": {}}
+    for noise in noises:
+        by_set = {}
+        for name, (make, answers) in sets.items():
+            per_size = {}
+            for n in sizes:
+                runs = [run_one(make(n, seed), answers, noise, seed) for seed in range(args.seeds)]
+                per_size[str(n)] = {**summarize(runs), "per_seed": runs}
+            by_set[name] = {**summarize([r for s in per_size.values() for r in s["per_seed"]]), "by_size": per_size}
+        result["results"][str(noise)] = by_set
     write_result(result, args.json_out, config=vars(args), started=started)
 
 

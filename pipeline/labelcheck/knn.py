@@ -164,10 +164,11 @@ def detect_label_issues(
     5. expected_false_alarms = Σ (1 − P(wrong)) over the issues: "about N of these may be correct labels".
 
     6. While the model cannot judge (steps 2-3 abstain), the neighbours judge alone: `neighbours`, a space that does
-       not come from the model being checked (the selection embeddings, or the labeled images' pixels), takes over
-       when its leave-one-out kNN agreement with the given labels reaches `min_oos_accuracy` (label noise only
-       lowers that agreement, so it underestimates the kNN's accuracy); confident learning then runs on its
-       calibrated label distributions (_neighbours_alone). Once the model can judge, steps 2-5 decide as before.
+       not come from the model being checked (the selection embeddings, or the labeled images' gradient histograms:
+       check.neighbour_space), takes over when its leave-one-out kNN agreement with the given labels reaches
+       `min_oos_accuracy` (label noise only lowers that agreement, so it underestimates the kNN's accuracy);
+       confident learning then runs on its calibrated label distributions, reporting labels at least
+       NEIGHBOURS_CONFIDENCE likely wrong (_neighbours_alone). Once the model can judge, steps 2-5 decide.
 
     `use_model=False` judges by the kNN signal alone (a benchmark ablation; a round always uses the model)."""
     n = len(given_labels)

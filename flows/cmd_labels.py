@@ -60,10 +60,13 @@ def labels_import(
         )
     out.print(rep.summary())
     if dry_run:
-        for e in rep.accepted[:50]:
-            key = f" (by {e['matched_by']} {e['matched_key']!r})" if e.get("matched_key") else ""
-            out.print(f"  would {'correct' if e['kind'] == 'correction' else 'label'} {e['sample_id']} = "
-                      f"{e['label']!r}{key}")
+        from pipeline.schema import display_name
+
+        for e in rep.accepted[:50]:  # the user's file name first, the sample ID second
+            key = f", by {e['matched_by']} {e['matched_key']!r}" if e.get("matched_key") else ""
+            name = display_name(index.paths.get(e["sample_id"]), None, e["sample_id"])
+            out.print(f"  would {'correct' if e['kind'] == 'correction' else 'label'} {name} = {e['label']!r} "
+                      f"(sample {e['sample_id']}{key})")
         if len(rep.accepted) > 50:
             out.print(f"  … {len(rep.accepted) - 50} more")
     for r in rep.rejected[:20]:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from flows.cli_common import ConfigOpt, config_file, load, out_console
 from flows.deploy import register_serve, server_url
@@ -140,10 +141,13 @@ def demo_cmd(
 
 def status_summary_of(cfg: ProjectConfig) -> dict[str, Any]:
     """Everything `tamis status` reports, as plain data (`--json` prints it as is)."""
+    from pipeline.chance import chance_check
+    from pipeline.metrics import read_metrics
     from pipeline.rounds import completed_states
     from pipeline.status import annotation_time, status_summary
 
     states = completed_states(cfg.artifacts)
+    chance = chance_check(read_metrics(cfg.artifacts), cfg.data.answers, train=cfg.train, model=cfg.model)
     quarantined = 0
     for p in Path(cfg.artifacts).glob("*/*/quarantine.jsonl"):
         with open(p, encoding="utf-8") as f:
@@ -151,6 +155,7 @@ def status_summary_of(cfg: ProjectConfig) -> dict[str, Any]:
     return {**status_summary(cfg.artifacts), "quarantined_rows": quarantined,
             "annotation_time": annotation_time(cfg.artifacts, next_batch=cfg.select.batch_size),
             "pool_eligible": states[-1].pool if states else None,
+            "at_chance": chance.warning, "chance_check": chance.reason,
             "rounds": [{k: getattr(s, k) for k in ("round", "labeled", "metrics", "strategy", "selected", "stopped",
                                                    "export_dir", "eval_dir")} for s in states]}
 
@@ -237,6 +242,8 @@ def status_cmd(
         lines.append(f"last evaluated round {summary['last_round_evaluated']}: {metrics}")
     lines += time_lines(summary["annotation_time"])
     out.print("\n".join(lines), highlight=False)
+    if summary["at_chance"]:
+        out.print(f"[bold red]WARNING[/] {escape(summary['at_chance'])}", highlight=False)
     if per_class:
         table, line = per_class_output(states)
         out.print(line, highlight=False)

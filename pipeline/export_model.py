@@ -239,6 +239,8 @@ def model_card(prov: Provenance, *, model_cfg: Any, loaded: Any, adapter_config:
     Names users and annotators chose (answers, annotators, the question, the base's name) are text, never markup:
     escaped, or code delimited by more backticks than they hold (pipeline/mdtext.py); JSON-quoted in the YAML
     header."""
+    from pipeline.chance import card_lines as chance_card_lines
+
     plain = re.fullmatch(r"[A-Za-z0-9/][A-Za-z0-9._/-]*", base)  # a hub ID as YAML reads it; anything else quoted
     header = ["---", f"base_model: {base if plain else json.dumps(base)}", "library_name: peft",
               "pipeline_tag: image-text-to-text",
@@ -249,6 +251,7 @@ def model_card(prov: Provenance, *, model_cfg: Any, loaded: Any, adapter_config:
         "`lineage.json`.", "",
         *_provenance_lines(prov, model_cfg=model_cfg, family=loaded.family.name, adapter_config=adapter_config,
                            rounds_done=rounds_done, consensus=consensus, base=base),
+        *chance_card_lines(prov.state),
         "", "## Test metrics", "", *metrics_markdown(prov.state, evaluation),
         "", "## Prompt", "",
         f"Question: {code_span(question)}" + (f"; answers: {', '.join(map(escape_md, answers))}" if answers else

@@ -268,7 +268,8 @@ def summary_markdown(state: RoundState | Mapping[str, Any], metrics_rows: Sequen
     confusion matrix inline as `confusion_uri` for the UI), the hand-off, the label check and, with several annotators
     a sample, their quality and the redundancy tasks."""
     s = RoundState.of(state)
-    lines = [f"# Labeling round {s.round}", "", *_counts_lines(s)]
+    warn = [f"**{s.at_chance}**", ""] if s.at_chance else []  # first: nothing else on the page matters as much
+    lines = [f"# Labeling round {s.round}", "", *warn, *_counts_lines(s)]
     if report_path:
         lines += ["", f"Round report (contact sheet, pool map, errors, quality; one HTML file): `{Path(report_path)}` "
                   f"— `tamis report --round {s.round} --open`"]

@@ -56,6 +56,7 @@ class RoundState:
     labels_spent: int | None = None  # labels paid for, re-labels included (None: not counted yet)
     tasks_out: int = 0  # exported earlier, not labeled yet
     stopped: str | None = None  # why the round selects nothing (rounds.stop_reason)
+    at_chance: str | None = None  # the warning when accuracy is still at chance (pipeline.chance.chance_check)
     label_studio: dict[str, Any] | None = None  # the push of the batch to Label Studio
     selected: int | None = None  # None: the round selected nothing (it stopped)
     export_dir: str | None = None

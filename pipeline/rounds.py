@@ -202,7 +202,9 @@ def _pool_empty(pool_left: int) -> str | None:
 def close_round(cfg: ProjectConfig, plan: RoundPlan, state: RoundState, *, pool_left: int,
                 agreed: Mapping[str, Any]) -> None:
     """The round's counts once its pool is known (eligible samples, labels spent, tasks still out, the consensus
-    `agreed`), then whether it stops (stop_reason, on every rule of the rounds section)."""
+    `agreed`), then whether it stops (stop_reason, on every rule of the rounds section) and whether its model is
+    still at chance (pipeline.chance)."""
+    from pipeline.chance import chance_check
     from pipeline.labelcheck import labels_spent
     from pipeline.metrics import read_metrics
 
@@ -210,9 +212,12 @@ def close_round(cfg: ProjectConfig, plan: RoundPlan, state: RoundState, *, pool_
     state.update(agreed)
     state.pool, state.tasks_out = pool_left, outstanding_tasks(art, plan)  # tasks: exported earlier, not labeled yet
     state.labels_spent = labels_spent(len(plan.labels), art, before_round=plan.index)
-    state.stopped = stop_reason(rc, plan.index, state.labels_spent, read_metrics(art), pool_left, state.stability,
+    rows = read_metrics(art)
+    state.stopped = stop_reason(rc, plan.index, state.labels_spent, rows, pool_left, state.stability,
                                 main=main_metric(cfg.data.answers), outstanding=state.tasks_out,
                                 hours=recorded_hours(art) if rc.budget_hours is not None else 0.0)
+    state.at_chance = chance_check(rows, cfg.data.answers, train=cfg.train, model=cfg.model,
+                                   up_to_round=plan.index).warning
 
 
 def budget_batch(rounds_cfg: RoundsConfig, batch_size: int, spent: int, outstanding: int = 0) -> int:

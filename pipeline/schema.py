@@ -53,3 +53,12 @@ def sample_id_for(image_bytes: bytes, question: str) -> str:
     80 bits of sha256 (20 hex chars): collision-free in practice for any pool, short enough for file names.
     """
     return digest_bytes(image_bytes + b"\0" + question.encode("utf-8"))[:20]
+
+
+def display_name(image_path: str | None, source: str | None, sample_id: str) -> str:
+    """What a person knows a sample by: its image file's name (`image_path`'s last part), else its `source`
+    (`<file>:<line>` of a manifest, or a Hugging Face dataset's row) when the row held bytes, else the sample ID.
+    Cards and lists a person reads show this first and the sample ID second."""
+    if image_path:
+        return image_path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1] or sample_id
+    return source or sample_id

@@ -247,6 +247,18 @@ def agreement_key(text: str) -> str:
     return " ".join(text.lower().strip().strip(".!?").split())
 
 
+REPLACEMENT = "\ufffd"  # what a tokenizer's decode writes for bytes that are not (yet) a whole UTF-8 character
+
+
+def decode_whole(tok: Any, ids: Any) -> str:
+    """Generated tokens as text of whole characters only. A byte-level BPE splits a multi-byte character (é, ß, an
+    emoji, CJK) over several tokens, so generation stopped by max_new_tokens can end inside one; decoding those bytes
+    gives U+FFFD ("Sma\ufffd\ufffd\ufffd" in a pre-annotation: one per byte with byte-fallback tokenizers). The
+    incomplete character at the cut is dropped: the trailing U+FFFD. One inside the text is left: there the model
+    itself wrote bytes that are no character, and hiding them would hide that."""
+    return tok.decode(ids, skip_special_tokens=True).rstrip(REPLACEMENT)
+
+
 class OpenAnswerScorer:
     """Greedy answers with per-token log-probs and entropies; MC dropout gives answer agreement."""
 
@@ -291,7 +303,7 @@ class OpenAnswerScorer:
         hidden = out.hidden_states[0][-1]  # prefix pass, last layer
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         emb = ((hidden * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu().numpy()
-        texts = [tok.decode(row[k], skip_special_tokens=True) for row, k in zip(new, keep & ~is_stop, strict=True)]
+        texts = [decode_whole(tok, row[k]) for row, k in zip(new, keep & ~is_stop, strict=True)]
         return [t.strip() for t in texts], chosen.cpu().numpy(), entropy.cpu().numpy(), emb
 
     def score(self, rows: Sequence[dict], *, batch_size: int, mc_passes: int = 0, seed: int = 0) -> ScoreResult:

@@ -229,7 +229,9 @@ def make_project(root: Path, title: str, *, n_selected: int = 4, **ls: Any) -> t
 
     ds, _ = make_tiny_vqa(root / "vqa", 6)
     cfg = parse_config({"paths": {"artifacts": str(root / "art")}, "data": {"answers": DIGITS},
-                        "annotate": {"label_studio": {"url": "http://127.0.0.1:9", "project": title,
+                        # prepared: the recorded exchange holds the prepared PNGs' tasks (the default is legible).
+                        "annotate": {"export_images": "prepared",
+                                     "label_studio": {"url": "http://127.0.0.1:9", "project": title,
                                                       "token_env": TOKEN_ENV, **ls}}})
     sel = [{"sample_id": f"s{i:03d}", "rank": i, "score": 1.0, "scores": {}, "prediction": "1", "confidence": 0.5}
            for i in range(n_selected)]

@@ -143,7 +143,7 @@ def test_the_cycle_finder_finds_a_cycle():
 FLOORS = (
     # the ground: errors, the artifact store, config, keys, IDs, metrics books and their wording
     ("pipeline", "pipeline.errors", "pipeline.store", "pipeline.codeversion", "pipeline.config", "pipeline.idindex",
-     "pipeline.schema", "pipeline.lock", "pipeline.metrics", "pipeline.perclass", "pipeline.report",
+     "pipeline.schema", "pipeline.lock", "pipeline.metrics", "pipeline.chance", "pipeline.perclass", "pipeline.report",
      "pipeline.meaning", "pipeline.round_state",
      "pipeline.mdtext", "pipeline.csvcells"),  # user text made inert in markdown and in CSVs for spreadsheets
     ("pipeline.data",),  # sources → the ingested table

@@ -44,7 +44,7 @@ def _files(folder):
 
 def test_all_formats_are_valid_and_point_inside_the_export(tmp_path, make_vqa):
     ds, _ = make_vqa()
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, export_images="prepared")
     out = export_dir(cfg.artifacts, 1)
     sel = _selection(["s003", "s001", "s007"])
     sel[2]["prediction"] = "not-a-digit"  # Label Studio would refuse it as a pre-annotation
@@ -107,7 +107,7 @@ def test_smaller_reexport_leaves_no_stale_images(tmp_path, make_vqa):
     out = export_dir(cfg.artifacts, 2)
     export_selection(_selection(["s001", "s002", "s003"]), ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=2)
     export_selection(_selection(["s004"]), ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out, round_index=2)
-    assert [p.name for p in (out / IMAGES_DIR).iterdir()] == ["s004.png"]
+    assert [p.name for p in (out / IMAGES_DIR).iterdir()] == ["s004.jpg"]  # the original JPEG (legible)
     read_manifest(out)
 
 
@@ -160,7 +160,7 @@ def test_unknown_sample_and_document_root_outside_are_errors(tmp_path, make_vqa)
     out = export_dir(above.artifacts, 0)
     export_selection(_selection(["s000"]), ds, above.annotate, above.data.answers, above.artifacts, out, round_index=0)
     task = json.loads((out / TASKS_FILE).read_text())[0]
-    assert task["data"]["image"] == "http://ls/data/local-files/?d=artifacts/rounds/000/export/images/s000.png"
+    assert task["data"]["image"] == "http://ls/data/local-files/?d=artifacts/rounds/000/export/images/s000.jpg"
 
 
 FORMULA_ANSWERS = ["cat", "=1+1", "@home", "-"]  # closed answers that a spreadsheet would run as formulas
@@ -228,3 +228,35 @@ def test_csv_cells_escape_formulas_keep_numbers_and_round_trip():
     for value, cell in cases.items():
         assert escape_cell(value) == cell and unescape_cell(cell) == value, value
     assert escape_cell(None) == "" and unescape_cell("'typed by hand") == "'typed by hand"
+
+
+def _photo(side_w, side_h, fmt="JPEG"):
+    """An image with fine print (a sign's words) at its own size."""
+    from PIL import ImageDraw
+
+    im = Image.new("RGB", (side_w, side_h), (240, 240, 230))
+    ImageDraw.Draw(im).text((10, side_h // 2), "NO ENTRY - staff only", fill=(10, 10, 10))
+    buf = io.BytesIO()
+    im.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_images_for_people_are_legible_by_default_never_the_32px_model_input(tmp_path, make_vqa):
+    """annotate.export_images defaults to legible: the original file as it came (not the prepared 32-px PNG), a very
+    large one downscaled to 2048 px on its long side, a small one never upscaled."""
+    ds, _ = make_vqa(n=3)
+    originals = {"s000": _photo(900, 600), "s001": _photo(3000, 1500), "s002": ds[2]["image"]}
+    ds = ds.map(lambda r: {"image": originals[r["sample_id"]]})
+    cfg = _cfg(tmp_path)
+    assert cfg.annotate.export_images == "legible"
+    out = export_dir(cfg.artifacts, 1)
+    export_selection(_selection(["s000", "s001", "s002"]), ds, cfg.annotate, cfg.data.answers, cfg.artifacts, out,
+                     round_index=1)
+    images = out / IMAGES_DIR
+    assert (images / "s000.jpg").read_bytes() == originals["s000"]  # the original, byte for byte
+    with Image.open(images / "s001.jpg") as big:
+        assert big.size == (2048, 1024)  # a 3000-px photo, downscaled (aspect kept) but far above the model's 32 px
+    with Image.open(images / "s002.jpg") as small:
+        assert small.size == (12, 12)  # never upscaled beyond the original
+    tasks = json.loads((out / TASKS_FILE).read_text())
+    assert tasks[0]["data"]["image"].endswith("images/s000.jpg")

@@ -173,7 +173,8 @@ def test_cli_dry_run_project_scope_round_and_brackets(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     out = " ".join(res.output.split())
     assert "1 labels would be appended (dry run)" in out
-    assert f"would label {A} = '1' (by id 'zoo-001')" in out
+    # The user's file name first, the sample ID second.
+    assert f"would label tabby.jpg = '1' (sample {A}, by id 'zoo-001')" in out
     assert "is not in the answer set [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]; use one of these" in out
     assert "tried id 'zoo-404'; not among this project's 5 samples" in out
     assert not (art / "labels.jsonl").exists() and not (art / "rejections").exists()

@@ -331,7 +331,7 @@ def test_planted_label_noise_is_found_far_above_chance(tmp_path):
         "train": {"max_steps": 300, "learning_rate": 3e-3, "batch_size": 16, "effective_batch_size": 16,
                   "gradient_checkpointing": False, "checkpoint_every": 1000},
         "labelcheck": {"kfold": 3},
-        "select": {"score_batch_size": 64}, "annotate": {"formats": ["label_studio", "images"]},
+        "select": {"score_batch_size": 64}, "annotate": {"formats": ["label_studio", "images"], "export_images": "prepared"},
     })
     export = export_dir(cfg.artifacts, 0)
     export_selection([{"sample_id": s, "rank": i, "score": 0.0} for i, s in enumerate(ds["sample_id"])], ds, cfg.annotate, cfg.data.answers, cfg.artifacts,

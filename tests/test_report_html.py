@@ -107,6 +107,10 @@ def test_every_round_writes_its_report_with_the_batch_map_errors_and_curve(photo
         # Every batch sample is a card with its thumbnail, in pick order.
         cards = re.findall(r'<figure class="card" data-sample="([0-9a-f]+)">\s*<img class="thumb"', html)
         assert cards == [r["sample_id"] for r in batch]
+        # Each card is headed by the user's file name (images/coffee_03.png), the sample ID second, in a tooltip.
+        names = re.findall(r'<b class="name" title="sample ([0-9a-f]+)">([^<]+)</b>', html)
+        assert [sid for sid, _ in names[:len(batch)]] == cards
+        assert all(re.fullmatch(r"(astronaut|coffee|cat|rocket)_\d\d\.(png|jpg)", n) for _, n in names), names
         assert 'id="map"' in html and 'alt="pool map"' in html
         assert "<script" not in html and "http://" not in html and "https://" not in html  # opens offline
         for data in _data_images(html):  # every embedded picture decodes
@@ -191,7 +195,10 @@ def test_likely_label_errors_show_with_image_given_label_and_model_answer(photo_
     section = html[html.index("Likely label errors"):html.index('id="quality"')]
     assert "label check: 1 likely label error" in section and "93 % likely wrong" in section
     assert 'given <b class="bad">rocket</b>' in section and "model <b>coffee</b>" in section
-    assert f'alt="{sid}"' in section
+    assert f'title="sample {sid}"' in section
+    # Headed by the user's file name (the photo's crop file), not the sample ID.
+    assert re.search(r'<b class="name"\s+title="sample ' + sid + r'">(astronaut|coffee|cat|rocket)_\d\d\.(png|jpg)</b>',
+                     section)
     assert "ann-&lt;b&gt;" in section and "ann-<b>" not in section  # user data is escaped, never markup
 
 

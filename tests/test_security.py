@@ -211,7 +211,7 @@ def test_export_replaces_planted_symlinks_instead_of_writing_through_them(tmp_pa
                      round_index=1)
     assert snapshot(outside, outside / "no-skip") == before
     assert not [p for p in out.rglob("*") if p.is_symlink()]  # each link was replaced, none left behind
-    assert sorted(p.name for p in (out / IMAGES_DIR).iterdir()) == ["s000.png", "s001.png", "s002.png"]
+    assert sorted(p.name for p in (out / IMAGES_DIR).iterdir()) == ["s000.jpg", "s001.jpg", "s002.jpg"]  # legible: the originals
     read_manifest(out)  # and the export verifies
 
 

@@ -233,6 +233,28 @@ EXPORTERS: dict[str, type[Exporter]] = {
 }
 
 _EXT = {"JPEG": "jpg", "PNG": "png", "GIF": "gif", "BMP": "bmp", "TIFF": "tif", "WEBP": "webp"}
+LEGIBLE_MAX_SIDE = 2048  # annotate.export_images: legible re-encodes only originals larger than this
+
+
+def legible_image(data: bytes, sample_id: str) -> tuple[bytes, str]:
+    """(bytes, extension) of an original image for people: the file as it came when its long side is at most
+    LEGIBLE_MAX_SIDE (a 4000-px photo would make Label Studio slow), else downscaled to that side (JPEG quality 90,
+    PNG when it has transparency or was a PNG), EXIF rotation applied. Never upscaled: a small original stays its size."""
+    from PIL import ImageOps
+
+    ext = _image_ext(data, sample_id)
+    with Image.open(io.BytesIO(data)) as im:
+        if max(im.size) <= LEGIBLE_MAX_SIDE:
+            return data, ext
+        img = ImageOps.exif_transpose(im)
+        img.thumbnail((LEGIBLE_MAX_SIDE, LEGIBLE_MAX_SIDE), Image.Resampling.LANCZOS)
+        png = im.format == "PNG" or img.mode in ("RGBA", "LA", "P")
+        buf = io.BytesIO()
+        if png:
+            img.save(buf, format="PNG")
+        else:
+            img.convert("RGB").save(buf, format="JPEG", quality=90)
+    return buf.getvalue(), "png" if png else "jpg"
 
 
 def _image_ext(data: bytes, sample_id: str) -> str:
@@ -274,9 +296,10 @@ def build_items(
         seen.add(sid)
     image_col = "prepared" if image_source == "prepared" else "image"
     if image_col not in dataset.column_names:
+        other = "original" if image_col == "prepared" else "prepared"
         raise ExportError(
             f"dataset has no {image_col!r} column (columns: {', '.join(dataset.column_names)}); run prepare first or "
-            "set annotate.export_images: original"
+            f"set annotate.export_images: {other}"
         )
     wanted = [r["sample_id"] for r in rows]
     at = IdIndex.of_dataset(dataset).rows(wanted)
@@ -290,7 +313,11 @@ def build_items(
     sub = dataset.select_columns(cols).select(at.tolist())
     items = []
     for r, d in zip(rows, sub, strict=True):
-        data = d[image_col]
+        data, ext = d[image_col], "png"
+        if image_source == "legible":
+            data, ext = legible_image(data, r["sample_id"])
+        elif image_source == "original":
+            ext = _image_ext(data, r["sample_id"])
         items.append(
             ExportItem(
                 sample_id=r["sample_id"],
@@ -298,7 +325,7 @@ def build_items(
                 score=float(r.get("score") or 0.0),
                 question=d["question"] or "",
                 image_bytes=data,
-                image_ext="png" if image_col == "prepared" else _image_ext(data, r["sample_id"]),
+                image_ext=ext,
                 prediction=r.get("prediction"),
                 confidence=None if r.get("confidence") is None else float(r["confidence"]),
                 scores={k: float(v) for k, v in sorted((r.get("scores") or {}).items())},

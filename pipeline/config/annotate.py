@@ -90,7 +90,10 @@ class AnnotateConfig(Section):
     image_url_prefix: str = "/data/local-files/?d="
     # LABEL_STUDIO_LOCAL_FILES_DOCUMENT_ROOT: image paths in tasks are relative to it. None = the artifacts folder.
     document_root: Path | None = None
-    export_images: Literal["prepared", "original"] = "prepared"
+    # The images annotators see. legible: the original file as it came, re-encoded smaller only when its long side
+    # exceeds 2048 px, never upscaled (a sign or a small word stays readable); original: the file byte for byte;
+    # prepared: the model's input (e.g. 32 px: fast, but fine print is lost).
+    export_images: Literal["legible", "prepared", "original"] = "legible"
     formats: list[Literal["label_studio", "csv", "jsonl", "images"]] = Field(
         default_factory=lambda: ["label_studio", "csv", "jsonl", "images"]
     )

@@ -12,7 +12,7 @@ import numpy as np
 
 from pipeline.labelcheck.base import PROB_TOL, LabelCheckError
 
-SIGNALS = ("model", "knn")
+SIGNALS = ("model", "knn", "neighbours")  # neighbours: the kNN judging alone while the model abstains
 
 
 # Bounds of the fitted temperature: beyond them the probabilities are flat or one-hot and nothing changes.

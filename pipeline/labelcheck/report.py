@@ -159,6 +159,9 @@ def verdict_signals(verdict: Mapping[str, Any]) -> list[str]:
                      f"{knn['source']} agree with {knn['accuracy']:.2f} of these labels.")
     elif knn:
         lines.append(f"kNN signal not used: {knn.get('note') or 'unavailable'}.")
+    if nb := sig.get("neighbours"):  # the model abstained: the neighbours judged alone, or were too weak to
+        lines.append(f"Neighbours alone ({nb['k']} nearest labeled neighbours in {nb['source']}, leave-one-out "
+                     f"agreement {nb['accuracy']:.2f} with these labels): {nb['note']}.")
     return lines
 
 
@@ -168,6 +171,8 @@ def label_report_markdown(table: Sequence[Mapping[str, Any]], agreement: Mapping
     how = ("out-of-sample probabilities from k-fold adapters" if method == "kfold" else
            "out-of-sample probabilities from the round's adapter on samples it did not train on")
     verdict = verdict or {}
+    if ((verdict.get("signals") or {}).get("neighbours") or {}).get("used"):
+        how = "judged by their neighbours: the model cannot judge labels yet"
     lines = ["## Label quality", "", verdict_headline(verdict, len(table), checked, how), ""]
     if signals := verdict_signals(verdict):
         lines += ["- " + s for s in signals] + [""]

@@ -105,7 +105,7 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
               f"  # auto: score every eligible sample up to 10,000, restrict above (this pool: {pool:,}); the",
               "  # round summary says which it did and why (docs/selection.md).",
               "  candidates: auto",
-              "annotate:", "  export_images: prepared", "  formats: [label_studio, csv, jsonl, images]",
+              "annotate:", "  export_images: legible", "  formats: [label_studio, csv, jsonl, images]",
               "labelcheck:", "  method: heldout                      # scores new labels with the last adapter",
               "rounds:", "  # Rounds in all, round 0 included; the last one trains and evaluates but selects nothing.",
               "  max_rounds: 10",

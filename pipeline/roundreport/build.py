@@ -63,7 +63,7 @@ def _header(state: RoundState, sources: ReportSources) -> dict[str, Any]:
     metrics = ", ".join(f"{k} = {v:.4f}" for k, v in merge_equal_metrics(state.metrics or {}).items())
     return {"round": state.round, "labeled": state.labeled, "pool": state.pool, "selected": state.selected_count,
             "strategy": state.strategy, "phase": phase.get("phase"), "phase_reason": phase.get("reason"),
-            "metrics": metrics, "stopped": state.stopped, "round_dir": sources.round_dir}
+            "metrics": metrics, "stopped": state.stopped, "at_chance": state.at_chance, "round_dir": sources.round_dir}
 
 
 def build_report(sources: ReportSources, state: RoundState | Mapping[str, Any],
@@ -81,8 +81,12 @@ def build_report(sources: ReportSources, state: RoundState | Mapping[str, Any],
     flags, checked = gather.quality_flags(sources.quality_dir)
     images = gather.Images(sources.prepared_dir)
     batch_png = images.png([b.sample_id for b in batch[:pictures.SHEET_MAX]])
-    thumbs = _thumbs([b.sample_id for b in batch] + [w["sample_id"] for w in wrong] + [i["sample_id"] for i in issues]
-                     + [f.example for f in flags if f.example], images)
+    shown = [b.sample_id for b in batch] + [w["sample_id"] for w in wrong] + [i["sample_id"] for i in issues]
+    thumbs = _thumbs(shown + [f.example for f in flags if f.example], images)
+    # The user's file names: what the cards are headed by.
+    names = images.names(list(dict.fromkeys(shown + [f.example for f in flags if f.example])))
+    for b in batch:
+        b.name = names[b.sample_id]
     sheet = pictures.contact_sheet(batch, batch_png)
     confusion = pictures.confusion_png(pc, sources.eval_dir) if pc else None
     curve = pictures.curve_png(metrics_rows, state.round)
@@ -98,13 +102,14 @@ def build_report(sources: ReportSources, state: RoundState | Mapping[str, Any],
             f"at most {gather.MAP_EXTRA:,} labeled and outliers, {gather.MAP_POINTS:,} at random; projected by a PCA "
             f"fitted on them. " + ", ".join(f"{pool_map.kind.count(k)} {k}" for k in gather.KINDS)),
         "pc": pc, "confusion": confusion and pictures.data_uri(confusion), "evaluated": bool(sources.eval_dir),
-        "wrong": [{"sample_id": w["sample_id"], "answer": w["answer"], "prediction": w.get("prediction"),
+        "wrong": [{"sample_id": w["sample_id"], "name": names[w["sample_id"]], "answer": w["answer"], "prediction": w.get("prediction"),
                    "confidence": w.get("confidence"), "thumb": thumbs.get(w["sample_id"])} for w in wrong],
-        "issues": [{"sample_id": i["sample_id"], "given_label": i.get("given_label"),
+        "issues": [{"sample_id": i["sample_id"], "name": names[i["sample_id"]], "given_label": i.get("given_label"),
                     "suggested_label": i.get("suggested_label"), "confidence": i.get("confidence"),
                     "annotators": i.get("annotators") or [], "thumb": thumbs.get(i["sample_id"])} for i in issues],
         "check_message": check_message,
-        "flags": [{**asdict(f), "thumb": thumbs.get(f.example) if f.example else None} for f in flags],
+        "flags": [{**asdict(f), "thumb": thumbs.get(f.example) if f.example else None,
+                   "name": names.get(f.example) if f.example else None} for f in flags],
         "checked": checked, "curve": curve and pictures.data_uri(curve), "balance": balance,
         "balance_max": max([n for _, n in balance] or [1]) or 1, "time": _time_line(state.annotation_time),
         "annotators": state.consensus, "seconds": time.perf_counter() - start,

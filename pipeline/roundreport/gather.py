@@ -34,14 +34,14 @@ EXAMPLES = 12  # test errors and likely label errors shown
 
 # ------------------------------------------------------------------------------------------------- images
 class Images:
-    """Prepared images by sample ID, from the prepare stage (one indexed lookup per list, never the whole pool)."""
+    """Prepared images and the user's file names by sample ID, from the prepare stage (one indexed lookup per list,
+    never the whole pool)."""
 
     def __init__(self, prepared_dir: str | None):
         self._dir, self._ds, self._index = prepared_dir, None, None
 
-    def png(self, ids: Sequence[str]) -> dict[str, bytes]:
-        if not self._dir or not ids:
-            return {}
+    def _rows(self, ids: Sequence[str], columns: Sequence[str]) -> dict[str, list[Any]]:
+        """The `columns` (those the dataset has) of the samples `ids` it holds, as lists."""
         if self._ds is None:
             from pipeline.idindex import IdIndex
             from pipeline.preprocess import load_prepared
@@ -52,8 +52,23 @@ class Images:
         found = sorted({int(r) for r in rows if r >= 0})
         if not found:
             return {}
-        sub = self._ds.select(found).select_columns(["sample_id", "prepared"])
-        return dict(zip(sub["sample_id"], sub["prepared"], strict=True))
+        return self._ds.select(found).select_columns([c for c in columns if c in self._ds.column_names]).to_dict()
+
+    def png(self, ids: Sequence[str]) -> dict[str, bytes]:
+        if not self._dir or not ids:
+            return {}
+        sub = self._rows(ids, ["sample_id", "prepared"])
+        return dict(zip(sub.get("sample_id", []), sub.get("prepared", []), strict=True))
+
+    def names(self, ids: Sequence[str]) -> dict[str, str]:
+        """The user's file name of each sample (schema.display_name; the sample ID where the dataset has none)."""
+        from pipeline.schema import display_name
+
+        sub = self._rows(ids, ["sample_id", "image_path", "source"]) if self._dir and ids else {}
+        sids = sub.get("sample_id", [])
+        paths, sources = sub.get("image_path", [None] * len(sids)), sub.get("source", [None] * len(sids))
+        named = {sid: display_name(p, src, sid) for sid, p, src in zip(sids, paths, sources, strict=True)}
+        return {s: named.get(s, s) for s in ids}
 
 
 # ------------------------------------------------------------------------------------------------- the batch
@@ -67,6 +82,7 @@ class BatchItem:
     answer: str | None = None  # its answer (the top one, or the generated one for open answers)
     confidence: float | None = None
     entropy: float | None = None  # of the answer probabilities: the same uncertainty whatever the strategy
+    name: str | None = None  # the user's file name (Images.names), what a person knows the sample by
 
 
 def pick_reason(row: Mapping[str, Any], state: RoundState | Mapping[str, Any]) -> str:

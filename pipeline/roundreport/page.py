@@ -16,7 +16,7 @@ h3{font-size:15px;margin:16px 0 4px}.muted{color:#666}nav a{margin-right:14px}
 .sheet{display:flex;flex-wrap:wrap;gap:10px}
 .card{margin:0;width:150px;border:1px solid #ddd;border-radius:4px;padding:6px;font-size:12px;background:#fafafa}
 .card img{display:block;margin:0 auto 4px;image-rendering:pixelated}
-.card .why{color:#555}.bad{color:#b00020}
+.card .why{color:#555}.bad{color:#b00020}.card .name{overflow-wrap:anywhere}
 table{border-collapse:collapse;font-size:13px}td,th{border-bottom:1px solid #eee;padding:2px 8px;text-align:right}
 th:first-child,td:first-child{text-align:left}.bar{display:inline-block;height:10px;background:#4e79a7}
 .row{display:flex;flex-wrap:wrap;gap:24px;align-items:flex-start}
@@ -25,6 +25,7 @@ th:first-child,td:first-child{text-align:left}.bar{display:inline-block;height:1
 <p>{{ r.labeled }} labeled samples · pool {{ r.pool }} eligible · {{ r.selected }} selected · strategy
 <b>{{ r.strategy }}</b>{% if r.phase %} · phase <b>{{ r.phase }}</b>: {{ r.phase_reason }}{% endif %}
 {% if r.metrics %}<br>test: {{ r.metrics }}{% endif %}{% if r.stopped %}<br><b>stopped:</b> {{ r.stopped }}{% endif %}</p>
+{% if r.at_chance %}<p class="bad" id="at-chance"><b>{{ r.at_chance }}</b></p>{% endif %}
 <nav><a href="#batch">the batch</a><a href="#map">pool map</a><a href="#errors">what the model gets wrong</a>
 <a href="#quality">quality flags</a><a href="#curve">learning curve &amp; labels</a></nav>
 
@@ -32,7 +33,8 @@ th:first-child,td:first-child{text-align:left}.bar{display:inline-block;height:1
 {% if candidates %}<p class="muted">{{ candidates }}</p>{% endif %}
 {% if batch %}<div class="sheet">{% for b in batch %}<figure class="card" data-sample="{{ b.sample_id }}">
 {% if b.thumb %}<img class="thumb" src="{{ b.thumb.uri }}" width="{{ b.thumb.w }}" height="{{ b.thumb.h }}"
-alt="{{ b.sample_id }}">{% endif %}<figcaption><b>#{{ b.rank + 1 }}</b> <span class="muted">{{ b.sample_id[:10] }}</span><br>
+alt="{{ b.name }}">{% endif %}<figcaption><b class="name" title="sample {{ b.sample_id }}">{{ b.name }}</b><br>
+<b>#{{ b.rank + 1 }}</b> <span class="muted" title="sample {{ b.sample_id }}">{{ b.sample_id[:10] }}</span><br>
 {% if b.top %}{% for a, p in b.top %}{{ a }} <b>{{ '%.2f'|format(p) }}</b>{% if not loop.last %} · {% endif %}{% endfor %}
 {% elif b.answer is not none %}“{{ b.answer }}”{% if b.confidence is not none %} {{ '%.2f'|format(b.confidence) }}{% endif %}
 {% else %}<span class="muted">no model answer yet</span>{% endif %}<br>
@@ -57,11 +59,13 @@ alt="{{ b.sample_id }}">{% endif %}<figcaption><b>#{{ b.rank + 1 }}</b> <span cl
 {% else %}<p class="muted">Not evaluated this round (no labels yet, no adapter).</p>{% endif %}
 {% if wrong %}<h3>Test images most confidently wrong</h3><div class="sheet">{% for w in wrong %}
 <figure class="card">{% if w.thumb %}<img src="{{ w.thumb.uri }}" width="{{ w.thumb.w }}" height="{{ w.thumb.h }}"
-alt="{{ w.sample_id }}">{% endif %}<figcaption>true <b>{{ w.answer }}</b><br>model <b class="bad">{{ w.prediction }}</b>
+alt="{{ w.name }}">{% endif %}<figcaption><b class="name" title="sample {{ w.sample_id }}">{{ w.name }}</b><br>
+true <b>{{ w.answer }}</b><br>model <b class="bad">{{ w.prediction }}</b>
 {% if w.confidence is not none %}{{ '%.2f'|format(w.confidence) }}{% endif %}</figcaption></figure>{% endfor %}</div>{% endif %}
 <h3>Likely label errors</h3><p class="muted">{{ check_message }}</p>
 {% if issues %}<div class="sheet">{% for i in issues %}<figure class="card">{% if i.thumb %}<img src="{{ i.thumb.uri }}"
-width="{{ i.thumb.w }}" height="{{ i.thumb.h }}" alt="{{ i.sample_id }}">{% endif %}<figcaption>given <b class="bad">{{
+width="{{ i.thumb.w }}" height="{{ i.thumb.h }}" alt="{{ i.name }}">{% endif %}<figcaption><b class="name"
+title="sample {{ i.sample_id }}">{{ i.name }}</b><br>given <b class="bad">{{
 i.given_label }}</b><br>model <b>{{ i.suggested_label }}</b>{% if i.confidence is not none %}<br>{{
 '%.0f'|format(100 * i.confidence) }} % likely wrong{% endif %}{% if i.annotators %}<br><span class="muted">by {{
 i.annotators|join(', ') }}</span>{% endif %}</figcaption></figure>{% endfor %}</div>{% endif %}</section>
@@ -70,7 +74,8 @@ i.annotators|join(', ') }}</span>{% endif %}</figcaption></figure>{% endfor %}</
 {% if flags %}<p class="muted">{{ checked }} prepared samples checked; flagged samples stay in the data, those in
 quality.exclude stay out of the pool.</p><div class="sheet">{% for f in flags %}<figure class="card">
 {% if f.thumb %}<img src="{{ f.thumb.uri }}" width="{{ f.thumb.w }}" height="{{ f.thumb.h }}" alt="{{ f.flag }}">{% endif %}
-<figcaption><b>{{ f.flag }}</b><br>{{ f.count }} ({{ '%.2f'|format(100 * f.share) }} %)<br><span class="why">{{ f.reason
+<figcaption><b>{{ f.flag }}</b><br>{{ f.count }} ({{ '%.2f'|format(100 * f.share) }} %)<br>{% if f.name %}e.g. <span
+class="name" title="sample {{ f.example }}">{{ f.name }}</span><br>{% endif %}<span class="why">{{ f.reason
 }}</span></figcaption></figure>{% endfor %}</div>{% else %}<p class="muted">No quality stage output.</p>{% endif %}</section>
 
 <section id="curve"><h2>Learning curve and labels</h2><div class="row">

@@ -16,7 +16,7 @@ from PIL import Image, ImageDraw, ImageFont
 from pipeline.roundreport.gather import KINDS, BatchItem, PoolMap
 
 THUMB = 96  # CSS pixels = image pixels: the page shows thumbnails at their own size (sharp, and checkable)
-SHEET_CELL = (150, 196)  # the contact sheet's cell: a 138 px thumbnail and four lines of text
+SHEET_CELL = (150, 208)  # the contact sheet's cell: a 138 px thumbnail and five lines of text
 SHEET_COLUMNS = 8
 SHEET_MAX = 40  # samples on the Prefect UI's contact sheet (the page shows the whole batch)
 
@@ -60,8 +60,8 @@ def _font(size: int) -> Any:
 
 
 def item_lines(item: BatchItem) -> list[str]:
-    """The caption of a batch sample on the contact sheet: rank and the model's answer, its runner-up, the
-    uncertainty, the reason."""
+    """The caption of a batch sample on the contact sheet: the user's file name, rank and the model's answer, its
+    runner-up, the uncertainty, the reason."""
     if item.top:
         lines = [f"#{item.rank + 1}  {item.top[0][0]} {item.top[0][1]:.2f}",
                  "  ".join(f"{a} {p:.2f}" for a, p in item.top[1:3])]
@@ -71,7 +71,7 @@ def item_lines(item: BatchItem) -> list[str]:
         lines = [f"#{item.rank + 1}", "no model answer yet"]
     lines.append(f"entropy {item.entropy:.2f}" if item.entropy is not None else
                  f"score {item.score:.3f}" if item.score is not None else "")
-    return [*lines, item.reason.split(";")[0].split(", spread")[0]]
+    return [item.name or item.sample_id, *lines, item.reason.split(";")[0].split(", spread")[0]]
 
 
 def _clip(draw: Any, text: str, font: Any, width: int) -> str:

@@ -155,12 +155,14 @@ MALFORMED = {
          "<|box_start|>(1,300),(9,400)<|box_end|>", 2, 0),  # the second box keeps the label before it
         ("<|object_ref_start|>cat<|object_ref_end|><|box_start|>(100,300),(500<|box_end|>", 0, 1),
         ("<|box_start|>(100,300),(500,700)<|box_end|><|box_start|>(100,300),(5", 1, 1),  # cut off
+        ("<|box_start|>(100,300<|box_start|>(100,300),(500,700)<|box_end|>", 1, 1),  # one left open mid-way
     ],
     "internvl_ref": [
         ("<ref>cat</ref><box>[[100, 300, 500, 700], [600, 300, 900, 700]]</box>", 2, 0),
         ("<ref>cat</ref><box>[[100, 300, 500]]</box><ref>dog</ref><box>[[1, 300, 9, 400]]</box>", 1, 1),
         ("<ref>cat</ref><box>nothing</box>", 0, 1),
         ("<ref>cat</ref><box>[[100, 300, 500, 700]]</box><ref>dog</ref><box>[[1, 2", 1, 1),
+        ("<ref>cat</ref><box>[[100, 300<ref>dog</ref><box>[[100, 300, 500, 700]]</box>", 1, 1),
     ],
 }
 
@@ -179,6 +181,9 @@ def test_labels_follow_their_boxes():
     assert [b.label for b in got] == ["cat", "cat"]
     got = get_codec("internvl_ref").decode(MALFORMED["internvl_ref"][0][0], G)
     assert [b.label for b in got] == ["cat", "cat"] and got[0].x2 < got[1].x
+    # A box left open does not lend its label (or swallow) the next one.
+    got = get_codec("internvl_ref").decode(MALFORMED["internvl_ref"][-1][0], G)
+    assert [b.label for b in got] == ["dog"]
 
 
 def test_coordinates_are_clamped_to_the_image():

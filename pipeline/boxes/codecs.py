@@ -157,7 +157,9 @@ class Qwen2TokenCodec(BoxCodec):
     label applies to the boxes that follow it until the next label."""
 
     name = "qwen2_vl_tokens"
-    _PIECE = re.compile(r"<\|object_ref_start\|>(.*?)<\|object_ref_end\|>|<\|box_start\|>(.*?)<\|box_end\|>", re.S)
+    # A piece never spans another marker, so a box left open does not swallow the good box after it.
+    _PIECE = re.compile(r"<\|object_ref_start\|>((?:(?!<\|).)*?)<\|object_ref_end\|>"
+                        r"|<\|box_start\|>((?:(?!<\|).)*?)<\|box_end\|>", re.S)
     _PAIR = re.compile(rf"^\s*\(\s*{_NUM}\s*,\s*{_NUM}\s*\)\s*,\s*\(\s*{_NUM}\s*,\s*{_NUM}\s*\)\s*$")
 
     def _write(self, items: list[tuple[str, list[int]]]) -> str:
@@ -187,7 +189,7 @@ class InternVLRefCodec(BoxCodec):
     """InternVL: `<ref>label</ref><box>[[x1, y1, x2, y2], ...]</box>`, 0–1000; one <box> may hold several boxes."""
 
     name = "internvl_ref"
-    _PIECE = re.compile(r"<ref>(.*?)</ref>|<box>(.*?)</box>", re.S)
+    _PIECE = re.compile(r"<ref>((?:(?!<ref>|<box>).)*?)</ref>|<box>((?:(?!<box>|<ref>).)*?)</box>", re.S)
     _LIST = re.compile(r"\[([^\[\]]*)\]")
 
     def _write(self, items: list[tuple[str, list[int]]]) -> str:

@@ -95,6 +95,30 @@ def test_box_frame_is_the_image_the_processor_feeds_the_model(family, processors
         assert fam.box_frame(proc, w, h, image_size=max(w, h)) == (thw[2] * patch, thw[1] * patch), (w, h)
 
 
+def test_box_frame_at_the_released_checkpoints_geometry():
+    """The released Qwen2-VL/2.5-VL image processors' defaults (14-px patches merged 2×2: 28-px units, min 56² and
+    max 28²·1280 pixels), not the tiny model's 16-px units: box_frame still matches the patch grid they produce,
+    and smart_resize matches transformers' own on many shapes."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as reference
+
+    ip = Qwen2VLImageProcessor()
+    assert (ip.patch_size, ip.merge_size) == (14, 2)
+    processor = SimpleNamespace(image_processor=ip)  # box_frame and image_inputs read only the image processor
+    fam = get_family("qwen2_5_vl")
+    for w, h in [(448, 448), (448, 213), (131, 448), (37, 51), (1000, 1000)]:
+        thw = fam.image_inputs(processor, [Image.new("RGB", (w, h))])["image_grid_thw"][0].tolist()
+        assert fam.box_frame(processor, w, h) == (thw[2] * 14, thw[1] * 14), (w, h)
+    rnd = random.Random(0)
+    for _ in range(500):
+        h, w = rnd.randint(1, 4000), rnd.randint(1, 4000)
+        if max(h, w) / min(h, w) < 200:
+            args = {"factor": 28, "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280}
+            assert smart_resize(h, w, **args) == reference(h, w, **args), (h, w)
+
+
 def test_smart_resize_keeps_its_bounds():
     assert smart_resize(448, 213, factor=28, min_pixels=56 * 56, max_pixels=448 * 448) == (448, 224)
     assert smart_resize(10, 10, factor=28, min_pixels=56 * 56, max_pixels=448 * 448) == (56, 56)

@@ -60,8 +60,8 @@ def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_p
     against the real processor's `image_grid_thw`."""
     if min(height, width) <= 0:
         raise DataError(f"smart_resize: image of {width}×{height} px has an empty side")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
+    h_bar = round(height / factor) * factor  # a side under factor / 2 rounds to 0: the min_pixels branch fixes it
+    w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
+from pipeline.boxes.box import smart_resize
 from pipeline.errors import ModelError
 from pipeline.model import templates
 
@@ -73,6 +74,9 @@ class Family:
     answer_prefix: ClassVar[str] = ""
     # Keyword arguments of the image processor call that take the images as one list per sample ([[im], [im]]).
     nested_images: ClassVar[bool] = False
+    # How this family writes boxes in an answer: a name in pipeline/boxes/codecs.py's CODECS. Families without a
+    # grounding format of their own learn tamis's JSON with 0-1000 coordinates (docs/boxes.md).
+    box_codec: ClassVar[str] = "json_1000"
 
     # ------------------------------------------------------------------------------------------ image geometry
     def tile_size(self, processor: Any) -> int:
@@ -87,6 +91,12 @@ class Family:
     def processor_kwargs(self, image_size: int, *, tile: int | None = None) -> dict[str, Any]:
         """Image settings for a processor call on images whose longest side is `image_size` (aspect kept)."""
         return {}
+
+    def box_frame(self, processor: Any, width: int, height: int, image_size: int | None = None) -> tuple[int, int]:
+        """(width, height) of the pixel grid absolute box coordinates would count for a `width` × `height` prepared
+        image (pipeline.boxes.Geometry.frame). A fixed square or tiles: the image itself, since this family's codec
+        is relative (0-1000) and no stretch of the image changes relative coordinates."""
+        return width, height
 
     def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
         """(tokens in the text sequence, patches through the vision encoder) for one square `image_size`-px image,
@@ -296,6 +306,15 @@ class GridFamily(Family):
         unit = tile or 28
         return {"size": {"shortest_edge": unit * unit, "longest_edge": max(image_size * image_size, unit * unit)}}
 
+    def box_frame(self, processor: Any, width: int, height: int, image_size: int | None = None) -> tuple[int, int]:
+        # The image the processor feeds the model: smart_resize with the settings `encode` passes (Qwen2.5-VL's
+        # absolute box coordinates count its pixels).
+        tile = self.tile_size(processor)
+        size = self.processor_kwargs(image_size or max(width, height), tile=tile)["size"]
+        h, w = smart_resize(height, width, factor=tile, min_pixels=size["shortest_edge"],
+                            max_pixels=size["longest_edge"])
+        return w, h
+
 
 class TiledFamily(Family):
     """SigLIP tiles of the processor's size: one global tile for small images, split into tiles beyond it."""
@@ -381,6 +400,7 @@ class Qwen2VLFamily(GridFamily):
     image_token = "<|image_pad|>"
     special_tokens = _QWEN_TOKENS
     chat_template = templates.QWEN2_VL
+    box_codec = "qwen2_vl_tokens"
 
 
 class Qwen25VLFamily(Qwen2VLFamily):
@@ -388,6 +408,7 @@ class Qwen25VLFamily(Qwen2VLFamily):
 
     name = "qwen2_5_vl"
     model_types = ("qwen2_5_vl",)
+    box_codec = "qwen2_5_vl_json"  # pixels of the smart-resized image, not Qwen2-VL's 0-1000 tokens
 
 
 class Qwen3VLFamily(Qwen2VLFamily):
@@ -398,6 +419,7 @@ class Qwen3VLFamily(Qwen2VLFamily):
     projector_scope = r"visual\.(?:merger|deepstack_merger_list)"
     default_image_size = 448  # 14 × 32-px units
     chat_template = templates.QWEN3_VL
+    box_codec = "json_1000"  # Qwen2.5-VL's JSON, back to 0-1000 relative coordinates
 
 
 class Gemma3Family(Family):
@@ -466,6 +488,7 @@ class InternVLFamily(Family):
     special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
     chat_template = templates.INTERNVL
     square_tiles = True
+    box_codec = "internvl_ref"
 
     def processor_kwargs(self, image_size: int, *, tile: int | None = None) -> dict[str, Any]:
         # Up to one tile the image is that tile alone; larger ones are cropped into tiles plus a thumbnail.

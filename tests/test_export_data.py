@@ -66,11 +66,21 @@ def labeled_answer(shape: str, open_answers: bool) -> str:
     return f"the {shape}, drawn flat" if open_answers else shape
 
 
+def ingested(config: Path) -> Path:
+    """Ingest the project's sources as `tamis ingest` does (the library call, without a Prefect flow); returns its
+    artifacts folder."""
+    from pipeline.data.ingest import ingest, record_latest
+
+    c = load_config(config)
+    out = c.artifacts / "ingest" / "run"
+    m = ingest(c.data, c.artifacts, out)
+    record_latest(c.artifacts, {"dir": str(out), "digest": m.config_digest, "counts": {}})
+    return c.artifacts
+
+
 def make_project(root: Path, *, open_answers: bool) -> Path:
     """A project whose dataset is ingested (no round, no model) and whose pool rows were labeled by two annotators
     (`tamis labels import`); returns its config."""
-    from pipeline.data.ingest import ingest, record_latest
-
     manifest = write_shapes(root, open_answers=open_answers)
     cfg = {"paths": {"artifacts": str(root / "artifacts")},
            "data": {"sources": [{"kind": "jsonl", "path": str(manifest)}], "question": "Which shape is drawn?",
@@ -78,10 +88,7 @@ def make_project(root: Path, *, open_answers: bool) -> Path:
            "model": {"name_or_path": str(root / "no-model"), "family": "idefics3"}}
     config = root / "tamis.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    c = load_config(config)
-    out = c.artifacts / "ingest" / "run"
-    m = ingest(c.data, c.artifacts, out)
-    record_latest(c.artifacts, {"dir": str(out), "digest": m.config_digest, "counts": {}})
+    ingested(config)
     labels = root / "labels.csv"
     with open(labels, "w", newline="") as f:
         w = csv.writer(f)
@@ -264,7 +271,7 @@ def test_several_images_and_turns_are_tagged_in_order_and_an_image_tag_in_a_ques
                "train")
     assert [m["content"] for m in SwiftWriter().record(s)["messages"]] == [
         "<image><image>Same shape?", "yes", "Which colour?", "red"]
-    trl = TrlWriter.record(s)["messages"]
+    trl = TrlWriter().record(s)["messages"]
     assert trl[0]["content"] == [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same shape?"}]
     assert [m["role"] for m in trl] == ["user", "assistant", "user", "assistant"]
     bad = Sample("y", ("images/a.png",), (Turn("What does <image> show?", "a"),), "train")
@@ -282,3 +289,74 @@ def test_image_names_are_placed_the_same_way_whatever_the_order():
                      "s4": "images/b/x.png"}
     assert renamed == [{"file": "images/a/x~d2.png", "original": "images/a/x.png"}]
     assert place(dict(reversed(list(named.items())))) == (files, renamed)
+
+
+def test_a_tie_the_consensus_settles_is_exported_with_its_label_and_the_project_is_left_as_it_was(tmp_path):
+    """annotate.consensus dawid_skene: ada and bo agree everywhere, cy never does; on circle_4 only ada and cy voted
+    (a tie at import: no ledger label). The export holds the label a round's consensus would settle it on (ada's,
+    the reliable one) without writing that consensus into the project."""
+    from pipeline.store import digest_dir
+
+    manifest = write_shapes(tmp_path, open_answers=False)
+    config = tmp_path / "tamis.yaml"
+    config.write_text(yaml.safe_dump({
+        "paths": {"artifacts": str(tmp_path / "artifacts")}, "annotate": {"consensus": "dawid_skene"},
+        "data": {"sources": [{"kind": "jsonl", "path": str(manifest)}], "question": "Which shape is drawn?",
+                 "answers": list(SHAPES)},
+        "model": {"name_or_path": str(tmp_path / "no-model"), "family": "idefics3"}}))
+    art = ingested(config)
+    wrong = {"circle": "square", "square": "triangle", "triangle": "circle"}
+    votes = [(s, i, s, who) for s in SHAPES for i in (2, 3) for who in ("ada", "bo")]
+    votes += [(s, i, wrong[s], "cy") for s in SHAPES for i in (2, 3)]
+    votes += [("circle", 4, "circle", "ada"), ("circle", 4, "square", "cy")]
+    with open(tmp_path / "votes.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["image", "label", "annotator"])
+        for shape, i, label, who in votes:
+            w.writerow([str(tmp_path / "photos" / shape / image_name(shape, i)), label, who])
+    res = tamis_cli("labels", "import", tmp_path / "votes.csv", "-c", config)
+    assert res.returncode == 0 and "tie" in said(res), said(res)
+    before = digest_dir(art)
+
+    out = tmp_path / "export"
+    res = tamis_cli("export-data", "-c", config, "--format", "trl", "--out", out)
+    assert res.returncode == 0, said(res)
+    assert digest_dir(art) == before  # nothing written: no ledger entry, no consensus.json
+    rows = {json.loads(x)["images"][0]: json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()}
+    assert rows["images/circle/circle_4.png"]["messages"][1]["content"][0]["text"] == "circle"
+    lineage = json.loads((out / "lineage.json").read_text())
+    assert lineage["counts"]["consensus_not_yet_in_ledger"] == 1 and lineage["counts"]["train"] == 10
+    settled = next(r for r in lineage["labels"] if r["files"] == ["images/circle/circle_4.png"])
+    assert settled["source_file"] == "consensus.json" and settled["label"] == "circle"
+    assert sorted(v["annotator"] for v in settled["votes"]) == ["ada", "cy"]
+    assert lineage["annotators"] == ["ada", "bo", "cy"] and lineage["consensus"] == "dawid_skene"
+
+
+@pytest.mark.parametrize("name", sorted(__import__("pipeline.dataexport", fromlist=["WRITERS"]).WRITERS))
+def test_every_writer_writes_only_its_declared_files_and_every_sample_of_every_split(name, tmp_path):
+    """The writers' contract: `files` names all it writes (what --force replaces), and each split's samples are in it."""
+    from datasets import load_from_disk
+
+    from pipeline.dataexport.records import Sample, Turn
+    from pipeline.dataexport.writers import WRITERS
+
+    (tmp_path / "images" / "a").mkdir(parents=True)
+    splits = {}
+    for split, shapes in (("train", SHAPES), ("test", SHAPES[:1])):
+        splits[split] = []
+        for i, shape in enumerate(shapes):
+            rel = f"images/a/{split}-{shape}.png"
+            draw(shape, i).save(tmp_path / rel)
+            splits[split].append(Sample(f"{split}{i}", (rel,), (Turn("Which shape is drawn?", shape),), split))
+    writer = WRITERS[name]()
+    written = writer.write(splits, tmp_path)
+    assert {p.name for p in written} <= set(writer.files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"images", *(p.name for p in written)})
+    ids = set()
+    for p in written:
+        if p.is_dir():
+            ids |= {i for part in load_from_disk(str(p)).values() for i in part["id"]}
+        elif p.name != "dataset_info.json":
+            text = p.read_text()
+            ids |= {r["id"] for r in (json.loads(text) if p.suffix == ".json" else map(json.loads, text.splitlines()))}
+    assert ids == {s.id for rows in splits.values() for s in rows}

@@ -41,43 +41,43 @@ def _remove_stale(out: Path, files: Sequence[str], written: Sequence[Path]) -> N
             p.unlink()
 
 
-class TrlWriter(DataWriter):
-    """TRL's SFTTrainer for vision-language models: conversational `messages` (typed content, the image as a
-    `{"type": "image"}` entry, as tamis's own prompt builds it: pipeline/model/families.py Family.messages) and an
-    `images` list. JSONL, one file per split."""
+class JsonLinesWriter(DataWriter):
+    """One JSONL file per split (train.jsonl, test.jsonl), one `record` per line."""
 
-    name = "trl"
     files = ("train.jsonl", "test.jsonl")
 
-    @staticmethod
-    def record(s: Sample) -> dict[str, Any]:
+    def record(self, s: Sample) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def write(self, splits: Mapping[str, Sequence[Sample]], out: Path) -> list[Path]:
+        written = [atomic_write_jsonl(out / f"{split}.jsonl", [self.record(s) for s in rows])
+                   for split, rows in splits.items()]
+        _remove_stale(out, self.files, written)
+        return written
+
+
+class TrlWriter(JsonLinesWriter):
+    """TRL's SFTTrainer for vision-language models: conversational `messages` (typed content, the image as a
+    `{"type": "image"}` entry, as tamis's own prompt builds it: pipeline/model/families.py Family.messages) and an
+    `images` list."""
+
+    name = "trl"
+
+    def record(self, s: Sample) -> dict[str, Any]:
         messages = [{"role": role, "content": [{"type": "image"}] * n + [{"type": "text", "text": text}]}
                     for role, text, n in conversation(s)]
         return {"id": s.id, "messages": messages, "images": list(s.images)}
 
-    def write(self, splits: Mapping[str, Sequence[Sample]], out: Path) -> list[Path]:
-        written = [atomic_write_jsonl(out / f"{split}.jsonl", [self.record(s) for s in rows])
-                   for split, rows in splits.items()]
-        _remove_stale(out, self.files, written)
-        return written
 
-
-class SwiftWriter(DataWriter):
+class SwiftWriter(JsonLinesWriter):
     """ms-swift's standard format: `messages` with string content, an `<image>` tag per image in the text, and an
-    `images` list. JSONL, one file per split (`swift sft --dataset train.jsonl --val_dataset test.jsonl`)."""
+    `images` list (`swift sft --dataset train.jsonl --val_dataset test.jsonl`)."""
 
     name = "swift"
-    files = ("train.jsonl", "test.jsonl")
 
     def record(self, s: Sample) -> dict[str, Any]:
         return {"id": s.id, "messages": [{"role": role, "content": _tagged(s, text, n, "ms-swift")}
                                          for role, text, n in conversation(s)], "images": list(s.images)}
-
-    def write(self, splits: Mapping[str, Sequence[Sample]], out: Path) -> list[Path]:
-        written = [atomic_write_jsonl(out / f"{split}.jsonl", [self.record(s) for s in rows])
-                   for split, rows in splits.items()]
-        _remove_stale(out, self.files, written)
-        return written
 
 
 class LlamaFactoryWriter(DataWriter):

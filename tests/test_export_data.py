@@ -360,3 +360,17 @@ def test_every_writer_writes_only_its_declared_files_and_every_sample_of_every_s
             text = p.read_text()
             ids |= {r["id"] for r in (json.loads(text) if p.suffix == ".json" else map(json.loads, text.splitlines()))}
     assert ids == {s.id for rows in splits.values() for s in rows}
+
+
+def test_an_image_changed_or_gone_since_ingest_is_exported_as_ingested_so_it_matches_its_label(tmp_path):
+    config = make_project(tmp_path, open_answers=False)
+    changed, gone = tmp_path / "photos" / "circle" / "circle_2.png", tmp_path / "photos" / "square" / "square_3.jpg"
+    was = {changed: changed.read_bytes(), gone: gone.read_bytes()}
+    draw("triangle", 9).save(changed)  # the user drew over it after ingest: its label is the circle's
+    gone.unlink()
+    out = tmp_path / "export"
+    res = tamis_cli("export-data", "-c", config, "--format", "swift", "--out", out)
+    assert res.returncode == 0, said(res)
+    assert "(7 hard-linked, 0 copied, 2 written from the ingested bytes)" in said(res)
+    assert (out / "images/circle/circle_2.png").read_bytes() == was[changed]
+    assert (out / "images/square/square_3.jpg").read_bytes() == was[gone]

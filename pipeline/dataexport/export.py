@@ -13,7 +13,7 @@ as `round` would settle it now (derived, not written: an export changes nothing 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,9 +82,10 @@ def project_dataset(artifacts: Path) -> tuple[Path, Any]:
 
 def build_samples(ds: Any, labels: Mapping[str, Mapping[str, str]]) -> tuple[dict[str, list[Sample]],
                                                                                dict[str, SourceImage],
-                                                                               dict[str, bytes], list[dict[str, str]]]:
-    """(split → samples sorted by image name, sample_id → its source image, → its ingested bytes, renamed files)
-    for `labels` (split → sample_id → answer)."""
+                                                                               Callable[[str], bytes],
+                                                                               list[dict[str, str]]]:
+    """(split → samples sorted by image name, sample_id → its source image, sample_id → its ingested bytes, renamed
+    files) for `labels` (split → sample_id → answer). The bytes are read again when written, never all held."""
     from pipeline.idindex import IdIndex
     from pipeline.store import arrow_column, digest_bytes
 
@@ -93,17 +94,17 @@ def build_samples(ds: Any, labels: Mapping[str, Mapping[str, str]]) -> tuple[dic
     at = IdIndex.of_dataset(ds).rows(wanted)
     rows = ds.select(sorted(int(i) for i in at if i >= 0)).select_columns(
         ["sample_id", "image", "image_path", "question"])
-    sources, data, questions, named = {}, {}, {}, {}
-    for r in rows:
+    sources, questions, named, where = {}, {}, {}, {}
+    for i, r in enumerate(rows):
         sid = r["sample_id"]
         sources[sid] = SourceImage(sid, r["image_path"] or "", digest_bytes(r["image"]))
-        data[sid], questions[sid] = r["image"], r["question"]
+        questions[sid], where[sid] = r["question"], i
         named[sid] = (own_name(sources[sid], root, r["image"]), sources[sid].digest)
     files, renamed = place(named)
     splits = {split: sorted((Sample(s, (files[s],), (Turn(questions[s], a),), split) for s, a in ids.items()
                              if s in files), key=lambda x: (x.images, x.id))
               for split, ids in labels.items()}
-    return splits, sources, data, renamed
+    return splits, sources, lambda sid: rows[where[sid]]["image"], renamed
 
 
 @dataclass(frozen=True)
@@ -164,9 +165,9 @@ def export_data(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[str
         raise DataError(f"{artifacts}: no labeled training samples yet (no seed answers on the train split, no "
                         "ledger label); import labels (`tamis labels import`) or run a round first")
     wanted = {"train": labels.train, **({"test": labels.test} if include_test else {})}
-    splits, sources, blobs, renamed = build_samples(ds, wanted)
+    splits, sources, read, renamed = build_samples(ds, wanted)
     out.mkdir(parents=True, exist_ok=True)
-    counts = write_images(out, {s.id: s.images[0] for rows in splits.values() for s in rows}, sources, blobs)
+    counts = write_images(out, {s.id: s.images[0] for rows in splits.values() for s in rows}, sources, read)
     files = writer.write(splits, out)
     lin = atomic_write_json(out / "lineage.json", data_lineage(artifacts, labels, splits, fmt=fmt, annotate=annotate,
                                                                dataset=folder, renamed=renamed))

@@ -16,7 +16,7 @@ import io
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -88,10 +88,10 @@ def write_file(dest: Path, source: str, data: bytes) -> str:
 
 
 def write_images(out: Path, files: Mapping[str, str], sources: Mapping[str, SourceImage],
-                 read: Mapping[str, bytes]) -> dict[str, int]:
+                 read: Callable[[str], bytes]) -> dict[str, int]:
     """out/images/ holding `files` (sample_id → path under out), swapped in whole once written (an earlier export's
     images/ is replaced). Not through store.atomic_dir: that resets file modes, which on a hard link would change the
-    user's original. `read`: sample_id → the ingested bytes."""
+    user's original. `read(sample_id)`: its ingested bytes."""
     counts = {"linked": 0, "copied": 0, "written": 0}
     from pipeline.store import current_umask
 
@@ -105,7 +105,7 @@ def write_images(out: Path, files: Mapping[str, str], sources: Mapping[str, Sour
             done.add(rel)
             dest = tmp / PurePosixPath(rel).relative_to(IMAGES_DIR)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            counts[write_file(dest, sources[sid].image_path, read[sid])] += 1
+            counts[write_file(dest, sources[sid].image_path, read(sid))] += 1
         final = out / IMAGES_DIR
         if final.exists():
             shutil.rmtree(final)

@@ -1,4 +1,5 @@
-"""`tamis predict` and `tamis export-model`: use what the rounds made (docs/use-your-model.md)."""
+"""`tamis predict`, `tamis export-model` and `tamis export-data`: use what the rounds made (docs/use-your-model.md,
+docs/formats.md)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,37 @@ def export_model_cmd(
     out_console().print("\n".join(lines), highlight=False)
 
 
+def export_data_cmd(
+    out: Annotated[Path, typer.Option("--out", help="A new or empty folder to write (images/, the format's files, "
+                                      "lineage.json).")],
+    fmt: Annotated[str, typer.Option("--format", help="trl (TRL SFTTrainer JSONL), llamafactory (sharegpt JSON + "
+                                     "dataset_info.json), swift (ms-swift JSONL) or hf (a DatasetDict saved with "
+                                     "save_to_disk); docs/formats.md shows a record of each.")],
+    config: ConfigOpt = None,
+    include_test: Annotated[bool, typer.Option("--include-test", help="Also write the labeled test split (what the "
+                                               "rounds evaluate on), in its own file / split.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Write into a folder that is not empty, replacing the files "
+                                        "this format writes, images/ and lineage.json (other files are kept). Never "
+                                        "allowed inside the project's artifacts folder.")] = False,
+) -> None:
+    """Export the labeled set (the labels the next round trains on, with the images under their own names) in a
+    training framework's format, with its lineage."""
+    config = config_file(config)
+    from pipeline.dataexport import export_data
+
+    cfg = load(config)
+    res = export_data(out, artifacts=cfg.artifacts, data=cfg.data, annotate=cfg.annotate, fmt=fmt,
+                      include_test=include_test, force=force)
+    c = res.counts
+    test = f", {c['test']} test" if "test" in c else ""
+    lines = [f"exported {c['train']} labeled training samples{test} as {res.format} to {res.dir}",
+             *(f"  {p}" for p in res.files),
+             f"  images: {res.dir / 'images'} ({c['linked']} hard-linked, {c['copied']} copied, {c['written']} "
+             "written from the ingested bytes)", f"  lineage: {res.lineage}"]
+    out_console().print("\n".join(lines), highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     app.command("predict")(predict_cmd)
     app.command("export-model")(export_model_cmd)
+    app.command("export-data")(export_data_cmd)

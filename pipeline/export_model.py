@@ -70,20 +70,24 @@ def training_labels(artifacts: str | os.PathLike[str], state: Mapping[str, Any])
         if "sample_id" in e and int(e.get("round", 0)) <= state["round"]:
             newest[e["sample_id"]] = e
     logged = logged_votes(artifacts, state["round"])
-    out = []
-    for sid, answer in zip(ds["sample_id"], ds["answer"], strict=True):
-        e = newest.get(sid)
-        if e is None:
-            out.append({"sample_id": sid, "label": answer, "source": "seed"})
-            continue
-        row = {"sample_id": sid, "label": answer, "source": "ledger", "entry_id": e.get("entry_id"),
-               "annotator": e.get("annotator"), "votes": logged.get(sid) or entry_votes(e), "round": e.get("round"),
-               "kind": e.get("kind"), "source_file": shareable_path(e.get("source_file"), artifacts),
-               "source_digest": e.get("source_digest")}
-        if e.get("label") != answer:  # e.g. a consensus of several annotators' votes replaced the entry's label
-            row["ledger_label"] = e.get("label")
-        out.append(row)
-    return out
+    return [trace_label(sid, answer, newest.get(sid), logged, artifacts)
+            for sid, answer in zip(ds["sample_id"], ds["answer"], strict=True)]
+
+
+def trace_label(sid: str, answer: str, entry: Mapping[str, Any] | None, logged: Mapping[str, list[dict[str, str]]],
+                artifacts: str | os.PathLike[str]) -> dict[str, Any]:
+    """One label as lineage.json lists it: its ledger entry (id, annotators and their votes, round, the imported
+    file's digest), or `source: seed` for a label the data came with (no entry)."""
+    if entry is None:
+        return {"sample_id": sid, "label": answer, "source": "seed"}
+    e = entry
+    row = {"sample_id": sid, "label": answer, "source": "ledger", "entry_id": e.get("entry_id"),
+           "annotator": e.get("annotator"), "votes": logged.get(sid) or entry_votes(e), "round": e.get("round"),
+           "kind": e.get("kind"), "source_file": shareable_path(e.get("source_file"), artifacts),
+           "source_digest": e.get("source_digest")}
+    if e.get("label") != answer:  # e.g. a consensus of several annotators' votes replaced the entry's label
+        row["ledger_label"] = e.get("label")
+    return row
 
 
 def logged_votes(artifacts: str | os.PathLike[str], round_index: int) -> dict[str, list[dict[str, str]]]:
@@ -361,15 +365,16 @@ def storage_dtype(choice: str, model_cfg: Any) -> Any:
 EXPORT_NAMES = ("adapter", "merged", "README.md", "lineage.json")  # what an export writes into its folder
 
 
-def check_out(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *, force: bool) -> Path:
+def check_out(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *, force: bool,
+              names: Sequence[str] = EXPORT_NAMES, command: str = "export-model") -> Path:
     """The export's folder, refused when writing there would destroy something: any folder in the project's
     artifacts (a round's train folder holds the adapter `predict` verifies), or one that already holds files,
-    unless `force`. Like `git clone` and `tamis init`, it wants a new or empty folder; `force` replaces EXPORT_NAMES
-    there and never empties a folder it did not make."""
+    unless `force`. Like `git clone` and `tamis init`, it wants a new or empty folder; `force` replaces `names` (what
+    `command` writes there) and never empties a folder it did not make."""
     out, art = Path(out), Path(artifacts).resolve()
     where = out.resolve()
     clash = where if where.is_relative_to(art) else next(
-        (out / n for n in EXPORT_NAMES if (where / n).resolve().is_relative_to(art)
+        (out / n for n in names if (where / n).resolve().is_relative_to(art)
          or art.is_relative_to((where / n).resolve())), None)
     if clash is not None:
         raise ConfigError(f"--out {out}: {clash} is in the project's artifacts folder {art} (or holds it), whose "
@@ -381,8 +386,8 @@ def check_out(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *,
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not force:
         shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
-        raise ConfigError(f"--out {out}: the folder is not empty ({len(held)} entries: {shown}); export-model "
-                          f"writes {', '.join(EXPORT_NAMES)} there. Name a new or empty folder, or pass --force to "
+        raise ConfigError(f"--out {out}: the folder is not empty ({len(held)} entries: {shown}); {command} "
+                          f"writes {', '.join(names)} there. Name a new or empty folder, or pass --force to "
                           "replace those (anything else in the folder is kept)")
     return out
 

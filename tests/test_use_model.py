@@ -335,6 +335,26 @@ def test_export_model_never_writes_into_the_projects_artifacts_even_with_force(p
     assert find_adapter(art, round_index=1).dir == Path(states[1]["adapter"]["adapter_dir"])  # still verifies
 
 
+def test_export_data_holds_the_samples_questions_and_answers_the_last_round_trained_on(project, tmp_path):
+    """No label came in after round 1 planned: `tamis export-data` exports exactly round 1's labeled set (the set its
+    adapter trained on), never a test row."""
+    import datasets
+
+    from pipeline.round_state import round_dir
+
+    config, art, states = project
+    out = tmp_path / "data"
+    res = tamis_cli("export-data", "-c", config, "--format", "hf", "--out", out)
+    assert res.returncode == 0, said(res)
+    trained = datasets.load_from_disk(str(round_dir(art, 1) / "labeled" / "dataset"))
+    got = datasets.load_from_disk(str(out / "dataset"))
+    assert list(got) == ["train"]
+    assert sorted(zip(got["train"]["id"], got["train"]["question"], got["train"]["answer"], strict=True)) == sorted(
+        zip(trained["sample_id"], trained["question"], trained["answer"], strict=True))
+    lineage = json.loads((out / "lineage.json").read_text())
+    assert lineage["last_round"] == 1 and lineage["counts"]["train"] == states[1]["labeled"]
+
+
 # Three annotators on every sample; the third is always wrong, so always outvoted. Their names are what a Label
 # Studio user may type: a comma (the ledger joins the winners' names with commas), a table pipe, an image that
 # would load from elsewhere, a script.

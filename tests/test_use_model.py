@@ -258,7 +258,8 @@ def test_export_model_refuses_a_folder_that_holds_files_unless_forced_and_then_r
     # --force replaces what an export writes (adapter/, merged/, README.md, lineage.json) and keeps the rest.
     res = tamis_cli("export-model", "-c", config, "--out", out, "--force")
     assert res.returncode == 0, said(res)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter", "lineage.json", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter", "lineage.json", "notes.txt", "predict.py",
+                                                     "predict_config.json"]
     assert (out / "notes.txt").read_text() == "keep me"
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and not (out / "adapter" / "mine.bin").exists()
 

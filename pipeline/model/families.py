@@ -28,6 +28,7 @@ from PIL import Image
 
 from pipeline.errors import ModelError
 from pipeline.model import templates
+from pipeline.model.runtimes import UNCHECKED, Runtimes
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
@@ -73,6 +74,8 @@ class Family:
     answer_prefix: ClassVar[str] = ""
     # Keyword arguments of the image processor call that take the images as one list per sample ([[im], [im]]).
     nested_images: ClassVar[bool] = False
+    # Which serving runtimes take this family's model (pipeline/model/runtimes.py; `tamis export-model --check`).
+    runtimes: ClassVar[Runtimes] = UNCHECKED
 
     # ------------------------------------------------------------------------------------------ image geometry
     def tile_size(self, processor: Any) -> int:
@@ -357,6 +360,8 @@ class Idefics3Family(TiledFamily):
     image_token = "<image>"
     special_tokens = _SMOL_TOKENS
     chat_template = templates.IDEFICS3
+    runtimes = Runtimes(True, True, vllm_note="Idefics3ForConditionalGeneration: LoRA on the language model",
+                        gguf_note="SmolVLM / Idefics3: text model + --mmproj vision tower")
 
 
 class SmolVLMFamily(Idefics3Family):
@@ -366,6 +371,8 @@ class SmolVLMFamily(Idefics3Family):
     model_types = ("smolvlm",)
     special_tokens = (*_SMOL_TOKENS, "<video>")
     chat_template = templates.SMOLVLM2
+    runtimes = Runtimes(True, True, vllm_note="SmolVLMForConditionalGeneration: LoRA on the language model",
+                        gguf_note="SmolVLM2: text model + --mmproj vision tower")
 
 
 class Qwen2VLFamily(GridFamily):
@@ -381,6 +388,8 @@ class Qwen2VLFamily(GridFamily):
     image_token = "<|image_pad|>"
     special_tokens = _QWEN_TOKENS
     chat_template = templates.QWEN2_VL
+    runtimes = Runtimes(True, True, vllm_note="Qwen2VLForConditionalGeneration: LoRA on the language model",
+                        gguf_note="Qwen2-VL: text model + --mmproj vision tower")
 
 
 class Qwen25VLFamily(Qwen2VLFamily):
@@ -388,6 +397,8 @@ class Qwen25VLFamily(Qwen2VLFamily):
 
     name = "qwen2_5_vl"
     model_types = ("qwen2_5_vl",)
+    runtimes = Runtimes(True, True, vllm_note="Qwen2_5_VLForConditionalGeneration: LoRA on the language model",
+                        gguf_note="Qwen2.5-VL: text model + --mmproj vision tower")
 
 
 class Qwen3VLFamily(Qwen2VLFamily):
@@ -398,6 +409,9 @@ class Qwen3VLFamily(Qwen2VLFamily):
     projector_scope = r"visual\.(?:merger|deepstack_merger_list)"
     default_image_size = 448  # 14 × 32-px units
     chat_template = templates.QWEN3_VL
+    runtimes = Runtimes(True, True, vllm_note="Qwen3VLForConditionalGeneration: LoRA on the language model",
+                        gguf_note="Qwen3-VL: text model + --mmproj vision tower (registered in llama.cpp's conversion/ "
+                        "since late 2026, e.g. llama.cpp@0c1e57098)")
 
 
 class Gemma3Family(Family):
@@ -414,6 +428,8 @@ class Gemma3Family(Family):
     special_tokens = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
                       "<end_of_image>", "<image_soft_token>")
     chat_template = templates.GEMMA3
+    runtimes = Runtimes(True, True, vllm_note="Gemma3ForConditionalGeneration: LoRA on the language model",
+                        gguf_note="Gemma 3: text model + --mmproj vision tower")
     square_tiles = True  # resized to the square without keeping the aspect ratio (pan-and-scan off)
     nested_images = True
 
@@ -436,6 +452,10 @@ class LlavaOnevisionFamily(Family):
     image_token = "<image>"
     special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
     chat_template = templates.LLAVA_ONEVISION
+    runtimes = Runtimes(False, False, vllm_note="vLLM serves LlavaOnevisionForConditionalGeneration but takes no "
+                        "LoRA for it: serve the merged checkpoint (`export-model --merge`, `vllm serve merged`)",
+                        gguf_note="convert_hf_to_gguf.py has no LLaVA-OneVision conversion (no --mmproj for its "
+                        "any-resolution tiles)")
 
     def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
         # A base tile plus the any-resolution grid the pinpoints allow (a square image: n×n tiles), one newline
@@ -465,6 +485,9 @@ class InternVLFamily(Family):
     image_token = "<IMG_CONTEXT>"
     special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
     chat_template = templates.INTERNVL
+    runtimes = Runtimes(True, True, vllm_note="InternVLForConditionalGeneration (-hf): LoRA on the language model",
+                        gguf_note="InternVL 2.5 / 3: text model + --mmproj vision tower (llama.cpp converts "
+                        "the original InternVLChatModel layout; an -hf checkpoint may need its weights renamed)")
     square_tiles = True
 
     def processor_kwargs(self, image_size: int, *, tile: int | None = None) -> dict[str, Any]:

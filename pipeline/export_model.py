@@ -20,10 +20,13 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError, ModelError
 from pipeline.mdtext import code_span, escape_md, fenced
+
+if TYPE_CHECKING:
+    from pipeline.serving.vllm import VllmExport
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
@@ -346,7 +349,7 @@ class ExportResult:
     labels: int
     merged: Path | None
     merged_dtype: str | None
-    vllm: Any = None  # pipeline.serving.vllm.VllmExport with format vllm
+    vllm: VllmExport | None = None  # with format vllm: serve.sh, the adapter it serves, what leaving LoRA out cost
 
 
 def storage_dtype(choice: str, model_cfg: Any) -> Any:
@@ -403,7 +406,7 @@ def write_predict_script(out: Path, *, loaded: Any, processor: Any, sections: Ma
     atomic_write_text(out / SCRIPT_NAME, SCRIPT.read_text(encoding="utf-8"))
 
 
-def serve_with_vllm(out: Path, prov: Provenance, loaded: Any, sections: Mapping[str, Any], base: str) -> Any:
+def serve_with_vllm(out: Path, prov: Provenance, loaded: Any, sections: Mapping[str, Any], base: str) -> VllmExport:
     """--format vllm: serve.sh, and adapter-vllm/ when the adapter holds LoRA vLLM does not take (measured)."""
     from pipeline.serving.vllm import export_vllm
 

@@ -51,8 +51,10 @@ def rows(ims):
     return out
 
 
-def test_closed_answers_score_every_token_as_tamis_does(loaded):
+def test_closed_answers_score_every_token_as_tamis_does(loaded, monkeypatch):
     from pipeline.scoring import ClosedSetScorer
+
+    monkeypatch.setattr(script, "ANSWER_ROWS", 4)  # six answers: two forwards, the second of two rows
 
     cfg = config(loaded, LETTERS)
     cand = script.answer_tokens(loaded.processor, cfg)

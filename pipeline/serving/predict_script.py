@@ -98,21 +98,28 @@ def encode(processor, cfg: dict, images: list[Image.Image], texts: list[str], pa
 
 
 # ------------------------------------------------------------------------------------------------ scoring
+ANSWER_ROWS = 8  # answers scored per forward: each row holds the image's tokens too
+
+
 @torch.no_grad()
 def score_answers(model, processor, cfg: dict, image: Image.Image, cand: list[list[int]]) -> list[float]:
     """Each answer's log-likelihood after the prompt: the sum of its tokens' log-probabilities, divided by its number
-    of tokens when `length_normalize` (tamis's default). One row per answer, all in one forward."""
+    of tokens when `length_normalize` (tamis's default). One row per answer (prompt + answer), ANSWER_ROWS a forward;
+    only the positions after the prompt become log-probabilities (a vocabulary-wide row per token is large)."""
     device = next(model.parameters()).device
     plen = encode(processor, cfg, [image], [render(processor, cfg)])["input_ids"].shape[1]
-    enc = encode(processor, cfg, [image] * len(cand), [render(processor, cfg, a) for a in cfg["answers"]]).to(device)
-    logp = torch.log_softmax(model(**enc).logits.float(), dim=-1)
     out = []
-    for j, toks in enumerate(cand):
-        got = enc["input_ids"][j, plen: plen + len(toks)].tolist()
-        if got != toks:
-            raise SystemExit(f"answer {cfg['answers'][j]!r}: tokens {got} after the prompt, expected {toks}")
-        ll = sum(float(logp[j, plen - 1 + t, tok]) for t, tok in enumerate(toks))
-        out.append(ll / len(toks) if cfg.get("length_normalize", True) else ll)
+    for lo in range(0, len(cand), ANSWER_ROWS):
+        answers = cfg["answers"][lo: lo + ANSWER_ROWS]
+        enc = encode(processor, cfg, [image] * len(answers), [render(processor, cfg, a) for a in answers]).to(device)
+        logits = model(**enc).logits[:, plen - 1:]  # position plen - 1 + t predicts answer token t
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        for j, toks in enumerate(cand[lo: lo + ANSWER_ROWS]):
+            got = enc["input_ids"][j, plen: plen + len(toks)].tolist()
+            if got != toks:
+                raise SystemExit(f"answer {answers[j]!r}: tokens {got} after the prompt, expected {toks}")
+            ll = sum(float(logp[j, t, tok]) for t, tok in enumerate(toks))
+            out.append(ll / len(toks) if cfg.get("length_normalize", True) else ll)
     return out
 
 

@@ -187,7 +187,10 @@ def _how_to_load(base: str, merged_dtype: str | None) -> list[str]:
                   "from transformers import AutoModelForImageTextToText, AutoProcessor",
                   'model = AutoModelForImageTextToText.from_pretrained("merged")',
                   'processor = AutoProcessor.from_pretrained("merged")', "```", ""]
-    return lines + ["Or with tamis: `tamis predict IMAGES --adapter adapter` (same preparation and prompt).", "",
+    return lines + ["Without tamis: `python predict.py IMAGES --out predictions.csv` (transformers, peft, torch and "
+                    "Pillow; it prepares images, prompts and scores every token of every answer as tamis does, from "
+                    "`predict_config.json`).", "",
+                    "Or with tamis: `tamis predict IMAGES --adapter adapter` (same preparation and prompt).", "",
                     "Lineage: `lineage.json` lists every training label's ledger entry (id, annotators and their "
                     "votes, round, the imported file's digest) and the config digest behind this adapter."]
 

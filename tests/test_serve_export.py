@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from pipeline.config import load_config
 from tests.test_round_flow import write_project
-from tests.test_use_model import read_csv, said, tamis_cli
+from tests.test_use_model import photo_folder, read_csv, said, tamis_cli
 
 pytestmark = pytest.mark.slow  # a two-round project (~2 min on 2 busy cores) behind every test
 LETTERS = "ABCDEFGHIJ"
@@ -87,21 +86,9 @@ def exported(letters_project, tmp_path_factory):
 
 
 def photos(folder: Path, *, square: int | None = None) -> list[str]:
-    """Eight crops of scikit-image photos (colour and grey, PNG and JPEG, never square unless `square`)."""
-    from skimage import data
-
-    folder.mkdir(parents=True, exist_ok=True)
-    names = []
-    for i, name in enumerate(("astronaut", "coffee", "chelsea", "rocket", "camera", "coins", "moon", "page")):
-        arr = getattr(data, name)()
-        h, w = arr.shape[:2]
-        crop = Image.fromarray(arr[h // 5: h // 5 + 70 + 9 * i, w // 6: w // 6 + 50 + 13 * i])
-        if square:
-            crop = crop.resize((square, square), Image.BILINEAR)
-        fmt = "PNG" if square or i % 2 == 0 else "JPEG"
-        crop.save(folder / f"{name}.{fmt.lower()}", format=fmt)
-        names.append(f"{name}.{fmt.lower()}")
-    return names
+    """Eight crops of scikit-image photos: colour and grey, PNG and JPEG."""
+    return photo_folder(folder, square=square, photos=("astronaut", "coffee", "chelsea", "rocket", "camera", "coins",
+                                                       "moon", "page"))
 
 
 def tamis_predict(config: Path, folder: Path, out: Path) -> dict[str, dict[str, str]]:

@@ -43,14 +43,14 @@ def project(tmp_path_factory, tiny_models, prefect_harness):
     return config, load_config(config).artifacts, states
 
 
-def photo_folder(folder: Path, *, square: int | None = None) -> list[str]:
-    """Crops of scikit-image photos as PNG / JPEG files with their own names (plus a file that is no image);
+def photo_folder(folder: Path, *, square: int | None = None, photos: tuple[str, ...] = PHOTOS) -> list[str]:
+    """Crops of scikit-image photos (colour or grey) as PNG / JPEG files with their own names, never square unless
     `square`: crops already at the prepared size, so tamis's preparation leaves their pixels alone."""
     from skimage import data
 
     folder.mkdir(parents=True, exist_ok=True)
     names = []
-    for i, name in enumerate(PHOTOS):
+    for i, name in enumerate(photos):
         arr = getattr(data, name)()
         h, w = arr.shape[:2]
         crop = Image.fromarray(arr[h // 4: h // 4 + 120 + 10 * i, w // 5: w // 5 + 90 + 15 * i])

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from flows.cli_common import ConfigOpt, config_file, load, out_console
+from pipeline.errors import ConfigError
 
 RoundOpt = Annotated[int | None, typer.Option("--round", min=0, help="Use this round's adapter (default: the latest "
                                               "round that trained one).")]
@@ -50,8 +51,8 @@ def predict_cmd(
 
 
 def export_model_cmd(
-    out: Annotated[Path, typer.Option("--out", help="A new or empty folder to write (adapter/, README.md, lineage.json, "
-                                      "merged/).")],
+    out: Annotated[Path | None, typer.Option("--out", help="A new or empty folder to write (adapter/, README.md, "
+                                             "lineage.json, predict.py, merged/).")] = None,
     config: ConfigOpt = None,
     merge: Annotated[bool, typer.Option("--merge", help="Also write merged/: the base (4-bit weights dequantized) "
                                         "with the adapter merged in, for plain transformers.")] = False,
@@ -59,24 +60,49 @@ def export_model_cmd(
     dtype: Annotated[str, typer.Option("--dtype", help="The merged weights' dtype: auto (what tamis computes in "
                                        "here: bfloat16 on a bf16 GPU, float32 on a CPU), bfloat16, float16, "
                                        "float32.")] = "auto",
-    force: Annotated[bool, typer.Option("--force", help="Write into a folder that is not empty, replacing the "
-                                        "adapter/, merged/, README.md and lineage.json there (other files are "
-                                        "kept). Never allowed inside the project's artifacts folder.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Write into a folder that is not empty, replacing what an "
+                                        "export writes there (other files are kept). Never allowed inside the "
+                                        "project's artifacts folder.")] = False,
+    fmt: Annotated[str, typer.Option("--format", help="hf (default), or vllm: also serve.sh (`vllm serve` with the "
+                                     "adapter), and adapter-vllm/ without LoRA vLLM does not take, its cost "
+                                     "measured on the test split.")] = "hf",
+    check: Annotated[bool, typer.Option("--check", help="Only say which runtimes (transformers, vLLM, llama.cpp / "
+                                        "LM Studio / Ollama) can take this project's model, and why not; writes "
+                                        "nothing.")] = False,
 ) -> None:
-    """Export a round's model with its model card and lineage (the labels and config behind it) to a new or empty
-    folder."""
+    """Export a round's model with its model card, lineage (the labels and config behind it) and a standalone
+    predict.py to a new or empty folder; --check says which runtimes can serve it."""
     config = config_file(config)
+    cfg = load(config)
+    if check:
+        from pipeline.serving.runtimes import check_model
+
+        family, verdicts = check_model(cfg.model)
+        out_console().print("\n".join([f"{family.name} model ({cfg.model.name_as_written}, mode {cfg.model.mode}, "
+                                        f"train {cfg.model.train}):", *(f"  {v.line()}" for v in verdicts)]),
+                            highlight=False, markup=False)
+        return
+    if out is None:
+        raise ConfigError("--out is required: a new or empty folder to export to (or pass --check to only see "
+                          "which runtimes can take the model)")
     from pipeline.export_model import export_model
 
-    cfg = load(config)
     res = export_model(out, artifacts=cfg.artifacts, round_index=round_index, merge=merge, dtype=dtype,
-                       force=force, sections={"data": cfg.data, "preprocess": cfg.preprocess, "model": cfg.model,
-                                 "train": cfg.train, "annotate": cfg.annotate, "seed": cfg.seed})
+                       force=force, fmt=fmt, sections={"data": cfg.data, "preprocess": cfg.preprocess,
+                                                       "model": cfg.model, "train": cfg.train,
+                                                       "annotate": cfg.annotate, "select": cfg.select,
+                                                       "seed": cfg.seed})
     lines = [f"exported round {res.round}'s model ({res.labels} training labels) to {res.dir}",
-             f"  adapter: {res.adapter}", f"  model card: {res.card}", f"  lineage: {res.lineage}"]
+             f"  adapter: {res.adapter}", f"  model card: {res.card}", f"  lineage: {res.lineage}",
+             f"  predict.py: {res.dir / 'predict.py'} (transformers, peft, torch, Pillow; no tamis)"]
     if res.merged:
         lines.append(f"  merged ({res.merged_dtype}): {res.merged}")
-    out_console().print("\n".join(lines), highlight=False)
+    if res.vllm:
+        lines.append(f"  vLLM: {res.vllm.serve}" + (f" (serves {res.vllm.adapter.name}/ on the base)"
+                                                    if res.vllm.adapter else " (serves merged/)"))
+        if res.vllm.warning():
+            lines.append(f"warning: {res.vllm.warning()}")
+    out_console().print("\n".join(lines), highlight=False, markup=False)
 
 
 def export_data_cmd(

@@ -7,6 +7,8 @@
     DIR/lineage.json   the ledger entries (ids and digests) behind the adapter, the config digest, the train key
     DIR/merged/        with merge: base weights (4-bit ones dequantized) + the adapter merged, loadable by plain
                        transformers
+    DIR/predict.py     a standalone script (transformers, peft, torch, Pillow; no tamis) that prepares images, prompts
+                       and scores answers as tamis does, reading DIR/predict_config.json (pipeline/serving/)
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError, ModelError
 from pipeline.mdtext import code_span, escape_md, fenced
+
+if TYPE_CHECKING:
+    from pipeline.serving.vllm import VllmExport
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
@@ -186,7 +191,10 @@ def _how_to_load(base: str, merged_dtype: str | None) -> list[str]:
                   "from transformers import AutoModelForImageTextToText, AutoProcessor",
                   'model = AutoModelForImageTextToText.from_pretrained("merged")',
                   'processor = AutoProcessor.from_pretrained("merged")', "```", ""]
-    return lines + ["Or with tamis: `tamis predict IMAGES --adapter adapter` (same preparation and prompt).", "",
+    return lines + ["Without tamis: `python predict.py IMAGES --out predictions.csv` (transformers, peft, torch and "
+                    "Pillow; it prepares images, prompts and scores every token of every answer as tamis does, from "
+                    "`predict_config.json`).", "",
+                    "Or with tamis: `tamis predict IMAGES --adapter adapter` (same preparation and prompt).", "",
                     "Lineage: `lineage.json` lists every training label's ledger entry (id, annotators and their "
                     "votes, round, the imported file's digest) and the config digest behind this adapter."]
 
@@ -348,6 +356,7 @@ class ExportResult:
     labels: int
     merged: Path | None
     merged_dtype: str | None
+    vllm: VllmExport | None = None  # with format vllm: serve.sh, the adapter it serves, what leaving LoRA out cost
 
 
 def storage_dtype(choice: str, model_cfg: Any) -> Any:
@@ -362,7 +371,9 @@ def storage_dtype(choice: str, model_cfg: Any) -> Any:
     return DTYPES[choice]
 
 
-EXPORT_NAMES = ("adapter", "merged", "README.md", "lineage.json")  # what an export writes into its folder
+EXPORT_NAMES = ("adapter", "merged", "README.md", "lineage.json", "predict.py", "predict_config.json",
+                "adapter-vllm", "serve.sh")
+FORMATS = ("hf", "vllm")  # what an export writes into its folder
 
 
 def check_out(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *, force: bool,
@@ -392,18 +403,42 @@ def check_out(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *,
     return out
 
 
+def write_predict_script(out: Path, *, loaded: Any, processor: Any, sections: Mapping[str, Any], size: int) -> None:
+    """DIR/predict.py (tamis's standalone predictor, copied) and DIR/predict_config.json (what it asks and how)."""
+    from pipeline.serving.predict_config import CONFIG_NAME, SCRIPT, SCRIPT_NAME, predict_config
+    from pipeline.store import atomic_write_json, atomic_write_text
+
+    atomic_write_json(out / CONFIG_NAME, predict_config(
+        loaded=loaded, processor=processor, data=sections["data"], preprocess=sections["preprocess"],
+        model=sections["model"], select=sections.get("select"), size=size))
+    atomic_write_text(out / SCRIPT_NAME, SCRIPT.read_text(encoding="utf-8"))
+
+
+def serve_with_vllm(out: Path, prov: Provenance, loaded: Any, sections: Mapping[str, Any], base: str) -> VllmExport:
+    """--format vllm: serve.sh, and adapter-vllm/ when the adapter holds LoRA vLLM does not take (measured)."""
+    from pipeline.serving.vllm import export_vllm
+
+    select = sections.get("select")
+    return export_vllm(out, state=prov.state, family=loaded.family, model=sections["model"], base=base,
+                       answers=sections["data"].answers, batch_size=select.score_batch_size if select else 8,
+                       artifacts=prov.artifacts)
+
+
 def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[str], sections: Mapping[str, Any],
                  round_index: int | None = None, merge: bool = False, dtype: str = "auto",
-                 force: bool = False) -> ExportResult:
+                 force: bool = False, fmt: str = "hf") -> ExportResult:
     """Write DIR/adapter, DIR/README.md, DIR/lineage.json (and DIR/merged with `merge`) for a round's adapter.
-    `sections`: the config sections read (data, preprocess, model, train, annotate) and `seed`. A DIR that is not
-    empty needs `force` (check_out); paths in the export are relative, the base named as the config names it."""
+    `sections`: the config sections read (data, preprocess, model, train, annotate, select) and `seed`. A DIR that is not
+    empty needs `force` (check_out); paths in the export are relative, the base named as the config names it.
+    `fmt` vllm adds serve.sh and, when the adapter holds LoRA vLLM does not take, adapter-vllm/ (pipeline/serving/)."""
     from pipeline.perclass import load_eval_report
     from pipeline.preprocess import resolve_size
     from pipeline.rounds import completed_rounds
     from pipeline.store import atomic_write_json, atomic_write_text
 
     data, pre, model_cfg = sections["data"], sections["preprocess"], sections["model"]
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r}: choose {' or '.join(FORMATS)}")
     out = check_out(out, artifacts, force=force)
     prov = provenance(artifacts, round_index)
     adapter_src = Path(prov.state["adapter"]["adapter_dir"])
@@ -413,8 +448,10 @@ def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[st
     processor = processor_for_export(loaded, size)
     out.mkdir(parents=True, exist_ok=True)
     adapter_out, adapter_cfg = out / "adapter", {}
+    # A full fine-tune has no adapter, and vLLM takes no LoRA for some families: the whole model is the hand-off.
+    if model_cfg.mode == "full" or (fmt == "vllm" and not loaded.family.runtimes.vllm_lora):
+        merge = True
     if model_cfg.mode == "full":
-        merge = True  # a full fine-tune has no adapter: the whole model is the hand-off
         if adapter_out.is_dir():  # an earlier export's (--force): it would not match this model
             shutil.rmtree(adapter_out)
     else:
@@ -438,7 +475,11 @@ def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[st
                       answers=data.answers, evaluation=load_eval_report(prov.state.get("eval_dir")), base=base,
                       preprocess_note=note, merged_dtype=merged_dtype)
     atomic_write_text(out / "README.md", card)
+    write_predict_script(out, loaded=loaded, processor=processor, sections=sections, size=size)
     if adapter_out.is_dir():
         atomic_write_text(adapter_out / "README.md", card)  # in place of PEFT's empty template
+    for stale in ("adapter-vllm", "serve.sh"):  # an earlier export's (--force): they would not match this adapter
+        shutil.rmtree(out / stale) if (out / stale).is_dir() else (out / stale).unlink(missing_ok=True)
+    vllm = serve_with_vllm(out, prov, loaded, sections, base) if fmt == "vllm" else None
     return ExportResult(out, prov.round, adapter_out, out / "README.md", out / "lineage.json", len(prov.labels),
-                        out / "merged" if merge else None, merged_dtype)
+                        out / "merged" if merge else None, merged_dtype, vllm)

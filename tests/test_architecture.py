@@ -157,7 +157,7 @@ FLOORS = (
      "pipeline.labelcheck"),
     # the round: its plan, its report, what reads a finished round
     ("pipeline.rounds", "pipeline.unchanged", "pipeline.status", "pipeline.roundreport", "pipeline.predict",
-     "pipeline.export_model", "pipeline.dataexport", "pipeline.project_init"),
+     "pipeline.export_model", "pipeline.dataexport", "pipeline.project_init", "pipeline.serving"),
     ("flows",),
 )
 

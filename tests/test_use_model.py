@@ -44,14 +44,14 @@ def project(tmp_path_factory, tiny_models, prefect_harness):
     return config, load_config(config).artifacts, states
 
 
-def photo_folder(folder: Path, *, square: int | None = None) -> list[str]:
-    """Crops of scikit-image photos as PNG / JPEG files with their own names (plus a file that is no image);
+def photo_folder(folder: Path, *, square: int | None = None, photos: tuple[str, ...] = PHOTOS) -> list[str]:
+    """Crops of scikit-image photos (colour or grey) as PNG / JPEG files with their own names, never square unless
     `square`: crops already at the prepared size, so tamis's preparation leaves their pixels alone."""
     from skimage import data
 
     folder.mkdir(parents=True, exist_ok=True)
     names = []
-    for i, name in enumerate(PHOTOS):
+    for i, name in enumerate(photos):
         arr = getattr(data, name)()
         h, w = arr.shape[:2]
         crop = Image.fromarray(arr[h // 4: h // 4 + 120 + 10 * i, w // 5: w // 5 + 90 + 15 * i])
@@ -312,7 +312,8 @@ def test_export_model_refuses_a_folder_that_holds_files_unless_forced_and_then_r
     # --force replaces what an export writes (adapter/, merged/, README.md, lineage.json) and keeps the rest.
     res = tamis_cli("export-model", "-c", config, "--out", out, "--force")
     assert res.returncode == 0, said(res)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter", "lineage.json", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter", "lineage.json", "notes.txt", "predict.py",
+                                                     "predict_config.json"]
     assert (out / "notes.txt").read_text() == "keep me"
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and not (out / "adapter" / "mine.bin").exists()
 

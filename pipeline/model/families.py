@@ -29,6 +29,7 @@ from PIL import Image
 from pipeline.boxes.box import smart_resize
 from pipeline.errors import ModelError
 from pipeline.model import templates
+from pipeline.model.runtimes import UNCHECKED, Runtimes
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
@@ -77,6 +78,8 @@ class Family:
     # How this family writes boxes in an answer: a name in pipeline/boxes/codecs.py's CODECS. Families without a
     # grounding format of their own learn tamis's JSON with 0-1000 coordinates (docs/boxes.md).
     box_codec: ClassVar[str] = "json_1000"
+    # Which serving runtimes take this family's model (pipeline/model/runtimes.py; `tamis export-model --check`).
+    runtimes: ClassVar[Runtimes] = UNCHECKED
 
     # ------------------------------------------------------------------------------------------ image geometry
     def tile_size(self, processor: Any) -> int:
@@ -376,6 +379,8 @@ class Idefics3Family(TiledFamily):
     image_token = "<image>"
     special_tokens = _SMOL_TOKENS
     chat_template = templates.IDEFICS3
+    runtimes = Runtimes(True, True, vllm_note="Idefics3ForConditionalGeneration: LoRA on the language model",
+                        gguf_note="SmolVLM / Idefics3: text model + --mmproj vision tower")
 
 
 class SmolVLMFamily(Idefics3Family):
@@ -385,6 +390,8 @@ class SmolVLMFamily(Idefics3Family):
     model_types = ("smolvlm",)
     special_tokens = (*_SMOL_TOKENS, "<video>")
     chat_template = templates.SMOLVLM2
+    runtimes = Runtimes(True, True, vllm_note="SmolVLMForConditionalGeneration: LoRA on the language model",
+                        gguf_note="SmolVLM2: text model + --mmproj vision tower")
 
 
 class Qwen2VLFamily(GridFamily):
@@ -401,6 +408,8 @@ class Qwen2VLFamily(GridFamily):
     special_tokens = _QWEN_TOKENS
     chat_template = templates.QWEN2_VL
     box_codec = "qwen2_vl_tokens"
+    runtimes = Runtimes(True, True, vllm_note="Qwen2VLForConditionalGeneration: LoRA on the language model",
+                        gguf_note="Qwen2-VL: text model + --mmproj vision tower")
 
 
 class Qwen25VLFamily(Qwen2VLFamily):
@@ -409,6 +418,8 @@ class Qwen25VLFamily(Qwen2VLFamily):
     name = "qwen2_5_vl"
     model_types = ("qwen2_5_vl",)
     box_codec = "qwen2_5_vl_json"  # pixels of the smart-resized image, not Qwen2-VL's 0-1000 tokens
+    runtimes = Runtimes(True, True, vllm_note="Qwen2_5_VLForConditionalGeneration: LoRA on the language model",
+                        gguf_note="Qwen2.5-VL: text model + --mmproj vision tower")
 
 
 class Qwen3VLFamily(Qwen2VLFamily):
@@ -420,6 +431,9 @@ class Qwen3VLFamily(Qwen2VLFamily):
     default_image_size = 448  # 14 × 32-px units
     chat_template = templates.QWEN3_VL
     box_codec = "json_1000"  # Qwen2.5-VL's JSON, back to 0-1000 relative coordinates
+    runtimes = Runtimes(True, True, vllm_note="Qwen3VLForConditionalGeneration: LoRA on the language model",
+                        gguf_note="Qwen3-VL: text model + --mmproj vision tower (registered in llama.cpp's conversion/ "
+                        "since late 2026, e.g. llama.cpp@0c1e57098)")
 
 
 class Gemma3Family(Family):
@@ -436,6 +450,8 @@ class Gemma3Family(Family):
     special_tokens = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
                       "<end_of_image>", "<image_soft_token>")
     chat_template = templates.GEMMA3
+    runtimes = Runtimes(True, True, vllm_note="Gemma3ForConditionalGeneration: LoRA on the language model",
+                        gguf_note="Gemma 3: text model + --mmproj vision tower")
     square_tiles = True  # resized to the square without keeping the aspect ratio (pan-and-scan off)
     nested_images = True
 
@@ -458,6 +474,10 @@ class LlavaOnevisionFamily(Family):
     image_token = "<image>"
     special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
     chat_template = templates.LLAVA_ONEVISION
+    runtimes = Runtimes(False, False, vllm_note="vLLM serves LlavaOnevisionForConditionalGeneration but takes no "
+                        "LoRA for it: serve the merged checkpoint (`export-model --merge`, `vllm serve merged`)",
+                        gguf_note="convert_hf_to_gguf.py has no LLaVA-OneVision conversion (no --mmproj for its "
+                        "any-resolution tiles)")
 
     def planned_image_tokens(self, vc: dict[str, Any], image_size: int) -> tuple[int, int]:
         # A base tile plus the any-resolution grid the pinpoints allow (a square image: n×n tiles), one newline
@@ -487,6 +507,9 @@ class InternVLFamily(Family):
     image_token = "<IMG_CONTEXT>"
     special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
     chat_template = templates.INTERNVL
+    runtimes = Runtimes(True, True, vllm_note="InternVLForConditionalGeneration (-hf): LoRA on the language model",
+                        gguf_note="InternVL 2.5 / 3: text model + --mmproj vision tower (llama.cpp converts "
+                        "the original InternVLChatModel layout; an -hf checkpoint may need its weights renamed)")
     square_tiles = True
     box_codec = "internvl_ref"
 

@@ -201,3 +201,28 @@ def test_the_listing_key_follows_the_source_config(tmp_path):
     a = source_digest(cfg_for(tmp_path), art)
     b = source_digest(cfg_for(tmp_path, question="What is it?"), art)
     assert a != b and b == source_digest(cfg_for(tmp_path, question="What is it?"))
+
+
+def test_tamis_ingest_with_nothing_new_is_answered_by_the_folders(tmp_path):
+    """`tamis ingest` as a user types it, on an ingest already on disk (built by the library, as the flow's stage
+    would): "nothing changed", learned from the folders' listing (the run is counted as one answered by it)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from pipeline.data.ingest import ingest_params, ingest_stage
+
+    make_pool(tmp_path / "pool", n=12)
+    config = tmp_path / "tamis.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"artifacts": str(tmp_path / "art")},
+                                      "data": {"sources": [{"kind": "folder", "path": str(tmp_path / "pool")}]}}))
+    data = cfg_for(tmp_path)
+    ingest_stage(ingest_params(data, tmp_path / "art", source_digest(data, tmp_path / "art")))
+    tamis = Path(sys.executable).parent / "tamis"
+    for runs in (1, 2):
+        proc = subprocess.run([str(tamis), "ingest", "--config", str(config)], capture_output=True, text=True,
+                              timeout=300, check=False, env={**os.environ, "COLUMNS": "200"})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "nothing changed since the last ingest" in proc.stdout
+        assert json.loads((tmp_path / "art" / "ingest" / LISTING_NAME).read_text())["runs_since_sweep"] == runs

@@ -64,8 +64,9 @@ class DataConfig(Section):
         "mtimes cannot be trusted. All three give the same cache key.")
     sweep_every: int = Field(
         default=10, ge=1,
-        description="Under data.verify: listing, after this many runs answered by the folder listing check the next "
-        "one stats every image file (as verify: stat), so a file rewritten in place is seen within that many runs.")
+        description="Under data.verify: listing, after this many checks answered by the folders' listings the next "
+        "one stats every image file (as verify: stat), so a file rewritten in place is seen within that many checks "
+        "(tamis ingest checks once, tamis round once or twice).")
 
     @field_validator("answers")
     @classmethod

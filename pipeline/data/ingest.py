@@ -150,9 +150,10 @@ def source_digest(cfg: DataConfig, artifacts: str | os.PathLike[str] | None = No
 
 
 def _listing_key(src: SourceConfig, cfg: DataConfig) -> str:
-    """What a source's entry depends on besides its files: its config, the data section's and the ingest code."""
+    """What a source's entry depends on besides its files: its config (its path resolved: a relative one names
+    another folder from another working directory), the data section's and the ingest code."""
     data = ingest_key_config(cfg.model_dump(mode="json", exclude={"sources"}))
-    return digest_json([INGEST_VERSION, src.model_dump(mode="json"), data])
+    return digest_json([INGEST_VERSION, src.model_dump(mode="json"), str(Path(src.path).resolve()), data])
 
 
 def _listed_entry(src: SourceConfig, cfg: DataConfig, key: str, files: FileIndex, listings: Listings,

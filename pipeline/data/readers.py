@@ -115,7 +115,8 @@ def read_image_file(ref: str, base: Path, cfg: DataConfig, source: str,
     if files is not None:
         # Where the file is, and where its name (or the link to it) is listed: a file appearing, leaving or being
         # replaced there changes that folder's mtime, which is what the listing check compares.
-        files.folders.update((str(resolved.parent), str(candidate.parent)))
+        files.folders.add(os.path.dirname(resolved))
+        files.folders.add(os.path.dirname(candidate))
     try:
         st = os.stat(resolved)
     except FileNotFoundError:

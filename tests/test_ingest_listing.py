@@ -52,12 +52,15 @@ class Calls:
 
     def __init__(self, monkeypatch):
         self.paths: list[str] = []
+        self.scandirs: list[str] = []
         for name in ("stat", "lstat", "scandir"):
-            monkeypatch.setattr(os, name, self._counting(getattr(os, name)))
+            monkeypatch.setattr(os, name, self._counting(getattr(os, name), self.scandirs if name == "scandir"
+                                                         else self.paths))
 
-    def _counting(self, real):
+    @staticmethod
+    def _counting(real, calls: list[str]):
         def call(path=".", *args, **kwargs):
-            self.paths.append(os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path))
+            calls.append(os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path))
             return real(path, *args, **kwargs)
         return call
 
@@ -74,8 +77,10 @@ def test_a_no_op_run_stats_the_folders_not_the_files(tmp_path, monkeypatch, capl
     calls = Calls(monkeypatch)
     with caplog.at_level(logging.INFO, logger="pipeline.data.ingest"):
         assert source_digest(data, tmp_path / "art") == key
-    assert calls.of(".png") == [] and calls.of("") != []  # no image looked up, yet the folders were
-    assert len(calls.paths) <= 3 + 1 + 6  # 3 class folders + the root (+ the artifacts' own few files)
+    assert calls.of(".png") == [] and calls.scandirs == []  # no image looked up, no folder listed
+    pool = str((tmp_path / "pool").resolve())
+    assert sorted({p for p in calls.paths if p.startswith(pool + os.sep)}) == [f"{pool}/class{i}" for i in range(3)]
+    assert len(calls.paths) < 30  # those, the root, the source path resolved, the artifacts' files: none per image
     assert "1 of 1 source(s) answered by their folder listing" in caplog.text
 
     calls.paths.clear()

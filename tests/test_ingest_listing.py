@@ -118,8 +118,13 @@ def _rewrite_with_old_timestamp(pool: Path) -> None:
     os.utime(p, (PAST, PAST))
 
 
+def _sidecar_added(pool: Path) -> None:
+    (pool / "class1" / "0004.txt").write_text("Which texture is this?")  # the question of 0004.png from now on
+
+
 # change → (seen by the listing check, seen by the stat sweep); verify: content sees every one.
 CHANGES = {
+    "sidecar_added": (_sidecar_added, True, True),
     "add": (_add, True, True),
     "remove": (_remove, True, True),
     "rename": (_rename, True, True),
@@ -206,6 +211,24 @@ def test_the_listing_key_follows_the_source_config(tmp_path):
     a = source_digest(cfg_for(tmp_path), art)
     b = source_digest(cfg_for(tmp_path, question="What is it?"), art)
     assert a != b and b == source_digest(cfg_for(tmp_path, question="What is it?"))
+
+
+def test_a_saved_dataset_is_watched_by_its_own_files(tmp_path):
+    from datasets import Dataset
+
+    path = tmp_path / "saved"
+    Dataset.from_dict({"image": [png(i) for i in range(6)]}).save_to_disk(str(path))
+    age(path)
+    sources = [{"kind": "hf", "path": str(path)}]
+    art = tmp_path / "art"
+    before = source_digest(cfg_for(tmp_path, sources=sources), art)
+    assert source_digest(cfg_for(tmp_path, sources=sources), art) == before
+    assert json.loads((art / "ingest" / LISTING_NAME).read_text())["runs_since_sweep"] == 1  # answered by it
+    Dataset.from_dict({"image": [png(i) for i in range(7)]}).save_to_disk(str(tmp_path / "saved2"))
+    for f in (tmp_path / "saved2").iterdir():  # saved again in place, file by file
+        (path / f.name).write_bytes(f.read_bytes())
+    after = source_digest(cfg_for(tmp_path, sources=sources), art)
+    assert after != before and after == source_digest(cfg_for(tmp_path, sources=sources))
 
 
 def test_tamis_ingest_with_nothing_new_is_answered_by_the_folders(tmp_path):

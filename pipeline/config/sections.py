@@ -59,11 +59,20 @@ class DataConfig(Section):
     allowed_roots: list[Path] = Field(default_factory=list)
     # Simulated annotator: a JSONL of held-back answers (sample_id / image → answer).
     ground_truth: Path | None = None
-    verify: Literal["stat", "content"] = Field(
-        default="stat",
-        description="How ingest learns which image files changed: 'stat' trusts a file's size, mtime and inode as "
-        "recorded in artifacts/ingest/file_index.npz (one stat per unchanged file); 'content' re-reads every file, "
-        "for filesystems whose mtimes cannot be trusted. Both give the same cache key.")
+    verify: Literal["listing", "stat", "content"] = Field(
+        default="listing",
+        description="How ingest learns which image files changed. 'listing' (default) compares each source folder's "
+        "modification time with the one recorded in artifacts/ingest/listing.json (one stat per folder, not per file): "
+        "it sees files added, removed or renamed, not a file rewritten in place under the same name, so every "
+        "data.sweep_every-th run stats every file instead. 'stat' stats every file each run, trusting its size, mtime "
+        "and inode as recorded in artifacts/ingest/file_index.npz. 'content' re-reads every file: the only mode that "
+        "sees a same-size rewrite whose old timestamp was put back (touch -d), and the one for filesystems whose "
+        "mtimes cannot be trusted. All three give the same cache key.")
+    sweep_every: int = Field(
+        default=10, ge=1,
+        description="Under data.verify: listing, after this many checks answered by the folders' listings the next "
+        "one stats every image file (as verify: stat), so a file rewritten in place is seen within that many checks "
+        "(tamis ingest checks once, tamis round once or twice).")
 
     @field_validator("answers")
     @classmethod

@@ -6,7 +6,9 @@ learn that nothing changed made an unchanged re-run cost a full read of the pool
 digest (and the key), and an edit is seen even when the size stays the same.
 
 `data.verify: content` re-reads every file (for filesystems whose mtimes cannot be trusted: some network mounts,
-archives unpacked with their timestamps kept); both modes give the same digests, so the same key.
+archives unpacked with their timestamps kept); both modes give the same digests, so the same key. Under the default
+`data.verify: listing` most runs look up no file at all (pipeline/data/listing.py); a run that does uses this index
+as `stat` does.
 
 Racy entries (git's "racily clean" problem): a file written within the timestamp granularity of the moment it was
 digested could change again without its mtime moving. An entry whose mtime is that close to the digest time is kept
@@ -41,7 +43,7 @@ INDEX_NAME = "file_index.npz"  # under artifacts/ingest/
 _LEGACY_NAME = "file_index.json"  # tamis ≤ 0.x kept {path: [size, mtime_ns, ino, digest, racy]} as JSON
 _FORMAT = 2
 # Coarsest mtime granularity in common use (FAT: 2 s; ext4/xfs/APFS: ns; NFS may round to s).
-_RACY_NS = 2_000_000_000
+RACY_NS = 2_000_000_000
 _CHUNK = 1 << 20
 
 Verify = Literal["stat", "content"]
@@ -109,6 +111,10 @@ class FileIndex:
         self._new_digest = bytearray()
         self.reads = 0  # files read and digested in this run (the rest were answered from the index)
         self.hits = 0
+        self.racy = 0  # entries recorded in this run as racy (their next lookup reads the file again)
+        # Folders whose listing the rows located so far depend on, noted by the readers: what the listing check
+        # (pipeline/data/listing.py) stats instead of every file.
+        self.folders: set[str] = set()
 
     def _load(self) -> _Columns:
         if self.path is None:
@@ -171,12 +177,18 @@ class FileIndex:
         self.reads += 1
         after = os.stat(key)
         # Changed while being read, or written too recently for its mtime to prove the next change: re-read next time.
-        racy = [after.st_size, after.st_mtime_ns, after.st_ino] != sig or time.time_ns() - st.st_mtime_ns < _RACY_NS
+        racy = [after.st_size, after.st_mtime_ns, after.st_ino] != sig or time.time_ns() - st.st_mtime_ns < RACY_NS
         self._new_keys.append(h)
         self._new_sig.extend(sig)
         self._new_digest += bytes.fromhex(digest)
         self._new_racy.append(int(racy))
+        self.racy += int(racy)
         return digest
+
+    def keep_unseen(self) -> None:
+        """Keep the entries not looked up in this run on `save`: a source answered by its folder listing looked up
+        none of its files, and they are still there."""
+        self._seen[:] = True
 
     def save(self) -> None:
         """Write the entries looked up in this run (atomically); nothing is written when nothing changed."""
@@ -202,6 +214,8 @@ class FileIndex:
         self._new_digest = bytearray()
 
 
-def open_index(artifacts: str | os.PathLike[str] | None, verify: Verify) -> FileIndex:
-    """The project's file index (artifacts/ingest/file_index.npz); without artifacts, an in-memory one."""
-    return FileIndex(None if artifacts is None else Path(artifacts) / "ingest" / INDEX_NAME, verify)
+def open_index(artifacts: str | os.PathLike[str] | None, verify: Verify | Literal["listing"]) -> FileIndex:
+    """The project's file index (artifacts/ingest/file_index.npz); without artifacts, an in-memory one. Under
+    `data.verify: listing` a source whose listing moved is walked as under `stat`."""
+    path = None if artifacts is None else Path(artifacts) / "ingest" / INDEX_NAME
+    return FileIndex(path, "content" if verify == "content" else "stat")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from pipeline.codeversion import stage_version
 from pipeline.config import DataConfig, SourceConfig
 from pipeline.data.file_index import FileIndex, open_index
 from pipeline.data.images import ImageRejected, open_image
+from pipeline.data.listing import Listings, open_listings, source_files
 from pipeline.data.readers import READERS, RawRow, Rejected
 from pipeline.data.shards import SHARDS_FILE, Shard, ShardWriter, assemble, reusable_shards, save_lineage
 from pipeline.errors import DataError
@@ -59,10 +61,14 @@ def ingest_features() -> datasets.Features:
     })
 
 
+# How changes are found, not what the rows are (every mode gives the same digests): not in the ingest key, so
+# switching them re-uses every output.
+_HOW_CHANGES_ARE_FOUND = ("verify", "sweep_every")
+
+
 def ingest_key_config(data_config: dict[str, Any]) -> dict[str, Any]:
-    """The `data` section as the ingest stage is keyed on it: `verify` only says how changes are found (both modes
-    give the same digests), so it is left out and switching it re-uses every output."""
-    return {k: v for k, v in data_config.items() if k != "verify"}
+    """The `data` section as the ingest stage is keyed on it: without `verify` and `sweep_every`."""
+    return {k: v for k, v in data_config.items() if k not in _HOW_CHANGES_ARE_FOUND}
 
 
 def _row_key(item: RawRow | Rejected) -> list[Any]:
@@ -117,19 +123,50 @@ def _digest_parts(parts: Parts) -> str:
 def source_digest(cfg: DataConfig, artifacts: str | os.PathLike[str] | None = None) -> str:
     """Content digest of every source file and every image (and text) its rows reference: the ingest cache input.
 
-    With `artifacts`, image digests come from the project's file index (artifacts/ingest/file_index.npz): under
-    `data.verify: stat` an unchanged file costs a stat, not a read; `content` re-reads every file. The digest is the
-    same either way (and the same as without an index, which reads everything). A source that cannot be read at all
-    fails here, before any flow starts. Rows are streamed: memory does not grow with the pool.
+    With `artifacts`, a source whose folders' listings did not move since its last walk is answered by the entry that
+    walk recorded (`data.verify: listing`, pipeline/data/listing.py: a stat per folder); any other source is walked,
+    its image digests coming from the project's file index (artifacts/ingest/file_index.npz): an unchanged file costs
+    a stat, not a read, unless `data.verify: content` re-reads every file. The digest is the same in every mode (and
+    the same as without artifacts, which reads everything). A source that cannot be read at all fails here, before
+    any flow starts. Rows are streamed: memory does not grow with the pool.
     """
     if not cfg.sources:
         raise DataError("data.sources is empty; add at least one source (kind + path) to the config")
     files = open_index(artifacts, cfg.verify)
-    entries = [_source_entry(src, _items(src, cfg, files)) for src in cfg.sources]
+    listings = open_listings(artifacts)
+    # Every sweep_every-th run looks up every file: a file rewritten in place leaves its folder's mtime as it was.
+    sweep = cfg.verify != "listing" or listings.runs >= cfg.sweep_every
+    keys = [_listing_key(src, cfg) for src in cfg.sources]
+    entries = [_listed_entry(src, cfg, key, files, listings, sweep) for src, key in zip(cfg.sources, keys, strict=True)]
+    if listings.answered:
+        files.keep_unseen()  # the answered sources' files were not looked up, and are still there
     files.save()
-    log.info("ingest: %d image files looked up, %d read (new, changed or verify=%s), %d answered by the file index",
-             files.hits + files.reads, files.reads, cfg.verify, files.hits)
+    listings.save(set(keys))
+    log.info("ingest: %d of %d source(s) answered by their folder listing (verify=%s%s); %d image files looked up, "
+             "%d read (new, changed or verify=content), %d answered by the file index", listings.answered,
+             len(keys), cfg.verify, ", every file swept this run" if sweep and cfg.verify == "listing" else "",
+             files.hits + files.reads, files.reads, files.hits)
     return digest_json(entries)
+
+
+def _listing_key(src: SourceConfig, cfg: DataConfig) -> str:
+    """What a source's entry depends on besides its files: its config (its path resolved: a relative one names
+    another folder from another working directory), the data section's and the ingest code."""
+    data = ingest_key_config(cfg.model_dump(mode="json", exclude={"sources"}))
+    return digest_json([INGEST_VERSION, src.model_dump(mode="json"), str(Path(src.path).resolve()), data])
+
+
+def _listed_entry(src: SourceConfig, cfg: DataConfig, key: str, files: FileIndex, listings: Listings,
+                  sweep: bool) -> dict[str, Any]:
+    """The source's entry (_source_entry): the recorded one when its listing did not move and no sweep is due, else
+    from a walk through the file index, whose listing is then recorded for the next run."""
+    if not sweep and (entry := listings.answer(key)) is not None:
+        return entry
+    start, racy = time.time_ns(), files.racy
+    files.folders.clear()
+    entry = _source_entry(src, _items(src, cfg, files))
+    listings.record(key, entry, files.folders | set(source_files(src)), start, racy_files=files.racy > racy)
+    return entry
 
 
 class _Accounting:
@@ -369,8 +406,8 @@ def ingest_stage(params: IngestParams) -> dict[str, Any]:
     """The ingest stage: the sources of the data section ingested into `params.out_dir` (or the verified folder
     already there). Returns {"dir", "digest", "counts"}.
 
-    The key leaves out `verify`: the caller computed `source_digest` (with the configured mode) just before, which
-    refreshed the file index, so the body's own walk trusts it (stat)."""
+    The key leaves out `verify` and `sweep_every`: the caller computed `source_digest` (with the configured mode) just
+    before, which refreshed the file index of any source it walked, so the body's own walk trusts it (stat)."""
     data_config, out_dir = ingest_key_config(params.data_config), params.out_dir
     key = stage_key(STAGE, INGEST_VERSION, {"sources": params.source_digest}, data_config)
     data = DataConfig.model_validate({**data_config, "verify": "stat"})

@@ -6,7 +6,8 @@ Image paths in a manifest are relative to the manifest's folder and must stay in
 
 Given a `FileIndex` (`files=`), a reader locates image files without reading them: each row carries the file's
 content digest from the index (one `stat` per unchanged file) and empty `image` bytes. Manifests, sidecars and saved
-datasets are still read: they are small, or hold the bytes themselves.
+datasets are still read: they are small, or hold the bytes themselves. A reader also notes in `files.folders` every
+folder whose listing its rows depend on, for the listing check (pipeline/data/listing.py).
 """
 
 from __future__ import annotations
@@ -111,6 +112,11 @@ def read_image_file(ref: str, base: Path, cfg: DataConfig, source: str,
             "move the image under the root or add its folder to data.allowed_roots",
             str(candidate),
         )
+    if files is not None:
+        # Where the file is, and where its name (or the link to it) is listed: a file appearing, leaving or being
+        # replaced there changes that folder's mtime, which is what the listing check compares.
+        files.folders.add(os.path.dirname(resolved))
+        files.folders.add(os.path.dirname(candidate))
     try:
         st = os.stat(resolved)
     except FileNotFoundError:
@@ -200,6 +206,8 @@ class FolderReader(Reader):
             names = set(entries) if ext else set()
             # Plain strings joined by hand: os.path.join and Path.__fspath__ were a fifth of an unchanged walk.
             real_here, here_s = _dir_prefix(real_root.joinpath(*rel_dir)), _dir_prefix(here)
+            if files is not None:  # every folder walked, empty ones too: an image added to one changes its mtime
+                files.folders.add(os.path.normpath(real_here))
             answer = rel_dir[0] if rel_dir else None
             for name in entries:
                 stem, suffix = os.path.splitext(name)

@@ -137,3 +137,15 @@ def test_cumulative_label_studio_exports_count_each_annotation_once_its_newest_v
     (tmp_path / "late.json").write_text(json.dumps([ls_task("s000", a1, b, ls_ann("5", 3, 7.0, 103))]))
     run(tmp_path / "late.json")
     assert _votes_and_time(art) == (votes + [("s000", "3", "5")], seconds + 7.0)
+
+
+def test_the_newest_version_of_an_annotation_is_chosen_by_instant_not_by_text():
+    """updated_at as text sorts `…:00Z` after `…:00.400000Z`; the version from 0.4 s later must win (issue 46 #10,
+    the time and vote logs' side of it)."""
+    from pipeline.annotation.counted import count_once
+
+    key = '["ls", "s1", "7", "11", "ann"]'
+    older = {"annotation": key, "updated_at": "2026-01-01T10:00:00Z", "label": "old", "seconds": 5.0}
+    newer = {"annotation": key, "updated_at": "2026-01-01T10:00:00.400000Z", "label": "new", "seconds": 9.0}
+    for rows in ([older, newer], [newer, older]):
+        assert [r["label"] for r in count_once(rows)] == ["new"]

@@ -4,7 +4,7 @@ An inbox CSV imported half-written and again once complete, or a Label Studio pr
 holding v1's annotations and more), carries the same annotations in two files with two digests. The ledger stays
 right either way (the second import repeats labels it already holds), but the time log and the votes log would book
 them twice: 300 s instead of 200 s, two votes from one person. So every time row and vote row carries its
-annotation's key (`annotation_key`) and both logs count one row per key (`count_once`):
+annotation's key (`LabelRow.count_key`) and both logs count one row per key (`count_once`):
 
 - a row with Label Studio's IDs: sample + task + annotation ID + annotator; a later version of the annotation (its
   `updated_at`, else the later import) replaces the earlier one's vote and time (Label Studio's `lead_time` of an
@@ -18,20 +18,24 @@ Rows logged before keys existed count once per (file digest, sample, annotator, 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from datetime import datetime, timezone
+from typing import Any
 
-if TYPE_CHECKING:  # the ledger reads the logs through this module: it needs no label file reader
-    from pipeline.annotation.label_files import LabelRow
+# The ledger reads the logs through this module, and the stages that read the ledger (selection, evaluation) digest
+# what it imports into their code versions: it imports nothing of tamis. The key of a row read from a label file is
+# LabelRow.count_key (label_files.py).
 
 
-def annotation_key(sample_id: str, row: LabelRow) -> str:
-    """The identity of the annotation `row` reads: what its time and vote are counted once by (module docstring)."""
-    if row.task and row.annotation:
-        # row.annotation is "ID:content digest" (label_files._taken_key): the ID names the annotation, the content
-        # is its version, which a newer export of the same annotation replaces.
-        return json.dumps(["ls", sample_id, row.task, row.annotation.split(":", 1)[0], row.annotator])
-    return json.dumps(["row", sample_id, row.relabel, row.annotator, row.label, row.seconds])
+def instant(stamp: str) -> float:
+    """Label Studio's updated_at as seconds since the epoch, so `…:00Z` sorts before `…:00.400000Z` (as text it
+    sorts after). Without a zone it is UTC, as Label Studio writes it; unreadable sorts first (-inf)."""
+    try:
+        when = datetime.fromisoformat(stamp.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+    except (ValueError, AttributeError):
+        return -math.inf
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def _legacy_key(r: Mapping[str, Any]) -> str:
@@ -50,7 +54,8 @@ def count_once(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         k = row_key(r)
         old = out.get(k)
-        if old is not None and old.get("updated_at") and r.get("updated_at") and r["updated_at"] < old["updated_at"]:
+        if (old is not None and old.get("updated_at") and r.get("updated_at")
+                and instant(r["updated_at"]) < instant(old["updated_at"])):
             continue  # an older export imported after a newer one
         out[k] = dict(r)
     return list(out.values())

@@ -54,6 +54,15 @@ class LabelRow:
     matched_by: str | None = None
     matched_key: str | None = None
 
+    def count_key(self, sample_id: str) -> str:
+        """The identity of the annotation this row reads: what its time and vote are counted once by
+        (pipeline/annotation/counted.py)."""
+        if self.task and self.annotation:
+            # annotation is "ID:content digest" (_taken_key): the ID names the annotation, the content is its
+            # version, which a newer export of the same annotation replaces.
+            return json.dumps(["ls", sample_id, self.task, self.annotation.split(":", 1)[0], self.annotator])
+        return json.dumps(["row", sample_id, self.relabel, self.annotator, self.label, self.seconds])
+
     def keys(self) -> list[tuple[str, str]]:
         """The keys this row offers, as (kind, value)."""
         out = [("sample_id", self.sample_id)] if self.sample_id else []

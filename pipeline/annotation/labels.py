@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.annotation.consensus import Majority, votes_path
-from pipeline.annotation.counted import annotation_key, new_rows
+from pipeline.annotation.counted import new_rows
 from pipeline.annotation.label_files import LabelFile, LabelKeys, LabelRow, read_label_file
 from pipeline.annotation.ledger import Ledger, make_entry
 from pipeline.annotation.matching import SampleIndex
@@ -160,7 +160,7 @@ def _open_key(label: str) -> str:
 
 def _counted(sid: str, r: LabelRow) -> dict[str, Any]:
     """What a time or vote row is counted once by: its annotation (pipeline/annotation/counted.py)."""
-    return {"annotation": annotation_key(sid, r), **({"updated_at": r.updated} if r.updated else {})}
+    return {"annotation": r.count_key(sid), **({"updated_at": r.updated} if r.updated else {})}
 
 
 def _vote_row(sid: str, r: LabelRow, round_index: int, digest: str) -> dict[str, Any]:

@@ -19,10 +19,10 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pipeline.annotation.counted import instant
 from pipeline.annotation.export import TASKS_FILE
 from pipeline.annotation.label_studio import PULL_FAILED, annotation_key, pulled_path, task_set_name
 from pipeline.config import TriggerConfig
@@ -217,15 +217,6 @@ def stale_after(imports: Iterable[Mapping[str, Any]], left: set[str] | frozenset
     ever), none when the pull failed (Label Studio down: they wait for a retry)."""
     return set() if any(i.get(PULL_FAILED) for i in imports) else set(left)
 
-
-def instant(stamp: str) -> float:
-    """Label Studio's updated_at as seconds since the epoch, so `…:00Z` sorts before `…:00.400000Z` (as text it
-    sorts after). Without a zone it is UTC, as Label Studio writes it; unreadable sorts first (-inf)."""
-    try:
-        when = datetime.fromisoformat(stamp.strip().replace("Z", "+00:00").replace("z", "+00:00"))
-    except (ValueError, AttributeError):
-        return -math.inf
-    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,10 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import ConfigError, DataError
+from pipeline.schema import MAX_QUESTION_CHARS
 
 CSV_COLUMNS = ("file", "question", "answer", "probability", "mean_logprob", "label", "adapter", "error")
 CHUNK = 256  # images decoded and scored at a time: a 10⁵-image folder is never held in memory at once
-# A question longer than this is refused on its row: ~1,000 tokens, more than any VQA prompt, while a 5 MB one would
-# be tokenized into a million positions past the model's context and abort the whole run.
-MAX_QUESTION_CHARS = 4_000
 QUESTION_SHOWN = 200  # characters of a refused question kept in the output
 REJECTED_COLUMNS = ("file", "reason")
 

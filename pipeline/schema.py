@@ -41,6 +41,10 @@ def answer_column(columns: list[str]) -> str | None:
 
 
 SPLITS = ("train", "pool", "test")
+# A question longer than this is refused on its row (ingest quarantines it, predict answers it with the reason):
+# ~1,000 tokens, more than any VQA prompt, while a 5 MB one would be tokenized into a million positions past the
+# model's context and abort the whole run.
+MAX_QUESTION_CHARS = 4_000
 INGEST_COLUMNS = (
     "sample_id", "image", "image_path", "question", "answer", "split", "source", "sources", "width", "height", "mode",
     "external_id",

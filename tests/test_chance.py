@@ -104,7 +104,7 @@ def test_the_model_card_carries_the_warning(tmp_path, tiny_models):
     model = ModelConfig(name_or_path=str(tiny_models["idefics3"]))
     warning = chance_check(_rows([0.16, 0.18, 0.17]), LETTERS, train=TrainConfig(), model=model).warning
     state = {"round": 2, "metrics": {"accuracy": 0.17}, "at_chance": warning}
-    card = model_card(Provenance(2, state, None, []), model_cfg=model, loaded=load_processor(model),
+    card = model_card(Provenance(2, state, None, [], tmp_path), model_cfg=model, loaded=load_processor(model),
                       adapter_config={}, rounds_done=3, consensus="majority", question="Which letter?",
                       answers=LETTERS, evaluation=None, base="tiny", preprocess_note="", merged_dtype=None)
     assert f"## Warning: at chance\n\n{warning}\n" in card

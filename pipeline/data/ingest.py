@@ -25,7 +25,7 @@ from pipeline.data.listing import Listings, open_listings, source_files
 from pipeline.data.readers import READERS, RawRow, Rejected
 from pipeline.data.shards import SHARDS_FILE, Shard, ShardWriter, assemble, reusable_shards, save_lineage
 from pipeline.errors import DataError
-from pipeline.schema import INGEST_COLUMNS, SPLITS, sample_id_for
+from pipeline.schema import INGEST_COLUMNS, MAX_QUESTION_CHARS, SPLITS, sample_id_for
 from pipeline.store import (
     Manifest,
     atomic_write_json,
@@ -198,6 +198,10 @@ def _validate(row: RawRow, cfg: DataConfig, acc: _Accounting) -> dict[str, Any] 
         return None
     width, height, mode = img.width, img.height, img.mode
     img.close()
+    if len(row.question) > MAX_QUESTION_CHARS:
+        acc.reject(row.source, f"question is {len(row.question):,} characters, over the {MAX_QUESTION_CHARS:,} a "
+                   "prompt holds; shorten it in the source (a question, not a document)", row.image_path)
+        return None
     split = row.split or ("train" if row.answer is not None else "pool")
     if split not in SPLITS:
         acc.reject(row.source, f"split {split!r} is not one of {list(SPLITS)}; fix the split value in the source",

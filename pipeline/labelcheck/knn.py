@@ -185,8 +185,7 @@ def detect_label_issues(
     a_mg = signals["model"]["accuracy"]
     if use_model and signals["model"]["estimated_accuracy"] < MIN_MODEL_ACCURACY:
         # Wrong more often than right: its disagreement means nothing, and as a rater it cannot vouch for the kNN.
-        for s in signals.values():
-            s["used"] = False
+        _stand_down(signals)
         why = (f"model not yet accurate enough to judge labels (OOS accuracy {a_mg:.2f}; it must be right more often "
                f"than wrong, and the check needs labelcheck.min_oos_accuracy {min_oos_accuracy:.2f})")
         return _neighbours_alone(neighbours, given, ids, answers, signals, why, min_oos_accuracy, knn_k) or Detection(
@@ -201,9 +200,7 @@ def detect_label_issues(
     a_cg = agreement(p, given)
     judging = float(min(1.0, max(a_cg, a_cg / (clean or 1.0))))
     if judging < min_oos_accuracy:
-        for s in signals.values():
-            if s.get("used"):
-                s["used"] = False
+        _stand_down(signals)
         with_knn = f"; with kNN label consistency {judging:.2f}" if "knn" in calibrated else ""
         why = (f"model not yet accurate enough to judge labels (OOS accuracy {a_mg:.2f}{with_knn}; the check needs "
                f"labelcheck.min_oos_accuracy {min_oos_accuracy:.2f})")
@@ -211,6 +208,12 @@ def detect_label_issues(
             [], n, signals, a_mg, None, 0.0, why, min_oos_accuracy, judging=judging, label_accuracy=clean)
     return _confident_learning(p, given, ids, answers, calibrated, signals, judging=judging, clean=clean,
                                min_oos_accuracy=min_oos_accuracy)
+
+
+def _stand_down(signals: dict[str, dict[str, Any]]) -> None:
+    """The check abstains: no signal took part in a verdict (the report shows each one's accuracy all the same)."""
+    for s in signals.values():
+        s["used"] = False
 
 
 NEIGHBOURS_CONFIDENCE = 0.5  # P(label wrong) an issue needs when the neighbours judge alone (REPORT_CONFIDENCE: 0.3)

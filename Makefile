@@ -39,12 +39,15 @@ test: $(STAMP)
 # the round's label check at demo size, a code edit recomputing only its stage, cache keys stable across revisions,
 # rounds with a crowd of annotators, label imports SIGKILLed mid ledger write (in test_fault_injection.py), a round
 # reading a torn ledger, rounds started by Label Studio's webhooks, the listener resuming a deployed round that waits
-# for its labels (worker, Prefect server and Label Studio all real), a ten-minute soak of the webhook receiver.
+# for its labels (worker, Prefect server and Label Studio all real), a ten-minute soak of the webhook receiver, new
+# users' projects from init to round 2 unedited (test rows last, open answers, lower-case labels), the export's
+# predict.py agreeing with tamis predict where tamis cannot be imported.
 CLAIMS := tests/test_demo.py tests/test_fault_injection.py tests/test_deployment.py tests/test_dask_scoring.py \
 	tests/test_dask_cluster.py tests/test_distributed_train.py tests/test_open_round.py tests/test_label_studio_live.py \
 	tests/test_round_labelcheck.py tests/test_code_keys.py tests/test_cache_stability.py tests/test_consensus.py \
 	tests/test_ledger_readers.py tests/test_webhooks_live.py tests/test_listen_resume_live.py \
-	tests/test_webhook_soak.py
+	tests/test_webhook_soak.py tests/test_second_hour.py tests/test_serve_export.py \
+	tests/test_init.py::test_cli_a_new_users_manifest_runs_from_init_to_round_2_without_hand_edits
 test-claims: $(STAMP)
 	$(PY) -m pytest -m "slow and not gpu" -q --durations=0 $(CLAIMS)
 

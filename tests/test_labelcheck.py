@@ -589,3 +589,16 @@ def test_a_chance_level_model_abstains_even_beside_a_good_knn_signal():
                               knn=KnnSpace(ids, emb, labels), min_oos_accuracy=0.75)
     assert det.issues == [] and "right more often than wrong" in det.abstained
     assert not det.signals["knn"]["used"] and not det.signals["model"]["used"]
+
+
+def test_the_summarys_likely_label_errors_name_the_image_file_first():
+    """Issue 47: a person reads the label-quality table by the file names they know; the sample ID comes second."""
+    from pipeline.labelcheck.report import issue_files
+
+    rows = [{"sample_id": "s0", "image_path": "photos/tiles/F_017.jpg"}, {"sample_id": "s1"}]
+    issues = [Issue(1, "s0", "E", "F", 0.1, 0.8, -0.7, 0.9), Issue(2, "s1", "A", "B", 0.2, 0.7, -0.5, 0.8)]
+    table = label_issue_table(issues, [], files=issue_files(rows))
+    assert [r["file"] for r in table] == ["F_017.jpg", "s1"]  # without an image_path: its ID
+    md = label_report_markdown(table, {}, method="kfold", checked=12)
+    row = next(line for line in md.splitlines() if line.startswith("| 1 |"))
+    assert row.split(" | ")[1:3] == ["F\\_017.jpg", "s0"]

@@ -14,7 +14,7 @@ from pipeline.config import LabelCheckConfig, ModelConfig, SelectConfig, TrainCo
 from pipeline.labelcheck.knn import KnnSpace, detect_label_issues
 from pipeline.labelcheck.open_answers import check_open_labels
 from pipeline.labelcheck.out_of_sample import OOSResult, _answers, out_of_sample_probs
-from pipeline.labelcheck.report import annotator_agreement, label_issue_table, write_label_report
+from pipeline.labelcheck.report import annotator_agreement, issue_files, label_issue_table, write_label_report
 from pipeline.store import Manifest
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def check_labels(
                               knn=space, knn_note=note, min_oos_accuracy=labelcheck.min_oos_accuracy,
                               knn_k=labelcheck.knn_k,
                               neighbours=neighbour_space(labeled_rows, space, select=select, labelcheck=labelcheck))
-    table = label_issue_table(det.issues, ledger)
+    table = label_issue_table(det.issues, ledger, files=issue_files(labeled_rows))
     agreement = annotator_agreement(ledger, oos.suggestions(answers))
     log.info("%s (%s)", det.summary(), oos.method)
     return write_label_report(out_dir, oos=oos, table=table, agreement=agreement, answers=answers,

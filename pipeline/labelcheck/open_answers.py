@@ -25,7 +25,7 @@ from pipeline.labelcheck.out_of_sample import (
     stratified_folds,
     train_fold,
 )
-from pipeline.labelcheck.report import annotator_agreement, label_issue_table, write_label_report
+from pipeline.labelcheck.report import annotator_agreement, issue_files, label_issue_table, write_label_report
 from pipeline.store import Manifest, digest_path, find_valid_manifest, stage_key
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ def check_open_labels(
     det, cols = detect_open_label_issues([oos.model_answers(i) for i in range(len(oos.sample_ids))],
                                          [given[s] for s in oos.sample_ids], sample_ids=oos.sample_ids,
                                          min_oos_accuracy=labelcheck.min_oos_accuracy)
-    table = label_issue_table(det.issues, ledger)
+    table = label_issue_table(det.issues, ledger, files=issue_files(labeled_rows))
     at = {s: i for i, s in enumerate(oos.sample_ids)}
     for row in table:
         row["model_answers"] = oos.model_answers(at[row["sample_id"]])

@@ -15,6 +15,7 @@ from pipeline.labelcheck.base import LABELCHECK_VERSION
 from pipeline.labelcheck.detection import Issue, false_alarm_text
 from pipeline.labelcheck.out_of_sample import OOSResult
 from pipeline.mdtext import escape_md
+from pipeline.schema import display_name
 from pipeline.store import (
     Manifest,
     atomic_write_bytes,
@@ -34,9 +35,17 @@ def _entries(ledger: Any) -> list[dict[str, Any]]:
     return ledger.entries() if hasattr(ledger, "entries") else [dict(e) for e in ledger]
 
 
-def label_issue_table(issues: Sequence[Issue], ledger: Any) -> list[dict[str, Any]]:
+def issue_files(rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Sample ID -> the image's file name, for the rows that carry their image_path."""
+    return {r["sample_id"]: display_name(r["image_path"], None, r["sample_id"]) for r in rows if r.get("image_path")}
+
+
+def label_issue_table(issues: Sequence[Issue], ledger: Any,
+                      files: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """One row per issue, with who gave the label and from which file (from the ledger; `ledger` is a Ledger or
-    its entries). Labels that never went through the ledger (the dataset's train split) show origin "dataset"."""
+    its entries). Labels that never went through the ledger (the dataset's train split) show origin "dataset".
+    `files`: sample ID -> the name a person knows the image by (schema.display_name), listed first."""
+    files = files or {}
     current: dict[str, dict[str, Any]] = {}
     for e in _entries(ledger):
         if "sample_id" in e:
@@ -45,7 +54,8 @@ def label_issue_table(issues: Sequence[Issue], ledger: Any) -> list[dict[str, An
     for rank, iss in enumerate(issues, 1):
         e = current.get(iss.sample_id)
         row: dict[str, Any] = {
-            "rank": rank, "sample_id": iss.sample_id, "given_label": iss.given_label,
+            "rank": rank, "file": files.get(iss.sample_id, iss.sample_id), "sample_id": iss.sample_id,
+            "given_label": iss.given_label,
             "suggested_label": iss.suggested_label, "score": round(iss.margin, 6),
             "given_prob": round(iss.given_prob, 6), "suggested_prob": round(iss.suggested_prob, 6),
             "threshold": round(iss.threshold, 6), "confidence": round(iss.confidence, 6),
@@ -177,9 +187,10 @@ def label_report_markdown(table: Sequence[Mapping[str, Any]], agreement: Mapping
     if signals := verdict_signals(verdict):
         lines += ["- " + s for s in signals] + [""]
     if table:
-        lines += ["| rank | sample | given | suggested | P(wrong) | signals | annotators | source |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['rank']} | {escape_md(r['sample_id'])} | {escape_md(r['given_label'])} | "
+        lines += ["| rank | image | sample | given | suggested | P(wrong) | signals | annotators | label file |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['rank']} | {escape_md(r.get('file', r['sample_id']))} | {escape_md(r['sample_id'])} | "
+                  f"{escape_md(r['given_label'])} | "
                   f"{escape_md(r['suggested_label'])} | {r.get('confidence', 1.0):.2f} | "
                   f"{', '.join(r.get('signals', []))} | {escape_md(', '.join(r['annotators']) or r['origin'])} | "
                   f"{escape_md(Path(r['source_file']).name)} |"

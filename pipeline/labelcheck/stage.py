@@ -162,8 +162,10 @@ def run_label_check(params: LabelCheckParams) -> dict[str, Any]:
     from pipeline.embeddings import load_selection_embeddings
 
     p = params
-    rows = list(datasets.load_from_disk(p.labeled["dataset"]).select_columns(
-        ["sample_id", "prepared", "question", "answer"]))
+    labeled = datasets.load_from_disk(p.labeled["dataset"])
+    # image_path: the likely errors are listed by the user's file name (sets saved before it had one list IDs)
+    rows = list(labeled.select_columns(["sample_id", "prepared", "question", "answer",
+                                        *(["image_path"] if "image_path" in labeled.column_names else [])]))
     trained = [r["sample_id"] for r in read_jsonl(p.trained_ids_path)] if p.trained_ids_path else []
     given = StageConfig({"model": p.model, "train": p.train, "select": p.select, "labelcheck": p.labelcheck})
     m = check_labels(rows, p.out_dir, Ledger(ledger_path(p.artifacts)), model=given.model, train=given.train,

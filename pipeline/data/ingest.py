@@ -142,10 +142,11 @@ def source_digest(cfg: DataConfig, artifacts: str | os.PathLike[str] | None = No
         files.keep_unseen()  # the answered sources' files were not looked up, and are still there
     files.save()
     listings.save(set(keys))
-    log.info("ingest: %d of %d source(s) answered by their folder listing (verify=%s%s); %d image files looked up, "
-             "%d read (new, changed or verify=content), %d answered by the file index", listings.answered,
-             len(keys), cfg.verify, ", every file swept this run" if sweep and cfg.verify == "listing" else "",
-             files.hits + files.reads, files.reads, files.hits)
+    # The file lookups first: they are what a run costs (the listing only says how many it spared).
+    log.info("ingest: %d image files looked up, %d read (new, changed or verify=content), %d answered by the file "
+             "index; %d of %d source(s) answered by their folder listing (verify=%s%s)", files.hits + files.reads,
+             files.reads, files.hits, listings.answered, len(keys), cfg.verify,
+             ", every file swept this run" if sweep and cfg.verify == "listing" else "")
     return digest_json(entries)
 
 

@@ -17,12 +17,14 @@ from pipeline.store import executions, read_jsonl, read_manifest
 
 
 def write_project(root, tiny_models, limit=60, data=None, **overrides):
-    """A tiny project under `root` (its config → root/tamis.yaml): `limit` digits, or the `data` section given."""
-    if data is None:
+    """A tiny project under `root` (its config → root/tamis.yaml): `limit` digits, or the `data` section given (a
+    `data` without sources is laid over the digits' section: other answers or another question for the same images)."""
+    data = dict(data or {})
+    if "sources" not in data:
         digits = write_digits(root / "digits", limit=limit)
         data = {"sources": [{"kind": "jsonl", "path": str(digits / "manifest.jsonl")}],
                 "answers": [str(d) for d in range(10)], "question": "Which digit is shown in the image?",
-                "ground_truth": str(digits / "ground_truth.jsonl")}
+                "ground_truth": str(digits / "ground_truth.jsonl"), **data}
     model_dir = root / "model"
     shutil.copytree(tiny_models["idefics3"], model_dir)
     cfg = {

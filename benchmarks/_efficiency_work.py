@@ -228,7 +228,7 @@ def annotate(cfg: ProjectConfig, data: Data, run_dir: Path, selection: list[dict
 def selection_rows(sel: Any, scores: Any, adapter: Adapter, answers: list[str] | None) -> list[dict[str, Any]]:
     """Selection rows as the select stage writes them: rank, score, the model's answer and confidence (when the
     round scored the pool; open answers: the greedy answer, confidence exp(mean token log-prob))."""
-    from pipeline.selection import predictions
+    from pipeline.scoring import predictions
 
     rows = sel.rows()
     if scores is None or (scores.probs is None and scores.answers is None):

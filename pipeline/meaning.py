@@ -24,8 +24,8 @@ _NUMBERS = {w: str(i) for i, w in enumerate(
 
 
 def normalize_answer(s: str | None) -> str:
-    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces (pipeline.evaluate's metrics
-    compare answers after it too)."""
+    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces (pipeline.answer_metrics
+    compares answers after it too)."""
     s = (s or "").lower().translate(_PUNCT)
     return " ".join(_ARTICLES.sub(" ", s).split())
 

@@ -65,6 +65,19 @@ class ScoreResult:
         return out
 
 
+def predictions(scores: ScoreResult, answers: list[str] | None) -> tuple[list[str | None], list[float | None]]:
+    """The model's current answer and its confidence per sample: the most likely candidate and its probability for
+    closed sets, the greedy answer and exp(mean token log-prob) for open ones (the annotators' pre-annotations,
+    the evaluation's answers, the stop set's predictions)."""
+    if scores.probs is not None and answers:
+        best = scores.probs.argmax(1)
+        return [answers[i] for i in best], [float(p) for p in scores.probs.max(1)]
+    if scores.answers is not None:
+        mean_lp = np.nanmean(np.where(np.isfinite(scores.token_logprobs), scores.token_logprobs, np.nan), axis=1)
+        return list(scores.answers), [float(np.exp(x)) if np.isfinite(x) else None for x in mean_lp]
+    return [None] * len(scores.sample_ids), [None] * len(scores.sample_ids)
+
+
 def decode_rgb(data: bytes) -> Image.Image:
     return Image.open(io.BytesIO(data)).convert("RGB")
 
@@ -243,7 +256,7 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
 
 def agreement_key(text: str) -> str:
     """How sampled answers are compared for agreement: case, outer spaces and end punctuation ignored (lighter than
-    pipeline.evaluate.normalize_answer, which also drops articles and inner punctuation for the SQuAD metrics)."""
+    pipeline.meaning.normalize_answer, which also drops articles and inner punctuation for the SQuAD metrics)."""
     return " ".join(text.lower().strip().strip(".!?").split())
 
 

@@ -83,17 +83,6 @@ def heuristic_input(scores: Any, strategy: str) -> np.ndarray | None:
     return scores.mc_probs.mean(-1) if scores.mc_probs is not None and scores.probs is None else scores.probs
 
 
-def predictions(scores: Any, answers: list[str] | None) -> tuple[list[str | None], list[float | None]]:
-    """The model's current answer and its confidence per sample (pre-annotations for the annotators)."""
-    if scores.probs is not None and answers:
-        best = scores.probs.argmax(1)
-        return [answers[i] for i in best], [float(p) for p in scores.probs.max(1)]
-    if scores.answers is not None:
-        mean_lp = np.nanmean(np.where(np.isfinite(scores.token_logprobs), scores.token_logprobs, np.nan), axis=1)
-        return list(scores.answers), [float(np.exp(x)) if np.isfinite(x) else None for x in mean_lp]
-    return [None] * len(scores.sample_ids), [None] * len(scores.sample_ids)
-
-
 def pool_uncertainty(scores: Any) -> np.ndarray | None:
     """The uncertainty the outlier history tracks, whatever the selection strategy (random included): entropy of the
     (MC-averaged) answer probabilities for closed sets, mean per-token entropy of the greedy answer for open ones."""
@@ -142,6 +131,8 @@ def select_round(
     strategy × diversity after the cold start. `seconds` (recorded seconds per labeled sample) feed the cost model
     when `select.cost` is predicted (`round_cost`).
     """
+    from pipeline.scoring import predictions  # the scorers' module imports torch; a cold start need not
+
     labeled = set(labeled)
     if scores is None and (space is None or not cold_start):
         raise SelectionError("select: a round after the cold start needs the pool's scores; score the pool first")

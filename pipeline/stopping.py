@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import ConvergedRule
-from pipeline.evaluate import normalize_answer
+from pipeline.meaning import normalize_answer
 from pipeline.store import atomic_write_json
 
 STOPSET_FILE = "stopset.json"
@@ -169,8 +169,7 @@ def measure_stop_set(shard_refs: Sequence[Mapping[str, Any]], *, ids: Sequence[s
                      target: float) -> dict[str, Any]:
     """The stop set's predictions by this round's adapter (from its scored shards), recorded and compared with the
     previous round's (`record_stop_set`)."""
-    from pipeline.scoring import concat_scores, load_scores
-    from pipeline.selection import predictions
+    from pipeline.scoring import concat_scores, load_scores, predictions
 
     scores = concat_scores([load_scores(r["dir"]) for r in shard_refs])
     answer_of = dict(zip(scores.sample_ids, predictions(scores, answers)[0], strict=True))

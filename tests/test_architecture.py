@@ -144,7 +144,7 @@ FLOORS = (
     # the ground: errors, the artifact store, config, keys, IDs, metrics books and their wording
     ("pipeline", "pipeline.errors", "pipeline.store", "pipeline.codeversion", "pipeline.config", "pipeline.idindex",
      "pipeline.schema", "pipeline.lock", "pipeline.metrics", "pipeline.chance", "pipeline.perclass", "pipeline.report",
-     "pipeline.meaning", "pipeline.round_state", "pipeline.boxes",
+     "pipeline.meaning", "pipeline.answer_metrics", "pipeline.faiss_threads", "pipeline.round_state", "pipeline.boxes",
      "pipeline.mdtext", "pipeline.csvcells"),  # user text made inert in markdown and in CSVs for spreadsheets
     ("pipeline.data",),  # sources → the ingested table
     ("pipeline.scoring",),  # scorers of rows with a loaded model (the shard stage that loads it is above)
@@ -221,3 +221,48 @@ def test_few_library_functions_take_the_whole_project_config():
     whole = signatures(lambda p: annotated(p.annotation).split(" |")[0] == "ProjectConfig")
     assert len(whole) <= MAX_WHOLE_CONFIG, (f"{len(whole)} functions take a whole ProjectConfig (at most "
                                             f"{MAX_WHOLE_CONFIG}; take the sections read): " + "; ".join(whole))
+
+
+# ------------------------------------------------------------------------------------------- stages apart
+# The round's stage modules: each runs one cached stage of a round (a package counts as one stage; its modules may
+# import each other). What two of them share lives on a floor below both, so an edit to one stage's code never moves
+# another stage's code version (pipeline/codeversion.py digests import closures). The prepare stages (ingest,
+# preprocess, quality, augment, embeddings) stand a floor below these and are read by them through FLOORS.
+STAGE_MODULES = ("pipeline.model.train_stage", "pipeline.score_stage", "pipeline.selection", "pipeline.evaluate",
+                 "pipeline.labelcheck")
+
+
+def stage_of(module: str) -> str | None:
+    return next((s for s in STAGE_MODULES if module == s or module.startswith(s + ".")), None)
+
+
+def stage_imports(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{name} imports {target}" for name, targets in edges.items() for target in targets
+                  if stage_of(name) and stage_of(target) and stage_of(target) != stage_of(name))
+
+
+def test_no_stage_module_imports_another_stage_module():
+    bad = stage_imports(graph())
+    assert not bad, "a stage imports another stage (move what they share down a floor): " + "; ".join(bad)
+
+
+def test_the_stage_check_finds_a_stage_importing_a_stage():
+    edges = {"pipeline.evaluate": {"pipeline.selection", "pipeline.meaning"},
+             "pipeline.labelcheck.knn": {"pipeline.labelcheck.base"}}
+    assert stage_imports(edges) == ["pipeline.evaluate imports pipeline.selection"]
+
+
+def test_every_stage_module_exists():
+    known = modules()
+    assert all(s in known for s in STAGE_MODULES), [s for s in STAGE_MODULES if s not in known]
+
+
+def test_evaluations_code_version_holds_no_selection_code():
+    """EVAL_VERSION digests evaluate's import closure: a selector's edit must not re-run every evaluation."""
+    from pipeline.codeversion import code_closure, code_digest
+    from pipeline.evaluate import EVAL_VERSION
+
+    closure = code_closure("pipeline.evaluate")
+    assert EVAL_VERSION.endswith(code_digest("pipeline.evaluate"))
+    bad = [m for m in closure if m.startswith("pipeline.strategies") or m == "pipeline.selection"]
+    assert not bad, f"EVAL_VERSION's closure ({len(closure)} modules) holds selection code: {bad}"

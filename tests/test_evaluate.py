@@ -4,14 +4,9 @@ import pytest
 from PIL import Image
 
 from pipeline.annotation.ledger import Ledger, ledger_path, make_entry
+from pipeline.answer_metrics import accuracy, exact_match, score_answers, token_f1
 from pipeline.errors import DataError
-from pipeline.evaluate import (
-    accuracy,
-    exact_match,
-    normalize_answer,
-    score_answers,
-    token_f1,
-)
+from pipeline.meaning import normalize_answer
 from pipeline.metrics import append_metrics, plot_learning_curve, read_metrics
 from pipeline.status import status_summary
 from pipeline.store import read_jsonl

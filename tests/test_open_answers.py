@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 from pipeline.annotation.ledger import Ledger
+from pipeline.answer_metrics import edit_similarity, exact_match, score_answers, token_f1
 from pipeline.config import ModelConfig
-from pipeline.evaluate import edit_similarity, exact_match, score_answers, token_f1
 from pipeline.model.loading import load_model
 from pipeline.scoring import (
     REPLACEMENT,
@@ -23,9 +23,10 @@ from pipeline.scoring import (
     decode_whole,
     load_scores,
     make_scorer,
+    predictions,
     save_scores,
 )
-from pipeline.selection import heuristic_input, pool_uncertainty, predictions
+from pipeline.selection import heuristic_input, pool_uncertainty
 from pipeline.strategies import get_heuristic
 
 QUESTIONS = ["Write the digit shown in words.", "Is the digit even or odd?", "What is the digit plus one, in words?"]

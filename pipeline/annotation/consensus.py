@@ -299,7 +299,7 @@ def derive_consensus(artifacts: str | os.PathLike[str], annotate: Any, *, answer
     """(the consensus of every raw vote, the ledger entries it would append), writing nothing; (None, []) without
     votes. See apply_consensus."""
     from pipeline.annotation.ledger import Ledger, ledger_path, make_entry
-    from pipeline.evaluate import normalize_answer
+    from pipeline.meaning import normalize_answer
     from pipeline.store import digest_json
 
     votes = read_votes(artifacts)

@@ -37,7 +37,7 @@ from pipeline.annotation.rejections import write_rejections
 from pipeline.annotation.taken import already_taken, remember, taken
 from pipeline.config.answers import ClosedAnswers
 from pipeline.errors import LabelImportError
-from pipeline.evaluate import normalize_answer
+from pipeline.meaning import normalize_answer
 from pipeline.report import REJECTIONS_SHOWN
 from pipeline.store import append_jsonl, digest_bytes, read_jsonl
 

@@ -59,7 +59,7 @@ def knn_label_probs(
     are independent of the model's errors. Leave-one-out, so out-of-sample by construction. [len(query), c]."""
     import faiss
 
-    from pipeline.strategies.selectors import faiss_threads
+    from pipeline.faiss_threads import faiss_threads
 
     x = np.asarray(embeddings, dtype=np.float32)
     n = len(labels)

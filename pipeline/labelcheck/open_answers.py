@@ -89,7 +89,7 @@ def out_of_sample_answers(
     """out_of_sample_probs for open answers: the greedy and `select.mc_dropout_passes` MC-dropout answers of models
     that never saw the rows (heldout: `adapter` on the rows not in `trained_ids`; kfold: fold adapters, folds
     stratified by the normalised answer), cached the same way."""
-    from pipeline.evaluate import normalize_answer
+    from pipeline.meaning import normalize_answer
     from pipeline.model.train import check_rows
     from pipeline.scoring import SCORE_VERSION, load_scores
 
@@ -159,7 +159,8 @@ def detect_open_label_issues(
       measured on the checked labels themselves (the share of consistent cases whose consensus equals the label,
       which label noise can only lower), capped by the consistency.
     Returns (the Detection, the [n, 2] OPEN_COLUMNS array)."""
-    from pipeline.evaluate import normalize_answer, token_f1
+    from pipeline.answer_metrics import token_f1
+    from pipeline.meaning import normalize_answer
 
     n = len(given_labels)
     if len(model_answers) != n or len(sample_ids) != n:
@@ -219,7 +220,7 @@ def check_open_labels(
 ) -> Manifest:
     """check_labels for open answers (data.answers: null): out_of_sample_answers → detect_open_label_issues → the
     same report files (oos_probs.npz holds the OPEN_COLUMNS), issue table, annotator agreement and relabel queue."""
-    from pipeline.evaluate import normalize_answer
+    from pipeline.meaning import normalize_answer
 
     oos = out_of_sample_answers(labeled_rows, Path(oos_dir) if oos_dir else Path(out_dir) / "oos", model=model,
                                 train=train, select=select, labelcheck=labelcheck, seed=seed, adapter=adapter,

@@ -1,4 +1,5 @@
-"""What every batch selector shares: the `Selector` base class, embedding checks, faiss threads and k-means.
+"""What every batch selector shares: the `Selector` base class, embedding checks and k-means (faiss threads come
+from pipeline/faiss_threads.py, which the label check's kNN shares).
 
 Selectors live in selectors.py (scores and distances) and coverage.py (coverage of the pool); both build on this
 module, and only pipeline/strategies/registry.py names them.
@@ -6,37 +7,17 @@ module, and only pipeline/strategies/registry.py names them.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import faiss
 import numpy as np
 
 from pipeline.errors import SelectionError
+from pipeline.faiss_threads import faiss_threads
 
 # Rows per distance block: keeps each temporary under ~50 MB at any pool size.
 BLOCK = 1024
 _FINITE_CHUNK = 262_144  # rows per finiteness check
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no sched_getaffinity
-        return os.cpu_count() or 1
-
-
-@contextlib.contextmanager
-def faiss_threads(n: int | None = None) -> Iterator[None]:
-    """Run faiss with `n` OpenMP threads (default: the CPUs this process may use, not the host's core count)."""
-    prev = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(n or available_cpus())
-    try:
-        yield
-    finally:
-        faiss.omp_set_num_threads(prev)
 
 
 def kmeans_labels(

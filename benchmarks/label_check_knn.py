@@ -97,12 +97,13 @@ def chance_probs(n: int, k: int, seed: int):
 
 def run_one(rows: list[dict], answers: list[str], noise: float, seed: int) -> dict:
     from pipeline.config import LabelCheckConfig, SelectConfig
+    from pipeline.labelcheck import CheckScoring
     from pipeline.labelcheck.check import neighbour_space
     from pipeline.labelcheck.knn import detect_label_issues
 
     flipped = flip(rows, answers, noise, seed)
     labelcheck = LabelCheckConfig()
-    space = neighbour_space(rows, None, select=SelectConfig(), labelcheck=labelcheck)
+    space = neighbour_space(rows, None, scoring=CheckScoring.of(SelectConfig()), labelcheck=labelcheck)
     det = detect_label_issues(chance_probs(len(rows), len(answers), seed), [r["answer"] for r in rows], answers,
                               sample_ids=[r["sample_id"] for r in rows], knn=None, neighbours=space,
                               min_oos_accuracy=labelcheck.min_oos_accuracy, knn_k=labelcheck.knn_k)

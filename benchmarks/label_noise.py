@@ -179,7 +179,7 @@ def detect(oos, given: list[str], space, lc, use: tuple[str, ...]):
 def run_seed(args: argparse.Namespace, seed: int, work_root: Path) -> dict:
     """One seed: its own data split, flips, folds and trainings; lists aligned with the noise rates."""
     from pipeline.embeddings import lookup
-    from pipeline.labelcheck import KnnSpace, out_of_sample_probs
+    from pipeline.labelcheck import CheckSpec, KnnSpace, out_of_sample_probs
 
     args = argparse.Namespace(**{**vars(args), "seed": seed})
     base_cfg = _config(args, work_root)
@@ -201,8 +201,9 @@ def run_seed(args: argparse.Namespace, seed: int, work_root: Path) -> dict:
         cfg = base_cfg.model_copy(update={"paths": base_cfg.paths.model_copy(update={"artifacts": work / "artifacts"})})
         labels, flipped = noisy_labels(cfg, ds, gt, train_ids, noise, work)
         rows = trainer.rows(labels)
-        oos = out_of_sample_probs(rows, work / "oos", model=cfg.model, train=cfg.train, select=cfg.select,
-                                  labelcheck=cfg.labelcheck, answers=cfg.data.answers, seed=cfg.seed)
+        oos = out_of_sample_probs(rows, work / "oos", CheckSpec.of(
+            model=cfg.model, train=cfg.train, select=cfg.select, labelcheck=cfg.labelcheck, answers=cfg.data.answers,
+            seed=cfg.seed))
         given = [labels[s] for s in oos.sample_ids]
         space = KnnSpace(oos.sample_ids, lookup(emb_ids, emb_all, oos.sample_ids), given,
                          source=f"{args.embeddings} embeddings")

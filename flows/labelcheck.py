@@ -12,19 +12,13 @@ from flows.stages import run_stage, stage_task
 from pipeline.config import ProjectConfig
 from pipeline.labelcheck import (
     LABELCHECK_VERSION,
+    CheckSpec,
     plan_label_check,
     plan_relabel,
-    report_agreement,
-    report_table,
-    report_verdict,
     run_label_check,
     run_relabel,
 )
 from pipeline.model.identity import with_identity
-
-# flows/round.py reads the finished report through these.
-__all__ = ["label_check_ref", "relabel_ref", "report_agreement", "report_table", "report_verdict"]
-
 
 # Each task takes its stage's one parameters dataclass (pipeline/labelcheck/stage.py), keyed on its fields.
 labelcheck_task = stage_task("labelcheck", LABELCHECK_VERSION)(run_label_check)
@@ -40,10 +34,9 @@ def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: di
     def selection_space() -> dict[str, Any] | None:
         return embeddings_ref(cfg, prepared)
 
-    params = plan_label_check(artifacts=cfg.artifacts, model=with_identity(cfg.model, cfg.artifacts),
-                              train=cfg.train, select=cfg.select,
-                              labelcheck=cfg.labelcheck, answers=cfg.data.answers, seed=cfg.seed, labeled=labeled,
-                              previous=previous, round_dir=round_dir,
+    spec = CheckSpec.of(model=with_identity(cfg.model, cfg.artifacts), train=cfg.train, select=cfg.select,
+                        labelcheck=cfg.labelcheck, answers=cfg.data.answers, seed=cfg.seed)
+    params = plan_label_check(spec, artifacts=cfg.artifacts, labeled=labeled, previous=previous, round_dir=round_dir,
                               selection_space=None if prepared is None else selection_space)
     return None if params is None else run_stage(labelcheck_task, params=params)
 

@@ -68,17 +68,6 @@ def test_labelcheck_section_is_validated_and_old_train_keys_are_refused():
     assert "train.oos_method: unknown key" in msg and "rounds.simulate_noise: 1.5" in msg
 
 
-def test_a_stage_config_hands_out_fresh_sections():
-    # train.py edits the section it gets (its checkpoint fingerprint drops some settings): a shared dict made the
-    # train stage record that edited config, and a round with Prefect's cache gone trained again.
-    from pipeline.config import ProjectConfig, StageConfig
-
-    full = ProjectConfig().section("train")
-    cfg = StageConfig({"train": full, "seed": 1})
-    cfg.section("train").pop("batch_size")
-    assert cfg.section("train") == full and cfg.section("seed") == {"seed": 1}
-
-
 SECRET = "ls-9f8e7d6c5b4a39281706"  # as a Label Studio access token looks
 
 

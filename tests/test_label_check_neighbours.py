@@ -9,7 +9,13 @@ import numpy as np
 
 from benchmarks.label_check_knn import LETTERS, chance_probs, letter_rows
 from pipeline.config import ProjectConfig
-from pipeline.labelcheck import check_labels, check_report_markdown, detect_label_issues
+from pipeline.labelcheck import (
+    CheckScoring,
+    CheckSpec,
+    check_labels,
+    check_report_markdown,
+    detect_label_issues,
+)
 from pipeline.labelcheck.check import neighbour_space
 
 
@@ -25,7 +31,7 @@ def test_neighbours_judge_while_a_chance_level_model_abstains():
     rows, bad = _planted()
     cfg = ProjectConfig.model_validate({"data": {"answers": LETTERS}})
     ids, labels = [r["sample_id"] for r in rows], [r["answer"] for r in rows]
-    space = neighbour_space(rows, None, select=cfg.select, labelcheck=cfg.labelcheck)
+    space = neighbour_space(rows, None, scoring=CheckScoring.of(cfg.select), labelcheck=cfg.labelcheck)
     det = detect_label_issues(chance_probs(len(rows), 8, 0), labels, LETTERS, sample_ids=ids, neighbours=space)
     assert det.abstained is None and det.signals["neighbours"]["used"] and not det.signals["model"]["used"]
     assert det.signals["neighbours"]["accuracy"] >= cfg.labelcheck.min_oos_accuracy
@@ -40,7 +46,7 @@ def test_neighbours_judge_while_a_chance_level_model_abstains():
 def test_too_few_labels_for_the_neighbours_abstain_and_say_why():
     rows, _ = _planted(n=24)
     cfg = ProjectConfig.model_validate({"data": {"answers": LETTERS}})
-    space = neighbour_space(rows, None, select=cfg.select, labelcheck=cfg.labelcheck)
+    space = neighbour_space(rows, None, scoring=CheckScoring.of(cfg.select), labelcheck=cfg.labelcheck)
     det = detect_label_issues(chance_probs(len(rows), 8, 0), [r["answer"] for r in rows], LETTERS,
                               sample_ids=[r["sample_id"] for r in rows], neighbours=space)
     assert det.issues == [] and det.abstained and "neighbours alone too weak" in det.signals["neighbours"]["note"]
@@ -55,8 +61,9 @@ def test_first_labeled_round_check_flags_the_planted_f_labeled_e(tmp_path, tiny_
         "model": {"name_or_path": str(tiny_models["idefics3"]), "family": "idefics3", "mode": "lora"},
         "train": {"max_steps": 1, "batch_size": 8, "effective_batch_size": 8, "gradient_checkpointing": False},
         "select": {"score_batch_size": 32}, "labelcheck": {"kfold": 2}})
-    m = check_labels(rows, tmp_path / "report", [], model=cfg.model, train=cfg.train, select=cfg.select,
-                     labelcheck=cfg.labelcheck, answers=LETTERS, seed=0, oos_dir=tmp_path / "probs")
+    spec = CheckSpec.of(model=cfg.model, train=cfg.train, select=cfg.select, labelcheck=cfg.labelcheck,
+                        answers=LETTERS, seed=0)
+    m = check_labels(rows, tmp_path / "report", [], spec, oos_dir=tmp_path / "probs")
     verdict = json.loads((tmp_path / "report" / "verdict.json").read_text())
     assert not verdict["abstained"] and verdict["signals"]["neighbours"]["used"], verdict
     issues = [json.loads(line) for line in (tmp_path / "report" / "issues.jsonl").read_text().splitlines()]

@@ -13,6 +13,9 @@ from pipeline.annotation.ledger import Ledger, ledger_path, make_entry
 from pipeline.annotation.simulate import sidecar_path, simulate_annotator
 from pipeline.config import ProjectConfig, load_config
 from pipeline.labelcheck import (
+    CheckScoring,
+    CheckSpec,
+    HeldOut,
     Issue,
     KnnSpace,
     LabelCheckError,
@@ -244,10 +247,10 @@ def _rows(n):
     return rows
 
 
-def _sections(cfg):
-    """The config sections out_of_sample_probs / check_labels read."""
-    return {"model": cfg.model, "train": cfg.train, "select": cfg.select, "labelcheck": cfg.labelcheck,
-            "answers": cfg.data.answers, "seed": cfg.seed}
+def _spec(cfg, held_out=None):
+    """The CheckSpec out_of_sample_probs / check_labels read."""
+    return CheckSpec.of(model=cfg.model, train=cfg.train, select=cfg.select, labelcheck=cfg.labelcheck,
+                        answers=cfg.data.answers, seed=cfg.seed, held_out=held_out)
 
 
 def _tiny_cfg(tmp_path, model_dir, **train):
@@ -266,7 +269,7 @@ def test_kfold_probs_hold_every_sample_out_once_cache_and_agree_with_heldout(tmp
     cfg = _tiny_cfg(tmp_path, tiny_models["idefics3"])
     rows = _rows(8)
     work = tmp_path / "lc"
-    oos = out_of_sample_probs(rows[::-1], work, k=2, **_sections(cfg))
+    oos = out_of_sample_probs(rows[::-1], work, _spec(cfg), k=2)
     assert oos.method == "kfold" and oos.sample_ids == sorted(r["sample_id"] for r in rows)
     assert oos.probs.shape == (8, 10) and np.allclose(oos.probs.sum(1), 1, atol=1e-4)
     assert sorted(np.bincount(oos.folds)) == [4, 4] and not any(f["reused"] for f in oos.info["folds"])
@@ -275,13 +278,13 @@ def test_kfold_probs_hold_every_sample_out_once_cache_and_agree_with_heldout(tmp
         # No leakage: fold i's adapter trained on exactly the other folds' rows.
         train_ids = [s for s, f in zip(oos.sample_ids, oos.folds, strict=True) if f != i]
         assert read_manifest(work / f"fold-{i}").inputs["rows"] == check_rows([by_id[s] for s in train_ids])
-    again = out_of_sample_probs(rows, work, k=2, **_sections(cfg))
+    again = out_of_sample_probs(rows, work, _spec(cfg), k=2)
     assert all(f["reused"] for f in again.info["folds"])
     np.testing.assert_array_equal(again.probs, oos.probs)
 
     trained = [s for s, f in zip(oos.sample_ids, oos.folds, strict=True) if f != 0]
-    held = out_of_sample_probs(rows, work, **_sections(cfg), method="heldout", adapter=work / "fold-0" / "adapter",
-                               trained_ids=trained)
+    held = out_of_sample_probs(rows, work, _spec(cfg, HeldOut(work / "fold-0" / "adapter", frozenset(trained))),
+                               method="heldout")
     assert held.method == "heldout" and held.info["skipped_trained_on"] == 4
     fold0 = [j for j, f in enumerate(oos.folds) if f == 0]
     assert held.sample_ids == [oos.sample_ids[j] for j in fold0]
@@ -292,15 +295,15 @@ def test_oos_refuses_what_it_cannot_check(tmp_path, tiny_models):
     cfg = _tiny_cfg(tmp_path, tiny_models["idefics3"])
     rows = _rows(4)
     with pytest.raises(LabelCheckError, match="4 labeled samples cannot make 5 folds"):
-        out_of_sample_probs(rows, tmp_path, k=5, **_sections(cfg))
+        out_of_sample_probs(rows, tmp_path, _spec(cfg), k=5)
     with pytest.raises(LabelCheckError, match="needs the round's adapter"):
-        out_of_sample_probs(rows, tmp_path, method="heldout", **_sections(cfg))
+        out_of_sample_probs(rows, tmp_path, _spec(cfg), method="heldout")
     bad = [dict(rows[0], answer="seven"), *rows[1:]]
     with pytest.raises(LabelCheckError, match=r"sample r00\): label 'seven' is not in data.answers"):
-        out_of_sample_probs(bad, tmp_path, **_sections(cfg))
+        out_of_sample_probs(bad, tmp_path, _spec(cfg))
     open_cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"answers": None})})
     with pytest.raises(LabelCheckError, match="closed answer set"):
-        out_of_sample_probs(rows, tmp_path, **_sections(open_cfg))
+        out_of_sample_probs(rows, tmp_path, _spec(open_cfg))
 
 
 # ------------------------------------------------------------------ planted noise with the tiny model (slow)
@@ -345,7 +348,7 @@ def test_planted_label_noise_is_found_far_above_chance(tmp_path):
     labels = ledger.labels()
     rows = [{"sample_id": r["sample_id"], "prepared": r["prepared"], "question": r["question"],
              "answer": labels[r["sample_id"]]} for r in ds]
-    oos = out_of_sample_probs(rows, tmp_path / "labelcheck", **_sections(cfg))
+    oos = out_of_sample_probs(rows, tmp_path / "labelcheck", _spec(cfg))
     issues = find_label_issues(oos.probs, [labels[s] for s in oos.sample_ids], DIGITS, sample_ids=oos.sample_ids)
     top = {i.sample_id for i in issues[: len(flipped)]}
     precision = len(top & flipped) / len(flipped)
@@ -543,19 +546,19 @@ def test_knn_space_comes_from_the_selection_embeddings_or_the_check_s_own_scorin
                     embeddings=np.ones((4, 3), np.float32))
     pool = ProjectConfig.model_validate({"select": {"embeddings": "pixels"}, "data": {"answers": DIGITS}})
     space, note = knn_space(rows, oos, (ids[::-1] + ["other"], np.vstack([emb[::-1], np.zeros((1, 6))])),
-                            select=pool.select, labelcheck=pool.labelcheck)
+                            scoring=CheckScoring.of(pool.select), labelcheck=pool.labelcheck)
     assert note is None and space.sample_ids == ids and space.labels == [r["answer"] for r in rows]
     np.testing.assert_array_equal(space.embeddings, emb)
     assert "pixels" in space.source and space.groups is None
-    space, note = knn_space(rows, oos, None, select=pool.select, labelcheck=pool.labelcheck)
+    space, note = knn_space(rows, oos, None, scoring=CheckScoring.of(pool.select), labelcheck=pool.labelcheck)
     assert space is None and "'pixels' but its embeddings were not passed" in note
     model = ProjectConfig.model_validate({"data": {"answers": DIGITS}})
-    space, note = knn_space(rows, oos, None, select=model.select, labelcheck=model.labelcheck)
+    space, note = knn_space(rows, oos, None, scoring=CheckScoring.of(model.select), labelcheck=model.labelcheck)
     assert note is None and space.sample_ids == ids[:4] and space.groups.tolist() == [0, 0, 1, 1]
     off = model.model_copy(update={"labelcheck": model.labelcheck.model_copy(update={"knn_k": 0})})
-    assert knn_space(rows, oos, None, select=off.select, labelcheck=off.labelcheck) == (None, "labelcheck.knn_k is 0")
+    assert knn_space(rows, oos, None, scoring=CheckScoring.of(off.select), labelcheck=off.labelcheck) == (None, "labelcheck.knn_k is 0")
     bare = OOSResult(ids[:4], oos.probs, oos.folds, "kfold")
-    assert knn_space(rows, bare, None, select=model.select, labelcheck=model.labelcheck)[0] is None
+    assert knn_space(rows, bare, None, scoring=CheckScoring.of(model.select), labelcheck=model.labelcheck)[0] is None
 
 
 def test_check_labels_writes_the_verdict_with_both_signals(tmp_path, tiny_models):
@@ -566,8 +569,8 @@ def test_check_labels_writes_the_verdict_with_both_signals(tmp_path, tiny_models
         "select": ProjectConfig.model_validate({"select": {"embeddings": "pixels", "score_batch_size": 8}}).select})
     ids = [r["sample_id"] for r in rows]
     emb = np.random.default_rng(0).normal(size=(len(ids), 4)).astype(np.float32)
-    m = check_labels(rows, tmp_path / "report", [], **_sections(cfg), oos_dir=tmp_path / "probs",
-                     selection_embeddings=(ids, emb), hw=None)
+    m = check_labels(rows, tmp_path / "report", [], _spec(cfg), oos_dir=tmp_path / "probs",
+                     selection_embeddings=(ids, emb))
     assert (tmp_path / "probs" / "fold-0" / "oos").is_dir() and not (tmp_path / "report" / "oos").exists()
     verdict = json.loads((tmp_path / "report" / "verdict.json").read_text())
     assert verdict["abstained"] and "model not yet accurate enough" in verdict["abstain_reason"]

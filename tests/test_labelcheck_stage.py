@@ -27,7 +27,7 @@ import flows.labelcheck
 from flows.stages import stage_cache_key
 from pipeline.codeversion import code_digest
 from pipeline.config import ProjectConfig
-from pipeline.labelcheck import LABELCHECK_VERSION, plan_label_check, plan_relabel
+from pipeline.labelcheck import LABELCHECK_VERSION, CheckSpec, plan_label_check, plan_relabel
 from pipeline.store import digest_json
 
 DIGITS = [str(d) for d in range(10)]
@@ -149,8 +149,9 @@ def _plan(cfg: ProjectConfig, previous, prepared, calls: list) -> dict | None:
         calls.append(1)
         return SPACE_REF
 
-    return plan_label_check(artifacts=cfg.artifacts, model=cfg.model, train=cfg.train, select=cfg.select,
-                            labelcheck=cfg.labelcheck, answers=cfg.data.answers, seed=cfg.seed, labeled=LABELED,
+    spec = CheckSpec.of(model=cfg.model, train=cfg.train, select=cfg.select, labelcheck=cfg.labelcheck,
+                        answers=cfg.data.answers, seed=cfg.seed)
+    return plan_label_check(spec, artifacts=cfg.artifacts, labeled=LABELED,
                             previous=previous, round_dir=Path("art/rounds/002"),
                             selection_space=None if prepared is None else space)
 
@@ -248,6 +249,33 @@ def test_fold_scores_keep_their_manifest_config(over, digest):
     from pipeline.labelcheck.out_of_sample import _score_config
 
     cfg = _cfg(**over)
-    config = _score_config(cfg.model, cfg.train, cfg.select, cfg.labelcheck, cfg.seed, list(cfg.data.answers))
+    spec = CheckSpec.of(model=cfg.model, train=cfg.train, select=cfg.select, labelcheck=cfg.labelcheck,
+                        answers=cfg.data.answers, seed=cfg.seed)
+    config = _score_config(spec, list(cfg.data.answers))
     assert config["labelcheck_version"] == LABELCHECK_VERSION
     assert digest_json({**config, "labelcheck_version": "1"}) == digest
+
+
+@pytest.mark.parametrize("name", ["kfold-pixels-space", "heldout-pixels", "open-kfold-pixels"])
+def test_the_task_runs_the_spec_it_was_planned_with(art, name):
+    """The labelcheck task rebuilds its CheckSpec from its keyed parameters alone (StageConfig's job before): every
+    field the check reads equals the config's, the heldout adapter and the IDs it trained on come from the previous
+    round, and the queue's settings (not in the key) are the only labelcheck fields that fall back to defaults."""
+    from pipeline.labelcheck import CheckScoring
+    from pipeline.labelcheck.stage import QUEUE_KEYS, check_spec
+
+    over, previous, prepared = CASES[name]
+    cfg = _cfg(**over)
+    spec = check_spec(_plan(cfg, previous, prepared, []))
+    assert (spec.model, spec.train, spec.seed) == (cfg.model, cfg.train, cfg.seed)
+    assert spec.answers == (None if cfg.data.answers is None else tuple(cfg.data.answers))
+    planned = CheckScoring.of(cfg.select)
+    assert spec.scoring == (planned if spec.answers is None else
+                            dataclasses.replace(planned, mc_dropout_passes=None))  # a closed check does not read it
+    assert {k: v for k, v in spec.labelcheck.model_dump().items() if k not in QUEUE_KEYS} == \
+        {k: v for k, v in cfg.labelcheck.model_dump().items() if k not in QUEUE_KEYS}
+    if name.startswith("heldout"):
+        assert spec.held_out.adapter == PREVIOUS["adapter"]["adapter_dir"]
+        assert spec.held_out.trained_ids == {"s0", "s1", "s2"}
+    else:
+        assert spec.held_out is None

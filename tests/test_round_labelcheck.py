@@ -19,6 +19,7 @@ from pipeline.annotation.ledger import Ledger, ledger_path, make_entry
 from pipeline.config import PreprocessConfig, ProjectConfig
 from pipeline.data.demo import write_digits
 from pipeline.embeddings import compute_selection_embeddings, embeddings_spec
+from pipeline.labelcheck import CheckSpec
 from pipeline.labelcheck.stage import plan_label_check, run_label_check
 from pipeline.preprocess import encode_png, prepare_image
 from pipeline.store import read_jsonl
@@ -76,8 +77,8 @@ def test_the_round_s_label_check_finds_planted_flips_with_the_tiny_model_and_knn
     prepared.remove_columns(["split"]).save_to_disk(str(labeled))
 
     params = plan_label_check(
-        artifacts=art, model=cfg.model, train=cfg.train, select=cfg.select, labelcheck=cfg.labelcheck,
-        answers=classes, seed=cfg.seed, labeled={"dataset": str(labeled), "digest": "planted-slice"}, previous=None,
+        CheckSpec.of(model=cfg.model, train=cfg.train, select=cfg.select, labelcheck=cfg.labelcheck, answers=classes,
+                     seed=cfg.seed), artifacts=art, labeled={"dataset": str(labeled), "digest": "planted-slice"}, previous=None,
         round_dir=art / "rounds" / "001",
         selection_space=lambda: {"dir": str(art / "embeddings" / "slice"), "digest": space.key})
     assert params.space == {"dir": str(art / "embeddings" / "slice"), "digest": space.key}

@@ -6,13 +6,12 @@ load time, so that later stages never depend on the working directory.
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from pipeline.config.annotate import (  # noqa: F401 (re-exported: callers import sections from pipeline.config)
     AnnotateConfig,
@@ -96,72 +95,6 @@ class ProjectConfig(Section):
     @property
     def artifacts(self) -> Path:
         return self.paths.artifacts
-
-
-class _PartialSection:
-    """A section of which a stage was given only some fields: those read as usual, any other is an error."""
-
-    def __init__(self, name: str, model: BaseModel, given: set[str]):
-        self._name, self._model, self._given = name, model, given
-
-    def __getattr__(self, field: str) -> Any:
-        if field.startswith("_"):
-            raise AttributeError(field)
-        if field in self._given:
-            return getattr(self._model, field)
-        raise ConfigError(f"{self._name}.{field}: this stage was given only {self._name}."
-                          f"{{{', '.join(sorted(self._given))}}}, so its cache key does not cover {self._name}.{field}; "
-                          "pass that field to the stage instead of reading its default")
-
-
-class StageConfig:
-    """The config sections one stage is keyed on, and nothing else.
-
-    A stage task is cached on the sections it is given. Rebuilt into a whole ProjectConfig, every other section
-    would silently take its defaults, and a stage that read one would be cached under a key that does not know it.
-    Here such a read is an error that names the section. Complete sections are the typed section objects; a
-    section given in part (`{"data": {"answers": [...]}}`) answers only its given fields.
-    """
-
-    def __init__(self, sections: dict[str, Any], *, artifacts: str | os.PathLike[str] | None = None):
-        fields = ProjectConfig.model_fields
-        unknown = sorted(set(sections) - set(fields) - {"paths"})
-        if unknown:
-            raise ConfigError(f"stage config: unknown section(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-        self._values: dict[str, Any] = {}
-        self._dumps: dict[str, Any] = {}
-        for name, value in sections.items():
-            if name == "seed":
-                self._values[name] = int(value)
-                continue
-            model = fields[name].annotation.model_validate(value)
-            dump = model.model_dump(mode="json")
-            complete = set(value) >= set(dump)
-            self._values[name] = model if complete else _PartialSection(name, model, set(value))
-            self._dumps[name] = dump if complete else {k: dump[k] for k in value}
-        self._artifacts = None if artifacts is None else Path(artifacts)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if name in self._values:
-            return self._values[name]
-        if name in ProjectConfig.model_fields:
-            raise ConfigError(f"config section {name!r}: this stage was given only {', '.join(self._values) or 'none'}, "
-                              f"so its cache key does not cover {name!r}; pass that section to the stage")
-        raise AttributeError(name)
-
-    def section(self, name: str) -> dict[str, Any]:
-        """A fresh copy each call, as ProjectConfig.section gives: callers edit what they get (train.py pops the
-        settings a checkpoint's fingerprint ignores), and a shared dict would change the stage's recorded config."""
-        getattr(self, name)  # the error above for a section not given
-        return {"seed": self._values["seed"]} if name == "seed" else copy.deepcopy(self._dumps[name])
-
-    @property
-    def artifacts(self) -> Path:
-        if self._artifacts is None:
-            raise ConfigError("this stage was given no artifacts folder; pass artifacts= to StageConfig")
-        return self._artifacts
 
 
 def _describe(err: dict[str, Any]) -> str:

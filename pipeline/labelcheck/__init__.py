@@ -15,7 +15,7 @@ calibration, confident_learning, knn, out_of_sample, relabel, report, open_answe
 the names the rest of tamis uses.
 """
 
-from pipeline.labelcheck.base import LABELCHECK_VERSION, LabelCheckError
+from pipeline.labelcheck.base import LABELCHECK_VERSION, CheckScoring, CheckSpec, HeldOut, LabelCheckError
 from pipeline.labelcheck.calibration import apply_temperature, fit_temperature
 from pipeline.labelcheck.check import check_labels, knn_space
 from pipeline.labelcheck.confident_learning import (
@@ -55,7 +55,7 @@ from pipeline.labelcheck.report import (
 from pipeline.labelcheck.stage import plan_label_check, plan_relabel, run_label_check, run_relabel
 
 __all__ = [
-    "annotator_agreement", "check_report_markdown", "apply_temperature", "calibrate_confident_joint", "check_labels",
+    "annotator_agreement", "CheckScoring", "CheckSpec", "check_report_markdown", "HeldOut", "apply_temperature", "calibrate_confident_joint", "check_labels",
     "class_thresholds", "confident_joint", "detect_label_issues", "detect_open_label_issues",
     "export_relabel", "false_alarm_text", "find_label_issues", "fit_temperature", "Issue",
     "issues_from_report", "knn_label_probs", "knn_space", "KnnSpace", "label_error_posterior",

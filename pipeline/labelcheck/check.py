@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pipeline.config import LabelCheckConfig, ModelConfig, SelectConfig, TrainConfig
+from pipeline.config import LabelCheckConfig
+from pipeline.labelcheck.base import CheckScoring, CheckSpec
 from pipeline.labelcheck.knn import KnnSpace, detect_label_issues
 from pipeline.labelcheck.open_answers import check_open_labels
 from pipeline.labelcheck.out_of_sample import OOSResult, _answers, out_of_sample_probs
@@ -21,14 +22,14 @@ log = logging.getLogger(__name__)
 
 
 def knn_space(labeled_rows: Sequence[Mapping[str, Any]], oos: OOSResult,
-              selection: tuple[Sequence[str], np.ndarray] | None, *, select: SelectConfig,
+              selection: tuple[Sequence[str], np.ndarray] | None, *, scoring: CheckScoring,
               labelcheck: LabelCheckConfig) -> tuple[KnnSpace | None, str | None]:
     """The kNN signal's space and, when there is none, why. `selection`: the selection-embeddings stage's (IDs,
     vectors) when select.embeddings is not `model`; every labeled sample is a neighbour there. With `model`, the
     label check's own scoring embeddings of the checked samples, neighbours within each fold's adapter."""
     from pipeline.embeddings import lookup
 
-    source = select.embeddings.source
+    source = scoring.embeddings.source
     if labelcheck.knn_k == 0:
         return None, "labelcheck.knn_k is 0"
     if source != "model":
@@ -63,7 +64,7 @@ def hog_features(images: Sequence[Any]) -> np.ndarray:
     return (x - x.mean(0)).astype(np.float32)
 
 
-def neighbour_space(labeled_rows: Sequence[Mapping[str, Any]], knn: KnnSpace | None, *, select: SelectConfig,
+def neighbour_space(labeled_rows: Sequence[Mapping[str, Any]], knn: KnnSpace | None, *, scoring: CheckScoring,
                     labelcheck: LabelCheckConfig) -> KnnSpace | None:
     """The space the neighbours judge in while the model is too weak to (detect_label_issues, step 6): one that does
     not come from the model being checked. The selection embeddings when select.embeddings is not `model` (the kNN
@@ -71,7 +72,7 @@ def neighbour_space(labeled_rows: Sequence[Mapping[str, Any]], knn: KnnSpace | N
     nothing fitted). None with labelcheck.knn_k 0 or fewer than 3 labels."""
     if labelcheck.knn_k == 0:
         return None
-    if select.embeddings.source != "model":
+    if scoring.embeddings.source != "model":
         return knn
     import io
 
@@ -89,40 +90,26 @@ def check_labels(
     labeled_rows: Sequence[Mapping[str, Any]],
     out_dir: str | os.PathLike[str],
     ledger: Any,
+    spec: CheckSpec,
     *,
-    model: ModelConfig,
-    train: TrainConfig,
-    select: SelectConfig,
-    labelcheck: LabelCheckConfig,
-    answers: Sequence[str] | None,
-    seed: int,
-    adapter: str | os.PathLike[str] | None = None,
-    trained_ids: Iterable[str] = (),
-    hw: Any = None,
     oos_dir: str | os.PathLike[str] | None = None,
     selection_embeddings: tuple[Sequence[str], np.ndarray] | None = None,
 ) -> Manifest:
     """One round's label check: out-of-sample probabilities (labelcheck.method; fold adapters and scores under
     `oos_dir`, default out_dir/oos), detect_label_issues with the kNN signal (knn_space), the issues with who gave
-    each label, annotator agreement, written by write_label_report to out_dir. `adapter` / `trained_ids` are for the
-    heldout method (see out_of_sample_probs). Open answers (`answers`, data.answers, None) go to check_open_labels.
-
-    Reads model, train, select (length_normalize, score_batch_size, mc_dropout_passes, embeddings.source),
-    labelcheck (method, kfold, max_steps, min_oos_accuracy, knn_k), data.answers and seed; nothing else."""
-    if not answers:
-        return check_open_labels(labeled_rows, out_dir, ledger, model=model, train=train, select=select,
-                                 labelcheck=labelcheck, seed=seed, adapter=adapter, trained_ids=trained_ids, hw=hw,
-                                 oos_dir=oos_dir)
-    answers = _answers(answers)
-    oos = out_of_sample_probs(labeled_rows, Path(oos_dir) if oos_dir else Path(out_dir) / "oos", model=model,
-                              train=train, select=select, labelcheck=labelcheck, answers=answers, seed=seed,
-                              adapter=adapter, trained_ids=trained_ids, hw=hw)
+    each label, annotator agreement, written by write_label_report to out_dir. `spec.held_out` is for the heldout
+    method (see out_of_sample_probs). Open answers (`spec.answers` None) go to check_open_labels."""
+    if not spec.answers:
+        return check_open_labels(labeled_rows, out_dir, ledger, spec, oos_dir=oos_dir)
+    answers, labelcheck = _answers(spec.answers), spec.labelcheck
+    oos = out_of_sample_probs(labeled_rows, Path(oos_dir) if oos_dir else Path(out_dir) / "oos", spec)
     given = {r["sample_id"]: r["answer"] for r in labeled_rows}
-    space, note = knn_space(labeled_rows, oos, selection_embeddings, select=select, labelcheck=labelcheck)
+    space, note = knn_space(labeled_rows, oos, selection_embeddings, scoring=spec.scoring, labelcheck=labelcheck)
     det = detect_label_issues(oos.probs, [given[s] for s in oos.sample_ids], answers, sample_ids=oos.sample_ids,
                               knn=space, knn_note=note, min_oos_accuracy=labelcheck.min_oos_accuracy,
                               knn_k=labelcheck.knn_k,
-                              neighbours=neighbour_space(labeled_rows, space, select=select, labelcheck=labelcheck))
+                              neighbours=neighbour_space(labeled_rows, space, scoring=spec.scoring,
+                                                         labelcheck=labelcheck))
     table = label_issue_table(det.issues, ledger, files=issue_files(labeled_rows))
     agreement = annotator_agreement(ledger, oos.suggestions(answers))
     log.info("%s (%s)", det.summary(), oos.method)

@@ -7,21 +7,20 @@ import gc
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pipeline.config import LabelCheckConfig, ModelConfig, SelectConfig, TrainConfig
-from pipeline.labelcheck.base import LabelCheckError
+from pipeline.labelcheck.base import CheckSpec, LabelCheckError
 from pipeline.labelcheck.detection import MIN_MODEL_ACCURACY, REPORT_CONFIDENCE, Detection, Issue
 from pipeline.labelcheck.out_of_sample import (
     OOSResult,
     _check_labeled,
     _score_config,
-    fold_config,
+    held_out_of,
     stratified_folds,
     train_fold,
 )
@@ -56,15 +55,15 @@ class OpenOOS:
         return [self.answers[i], *self.mc_answers[i]]
 
 
-def _score_open(model: ModelConfig, select: SelectConfig, seed: int, adapter_dir: Path, rows: list[dict[str, Any]],
-                out_dir: Path, inputs: dict[str, str], config: dict[str, Any], hw: Any) -> None:
+def _score_open(spec: CheckSpec, adapter_dir: Path, rows: list[dict[str, Any]], out_dir: Path,
+                inputs: dict[str, str], config: dict[str, Any]) -> None:
     from pipeline.model.loading import load_model
     from pipeline.scoring import OpenAnswerScorer, save_scores
 
-    loaded = load_model(model, adapter=adapter_dir, hw=hw)
+    loaded = load_model(spec.model, adapter=adapter_dir, hw=spec.hw)
     try:
-        result = OpenAnswerScorer(loaded, max_new_tokens=model.max_new_tokens, min_new_tokens=1).score(
-            rows, batch_size=select.score_batch_size, mc_passes=select.mc_dropout_passes, seed=seed)
+        result = OpenAnswerScorer(loaded, max_new_tokens=spec.model.max_new_tokens, min_new_tokens=1).score(
+            rows, batch_size=spec.scoring.score_batch_size, mc_passes=spec.scoring.mc_dropout_passes, seed=spec.seed)
     finally:
         del loaded
         gc.collect()
@@ -74,34 +73,25 @@ def _score_open(model: ModelConfig, select: SelectConfig, seed: int, adapter_dir
 def out_of_sample_answers(
     labeled_rows: Sequence[Mapping[str, Any]],
     work_dir: str | os.PathLike[str],
+    spec: CheckSpec,
     *,
-    model: ModelConfig,
-    train: TrainConfig,
-    select: SelectConfig,
-    labelcheck: LabelCheckConfig,
-    seed: int,
     method: str | None = None,
-    adapter: str | os.PathLike[str] | None = None,
-    trained_ids: Iterable[str] = (),
-    hw: Any = None,
     progress: bool = False,
 ) -> OpenOOS:
     """out_of_sample_probs for open answers: the greedy and `select.mc_dropout_passes` MC-dropout answers of models
-    that never saw the rows (heldout: `adapter` on the rows not in `trained_ids`; kfold: fold adapters, folds
+    that never saw the rows (heldout: `spec.held_out`'s adapter on the rows it did not train on; kfold: fold adapters, folds
     stratified by the normalised answer), cached the same way."""
     from pipeline.meaning import normalize_answer
     from pipeline.model.train import check_rows
     from pipeline.scoring import SCORE_VERSION, load_scores
 
-    method = method or labelcheck.method
+    method = method or spec.labelcheck.method
     rows = _check_labeled(labeled_rows, None)
-    config = {**_score_config(model, train, select, labelcheck, seed, []), "answers": None,
-              "max_new_tokens": model.max_new_tokens, "mc_dropout_passes": select.mc_dropout_passes}
+    config = {**_score_config(spec, []), "answers": None,
+              "max_new_tokens": spec.model.max_new_tokens, "mc_dropout_passes": spec.scoring.mc_dropout_passes}
     parts: list[tuple[list[int], Path, dict[str, str], Path | None, list[dict[str, Any]]]] = []
     if method == "heldout":
-        if adapter is None:
-            raise LabelCheckError("labelcheck.method heldout needs the round's adapter (pass adapter=...); or use kfold")
-        skip = set(trained_ids)
+        adapter, skip = held_out_of(spec).adapter, held_out_of(spec).trained_ids
         idx = [j for j, r in enumerate(rows) if r["sample_id"] not in skip]
         info: dict[str, Any] = {"adapter": str(adapter), "scored": len(idx), "skipped_trained_on": len(rows) - len(idx)}
         folds = np.full(len(idx), -1, np.int64)
@@ -110,11 +100,11 @@ def out_of_sample_answers(
             parts.append((idx, Path(work_dir) / "heldout", {"rows": check_rows(held), "adapter": digest_path(adapter)},
                           Path(adapter), []))
     elif method == "kfold":
-        k = labelcheck.kfold
+        k = spec.labelcheck.kfold
         if k < 2 or len(rows) < k:
             raise LabelCheckError(f"k-fold label check: {len(rows)} labeled samples cannot make {k} folds; label at "
                                   f"least {k} samples or lower labelcheck.kfold (≥ 2)")
-        all_folds = stratified_folds([normalize_answer(r["answer"]) for r in rows], k, seed)
+        all_folds = stratified_folds([normalize_answer(r["answer"]) for r in rows], k, spec.seed)
         digest = check_rows(rows)
         for i in range(k):
             parts.append(([int(j) for j in np.flatnonzero(all_folds == i)], Path(work_dir) / f"fold-{i}" / "oos",
@@ -129,9 +119,8 @@ def out_of_sample_answers(
     for held_idx, out, inputs, adapter_dir, train_rows in parts:
         if find_valid_manifest(out, stage_key("score", SCORE_VERSION, inputs, config)) is None:
             if adapter_dir is None:
-                adapter_dir = train_fold(model, fold_config(train, labelcheck), seed, train_rows, out.parent, hw=hw,
-                                         progress=progress).adapter_dir
-            _score_open(model, select, seed, adapter_dir, [rows[j] for j in held_idx], out, inputs, config, hw)
+                adapter_dir = train_fold(spec, train_rows, out.parent, progress=progress).adapter_dir
+            _score_open(spec, adapter_dir, [rows[j] for j in held_idx], out, inputs, config)
         res = load_scores(out)
         mc = res.mc_answers or [[] for _ in res.sample_ids]
         by_id.update({s: (a, m) for s, a, m in zip(res.sample_ids, res.answers or [], mc, strict=True)})
@@ -207,28 +196,19 @@ def check_open_labels(
     labeled_rows: Sequence[Mapping[str, Any]],
     out_dir: str | os.PathLike[str],
     ledger: Any,
+    spec: CheckSpec,
     *,
-    model: ModelConfig,
-    train: TrainConfig,
-    select: SelectConfig,
-    labelcheck: LabelCheckConfig,
-    seed: int,
-    adapter: str | os.PathLike[str] | None = None,
-    trained_ids: Iterable[str] = (),
-    hw: Any = None,
     oos_dir: str | os.PathLike[str] | None = None,
 ) -> Manifest:
     """check_labels for open answers (data.answers: null): out_of_sample_answers → detect_open_label_issues → the
     same report files (oos_probs.npz holds the OPEN_COLUMNS), issue table, annotator agreement and relabel queue."""
     from pipeline.meaning import normalize_answer
 
-    oos = out_of_sample_answers(labeled_rows, Path(oos_dir) if oos_dir else Path(out_dir) / "oos", model=model,
-                                train=train, select=select, labelcheck=labelcheck, seed=seed, adapter=adapter,
-                                trained_ids=trained_ids, hw=hw)
+    oos = out_of_sample_answers(labeled_rows, Path(oos_dir) if oos_dir else Path(out_dir) / "oos", spec)
     given = {r["sample_id"]: r["answer"] for r in labeled_rows}
     det, cols = detect_open_label_issues([oos.model_answers(i) for i in range(len(oos.sample_ids))],
                                          [given[s] for s in oos.sample_ids], sample_ids=oos.sample_ids,
-                                         min_oos_accuracy=labelcheck.min_oos_accuracy)
+                                         min_oos_accuracy=spec.labelcheck.min_oos_accuracy)
     table = label_issue_table(det.issues, ledger, files=issue_files(labeled_rows))
     at = {s: i for i, s in enumerate(oos.sample_ids)}
     for row in table:

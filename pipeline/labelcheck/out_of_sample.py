@@ -6,15 +6,15 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pipeline.config import LabelCheckConfig, ModelConfig, SelectConfig, TrainConfig
-from pipeline.labelcheck.base import LABELCHECK_VERSION, LabelCheckError
+from pipeline.config import LabelCheckConfig, TrainConfig
+from pipeline.labelcheck.base import LABELCHECK_VERSION, CheckSpec, HeldOut, LabelCheckError
 from pipeline.store import digest_path, find_valid_manifest, stage_key
 
 log = logging.getLogger(__name__)
@@ -89,31 +89,30 @@ def fold_config(train: TrainConfig, labelcheck: LabelCheckConfig) -> TrainConfig
     return train.model_copy(update={"max_steps": labelcheck.max_steps})
 
 
-def train_fold(model: ModelConfig, train: TrainConfig, seed: int, rows: list[dict[str, Any]], out_dir: Path, *,
-               hw: Any, progress: bool) -> Any:
-    """train_adapter on a fold's rows, given exactly the sections it reads (model, train, seed): a read of any other
-    would be an error, not a silent default."""
+def train_fold(spec: CheckSpec, rows: list[dict[str, Any]], out_dir: Path, *, progress: bool) -> Any:
+    """train_adapter on a fold's rows with the sections it reads (model, the fold's train section, seed)."""
     from pipeline.model.train import TrainSpec, train_adapter
 
-    return train_adapter(TrainSpec(model, train, seed), rows, out_dir, hw=hw, progress=progress)
+    return train_adapter(TrainSpec(spec.model, fold_config(spec.train, spec.labelcheck), spec.seed), rows, out_dir,
+                         hw=spec.hw, progress=progress)
 
 
-def _score_config(model: ModelConfig, train: TrainConfig, select: SelectConfig, labelcheck: LabelCheckConfig,
-                  seed: int, answers: list[str]) -> dict[str, Any]:
-    return {"model": model.model_dump(mode="json"), "train": fold_config(train, labelcheck).model_dump(mode="json"),
-            "seed": seed, "answers": answers, "length_normalize": select.length_normalize,
-            "batch_size": select.score_batch_size, "labelcheck_version": LABELCHECK_VERSION}
+def _score_config(spec: CheckSpec, answers: list[str]) -> dict[str, Any]:
+    return {"model": spec.model.model_dump(mode="json"),
+            "train": fold_config(spec.train, spec.labelcheck).model_dump(mode="json"), "seed": spec.seed,
+            "answers": answers, "length_normalize": spec.scoring.length_normalize,
+            "batch_size": spec.scoring.score_batch_size, "labelcheck_version": LABELCHECK_VERSION}
 
 
-def _score_held_out(model: ModelConfig, select: SelectConfig, adapter_dir: Path, rows: list[dict[str, Any]],
-                    answers: list[str], out_dir: Path, inputs: dict[str, str], config: dict[str, Any], hw: Any) -> Any:
+def _score_held_out(spec: CheckSpec, adapter_dir: Path, rows: list[dict[str, Any]], answers: list[str],
+                    out_dir: Path, inputs: dict[str, str], config: dict[str, Any]) -> Any:
     from pipeline.model.loading import load_model
     from pipeline.scoring import ClosedSetScorer, save_scores
 
-    loaded = load_model(model, adapter=adapter_dir, hw=hw)
+    loaded = load_model(spec.model, adapter=adapter_dir, hw=spec.hw)
     try:
-        result = ClosedSetScorer(loaded, answers, length_normalize=select.length_normalize).score(
-            rows, batch_size=select.score_batch_size)
+        result = ClosedSetScorer(loaded, answers, length_normalize=spec.scoring.length_normalize).score(
+            rows, batch_size=spec.scoring.score_batch_size)
     finally:
         del loaded
         gc.collect()
@@ -124,43 +123,33 @@ def _score_held_out(model: ModelConfig, select: SelectConfig, adapter_dir: Path,
 def out_of_sample_probs(
     labeled_rows: Sequence[Mapping[str, Any]],
     work_dir: str | os.PathLike[str],
+    spec: CheckSpec,
     *,
-    model: ModelConfig,
-    train: TrainConfig,
-    select: SelectConfig,
-    labelcheck: LabelCheckConfig,
-    answers: Sequence[str] | None,
-    seed: int,
     k: int | None = None,
     method: str | None = None,
-    adapter: str | os.PathLike[str] | None = None,
-    trained_ids: Iterable[str] = (),
-    hw: Any = None,
     progress: bool = False,
 ) -> OOSResult:
     """Class probabilities for labeled rows ({sample_id, prepared, question, answer}) from models that never saw them.
 
-    Reads model, train, select (length_normalize, score_batch_size), labelcheck (method, kfold, max_steps),
-    data.answers (`answers`) and seed.
+    Reads spec's model, train, scoring (length_normalize, score_batch_size), labelcheck (method, kfold, max_steps),
+    answers, seed, held_out and hw.
     kfold (default `labelcheck.method`): seeded folds stratified by label; fold i's adapter is trained with
     `train_adapter` on the other folds into work_dir/fold-i and scores fold i. The scores are cached in
     work_dir/fold-i/oos, keyed by (labeled-set digest, fold, config): an unchanged labeled set costs nothing, and an
     interrupted run resumes (train_adapter resumes from its checkpoints).
-    heldout: `adapter` (the round's adapter) scores the rows it did not train on (not in `trained_ids`), typically
+    heldout: `spec.held_out.adapter` (the round's adapter) scores the rows it did not train on (not in its
+    `trained_ids`), typically
     the ones labeled since it was trained; a cheap approximation for models too big to train k times.
     """
-    method = method or labelcheck.method
-    answers = _answers(answers)
+    method = method or spec.labelcheck.method
+    answers = _answers(spec.answers)
     rows = _check_labeled(labeled_rows, answers)
-    s = _Scoring(model, train, select, labelcheck, seed, answers,
-                 _score_config(model, train, select, labelcheck, seed, answers), Path(work_dir), hw, progress)
+    s = _Scoring(spec, answers, _score_config(spec, answers), Path(work_dir), progress)
     if method == "heldout":
-        if adapter is None:
-            raise LabelCheckError("labelcheck.method heldout needs the round's adapter (pass adapter=...); or use kfold")
-        return _held_out_probs(rows, adapter, set(trained_ids), s)
+        return _held_out_probs(rows, held_out_of(spec), s)
     if method != "kfold":
         raise LabelCheckError(f"labelcheck.method {method!r} is not one of kfold, heldout")
-    k = labelcheck.kfold if k is None else k
+    k = spec.labelcheck.kfold if k is None else k
     if k < 2 or len(rows) < k:
         raise LabelCheckError(f"k-fold label check: {len(rows)} labeled samples cannot make {k} folds; label at least "
                               f"{k} samples or lower labelcheck.kfold (≥ 2)")
@@ -169,28 +158,31 @@ def out_of_sample_probs(
 
 @dataclass(frozen=True)
 class _Scoring:
-    """What every out-of-sample scoring pass reads: the sections, the answer set, the scores' cache config, and
-    where and on what it runs."""
+    """What every out-of-sample scoring pass reads: the check's spec, the answer set, the scores' cache config, and
+    where it runs."""
 
-    model: ModelConfig
-    train: TrainConfig
-    select: SelectConfig
-    labelcheck: LabelCheckConfig
-    seed: int
+    spec: CheckSpec
     answers: list[str]
     config: dict[str, Any]
     work_dir: Path
-    hw: Any
     progress: bool
 
 
-def _held_out_probs(rows: list[dict[str, Any]], adapter: str | os.PathLike[str], trained_on: set[str], s: _Scoring) -> OOSResult:
+def held_out_of(spec: CheckSpec) -> HeldOut:
+    """The heldout method's adapter, or the error that says how to give one."""
+    if spec.held_out is None:
+        raise LabelCheckError("labelcheck.method heldout needs the round's adapter (CheckSpec.held_out); or use kfold")
+    return spec.held_out
+
+
+def _held_out_probs(rows: list[dict[str, Any]], held_out: HeldOut, s: _Scoring) -> OOSResult:
     """The round's adapter scores the rows it did not train on, cached in work_dir/heldout."""
     from pipeline.model.train import check_rows
     from pipeline.scoring import SCORE_VERSION, load_scores
 
     n = len(rows)
-    held = [r for r in rows if r["sample_id"] not in trained_on]
+    adapter = held_out.adapter
+    held = [r for r in rows if r["sample_id"] not in held_out.trained_ids]
     info: dict[str, Any] = {"adapter": str(adapter), "scored": len(held), "skipped_trained_on": n - len(held)}
     if not held:
         log.info("heldout label check: all %d labeled samples were trained on; nothing to check", n)
@@ -199,7 +191,7 @@ def _held_out_probs(rows: list[dict[str, Any]], adapter: str | os.PathLike[str],
     inputs = {"rows": check_rows(held), "adapter": digest_path(adapter)}
     out = s.work_dir / "heldout"
     if find_valid_manifest(out, stage_key("score", SCORE_VERSION, inputs, s.config)) is None:
-        _score_held_out(s.model, s.select, Path(adapter), held, s.answers, out, inputs, s.config, s.hw)
+        _score_held_out(s.spec, Path(adapter), held, s.answers, out, inputs, s.config)
         info["reused"] = False
     else:
         info["reused"] = True
@@ -213,7 +205,7 @@ def _kfold_probs(rows: list[dict[str, Any]], k: int, s: _Scoring) -> OOSResult:
 
     n = len(rows)
     labeled_digest = check_rows(rows)
-    folds = stratified_folds([r["answer"] for r in rows], k, s.seed)
+    folds = stratified_folds([r["answer"] for r in rows], k, s.spec.seed)
     probs = np.full((n, len(s.answers)), np.nan, dtype=np.float32)
     embeddings: np.ndarray | None = None
     per_fold = []
@@ -244,8 +236,6 @@ def _fold_scores(rows: list[dict[str, Any]], held_idx: np.ndarray, train_rows: l
     if not reused:
         log.info("label check fold %d/%d: training on %d samples, scoring %d held out", i + 1, k,
                  len(train_rows), len(held_idx))
-        trained = train_fold(s.model, fold_config(s.train, s.labelcheck), s.seed, train_rows, fold_dir, hw=s.hw,
-                             progress=s.progress)
-        _score_held_out(s.model, s.select, trained.adapter_dir, [rows[j] for j in held_idx], s.answers, out, inputs,
-                        s.config, s.hw)
+        trained = train_fold(s.spec, train_rows, fold_dir, progress=s.progress)
+        _score_held_out(s.spec, trained.adapter_dir, [rows[j] for j in held_idx], s.answers, out, inputs, s.config)
     return load_scores(out), reused

@@ -18,14 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import round_state as rounds_layout
-from pipeline.config import (
-    AnnotateConfig,
-    LabelCheckConfig,
-    ModelConfig,
-    SelectConfig,
-    StageConfig,
-    TrainConfig,
-)
+from pipeline.config import AnnotateConfig, EmbeddingsConfig, LabelCheckConfig, ModelConfig, TrainConfig
+from pipeline.labelcheck.base import CheckScoring, CheckSpec, HeldOut
 from pipeline.labelcheck.check import check_labels
 from pipeline.labelcheck.relabel import (
     export_relabel,
@@ -81,20 +75,16 @@ class RelabelParams:
 
 
 def plan_label_check(
+    spec: CheckSpec,
     *,
     artifacts: str | os.PathLike[str],
-    model: ModelConfig,
-    train: TrainConfig,
-    select: SelectConfig,
-    labelcheck: LabelCheckConfig,
-    answers: Sequence[str] | None,
-    seed: int,
     labeled: Mapping[str, Any],
     previous: Mapping[str, Any] | None,
     round_dir: str | os.PathLike[str],
     selection_space: Callable[[], Mapping[str, Any] | None] | None = None,
 ) -> LabelCheckParams | None:
-    """The labelcheck task's parameters for this round's labeled set (`labeled`, the labeled stage's ref), or None
+    """The labelcheck task's parameters for this round's labeled set (`labeled`, the labeled stage's ref) checked as
+    `spec` says (its held_out and hw are not read: the heldout adapter is `previous`'s), or None
     when labelcheck.method is off or the heldout method has no earlier adapter to score with (`previous`, the last
     round's state, has none: the first trained round).
 
@@ -104,6 +94,8 @@ def plan_label_check(
     answers), and without it the check runs on the model signal alone and says so."""
     from pipeline.annotation.ledger import ledger_path
 
+    model, train, scoring, labelcheck, seed = spec.model, spec.train, spec.scoring, spec.labelcheck, spec.seed
+    answers = None if spec.answers is None else list(spec.answers)
     method = labelcheck.method
     if method == "off":
         return None
@@ -126,20 +118,21 @@ def plan_label_check(
     # setting, relabel_top_n or select.batch_size must not retrain fold adapters.
     lc = labelcheck.model_dump(mode="json")
     check_cfg = {k: v for k, v in lc.items() if k not in QUEUE_KEYS}
-    scoring: dict[str, Any] = {"length_normalize": select.length_normalize, "score_batch_size": select.score_batch_size}
+    keyed: dict[str, Any] = {"length_normalize": scoring.length_normalize,
+                             "score_batch_size": scoring.score_batch_size}
     if not answers:  # open answers: the check compares the label with the model's MC-dropout answers too
-        scoring["mc_dropout_passes"] = select.mc_dropout_passes
+        keyed["mc_dropout_passes"] = scoring.mc_dropout_passes
     model_cfg, train_cfg = model.model_dump(mode="json"), train.model_dump(mode="json")
-    probs_sections = {"model": model_cfg, "train": train_cfg, "select": scoring,
+    probs_sections = {"model": model_cfg, "train": train_cfg, "select": keyed,
                       "labelcheck": {k: v for k, v in lc.items() if k not in DETECTION_KEYS}}
     oos_key = digest_json({"labeled": labeled["digest"], "heldout": heldout_adapter and
                            heldout_adapter["adapter_digest"], "method": method, **probs_sections, "seed": seed})
     space = None
     # Open answers have no kNN label-consistency signal (answers are not classes): no space to pass.
-    if select.embeddings.source != "model" and labelcheck.knn_k and selection_space is not None and answers:
+    if scoring.embeddings.source != "model" and labelcheck.knn_k and selection_space is not None and answers:
         ref = selection_space()
         space = ref and {"dir": ref["dir"], "digest": ref["digest"]}
-    embeddings = select.embeddings.model_dump(mode="json")
+    embeddings = scoring.embeddings.model_dump(mode="json")
     report_key = digest_json({"oos": oos_key, "labelcheck": check_cfg, "space": space and space["digest"],
                               "embeddings": embeddings})
     labelcheck_dir = Path(artifacts) / "labelcheck"
@@ -148,14 +141,29 @@ def plan_label_check(
         heldout_adapter=heldout_adapter, trained_ids_digest=trained_digest,
         trained_ids_path=trained_path and str(trained_path), ledger_digest=ledger_digest, space=space,
         oos_dir=str(labelcheck_dir / "oos" / oos_key[:16]), out_dir=str(labelcheck_dir / report_key[:16]),
-        model=model_cfg, train=train_cfg, labelcheck=check_cfg, select={**scoring, "embeddings": embeddings})
+        model=model_cfg, train=train_cfg, labelcheck=check_cfg, select={**keyed, "embeddings": embeddings})
+
+
+def check_spec(params: LabelCheckParams) -> CheckSpec:
+    """The CheckSpec the labelcheck task runs, from its keyed parameters only. `select` carries the check's scoring
+    settings, which is all CheckScoring has fields for; `labelcheck` lacks the queue's settings (QUEUE_KEYS: changing
+    them must not rerun the check), which only the relabel stage reads and which take their defaults here."""
+    p, select = params, params.select
+    held_out = None
+    if p.heldout_adapter:
+        trained = frozenset(r["sample_id"] for r in read_jsonl(p.trained_ids_path)) if p.trained_ids_path else frozenset()
+        held_out = HeldOut(p.heldout_adapter["adapter_dir"], trained)
+    scoring = CheckScoring(select["length_normalize"], select["score_batch_size"], select.get("mc_dropout_passes"),
+                           EmbeddingsConfig.model_validate(select["embeddings"]))
+    answers = p.data["answers"]
+    return CheckSpec(ModelConfig.model_validate(p.model), TrainConfig.model_validate(p.train), scoring,
+                     LabelCheckConfig.model_validate(p.labelcheck), None if answers is None else tuple(answers),
+                     p.seed, held_out)
 
 
 def run_label_check(params: LabelCheckParams) -> dict[str, Any]:
-    """The labelcheck task's body, on the parameters plan_label_check made: check_labels on the labeled set, its ref.
-
-    `labelcheck` and `select` carry only the fields the check reads (the rest stay out of the key: changing them
-    must not rerun the check); StageConfig makes a read of any other field an error, never a silent default."""
+    """The labelcheck task's body, on the parameters plan_label_check made: check_labels on the labeled set, its
+    ref."""
     import datasets
 
     from pipeline.annotation.ledger import Ledger, ledger_path
@@ -166,12 +174,7 @@ def run_label_check(params: LabelCheckParams) -> dict[str, Any]:
     # image_path: the likely errors are listed by the user's file name (sets saved before it had one list IDs)
     rows = list(labeled.select_columns(["sample_id", "prepared", "question", "answer",
                                         *(["image_path"] if "image_path" in labeled.column_names else [])]))
-    trained = [r["sample_id"] for r in read_jsonl(p.trained_ids_path)] if p.trained_ids_path else []
-    given = StageConfig({"model": p.model, "train": p.train, "select": p.select, "labelcheck": p.labelcheck})
-    m = check_labels(rows, p.out_dir, Ledger(ledger_path(p.artifacts)), model=given.model, train=given.train,
-                     select=given.select, labelcheck=given.labelcheck, answers=p.data["answers"], seed=p.seed,
-                     adapter=p.heldout_adapter and p.heldout_adapter["adapter_dir"], trained_ids=trained,
-                     oos_dir=p.oos_dir,
+    m = check_labels(rows, p.out_dir, Ledger(ledger_path(p.artifacts)), check_spec(p), oos_dir=p.oos_dir,
                      selection_embeddings=load_selection_embeddings(p.space["dir"]) if p.space else None)
     return {"dir": p.out_dir, "digest": m.key, **m.info}
 

@@ -268,7 +268,7 @@ def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 class _TrainSections(Protocol):
-    """Anything holding the sections training reads: a ProjectConfig, a stage's StageConfig."""
+    """Anything holding the sections training reads: a ProjectConfig, a CheckSpec of the label check."""
 
     model: ModelConfig
     train: TrainConfig

@@ -85,13 +85,12 @@ def export_model_cmd(
     if out is None:
         raise ConfigError("--out is required: a new or empty folder to export to (or pass --check to only see "
                           "which runtimes can take the model)")
-    from pipeline.export_model import export_model
+    from pipeline.export_model import ExportSpec, export_model
 
-    res = export_model(out, artifacts=cfg.artifacts, round_index=round_index, merge=merge, dtype=dtype,
-                       force=force, fmt=fmt, sections={"data": cfg.data, "preprocess": cfg.preprocess,
-                                                       "model": cfg.model, "train": cfg.train,
-                                                       "annotate": cfg.annotate, "select": cfg.select,
-                                                       "seed": cfg.seed})
+    spec = ExportSpec(data=cfg.data, preprocess=cfg.preprocess, model=cfg.model, train=cfg.train,
+                      annotate=cfg.annotate, select=cfg.select, seed=cfg.seed)
+    res = export_model(out, artifacts=cfg.artifacts, spec=spec, round_index=round_index, merge=merge, dtype=dtype,
+                       force=force, fmt=fmt)
     lines = [f"exported round {res.round}'s model ({res.labels} training labels) to {res.dir}",
              f"  adapter: {res.adapter}", f"  model card: {res.card}", f"  lineage: {res.lineage}",
              f"  predict.py: {res.dir / 'predict.py'} (transformers, peft, torch, Pillow; no tamis)"]

@@ -22,6 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.config import (
+    AnnotateConfig,
+    DataConfig,
+    ModelConfig,
+    PreprocessConfig,
+    SelectConfig,
+    TrainConfig,
+)
 from pipeline.errors import ConfigError, ModelError
 from pipeline.mdtext import code_span, escape_md, fenced
 
@@ -29,6 +37,21 @@ if TYPE_CHECKING:
     from pipeline.serving.vllm import VllmExport
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """The config sections an export reads: the question and answers (data), the image preparation (preprocess), the
+    base model and how it trained (model, train, seed: lineage.json), the consensus method (annotate, the card) and
+    the scoring batch (select: predict_config.json and serve.sh)."""
+
+    data: DataConfig
+    preprocess: PreprocessConfig
+    model: ModelConfig
+    train: TrainConfig
+    annotate: AnnotateConfig
+    select: SelectConfig
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -199,7 +222,7 @@ def _how_to_load(base: str, merged_dtype: str | None) -> list[str]:
                     "votes, round, the imported file's digest) and the config digest behind this adapter."]
 
 
-def _provenance_lines(prov: Provenance, *, model_cfg: Any, family: str, adapter_config: Mapping[str, Any],
+def _provenance_lines(prov: Provenance, *, model_cfg: ModelConfig, family: str, adapter_config: Mapping[str, Any],
                       rounds_done: int, consensus: str, base: str) -> list[str]:
     """The card's Provenance section; every name a user or annotator chose goes through escape_md."""
     labels, people = prov.labels, annotators(prov.labels)
@@ -244,7 +267,7 @@ def metrics_markdown(state: Mapping[str, Any], evaluation: Any) -> list[str]:
     return lines
 
 
-def model_card(prov: Provenance, *, model_cfg: Any, loaded: Any, adapter_config: Mapping[str, Any],
+def model_card(prov: Provenance, *, model_cfg: ModelConfig, loaded: Any, adapter_config: Mapping[str, Any],
                rounds_done: int, consensus: str, question: str, answers: Sequence[str] | None,
                evaluation: Any, base: str, preprocess_note: str, merged_dtype: str | None) -> str:
     """README.md: a Hugging Face model card (YAML header) saying where the model came from and how to use it.
@@ -276,7 +299,7 @@ def model_card(prov: Provenance, *, model_cfg: Any, loaded: Any, adapter_config:
     return "\n".join(lines) + "\n"
 
 
-def load_processor(model_cfg: Any) -> Any:
+def load_processor(model_cfg: ModelConfig) -> Any:
     """The base model's processor and family (a Loaded without weights: the card and the export need no model)."""
     from transformers import AutoProcessor
 
@@ -318,7 +341,7 @@ def write_adapter(adapter_dir: Path, out: Path, *, base: str, processor: Any) ->
     return cfg
 
 
-def merge_adapter(model_cfg: Any, adapter_dir: Path, out: Path, *, processor: Any, dtype: Any) -> None:
+def merge_adapter(model_cfg: ModelConfig, adapter_dir: Path, out: Path, *, processor: Any, dtype: Any) -> None:
     """DIR/merged: the base loaded as tamis loads it (4-bit NF4 for qlora), its 4-bit Linears dequantized to fp32
     (transformers' `dequantize`: the weights the adapter was trained against, not the original ones), the LoRA
     merged into them (peft's merge_and_unload), saved in `dtype`."""
@@ -359,7 +382,7 @@ class ExportResult:
     vllm: VllmExport | None = None  # with format vllm: serve.sh, the adapter it serves, what leaving LoRA out cost
 
 
-def storage_dtype(choice: str, model_cfg: Any) -> Any:
+def storage_dtype(choice: str, model_cfg: ModelConfig) -> Any:
     """The merged checkpoint's weights: `auto` is the dtype tamis computes in here (bf16 on GPUs that support it, fp32
     on CPUs, where bf16 matmuls crawl and where the round's answers were computed in fp32)."""
     from pipeline.model.loading import DTYPES, resolve_compute_dtype
@@ -403,40 +426,37 @@ def check_out(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *,
     return out
 
 
-def write_predict_script(out: Path, *, loaded: Any, processor: Any, sections: Mapping[str, Any], size: int) -> None:
+def write_predict_script(out: Path, *, loaded: Any, processor: Any, spec: ExportSpec, size: int) -> None:
     """DIR/predict.py (tamis's standalone predictor, copied) and DIR/predict_config.json (what it asks and how)."""
     from pipeline.serving.predict_config import CONFIG_NAME, SCRIPT, SCRIPT_NAME, predict_config
     from pipeline.store import atomic_write_json, atomic_write_text
 
     atomic_write_json(out / CONFIG_NAME, predict_config(
-        loaded=loaded, processor=processor, data=sections["data"], preprocess=sections["preprocess"],
-        model=sections["model"], select=sections.get("select"), size=size))
+        loaded=loaded, processor=processor, data=spec.data, preprocess=spec.preprocess, model=spec.model,
+        select=spec.select, size=size))
     atomic_write_text(out / SCRIPT_NAME, SCRIPT.read_text(encoding="utf-8"))
 
 
-def serve_with_vllm(out: Path, prov: Provenance, loaded: Any, sections: Mapping[str, Any], base: str) -> VllmExport:
+def serve_with_vllm(out: Path, prov: Provenance, loaded: Any, spec: ExportSpec, base: str) -> VllmExport:
     """--format vllm: serve.sh, and adapter-vllm/ when the adapter holds LoRA vLLM does not take (measured)."""
     from pipeline.serving.vllm import export_vllm
 
-    select = sections.get("select")
-    return export_vllm(out, state=prov.state, family=loaded.family, model=sections["model"], base=base,
-                       answers=sections["data"].answers, batch_size=select.score_batch_size if select else 8,
-                       artifacts=prov.artifacts)
+    return export_vllm(out, state=prov.state, family=loaded.family, model=spec.model, base=base,
+                       answers=spec.data.answers, batch_size=spec.select.score_batch_size, artifacts=prov.artifacts)
 
 
-def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[str], sections: Mapping[str, Any],
+def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[str], spec: ExportSpec,
                  round_index: int | None = None, merge: bool = False, dtype: str = "auto",
                  force: bool = False, fmt: str = "hf") -> ExportResult:
     """Write DIR/adapter, DIR/README.md, DIR/lineage.json (and DIR/merged with `merge`) for a round's adapter.
-    `sections`: the config sections read (data, preprocess, model, train, annotate, select) and `seed`. A DIR that is not
-    empty needs `force` (check_out); paths in the export are relative, the base named as the config names it.
+    `spec`: the config sections read (ExportSpec). A DIR that is not empty needs `force` (check_out); paths in the export are relative, the base named as the config names it.
     `fmt` vllm adds serve.sh and, when the adapter holds LoRA vLLM does not take, adapter-vllm/ (pipeline/serving/)."""
     from pipeline.perclass import load_eval_report
     from pipeline.preprocess import resolve_size
     from pipeline.rounds import completed_rounds
     from pipeline.store import atomic_write_json, atomic_write_text
 
-    data, pre, model_cfg = sections["data"], sections["preprocess"], sections["model"]
+    data, pre, model_cfg = spec.data, spec.preprocess, spec.model
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r}: choose {' or '.join(FORMATS)}")
     out = check_out(out, artifacts, force=force)
@@ -463,23 +483,23 @@ def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[st
         merged_dtype = str(dt).removeprefix("torch.")
     elif (out / "merged").is_dir():  # an earlier export's (--force): it would not match this adapter
         shutil.rmtree(out / "merged")
-    lin = lineage(prov, model=sections["model"].model_dump(mode="json"), train=sections["train"].model_dump(mode="json"),
-                  seed=sections["seed"])
+    lin = lineage(prov, model=spec.model.model_dump(mode="json"), train=spec.train.model_dump(mode="json"),
+                  seed=spec.seed)
     atomic_write_json(out / "lineage.json", lin)
     pad = f", padded square with {tuple(pre.pad_color)}" if pre.pad == "square" else ""
     note = (f"Images are prepared as tamis prepares them: EXIF-rotated, RGB, longest side {size} px (aspect kept{pad}); "
             "the exported processor carries tamis's image settings for images of that size.")
     card = model_card(prov, model_cfg=model_cfg, loaded=loaded, adapter_config=adapter_cfg,
-                      rounds_done=len(completed_rounds(artifacts)), consensus=sections["annotate"].consensus,
+                      rounds_done=len(completed_rounds(artifacts)), consensus=spec.annotate.consensus,
                       question=next((s.question for s in data.sources if s.question), None) or data.question,
                       answers=data.answers, evaluation=load_eval_report(prov.state.get("eval_dir")), base=base,
                       preprocess_note=note, merged_dtype=merged_dtype)
     atomic_write_text(out / "README.md", card)
-    write_predict_script(out, loaded=loaded, processor=processor, sections=sections, size=size)
+    write_predict_script(out, loaded=loaded, processor=processor, spec=spec, size=size)
     if adapter_out.is_dir():
         atomic_write_text(adapter_out / "README.md", card)  # in place of PEFT's empty template
     for stale in ("adapter-vllm", "serve.sh"):  # an earlier export's (--force): they would not match this adapter
         shutil.rmtree(out / stale) if (out / stale).is_dir() else (out / stale).unlink(missing_ok=True)
-    vllm = serve_with_vllm(out, prov, loaded, sections, base) if fmt == "vllm" else None
+    vllm = serve_with_vllm(out, prov, loaded, spec, base) if fmt == "vllm" else None
     return ExportResult(out, prov.round, adapter_out, out / "README.md", out / "lineage.json", len(prov.labels),
                         out / "merged" if merge else None, merged_dtype, vllm)

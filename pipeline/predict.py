@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.config import DataConfig, ModelConfig, PreprocessConfig, SelectConfig
 from pipeline.errors import ConfigError, DataError
 from pipeline.schema import MAX_QUESTION_CHARS
 
@@ -109,7 +110,7 @@ def _name(row: Any, base: Path) -> str:
     return row.source
 
 
-def read_new_images(path: str | os.PathLike[str], *, data: Any, preprocess: Any, model: Any,
+def read_new_images(path: str | os.PathLike[str], *, data: DataConfig, preprocess: PreprocessConfig, model: ModelConfig,
                     question: str | None = None) -> Iterator[NewImage]:
     """Every input row of `path`, prepared as the preprocess stage prepares training images (or with its error)."""
     import cv2
@@ -192,8 +193,9 @@ def score_images(loaded: Any, images: Sequence[NewImage], answers: Sequence[str]
     return [out[id(im)] for im in images]
 
 
-def predict_path(path: str | os.PathLike[str], loaded: Any, *, choice: AdapterChoice, data: Any, preprocess: Any,
-                 model: Any, select: Any, question: str | None = None) -> list[Prediction]:
+def predict_path(path: str | os.PathLike[str], loaded: Any, *, choice: AdapterChoice, data: DataConfig,
+                 preprocess: PreprocessConfig, model: ModelConfig, select: SelectConfig,
+                 question: str | None = None) -> list[Prediction]:
     """Every row of `path` predicted with `loaded` (the model with `choice`'s adapter), in the input's order."""
     name = str(choice.dir) if choice.round is None else f"round {choice.round}: {choice.dir}"
     out: list[Prediction] = []

@@ -212,9 +212,90 @@ def signatures(predicate) -> list[str]:
     return out
 
 
-def test_no_library_function_takes_cfg_any():
-    bad = signatures(lambda p: p.arg == "cfg" and annotated(p.annotation) in ("Any", "typing.Any"))
-    assert not bad, "`cfg: Any` (take the config sections the function reads): " + "; ".join(bad)
+# A config section keeps its own type all the way down: a parameter that receives one (a call anywhere in pipeline/
+# or flows/ passes it `cfg.<section>`, `project.<section>`, `*_cfg.<section>` or a dict of those), or that is named
+# `cfg`, `sections` or `*_cfg`, is not typed `Any` or a `Mapping`/`dict` of `Any`.
+LOOSE = ("Any", "typing.Any", "Mapping[str, Any]", "dict[str, Any]", "Mapping", "dict", "")
+SECTION_HOLDERS = ("cfg", "config", "project")
+
+
+def config_sections() -> set[str]:
+    from pipeline.config import ProjectConfig
+
+    return set(ProjectConfig.model_fields) - {"paths"}
+
+
+def carries_section(expr: ast.AST, sections: set[str]) -> bool:
+    """`cfg.model`, `self.cfg.train`, `project.select`, `base_cfg.data`, or a dict literal holding one."""
+    if isinstance(expr, ast.Dict):
+        return any(v is not None and carries_section(v, sections) for v in expr.values)
+    if not (isinstance(expr, ast.Attribute) and expr.attr in sections):
+        return False
+    base = expr.value
+    name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+    return name in SECTION_HOLDERS or name.endswith("_cfg")
+
+
+def library_defs() -> dict[str, list[tuple[str, str | None, ast.FunctionDef]]]:
+    """Function name -> (file, enclosing class or None, def) for every function in pipeline/."""
+    out: dict[str, list] = {}
+    for path in sorted((ROOT / "pipeline").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for owner in ast.walk(tree):
+            for node in (owner.body if isinstance(getattr(owner, "body", None), list) else []):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    cls = owner.name if isinstance(owner, ast.ClassDef) else None
+                    out.setdefault(node.name, []).append((str(path.relative_to(ROOT)), cls, node))
+    return out
+
+
+def loose_section_parameters(calls: list[ast.Call], defs: dict, sections: set[str]) -> list[str]:
+    out = set()
+    for call in calls:
+        f = call.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+        owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+        for rel, cls, d in defs.get(name, []):
+            if owner and owner[:1].isupper() and cls != owner:  # `Spec.of(...)`: only Spec's own `of`
+                continue
+            a = d.args
+            positional = a.posonlyargs + a.args
+            if cls and positional and positional[0].arg in ("self", "cls"):
+                positional = positional[1:]
+            by_name = {p.arg: p for p in a.posonlyargs + a.args + a.kwonlyargs}
+            pairs = [(positional[i], v) for i, v in enumerate(call.args) if i < len(positional)]
+            pairs += [(by_name[k.arg], k.value) for k in call.keywords if k.arg in by_name]
+            out.update(f"{rel}:{d.lineno} {d.name}({p.arg}: {annotated(p.annotation) or 'no type'})"
+                       for p, v in pairs if carries_section(v, sections) and annotated(p.annotation) in LOOSE)
+    return sorted(out)
+
+
+def test_no_library_function_takes_a_config_section_as_any():
+    defs, calls = library_defs(), []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            calls += [n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(n, ast.Call)]
+    bad = loose_section_parameters(calls, defs, config_sections())
+    bad += signatures(lambda p: (p.arg in ("cfg", "sections") or p.arg.endswith("_cfg"))
+                      and annotated(p.annotation) in ("Any", "typing.Any", "Mapping[str, Any]", "Mapping"))
+    assert not bad, "a config section typed Any or a Mapping (take the typed sections read): " + "; ".join(bad)
+
+
+def test_the_section_check_finds_a_section_passed_as_any():
+    tree = ast.parse("def export(out, *, sections: Mapping[str, Any], seed: int): ...\n"
+                     "def predict(path, data: Any, model: ModelConfig): ...\n"
+                     "class Spec:\n    def of(cls, select: Any): ...\n"
+                     "class Pool:\n    def of(cls, prepared: Any): ...\n")
+    defs: dict = {}
+    for owner in ast.walk(tree):
+        for node in (owner.body if isinstance(getattr(owner, "body", None), list) else []):
+            if isinstance(node, ast.FunctionDef):
+                defs.setdefault(node.name, []).append(("m.py", getattr(owner, "name", None), node))
+    calls = [n for n in ast.walk(ast.parse(
+        "export(o, sections={'data': cfg.data}, seed=cfg.seed)\npredict(p, cfg.data, cfg.model)\n"
+        "Spec.of(cfg.select)\nPool.of(ds)\nexport(o, sections=params.data, seed=1)")) if isinstance(n, ast.Call)]
+    assert loose_section_parameters(calls, defs, {"data", "model", "select", "seed"}) == [
+        "m.py:1 export(sections: Mapping[str, Any])", "m.py:2 predict(data: Any)", "m.py:4 of(select: Any)"]
 
 
 def test_few_library_functions_take_the_whole_project_config():

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pipeline.annotation.counted import count_once
+from pipeline.config import AnnotateConfig
 from pipeline.store import read_jsonl
 
 VOTES_NAME = "annotation_votes.jsonl"  # beside the ledger: every accepted raw vote, one line each
@@ -293,7 +294,7 @@ def read_consensus(artifacts: str | os.PathLike[str]) -> ConsensusRecord | None:
     return ConsensusRecord.from_dict(json.loads(p.read_text(encoding="utf-8"))) if p.is_file() else None
 
 
-def derive_consensus(artifacts: str | os.PathLike[str], annotate: Any, *, answers: Sequence[str] | None,
+def derive_consensus(artifacts: str | os.PathLike[str], annotate: AnnotateConfig, *, answers: Sequence[str] | None,
                      round_index: int, requeued: set[str] = frozenset()
                      ) -> tuple[ConsensusRecord | None, list[dict[str, Any]]]:
     """(the consensus of every raw vote, the ledger entries it would append), writing nothing; (None, []) without

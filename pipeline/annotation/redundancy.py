@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.annotation.consensus import ConsensusRecord
+from pipeline.config import AnnotateConfig
 from pipeline.errors import ArtifactError
 from pipeline.round_state import round_dir
 from pipeline.store import (
@@ -127,7 +128,7 @@ def export_redundancy(rows: Sequence[Mapping[str, Any]], dataset: Any, out_dir: 
                           config=config, outputs=outputs, info={"round": round_index, "count": len(items)})
 
 
-def queue_redundancy(artifacts: str | os.PathLike[str], annotate: Any, *, answers: Sequence[str] | None,
+def queue_redundancy(artifacts: str | os.PathLike[str], annotate: AnnotateConfig, *, answers: Sequence[str] | None,
                      prepared_dir: str | os.PathLike[str], round_index: int, cap: int | None = None) -> dict[str, Any]:
     """The round's redundancy queue from the current consensus.json, at most `cap` tasks (what rounds.label_budget
     leaves: pipeline.rounds.redundancy_cap), as round.json records it: {"consensus_dir", "consensus_requeued"}, with
@@ -152,7 +153,7 @@ def queue_redundancy(artifacts: str | os.PathLike[str], annotate: Any, *, answer
     return sent | ({"consensus_trimmed": trimmed} if trimmed else {})
 
 
-def settle_votes(artifacts: str | os.PathLike[str], annotate: Any, *, answers: Sequence[str] | None,
+def settle_votes(artifacts: str | os.PathLike[str], annotate: AnnotateConfig, *, answers: Sequence[str] | None,
                  round_index: int) -> dict[str, Any]:
     """After the imports, before the round plans its labeled set: the consensus of every raw vote (it may change
     labels), with the samples sent out for another vote decided again over all theirs. {"consensus": the round's

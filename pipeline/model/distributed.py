@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from pipeline.config import SelectConfig
 from pipeline.errors import ModelError, TamisError
 
 log = logging.getLogger(__name__)
@@ -286,7 +287,7 @@ def device_cluster(devices: Sequence[str], *, host: str = "127.0.0.1", dashboard
                        **kwargs)
 
 
-def dask_runner_options(select: Any, hw: Any) -> dict[str, Any]:
+def dask_runner_options(select: SelectConfig, hw: Any) -> dict[str, Any]:
     """How `select.runner: dask` scores: {"address"} of an existing cluster, or the local cluster to start
     ({"cluster_class"?, "cluster_kwargs"}): one pinned worker process per GPU, else N single-threaded CPU workers."""
     if select.dask_address:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.config import ModelConfig, TrainConfig
 from pipeline.model.planner import GiB, ModelShape, Plan, _is_vision, image_token_counts, lora_targets, plan
 
 
@@ -107,7 +108,7 @@ def knobs_table(rows: list[Alternative], budget: int | None = None) -> Any:
     return t
 
 
-def plan_kwargs(model_cfg: Any, train_cfg: Any, settings: Any, *, seq_len: int, image_size: int | None) -> dict:
+def plan_kwargs(model_cfg: ModelConfig, train_cfg: TrainConfig, settings: Any, *, seq_len: int, image_size: int | None) -> dict:
     """The planner's keywords for a project config and its chosen training settings."""
     return {"mode": model_cfg.mode, "batch": settings.micro_batch, "seq_len": seq_len, "image_size": image_size,
             "lora_r": model_cfg.lora_r, "target_modules": model_cfg.target_modules,

@@ -173,7 +173,8 @@ class Work:
         return out
 
     def score(self, adapter: Adapter, ids: list[str], mc_passes: int, seed: int) -> Any:
-        from pipeline.scoring import SCORE_VERSION, load_scores, make_scorer, save_scores
+        from pipeline.score_stage import SCORE_VERSION
+        from pipeline.scoring import load_scores, make_scorer, save_scores
 
         sel = self.cfg.select
         seed = seed if mc_passes else 0  # only MC dropout draws random numbers
@@ -193,7 +194,7 @@ class Work:
                              max_new_tokens=self.cfg.model.max_new_tokens)
         res = scorer.score([self.data.rows[s] for s in ids], batch_size=sel.score_batch_size, mc_passes=mc_passes,
                            seed=seed)
-        save_scores(res, folder, inputs=inputs, config=config)
+        save_scores(res, folder, version=SCORE_VERSION, inputs=inputs, config=config)
         self.made("score", key, time.monotonic() - t0)
         self.timer.add("score_mc" if mc_passes else "score", t0, computed=True)
         return res

@@ -224,7 +224,8 @@ def score_child(spec: dict[str, Any]) -> dict[str, Any]:
         rows = ds.select([index[s] for s in ids])
         rows = [{"sample_id": r["sample_id"], "prepared": r["prepared"], "question": r["question"]} for r in rows]
         result = scorer.score(rows, batch_size=spec["batch_size"])
-        save_scores(result, out / f"{j:06d}", inputs={"shard": str(j)}, config={"batch_size": spec["batch_size"]})
+        save_scores(result, out / f"{j:06d}", version="bench", inputs={"shard": str(j)},
+                    config={"batch_size": spec["batch_size"]})
         scored += len(rows)
         del rows, result
     score_s = time.perf_counter() - t
@@ -266,7 +267,8 @@ def write_precomputed(out: Path, pool_dir: Path, shard_size: int, skip: set[int]
         pick = rng.integers(0, len(real.sample_ids), len(ids))
         emb = real.embeddings[pick] + rng.standard_normal((len(ids), real.embeddings.shape[1])).astype(np.float32) * scale
         res = ScoreResult(sample_ids=list(ids), embeddings=emb.astype(np.float32), probs=real.probs[pick])
-        save_scores(res, out / f"{j:06d}", inputs={"precomputed": str(source)}, config={"jitter": scale})
+        save_scores(res, out / f"{j:06d}", version="bench", inputs={"precomputed": str(source)},
+                    config={"jitter": scale})
         written += len(ids)
     return written
 

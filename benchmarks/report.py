@@ -47,6 +47,7 @@ def write_round(root: Path, pool: int, batch: int, seed: int = 0) -> object:
     import datasets
 
     from pipeline.roundreport import ReportSources
+    from pipeline.score_stage import SCORE_VERSION
     from pipeline.scoring import ScoreResult, plan_shards, save_scores
     from pipeline.store import atomic_write_json, atomic_write_jsonl, save_dataset, write_manifest
 
@@ -87,7 +88,7 @@ def write_round(root: Path, pool: int, batch: int, seed: int = 0) -> object:
         probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
         out = root / "scores" / f"{k:05d}"
         save_scores(ScoreResult(part, rng.normal(size=(len(part), 64)).astype(np.float32), probs.astype(np.float32)),
-                    out, inputs={"shard": str(k)}, config={})
+                    out, version=SCORE_VERSION, inputs={"shard": str(k)}, config={})
         shards.append((part[0], str(out)))
     picked = rng.choice(len(pool_ids), batch + 50, replace=False)
     atomic_write_jsonl(rd / "selection" / "selection.jsonl", [

@@ -3,7 +3,9 @@
 A stage module keeps one hand-bumped version constant beside its code, written as
 `SELECT_VERSION = stage_version("3", "pipeline.selection")` (the module named, not `__name__`, which a module run as
 a script would not have; a stage may name the module that runs it, as TRAIN_VERSION names pipeline.model.train_stage,
-SCORE_VERSION pipeline.score_stage and LABELCHECK_VERSION the whole pipeline.labelcheck package). The value is `"1+<12 hex>"`: the hand-kept marker,
+LABELCHECK_VERSION the whole pipeline.labelcheck package). Every version a key holds is made here: the stages', the
+candidate clusters' (CANDIDATES_VERSION) and the redundancy queue's (REDUNDANCY_VERSION); tests/test_code_keys.py
+refuses a hand-written one. The value is `"1+<12 hex>"`: the hand-kept marker,
 then the digest of the stage module's *code closure* — the module plus every `pipeline.*` module it imports, transitively, function-local
 imports included, found statically with `ast` (nothing is imported or executed). Every key derived from the constant
 (the Prefect task key in flows/stages.py, the manifest keys and folder names in pipeline/, the benchmarks' cache

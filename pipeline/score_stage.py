@@ -16,11 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.codeversion import stage_version
 from pipeline.config import ModelConfig, ProjectConfig, SelectConfig
 from pipeline.errors import DataError
 from pipeline.idindex import IdIndex
-from pipeline.scoring import SCORE_VERSION, make_scorer, plan_shards, pool_shard_size, save_scores
+from pipeline.scoring import make_scorer, plan_shards, pool_shard_size, save_scores
 from pipeline.store import Manifest, digest_json, find_valid_manifest, reuse_or_compute, stage_key
+
+# This stage's code closure holds the scorers it runs (pipeline.scoring): an edit to either moves every shard's key.
+SCORE_VERSION = stage_version("1", "pipeline.score_stage")
 
 __all__ = ["SCORE_VERSION", "PoolScoring", "ShardParams", "plan_pool_scoring", "read_pool_file", "score_config",
            "score_shard", "scored_on_disk", "shard_params", "write_pool_file"]
@@ -173,7 +177,8 @@ def score_shard(params: ShardParams) -> dict[str, Any]:
                              max_new_tokens=scoring["max_new_tokens"])
         result = scorer.score(rows, batch_size=scoring["score_batch_size"], mc_passes=scoring["mc_dropout_passes"],
                               seed=scoring["seed"])
-        return save_scores(result, out_dir, inputs=inputs, config={"model": model, "scoring": scoring})
+        return save_scores(result, out_dir, version=SCORE_VERSION, inputs=inputs,
+                           config={"model": model, "scoring": scoring})
 
     m = reuse_or_compute(out_dir, shard_manifest_key(inputs, model, scoring), compute)
     return {"dir": out_dir, "digest": m.key}

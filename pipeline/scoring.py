@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.codeversion import stage_version
 from pipeline.store import (
     Manifest,
     atomic_write_bytes,
@@ -37,9 +36,6 @@ from pipeline.store import (
 )
 
 log = logging.getLogger(__name__)
-# The score stage's version names the module that runs it (pipeline.score_stage, whose closure holds this one), as
-# TRAIN_VERSION names train_stage: an edit to the scorers or to the shard stage moves every score key.
-SCORE_VERSION = stage_version("1", "pipeline.score_stage")
 
 
 @dataclass
@@ -370,8 +366,11 @@ SCORES_FILE = "scores.npz"
 IDS_FILE = "scores.json"
 
 
-def save_scores(result: ScoreResult, out_dir: str | Path, *, inputs: dict[str, str], config: dict) -> Manifest:
-    """Write one shard's scores atomically (npz of plain arrays, never pickled) and its manifest last."""
+def save_scores(result: ScoreResult, out_dir: str | Path, *, version: str, inputs: dict[str, str],
+                config: dict) -> Manifest:
+    """Write one shard's scores atomically (npz of plain arrays, never pickled) and its manifest last, keyed by the
+    `version` of the stage that scored them (the score stage's SCORE_VERSION, the label check's LABELCHECK_VERSION
+    for its fold scores: each closure holds these scorers)."""
     out_dir = Path(out_dir)
     buf = io.BytesIO()
     np.savez(buf, **result.arrays())
@@ -382,7 +381,7 @@ def save_scores(result: ScoreResult, out_dir: str | Path, *, inputs: dict[str, s
          "extra": result.extra},
     )
     return write_manifest(
-        out_dir, stage="score", stage_version=SCORE_VERSION, inputs=inputs, config=config,
+        out_dir, stage="score", stage_version=version, inputs=inputs, config=config,
         outputs={"scores": SCORES_FILE, "ids": IDS_FILE}, info={"n": len(result.sample_ids)},
     )
 

@@ -342,3 +342,38 @@ def test_a_cold_start_selection_keys_on_its_candidates(tmp_path):
 
     assert key(["s1", "s2", "s3"], tmp_path / "a") == key(["s1", "s2", "s3"], tmp_path / "b")
     assert key(["s1", "s2", "s3"], tmp_path / "c") != key(["s1", "s2"], tmp_path / "d")
+
+
+def hand_written_versions(root: Path) -> list[str]:
+    """`path:line NAME` for every module-level `*_VERSION = <anything but stage_version(...)>` under root/pipeline."""
+    out = []
+    for path in sorted((root / "pipeline").rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id.endswith("_VERSION")
+                                                    for t in node.targets):
+                call = node.value
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                        and call.func.id == "stage_version"):
+                    out.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node.targets[0])}")
+    return out
+
+
+def test_no_version_a_key_holds_is_bumped_by_hand():
+    """REDUNDANCY_VERSION and CANDIDATES_VERSION were "1" until issue 48: an edit to the candidate clustering reused
+    stale clusters. Every version constant is now a stage_version of its own module."""
+    assert not hand_written_versions(ROOT), "versions bumped by hand (write NAME = stage_version(\"1\", \"module\")): " \
+        + "; ".join(hand_written_versions(ROOT))
+    from pipeline.annotation.redundancy import REDUNDANCY_VERSION
+    from pipeline.strategies.candidates import CANDIDATES_VERSION
+
+    for version, module in ((REDUNDANCY_VERSION, "pipeline.annotation.redundancy"),
+                            (CANDIDATES_VERSION, "pipeline.strategies.candidates")):
+        assert version == f"1+{reference_digest(module, ROOT)}"
+
+
+def test_the_score_version_lives_beside_the_score_stage():
+    import pipeline.score_stage
+    import pipeline.scoring
+
+    assert "SCORE_VERSION" not in vars(pipeline.scoring)
+    assert cv.version_module(pipeline.score_stage.SCORE_VERSION) == "pipeline.score_stage"

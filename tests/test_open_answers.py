@@ -157,7 +157,7 @@ def test_open_shards_save_reload_and_concatenate_with_ragged_token_lengths(loade
     long = OpenAnswerScorer(loaded, max_new_tokens=5, min_new_tokens=1).score(rows[3:], batch_size=3, mc_passes=2)
     assert short.token_entropy.shape[1] == 2 and long.token_entropy.shape[1] > 2
     for name, res in (("a", short), ("b", long)):
-        save_scores(res, tmp_path / name, inputs={"shard": name}, config={"k": 1})
+        save_scores(res, tmp_path / name, version="test", inputs={"shard": name}, config={"k": 1})
     back = [load_scores(tmp_path / n) for n in ("a", "b")]
     assert back[0].answers == short.answers and back[1].mc_answers == long.mc_answers
     np.testing.assert_array_equal(back[1].token_logprobs, long.token_logprobs)  # NaN padding survives the npz

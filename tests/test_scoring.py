@@ -172,7 +172,7 @@ def test_open_answers_record_token_entropy_and_logprobs(loaded):
 def test_shards_roundtrip_and_corruption_is_reported(loaded, tmp_path):
     rows = _rows(4)
     res = ClosedSetScorer(loaded, DIGITS).score(rows, batch_size=4)
-    save_scores(res, tmp_path / "s0", inputs={"shard": "x"}, config={"k": 1})
+    save_scores(res, tmp_path / "s0", version="test", inputs={"shard": "x"}, config={"k": 1})
     back = load_scores(tmp_path / "s0")
     assert back.sample_ids == res.sample_ids
     np.testing.assert_array_equal(back.probs, res.probs)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.annotation.consensus import ConsensusRecord
+from pipeline.codeversion import stage_version
 from pipeline.config import AnnotateConfig
 from pipeline.errors import ArtifactError
 from pipeline.round_state import round_dir
@@ -31,7 +32,7 @@ from pipeline.store import (
 
 log = logging.getLogger(__name__)
 
-REDUNDANCY_VERSION = "1"
+REDUNDANCY_VERSION = stage_version("1", "pipeline.annotation.redundancy")  # the queue's export moves with its code
 REDUNDANCY_TABLE = "redundancy.jsonl"
 
 

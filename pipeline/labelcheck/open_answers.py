@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.labelcheck.base import CheckSpec, LabelCheckError
+from pipeline.labelcheck.base import LABELCHECK_VERSION, CheckSpec, LabelCheckError
 from pipeline.labelcheck.detection import MIN_MODEL_ACCURACY, REPORT_CONFIDENCE, Detection, Issue
 from pipeline.labelcheck.out_of_sample import (
     OOSResult,
@@ -67,7 +67,7 @@ def _score_open(spec: CheckSpec, adapter_dir: Path, rows: list[dict[str, Any]], 
     finally:
         del loaded
         gc.collect()
-    save_scores(result, out_dir, inputs=inputs, config=config)
+    save_scores(result, out_dir, version=LABELCHECK_VERSION, inputs=inputs, config=config)
 
 
 def out_of_sample_answers(
@@ -83,7 +83,7 @@ def out_of_sample_answers(
     stratified by the normalised answer), cached the same way."""
     from pipeline.meaning import normalize_answer
     from pipeline.model.train import check_rows
-    from pipeline.scoring import SCORE_VERSION, load_scores
+    from pipeline.scoring import load_scores
 
     method = method or spec.labelcheck.method
     rows = _check_labeled(labeled_rows, None)
@@ -117,7 +117,7 @@ def out_of_sample_answers(
         raise LabelCheckError(f"labelcheck.method {method!r} is not one of kfold, heldout")
     by_id: dict[str, tuple[str, list[str]]] = {}
     for held_idx, out, inputs, adapter_dir, train_rows in parts:
-        if find_valid_manifest(out, stage_key("score", SCORE_VERSION, inputs, config)) is None:
+        if find_valid_manifest(out, stage_key("score", LABELCHECK_VERSION, inputs, config)) is None:
             if adapter_dir is None:
                 adapter_dir = train_fold(spec, train_rows, out.parent, progress=progress).adapter_dir
             _score_open(spec, adapter_dir, [rows[j] for j in held_idx], out, inputs, config)

@@ -116,7 +116,7 @@ def _score_held_out(spec: CheckSpec, adapter_dir: Path, rows: list[dict[str, Any
     finally:
         del loaded
         gc.collect()
-    save_scores(result, out_dir, inputs=inputs, config=config)
+    save_scores(result, out_dir, version=LABELCHECK_VERSION, inputs=inputs, config=config)
     return result
 
 
@@ -178,7 +178,7 @@ def held_out_of(spec: CheckSpec) -> HeldOut:
 def _held_out_probs(rows: list[dict[str, Any]], held_out: HeldOut, s: _Scoring) -> OOSResult:
     """The round's adapter scores the rows it did not train on, cached in work_dir/heldout."""
     from pipeline.model.train import check_rows
-    from pipeline.scoring import SCORE_VERSION, load_scores
+    from pipeline.scoring import load_scores
 
     n = len(rows)
     adapter = held_out.adapter
@@ -190,7 +190,7 @@ def _held_out_probs(rows: list[dict[str, Any]], held_out: HeldOut, s: _Scoring) 
                          np.zeros((0, 0), np.float32))
     inputs = {"rows": check_rows(held), "adapter": digest_path(adapter)}
     out = s.work_dir / "heldout"
-    if find_valid_manifest(out, stage_key("score", SCORE_VERSION, inputs, s.config)) is None:
+    if find_valid_manifest(out, stage_key("score", LABELCHECK_VERSION, inputs, s.config)) is None:
         _score_held_out(s.spec, Path(adapter), held, s.answers, out, inputs, s.config)
         info["reused"] = False
     else:
@@ -227,12 +227,12 @@ def _kfold_probs(rows: list[dict[str, Any]], k: int, s: _Scoring) -> OOSResult:
 def _fold_scores(rows: list[dict[str, Any]], held_idx: np.ndarray, train_rows: list[dict[str, Any]], i: int, k: int,
                  labeled_digest: str, s: _Scoring) -> tuple[Any, bool]:
     """(one fold's scores of its held-out rows, whether they were cached): trains the fold's adapter when not."""
-    from pipeline.scoring import SCORE_VERSION, load_scores
+    from pipeline.scoring import load_scores
 
     fold_dir = s.work_dir / f"fold-{i}"
     inputs = {"labeled": labeled_digest, "fold": f"{i}/{k}"}
     out = fold_dir / "oos"
-    reused = find_valid_manifest(out, stage_key("score", SCORE_VERSION, inputs, s.config)) is not None
+    reused = find_valid_manifest(out, stage_key("score", LABELCHECK_VERSION, inputs, s.config)) is not None
     if not reused:
         log.info("label check fold %d/%d: training on %d samples, scoring %d held out", i + 1, k,
                  len(train_rows), len(held_idx))

@@ -25,13 +25,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pipeline.codeversion import stage_version
 from pipeline.config import CandidatesConfig, SelectConfig
 from pipeline.errors import SelectionError
 from pipeline.idindex import IdIndex
 from pipeline.strategies.base import kmeans_labels
 from pipeline.strategies.index import NeighborIndex
 
-CANDIDATES_VERSION = "1"
+# The candidate clusters are reused across rounds by this key: an edit to the clustering (this module and what it
+# imports) must recompute them, so the version carries the code digest as every stage's does.
+CANDIDATES_VERSION = stage_version("1", "pipeline.strategies.candidates")
 CLUSTERS_FILE = "clusters.npy"
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from flows.cli_common import ConfigOpt, config_file, load
+from flows.cli.common import ConfigOpt, config_file, load
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)

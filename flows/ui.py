@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from flows.cli_logging import HARMLESS, UI_ONLY
+from flows.cli.logs import HARMLESS, UI_ONLY
 from pipeline.round_state import RoundState
 
 # The library's loggers (all under `pipeline`) and Python warnings (`py.warnings` once captured) reach a run's logs.
@@ -59,7 +59,7 @@ def progress_sink(key: str, description: str) -> Callable[[float, str], None]:
 
 
 class HarmlessFilter(logging.Filter):
-    """The known-harmless third-party warnings (flows/cli_logging.HARMLESS) stay out of the UI as out of the CLI."""
+    """The known-harmless third-party warnings (flows/cli/logs.HARMLESS) stay out of the UI as out of the CLI."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -9,7 +9,7 @@ import yaml
 from PIL import Image
 from typer.testing import CliRunner
 
-from flows.cli import app
+from flows.cli.main import app
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.config import load_config
 from pipeline.preprocess import load_prepared

@@ -135,7 +135,7 @@ def test_checkpoint_without_a_chat_template_fails(tiny_llava, tiny_models, tmp_p
 
 
 def test_cli_check_model_exit_codes(tiny_models, tmp_path):
-    from flows.cli import app
+    from flows.cli.main import app
 
     runner = CliRunner()
     config = tmp_path / "tamis.yaml"
@@ -152,7 +152,7 @@ def test_cli_check_model_exit_codes(tiny_models, tmp_path):
 
 
 def test_cli_make_tiny_model_builds_a_new_family(tmp_path):
-    from flows.cli import app
+    from flows.cli.main import app
     from pipeline.model.families import detect_family
 
     res = CliRunner().invoke(app, ["make-tiny-model", "--family", "llava_onevision", "--out", str(tmp_path / "m")])

@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import app
+from flows.cli.main import app
 from pipeline.errors import ConfigError, DataError
 
 runner = CliRunner()

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows import cli_logging
-from flows.cli_logging import HARMLESS, ConsoleFilter, ignore_harmless_warnings
+from flows.cli import logs as cli_logging
+from flows.cli.logs import HARMLESS, ConsoleFilter, ignore_harmless_warnings
 from pipeline.errors import ConfigError
 
 TAMIS = Path(sys.executable).parent / "tamis"
@@ -46,14 +46,14 @@ def test_console_filter_keeps_tamis_and_library_warnings(name, level, msg, shown
 
 
 def test_console_filter_keeps_tamis_lines_sent_through_prefects_run_logger():
-    round_py = str(Path(cli_logging.__file__).parent / "round.py")  # get_run_logger().info(...) in labeling_round
+    round_py = str(Path(cli_logging.__file__).parent.parent / "round.py")  # get_run_logger().info(...) in labeling_round
     assert ConsoleFilter().filter(record("prefect.flow_runs", logging.INFO, "labeling round for the demo config",
                                          path=round_py))
 
 
 def test_console_filter_leaves_ui_only_progress_lines_to_the_prefect_ui():
     # A progress update goes to the run's logs in the UI; the terminal already shows the same step in its bar.
-    ui_py = str(Path(cli_logging.__file__).parent / "ui.py")
+    ui_py = str(Path(cli_logging.__file__).parent.parent / "ui.py")
     update = record("prefect.task_runs", logging.INFO, "training-progress: 20% — step 20 / 100", path=ui_py)
     assert ConsoleFilter().filter(update)
     setattr(update, cli_logging.UI_ONLY, True)
@@ -129,7 +129,7 @@ def test_demo_data_and_prepare_print_no_library_chatter(project):
 
 @pytest.mark.parametrize("debug", [False, True])
 def test_library_progress_bars_only_with_debug(debug):
-    code = (f"from flows.cli_logging import configure_logging; configure_logging({debug}); import datasets; "
+    code = (f"from flows.cli.logs import configure_logging; configure_logging({debug}); import datasets; "
             "datasets.Dataset.from_dict({'a': [1, 2, 3]}).map(lambda r: r)")
     env = {k: v for k, v in os.environ.items() if not k.endswith("DISABLE_PROGRESS_BARS")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -260,7 +260,7 @@ def test_votes_log_counts_a_file_imported_twice_once(tmp_path, make_vqa):
 
 
 def test_cli_labels_annotators(tmp_path, make_vqa):
-    from flows.cli import app
+    from flows.cli.main import app
 
     cfg, _, gt, ids = _project(tmp_path, make_vqa, consensus="one_coin")
     cfg_path = tmp_path / "c.yaml"

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import app
+from flows.cli.main import app
 from pipeline.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -167,7 +167,7 @@ def test_cli_plan_and_hardware():
 
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from flows.cli.main import app
 
     runner = CliRunner()
     res = runner.invoke(app, ["plan", "--model", str(SHAPE_JSON), "--mode", "qlora", "--gpu-memory", "16GiB",

@@ -153,7 +153,7 @@ def test_cli_dry_run_project_scope_round_and_brackets(tmp_path, monkeypatch):
     import datasets
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from flows.cli.main import app
     from pipeline.rounds import import_round
     from pipeline.store import atomic_write_json
 
@@ -187,7 +187,7 @@ def test_cli_dry_run_project_scope_round_and_brackets(tmp_path, monkeypatch):
 def test_cli_without_a_prepared_dataset_says_so(tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from flows.cli.main import app
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"paths: {{artifacts: {tmp_path / 'art'}}}\ndata: {{answers: {DIGITS}}}\n")

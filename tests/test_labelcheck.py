@@ -165,7 +165,7 @@ def test_annotator_agreement_with_majority_and_model():
 # ------------------------------------------------------------------------------ relabel queue round-trip
 def test_relabel_export_then_import_records_corrections(tmp_path, make_vqa, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
-    from flows.cli import app
+    from flows.cli.main import app
 
     ds, gt = make_vqa(n=12)
     cfg_path = tmp_path / "c.yaml"

@@ -230,7 +230,7 @@ def test_read_label_file_rejects_non_utf8(tmp_path):
 
 def test_cli_import_and_history(tmp_path, make_vqa, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # rich wraps table cells to the terminal width
-    from flows.cli import app
+    from flows.cli.main import app
     from pipeline.annotation.export import export_dir, export_selection
     from pipeline.config import load_config
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from flows.cli.main import app
 from pipeline.config import ModelConfig
 from pipeline.errors import DataError
 from pipeline.model.quant_check import check_quant, synthetic_images

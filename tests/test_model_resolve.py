@@ -88,7 +88,7 @@ def test_an_unreachable_hub_fails_within_seconds_without_retries(tmp_path, monke
 def test_cli_check_model_takes_a_hub_id_from_the_cache(tiny_models, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from flows.cli import app
+    from flows.cli.main import app
 
     _fake_cache(tmp_path / "hub", "org/tiny-vlm", tiny_models["idefics3"])
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))

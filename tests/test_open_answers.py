@@ -364,7 +364,7 @@ def test_tiny_open_benchmark_run_goes_through_text_export_typed_answers_and_the_
 def test_cli_demo_data_open_writes_the_open_variant(tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from flows.cli.main import app
     from pipeline.data.demo import OPEN_QUESTIONS
 
     res = CliRunner().invoke(app, ["demo-data", "--open", "--out", str(tmp_path / "d"), "--limit", "12"])

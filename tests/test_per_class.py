@@ -203,7 +203,7 @@ def test_the_learning_curve_starts_at_chance_with_integer_ticks_and_intervals():
 
 
 def test_the_summary_and_status_show_the_per_class_table(tmp_path):
-    from flows.cmd_rounds import per_class_output
+    from flows.cli.cmd_rounds import per_class_output
 
     preds, refs = noisy()
     rep = per_class_report(preds, refs, ANSWERS)

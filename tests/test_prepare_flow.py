@@ -84,7 +84,7 @@ def test_stages_cached_and_only_augment_reruns_when_only_augment_changes(tmp_pat
 
 
 def test_cli_prepare_and_quality_report(tmp_path, prefect_harness):
-    from flows.cli import app
+    from flows.cli.main import app
 
     runner = CliRunner()
     config = write_project(tmp_path)

@@ -203,7 +203,7 @@ def test_likely_label_errors_show_with_image_given_label_and_model_answer(photo_
 
 
 def test_tamis_report_rewrites_the_round_report(photo_rounds):
-    from flows.cli import app
+    from flows.cli.main import app
 
     config, art, _ = photo_rounds
     page = art / "rounds/001" / REPORT_FILE

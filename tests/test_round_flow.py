@@ -166,7 +166,7 @@ def test_label_checks_relabel_queue_and_outliers_in_rounds(tmp_path, tiny_models
     from typer.testing import CliRunner
 
     import pipeline.labelcheck.check
-    from flows.cli import app
+    from flows.cli.main import app
     from flows.round import labeling_round
     from pipeline.annotation.simulate import sidecar_path
 

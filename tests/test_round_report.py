@@ -195,7 +195,7 @@ def _project_with_rounds(tmp_path):
 
 
 def test_status_counts_agree_with_its_table_and_json_only_when_asked(tmp_path, monkeypatch):
-    from flows.cli import app
+    from flows.cli.main import app
 
     config = _project_with_rounds(tmp_path)
     monkeypatch.delenv("COLUMNS", raising=False)
@@ -220,7 +220,7 @@ def test_status_counts_agree_with_its_table_and_json_only_when_asked(tmp_path, m
 def test_rounds_table_names_the_metric_it_shows():
     from rich.console import Console
 
-    from flows.cmd_rounds import _rounds_table
+    from flows.cli.cmd_rounds import _rounds_table
 
     open_rounds = [{"round": 0, "labeled": 0, "strategy": "cold start: random", "metrics": None},
                    {"round": 1, "labeled": 40, "strategy": "token_entropy+cluster_margin",
@@ -235,7 +235,7 @@ def test_rounds_table_names_the_metric_it_shows():
 
 
 def test_resume_names_what_is_missing(tmp_path):
-    from flows.cli import app
+    from flows.cli.main import app
     from pipeline.errors import ConfigError
 
     config = _project_with_rounds(tmp_path)

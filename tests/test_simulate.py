@@ -100,7 +100,7 @@ def test_bad_noise_and_ground_truth_are_clear_errors(tmp_path, make_vqa):
 
 
 def test_cli_simulate_annotator(tmp_path, make_vqa):
-    from flows.cli import app
+    from flows.cli.main import app
 
     ds, gt = make_vqa(n=4)
     cfg_path = tmp_path / "c.yaml"

@@ -28,7 +28,7 @@ TAMIS = Path(sys.executable).with_name("tamis")
 
 
 def replay(cfg, **kw):
-    """unchanged_round as `tamis round` calls it (flows/cmd_rounds.py)."""
+    """unchanged_round as `tamis round` calls it (flows/cli/cmd_rounds.py)."""
     return unchanged_round(cfg.rounds, cfg.annotate, cfg.artifacts, inputs=lambda: round_inputs(cfg), **kw)
 
 

@@ -132,7 +132,7 @@ def test_an_event_with_a_wrong_field_type_is_refused_and_not_queued(tmp_path, ba
 
 def test_a_queued_event_the_loop_cannot_read_is_parked_and_the_loop_goes_on(tmp_path, caplog):
     """An old receiver queued `"project": [7]`: the loop raised TypeError (unhashable) and every restart died on it."""
-    from flows.cmd_listen import Listener
+    from flows.cli.cmd_listen import Listener
     from pipeline.config import load_config
 
     config = _listener_project(tmp_path, min_new_labels=1)
@@ -270,7 +270,7 @@ def test_setup_webhook_never_registers_an_every_interface_url(tmp_path):
 def test_an_annotation_deleted_while_the_receiver_was_down_is_retired_after_one_pull(tmp_path):
     """Its event says "new" and no deletion event came: with min_new_labels a round started every retry_s for ever,
     each importing nothing."""
-    from flows.cmd_listen import POLL_S, Listener
+    from flows.cli.cmd_listen import POLL_S, Listener
     from pipeline.annotation.webhooks import retired_keys
     from pipeline.config import load_config
 

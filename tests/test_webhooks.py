@@ -201,7 +201,7 @@ def _pull_all(art):
 
 
 def test_a_trigger_during_a_running_round_starts_one_more_round_and_a_lock_waits(tmp_path):
-    from flows.cmd_listen import LOCK_RETRY_S, Listener
+    from flows.cli.cmd_listen import LOCK_RETRY_S, Listener
     from pipeline.config import load_config
     from pipeline.errors import LockError
 
@@ -232,7 +232,7 @@ def test_a_trigger_during_a_running_round_starts_one_more_round_and_a_lock_waits
 def test_a_round_that_leaves_the_labels_unimported_is_retried_after_retry_s(tmp_path):
     import time
 
-    from flows.cmd_listen import Listener
+    from flows.cli.cmd_listen import Listener
     from pipeline.annotation.label_studio import PULL_FAILED
     from pipeline.config import load_config
 
@@ -262,7 +262,7 @@ def test_listen_and_setup_webhook_without_a_trigger_say_what_to_add(tmp_path):
     import yaml
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from flows.cli.main import app
     from pipeline.errors import ConfigError
 
     config = tmp_path / "c.yaml"
@@ -325,7 +325,7 @@ def test_with_wait_for_labels_the_suspended_deployed_round_is_resumed_not_run_tw
     from prefect import flow, get_client
     from prefect.states import Suspended
 
-    from flows.cmd_listen import Listener, resume_waiting_round
+    from flows.cli.cmd_listen import Listener, resume_waiting_round
     from flows.waiting import WAIT_KEY
     from pipeline.config import load_config
 
@@ -365,7 +365,7 @@ def test_a_deployed_round_given_a_relative_config_path_is_resumed_from_a_listene
     from prefect import flow, get_client
     from prefect.states import Suspended
 
-    from flows.cmd_listen import Listener
+    from flows.cli.cmd_listen import Listener
     from flows.waiting import WAIT_KEY
     from pipeline.config import load_config
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from flows.cli_common import ConfigOpt, config_file, load, out_console
+from flows.cli.common import ConfigOpt, config_file, load, out_console
 from flows.deploy import register_serve, server_url
 from pipeline.config import ProjectConfig
 from pipeline.errors import ConfigError, DataError

@@ -1,6 +1,6 @@
 """What the `tamis` command modules share: the --config option and the config loader.
 
-flows/cli.py builds the app from the flows/cmd_*.py modules; they import from here, never from cli.py, so no module
+flows/cli/main.py builds the app from the flows/cli/cmd_*.py modules; they import from here, never from main.py, so no module
 depends on one that is still being initialised.
 """
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_common import out_console
+from flows.cli.common import out_console
 
 
 def init_cmd(

@@ -1,7 +1,7 @@
 """The `tamis` command. It launches flows, so it lives in flows/; everything else it calls is library code.
 
-Each area's commands live in a small module (flows/cmd_*.py) with a `register(app)`; they share the --config option
-and the loader through flows/cli_common.py, so this module imports them and none of them imports it.
+Each area's commands live in a small module (flows/cli/cmd_*.py) with a `register(app)`; they share the --config option
+and the loader through flows/cli/common.py, so this module imports them and none of them imports it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from flows import (
+from flows.cli import (
     cmd_data,
     cmd_init,
     cmd_labels,
@@ -24,8 +24,8 @@ from flows import (
     cmd_rounds,
     cmd_use,
 )
-from flows.cli_common import ConfigOpt, config_file
-from flows.cli_logging import configure_logging
+from flows.cli.common import ConfigOpt, config_file
+from flows.cli.logs import configure_logging
 from pipeline import __version__
 from pipeline.errors import TamisError
 
@@ -97,7 +97,3 @@ def run() -> None:
             raise
         console.print(f"[bold red]unexpected error:[/] {exc.__class__.__name__}: {exc} (rerun with --debug for a traceback)")
         sys.exit(1)
-
-
-if __name__ == "__main__":
-    run()

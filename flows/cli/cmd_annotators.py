@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from flows.cli_common import ConfigOpt, config_file, out_console
+from flows.cli.common import ConfigOpt, config_file, out_console
 
 
 def labels_annotators(

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_common import ConfigOpt, config_file, out_console, project_config
+from flows.cli.common import ConfigOpt, config_file, out_console, project_config
 
 
 def make_tiny_model_cmd(

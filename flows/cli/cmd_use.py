@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_common import ConfigOpt, config_file, load, out_console
+from flows.cli.common import ConfigOpt, config_file, load, out_console
 from pipeline.errors import ConfigError
 
 RoundOpt = Annotated[int | None, typer.Option("--round", min=0, help="Use this round's adapter (default: the latest "

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_common import ConfigOpt, config_file, load, out_console
+from flows.cli.common import ConfigOpt, config_file, load, out_console
 
 
 def ingest_cmd(config: ConfigOpt = None) -> None:

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 import typer
 
-from flows.cli_common import ConfigOpt, config_file, load, out_console
+from flows.cli.common import ConfigOpt, config_file, load, out_console
 from pipeline.errors import ConfigError, LockError
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def resume_waiting_round(config: Path | None, note: str) -> str | None:
     from prefect.flow_runs import resume_flow_run
     from prefect.settings import get_current_settings
 
-    from flows.cmd_rounds import waiting_rounds
+    from flows.cli.cmd_rounds import waiting_rounds
 
     if not get_current_settings().api.url:
         return None  # Prefect's embedded server: no deployment, nothing can be suspended

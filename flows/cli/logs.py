@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import flows
 import pipeline
 
 TAMIS_LOGGERS = ("pipeline", "flows", "tamis")
@@ -27,7 +28,7 @@ TAMIS_LOGGERS = ("pipeline", "flows", "tamis")
 UI_ONLY = "tamis_ui_only"
 # A flow's `get_run_logger()` logs tamis's own lines under Prefect's logger name ("prefect.flow_runs", so that they
 # reach the Prefect UI); the file a record was logged from tells them apart from Prefect's own.
-TAMIS_SOURCES = tuple(str(Path(p).resolve().parent) + os.sep for p in (pipeline.__file__, __file__))
+TAMIS_SOURCES = tuple(str(Path(p).resolve().parent) + os.sep for p in (pipeline.__file__, flows.__file__))
 # Chatty at DEBUG (HTTP requests, font look-ups, lock files) and never what a tamis problem is about: WARNING even in
 # --debug, as before.
 QUIET_IN_DEBUG = ("httpx", "httpcore", "urllib3", "PIL", "matplotlib", "filelock", "fsspec")

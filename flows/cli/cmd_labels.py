@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from flows.cli_common import ConfigOpt, config_file, out_console
-from flows.cmd_annotators import labels_annotators
+from flows.cli.cmd_annotators import labels_annotators
+from flows.cli.common import ConfigOpt, config_file, out_console
 
 LOCK_NAME = "round.lock"
 

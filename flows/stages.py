@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from prefect import task
 
 from pipeline.errors import ArtifactError
+from pipeline.stage_ref import key_fields
 from pipeline.store import digest_json, read_manifest, record_execution
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -29,10 +30,10 @@ RESULT_SERIALIZER = "json"
 
 
 def plain_params(params: dict[str, Any]) -> dict[str, Any]:
-    """A stage that takes one frozen parameters dataclass (pipeline.selection.SelectParams) is keyed on its fields,
-    `asdict()`, as a stage of plain keyword parameters is on those."""
+    """A stage that takes one frozen parameters dataclass (pipeline.selection.SelectParams) is keyed on its fields
+    (`key_fields`: `asdict()` with each StageRef flat), as a stage of plain keyword parameters is on those."""
     if len(params) == 1 and dataclasses.is_dataclass(one := next(iter(params.values()))):
-        return dataclasses.asdict(one)
+        return key_fields(one)
     return params
 
 

@@ -144,7 +144,7 @@ FLOORS = (
     # the ground: errors, the artifact store, config, keys, IDs, metrics books and their wording
     ("pipeline", "pipeline.errors", "pipeline.store", "pipeline.codeversion", "pipeline.config", "pipeline.idindex",
      "pipeline.schema", "pipeline.lock", "pipeline.metrics", "pipeline.chance", "pipeline.perclass", "pipeline.report",
-     "pipeline.meaning", "pipeline.answer_metrics", "pipeline.faiss_threads", "pipeline.round_state", "pipeline.boxes",
+     "pipeline.meaning", "pipeline.answer_metrics", "pipeline.stage_ref", "pipeline.faiss_threads", "pipeline.round_state", "pipeline.boxes",
      "pipeline.mdtext", "pipeline.csvcells"),  # user text made inert in markdown and in CSVs for spreadsheets
     ("pipeline.data",),  # sources → the ingested table
     ("pipeline.scoring",),  # scorers of rows with a loaded model (the shard stage that loads it is above)

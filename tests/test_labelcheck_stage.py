@@ -28,6 +28,7 @@ from flows.stages import stage_cache_key
 from pipeline.codeversion import code_digest
 from pipeline.config import ProjectConfig
 from pipeline.labelcheck import LABELCHECK_VERSION, CheckSpec, plan_label_check, plan_relabel
+from pipeline.stage_ref import key_fields
 from pipeline.store import digest_json
 
 DIGITS = [str(d) for d in range(10)]
@@ -162,7 +163,7 @@ def _seen(stage: str, planned) -> dict | None:
     if planned is None:
         return None
     task_params = planned if isinstance(planned, dict) else {"params": planned}
-    params = dataclasses.asdict(task_params["params"])
+    params = key_fields(task_params["params"])
     # The key is the stage, its version and these parameters' digest, and nothing else.
     assert stage_cache_key(stage, LABELCHECK_VERSION, task_params) == \
         f"{stage}-{LABELCHECK_VERSION}-{digest_json(params)}"

@@ -22,6 +22,7 @@ from pipeline.embeddings import compute_selection_embeddings, embeddings_spec
 from pipeline.labelcheck import CheckSpec
 from pipeline.labelcheck.stage import plan_label_check, run_label_check
 from pipeline.preprocess import encode_png, prepare_image
+from pipeline.stage_ref import StageRef
 from pipeline.store import read_jsonl
 
 QUESTION = "Which digit is shown in the image?"
@@ -81,7 +82,7 @@ def test_the_round_s_label_check_finds_planted_flips_with_the_tiny_model_and_knn
                      seed=cfg.seed), artifacts=art, labeled={"dataset": str(labeled), "digest": "planted-slice"}, previous=None,
         round_dir=art / "rounds" / "001",
         selection_space=lambda: {"dir": str(art / "embeddings" / "slice"), "digest": space.key})
-    assert params.space == {"dir": str(art / "embeddings" / "slice"), "digest": space.key}
+    assert params.space == StageRef(str(art / "embeddings" / "slice"), space.key)
     ref = run_label_check(params)
 
     verdict = json.loads((Path(ref["dir"]) / "verdict.json").read_text())

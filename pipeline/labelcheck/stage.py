@@ -28,6 +28,7 @@ from pipeline.labelcheck.relabel import (
     relabel_dir,
     relabel_queued,
 )
+from pipeline.stage_ref import StageRef
 from pipeline.store import atomic_write_jsonl, column, digest_file, digest_json, read_jsonl
 
 # Settings that only decide what is reported or queued: never part of the probabilities' folder key.
@@ -48,7 +49,7 @@ class LabelCheckParams:
     trained_ids_digest: str | None
     trained_ids_path: str | None
     ledger_digest: str
-    space: dict[str, Any] | None
+    space: StageRef | None  # the selection-embeddings stage's output (the kNN signal's space)
     oos_dir: str
     out_dir: str
     model: dict[str, Any]
@@ -63,8 +64,8 @@ class RelabelParams:
     `asdict()`."""
 
     artifacts: str
-    check: dict[str, Any]
-    prepared: dict[str, Any]
+    check: StageRef  # the labelcheck stage's output (its dir and digest only)
+    prepared: StageRef  # the prepared data (the images the tasks show)
     annotate: dict[str, Any]
     answers: list[str] | None
     top_n: int
@@ -131,9 +132,9 @@ def plan_label_check(
     # Open answers have no kNN label-consistency signal (answers are not classes): no space to pass.
     if scoring.embeddings.source != "model" and labelcheck.knn_k and selection_space is not None and answers:
         ref = selection_space()
-        space = ref and {"dir": ref["dir"], "digest": ref["digest"]}
+        space = StageRef(ref["dir"], ref["digest"]) if ref else None
     embeddings = scoring.embeddings.model_dump(mode="json")
-    report_key = digest_json({"oos": oos_key, "labelcheck": check_cfg, "space": space and space["digest"],
+    report_key = digest_json({"oos": oos_key, "labelcheck": check_cfg, "space": space and space.digest,
                               "embeddings": embeddings})
     labelcheck_dir = Path(artifacts) / "labelcheck"
     return LabelCheckParams(
@@ -175,7 +176,7 @@ def run_label_check(params: LabelCheckParams) -> dict[str, Any]:
     rows = list(labeled.select_columns(["sample_id", "prepared", "question", "answer",
                                         *(["image_path"] if "image_path" in labeled.column_names else [])]))
     m = check_labels(rows, p.out_dir, Ledger(ledger_path(p.artifacts)), check_spec(p), oos_dir=p.oos_dir,
-                     selection_embeddings=load_selection_embeddings(p.space["dir"]) if p.space else None)
+                     selection_embeddings=load_selection_embeddings(p.space.dir) if p.space else None)
     return {"dir": p.out_dir, "digest": m.key, **m.info}
 
 
@@ -187,7 +188,7 @@ def plan_relabel(*, artifacts: str | os.PathLike[str], annotate: AnnotateConfig,
     most `cap`, what rounds.label_budget has left: pipeline.rounds.budget_left), go to rounds/NNN/relabel/."""
     queued = sorted({s for ids in relabel_queued(artifacts, round_index).values() for s in ids})
     return RelabelParams(
-        artifacts=str(artifacts), check={"dir": check["dir"], "digest": check["digest"]}, prepared=dict(prepared),
+        artifacts=str(artifacts), check=StageRef(check["dir"], check["digest"]), prepared=StageRef.of(prepared),
         annotate=annotate.model_dump(mode="json"), answers=None if answers is None else list(answers),
         top_n=labelcheck.relabel_top_n if cap is None else min(labelcheck.relabel_top_n, cap),
         min_confidence=labelcheck.min_confidence, already_queued=queued, round_index=round_index,
@@ -200,9 +201,9 @@ def run_relabel(params: RelabelParams) -> dict[str, Any]:
     from pipeline.preprocess import load_prepared
 
     p = params
-    issues = relabel_candidates(issues_from_report(p.check["dir"]), min_confidence=p.min_confidence, top_n=p.top_n,
+    issues = relabel_candidates(issues_from_report(p.check.dir), min_confidence=p.min_confidence, top_n=p.top_n,
                                 skip=p.already_queued)
-    m = export_relabel(issues, load_prepared(p.prepared["dir"]), p.out_dir,
+    m = export_relabel(issues, load_prepared(p.prepared.dir), p.out_dir,
                        annotate=AnnotateConfig.model_validate(p.annotate), answers=p.answers, artifacts=p.artifacts,
                        round_index=p.round_index)
     return {"dir": p.out_dir, "digest": m.key, "count": m.info["count"]} if m else {"count": 0}

@@ -1,0 +1,34 @@
+"""StageRef: a stage's output as the next stage takes it, typed, without moving a cache key."""
+
+import dataclasses
+
+import pytest
+
+from flows.stages import plain_params
+from pipeline.errors import ArtifactError
+from pipeline.labelcheck.stage import RelabelParams
+from pipeline.stage_ref import StageRef, key_fields
+
+PREPARED = {"dir": "art/prepared/x", "digest": "p" * 64, "info": {"rows": 3}}
+
+
+def test_a_task_result_round_trips_through_its_ref():
+    ref = StageRef.of(PREPARED)
+    assert (ref.dir, ref.digest, ref.extra) == ("art/prepared/x", "p" * 64, {"info": {"rows": 3}})
+    assert ref.as_dict() == PREPARED
+
+
+def test_a_ref_without_its_folder_names_what_is_missing():
+    with pytest.raises(ArtifactError, match="needs dir, got fields \\['digest'\\]"):
+        StageRef.of({"digest": "d"})
+
+
+def test_typing_a_field_as_a_stage_ref_moves_no_cache_key():
+    """The relabel stage's `check` and `prepared` were dicts: keyed the same as StageRefs, so no queue is rebuilt."""
+    typed = RelabelParams(artifacts="art", check=StageRef("art/labelcheck/c", "c" * 64), prepared=StageRef.of(PREPARED),
+                          annotate={"formats": ["csv"]}, answers=None, top_n=3, min_confidence=0.8,
+                          already_queued=["s1"], round_index=2, out_dir="art/rounds/002/relabel")
+    as_dicts = {**dataclasses.asdict(typed), "check": {"dir": "art/labelcheck/c", "digest": "c" * 64},
+                "prepared": PREPARED}
+    assert key_fields(typed) == as_dicts == plain_params({"params": typed})
+    assert dataclasses.asdict(typed) != as_dicts  # what plain asdict() would have keyed on instead

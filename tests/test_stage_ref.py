@@ -32,3 +32,14 @@ def test_typing_a_field_as_a_stage_ref_moves_no_cache_key():
                 "prepared": PREPARED}
     assert key_fields(typed) == as_dicts == plain_params({"params": typed})
     assert dataclasses.asdict(typed) != as_dicts  # what plain asdict() would have keyed on instead
+
+
+def test_the_export_stage_is_keyed_as_when_its_refs_were_dicts():
+    from pipeline.annotation.export import export_params
+    from pipeline.config import AnnotateConfig
+
+    selection = {"dir": "art/rounds/001/selection", "digest": "s" * 64, "count": 8, "strategy": "entropy"}
+    params = export_params(AnnotateConfig(), ["a", "b"], artifacts="art", selection=selection, prepared=PREPARED,
+                           round_index=1)
+    assert params.selection.extra == {"count": 8, "strategy": "entropy"}
+    assert key_fields(params) == {**dataclasses.asdict(params), "selection": selection, "prepared": PREPARED}

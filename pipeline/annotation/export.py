@@ -25,6 +25,7 @@ from pipeline.csvcells import csv_text
 from pipeline.errors import TamisError
 from pipeline.idindex import IdIndex
 from pipeline.round_state import ROUNDS_DIR, round_dir
+from pipeline.stage_ref import StageRef
 from pipeline.store import (
     Manifest,
     atomic_dir,
@@ -404,11 +405,11 @@ def exported_sample_ids(artifacts: str | os.PathLike[str], *, before_round: int 
 
 @dataclass(frozen=True)
 class ExportParams:
-    """The export stage's parameters, built by export_params; its cache key is their `asdict()`."""
+    """The export stage's parameters, built by export_params; its cache key is their `key_fields()`."""
 
     artifacts: str
-    selection: dict[str, Any]  # the select stage's ref
-    prepared: dict[str, Any]  # the prepared data's ref (the images exported)
+    selection: StageRef  # the select stage's output
+    prepared: StageRef  # the prepared data (the images exported)
     annotate: dict[str, Any]  # the annotate section as JSON data
     answers: list[str] | None
     round_index: int
@@ -416,9 +417,10 @@ class ExportParams:
 
 
 def export_params(annotate: AnnotateConfig, answers: Sequence[str] | None, *, artifacts: str | os.PathLike[str],
-                  selection: dict[str, Any], prepared: dict[str, Any], round_index: int) -> ExportParams:
-    """The export stage's parameters for round `round_index`'s selection, written into the round's export folder."""
-    return ExportParams(artifacts=str(artifacts), selection=selection, prepared=prepared,
+                  selection: Mapping[str, Any], prepared: Mapping[str, Any], round_index: int) -> ExportParams:
+    """The export stage's parameters for round `round_index`'s selection (the select and prepare stages' results),
+    written into the round's export folder."""
+    return ExportParams(artifacts=str(artifacts), selection=StageRef.of(selection), prepared=StageRef.of(prepared),
                         annotate=annotate.model_dump(mode="json"), answers=None if answers is None else list(answers),
                         round_index=round_index, out_dir=str(export_dir(Path(artifacts), round_index)))
 
@@ -429,7 +431,7 @@ def export_stage(params: ExportParams) -> dict[str, Any]:
     from pipeline.preprocess import load_prepared
     from pipeline.store import read_jsonl
 
-    rows = read_jsonl(Path(params.selection["dir"]) / "selection.jsonl")
-    m = export_selection(rows, load_prepared(params.prepared["dir"]), AnnotateConfig.model_validate(params.annotate),
+    rows = read_jsonl(Path(params.selection.dir) / "selection.jsonl")
+    m = export_selection(rows, load_prepared(params.prepared.dir), AnnotateConfig.model_validate(params.annotate),
                          params.answers, params.artifacts, params.out_dir, round_index=params.round_index)
     return {"dir": params.out_dir, "digest": m.key, "count": m.info["count"]}

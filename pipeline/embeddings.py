@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,7 @@ from pipeline.embedders import EmbeddingsSpec, make_embedder
 from pipeline.errors import ArtifactError, ConfigError, DataError
 from pipeline.idindex import IdIndex
 from pipeline.preprocess import decode_prepared
+from pipeline.stage_ref import StageRef
 from pipeline.store import (
     Manifest,
     atomic_write_bytes,
@@ -351,10 +352,11 @@ def lookup(ids_all: Sequence[str] | IdIndex, emb_all: np.ndarray, wanted_ids: Se
 
 @dataclass(frozen=True)
 class EmbeddingsParams:
-    """The selection-embeddings stage's parameters, built by embeddings_params; its cache key is their `asdict()`."""
+    """The selection-embeddings stage's parameters, built by embeddings_params; its cache key is their
+    `key_fields()`."""
 
     artifacts: str
-    prepared: dict[str, Any]  # the prepared data's ref
+    prepared: StageRef  # the prepared data
     select: dict[str, Any]  # {"embeddings": the select.embeddings section as JSON data}
     model: dict[str, Any] | None  # the model section, for source vision_tower only
     file_digest: str | None  # the user's embeddings file, for source file only
@@ -362,7 +364,7 @@ class EmbeddingsParams:
     out_dir: str
 
 
-def embeddings_params(cfg: ProjectConfig, prepared: dict[str, Any]) -> EmbeddingsParams | None:
+def embeddings_params(cfg: ProjectConfig, prepared: Mapping[str, Any]) -> EmbeddingsParams | None:
     """The selection-embeddings stage's parameters (its cache key), or None when selection uses the model's own
     embeddings. Keyed by the prepared data's content, the embeddings config, the seed, the base model
     (vision_tower) and the user's file (file), never by the adapter. A round's planning function: it reads the
@@ -372,11 +374,11 @@ def embeddings_params(cfg: ProjectConfig, prepared: dict[str, Any]) -> Embedding
         return None
     # Prefect's cache sees only parameters: a changed embeddings file must change them.
     file_digest = digest_json(file_inputs(emb)) if emb.source == "file" else None
-    params = {"prepared": prepared, "select": {"embeddings": cfg.section("select")["embeddings"]},
+    params = {"prepared": dict(prepared), "select": {"embeddings": cfg.section("select")["embeddings"]},
               "model": cfg.section("model") if emb.source == "vision_tower" else None,
               "file_digest": file_digest, "seed": cfg.seed}
     out = Path(cfg.artifacts) / "embeddings" / digest_json(params)[:16]
-    return EmbeddingsParams(artifacts=str(cfg.artifacts), out_dir=str(out), **params)
+    return EmbeddingsParams(artifacts=str(cfg.artifacts), out_dir=str(out), **{**params, "prepared": StageRef.of(prepared)})
 
 
 # ------------------------------------------------------------------------------------------------ sharded pools
@@ -500,14 +502,14 @@ def embeddings_stage(params: EmbeddingsParams) -> dict[str, Any]:
     prepared, out_dir, model = params.prepared, params.out_dir, params.model
     spec = EmbeddingsSpec(EmbeddingsConfig.model_validate(params.select["embeddings"]), int(params.seed),
                           ModelConfig.model_validate(model) if model else None, artifacts=Path(params.artifacts))
-    inputs = {"prepared": prepared["digest"]}
-    dataset, _ = stage_dataset(prepared)
+    inputs = {"prepared": prepared.digest}
+    dataset, _ = stage_dataset(prepared.as_dict())
     shards = dataset_shards(dataset) if spec.embeddings.source != "file" else None
 
     def compute() -> Manifest:
         if shards is None:
-            return compute_selection_embeddings(spec, load_prepared(prepared["dir"]), out_dir, inputs=inputs)
-        return compute_sharded_embeddings(spec, load_prepared(prepared["dir"]), shards, out_dir, inputs=inputs)
+            return compute_selection_embeddings(spec, load_prepared(prepared.dir), out_dir, inputs=inputs)
+        return compute_sharded_embeddings(spec, load_prepared(prepared.dir), shards, out_dir, inputs=inputs)
 
     m = reuse_or_compute(out_dir, embeddings_key(spec, inputs), compute)
     return {"dir": out_dir, "digest": m.key}

@@ -43,3 +43,17 @@ def test_the_export_stage_is_keyed_as_when_its_refs_were_dicts():
                            round_index=1)
     assert params.selection.extra == {"count": 8, "strategy": "entropy"}
     assert key_fields(params) == {**dataclasses.asdict(params), "selection": selection, "prepared": PREPARED}
+
+
+def test_the_embeddings_stage_is_keyed_and_placed_as_when_its_ref_was_a_dict(tmp_path):
+    from pipeline.config import ProjectConfig
+    from pipeline.embeddings import embeddings_params
+    from pipeline.store import digest_json
+
+    cfg = ProjectConfig.model_validate({"paths": {"artifacts": str(tmp_path)}, "select": {"embeddings": "pixels"}})
+    params = embeddings_params(cfg, PREPARED)
+    assert params.prepared == StageRef.of(PREPARED)
+    as_dicts = {**dataclasses.asdict(params), "prepared": PREPARED}
+    assert key_fields(params) == as_dicts
+    folder_key = {k: v for k, v in as_dicts.items() if k not in ("artifacts", "out_dir")}
+    assert params.out_dir == str(tmp_path / "embeddings" / digest_json(folder_key)[:16])

@@ -103,14 +103,14 @@ class Listener:
 
     def pending(self) -> Any:
         from pipeline.annotation.webhooks import current_batch, pending, pulled_keys, retired_keys
-        from pipeline.rounds import completed_rounds
+        from pipeline.round_state import completed_rounds
 
         art = self.cfg.artifacts
         states = completed_rounds(art)
         last = states[-1] if states else None
         events = self.queue.readable()  # an event it cannot fold is parked in dead-letter.jsonl, never fatal
         done = pulled_keys(art, {e.get("project") for e in events}) | retired_keys(art)
-        return pending(events, done, current_batch(art, last), stopped=(last or {}).get("stopped"))
+        return pending(events, done, current_batch(art, last), stopped=last and last.stopped)
 
     def step(self) -> float | None:
         """Decide once and run the round when due; the seconds to wait before the next look (None: look again now)."""

@@ -36,6 +36,32 @@ def adapter_ref(adapter: Mapping[str, Any] | None) -> dict[str, str] | None:
     return None if not adapter else {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]}
 
 
+class ImportRecord(TypedDict, total=False):
+    """One label file or pull a round imported (pipeline/annotation/labels.py: ImportReport), or the error that
+    refused it; a pull that did not reach Label Studio also carries "pull_failed"."""
+
+    file: str
+    summary: str
+    error: str
+    accepted: int
+    rejected: int
+    rejections: list[dict[str, Any]]  # the first rejected rows, file:line and why
+    rejections_file: str
+    already_imported: bool
+
+
+class ConsensusSummary(TypedDict, total=False):
+    """Several annotators a sample (pipeline/annotation/consensus.py: round_record): the method, counts and the
+    annotator table the round summary shows."""
+
+    method: str
+    model_rater: bool
+    samples: int
+    undecided: int
+    mean_confidence: float
+    annotators: list[dict[str, Any]]
+
+
 class AdapterRecord(TypedDict, total=False):
     """The train stage's reference (pipeline/model/train_stage.py): its folder and manifest key, the PEFT folder."""
 
@@ -150,7 +176,7 @@ class RoundState:
     round: int = 0
     labeled: int = 0  # labels the round trains on
     labeled_digest: str | None = None
-    imports: list[dict[str, Any]] = field(default_factory=list)  # pipeline.report.import_record: one per file
+    imports: list[ImportRecord] = field(default_factory=list)  # pipeline.report.import_record: one per file
     metrics: dict[str, float] | None = None  # the adapter's test metrics; None before any labels
     annotation_time: TimeRecord | None = None  # pipeline.status.annotation_time
     strategy: str = ""
@@ -158,7 +184,7 @@ class RoundState:
     eval_dir: str | None = None
     stability: StabilityRecord | None = None  # the stop set's agreement (pipeline.stopping.measure_stop_set)
     labelcheck: LabelCheckRecord | None = None  # the label check's summary (round.records.label_check_record)
-    consensus: dict[str, Any] | None = None  # several annotators a sample (pipeline.annotation.consensus)
+    consensus: ConsensusSummary | None = None  # several annotators a sample (pipeline.annotation.consensus)
     pool: int = 0  # eligible pool samples
     labels_spent: int | None = None  # labels paid for, re-labels included (None: not counted yet)
     tasks_out: int = 0  # exported earlier, not labeled yet

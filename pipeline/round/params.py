@@ -30,6 +30,7 @@ def save_labeled_set(prepared: Any, labels: Mapping[str, str], out_dir: str | os
     return save_rows(prepared, sorted(labels), out_dir, digest=digest,
                      update=lambda sid: {"answer": labels[sid], "split": "train"})
 
+
 def save_rows(prepared: Any, ids: Sequence[str], out_dir: str | os.PathLike[str], *, digest: str,
               update: Any = None) -> dict[str, str]:
     """Prepared rows of `ids` (each changed by `update(sample_id)` when given) saved as a dataset in
@@ -53,6 +54,7 @@ def save_rows(prepared: Any, ids: Sequence[str], out_dir: str | os.PathLike[str]
     atomic_write_text(stamp, digest)
     return {"dataset": str(out_dir / "dataset"), "digest": digest}
 
+
 def labeled_set(prepared_ref: Mapping[str, Any], plan: RoundPlan) -> dict[str, str]:
     """The round's labeled training set on disk (round_dir/labeled/), keyed by its content: the labels (sample IDs,
     which are content digests, and answers) and how the rows were prepared (the prepare stage's code version and
@@ -63,6 +65,7 @@ def labeled_set(prepared_ref: Mapping[str, Any], plan: RoundPlan) -> dict[str, s
     m = read_manifest(Path(prepared_ref["dir"]))
     return save_labeled_set(load_prepared(prepared_ref["dir"]), plan.labels, plan.dir / "labeled",
                             digest=digest_json([m.stage_version, m.config_digest, plan.labeled_digest]))
+
 
 def train_params(plan: RoundPlan, *, artifacts: str | os.PathLike[str], model: ModelConfig, train: TrainConfig,
                  seed: int, labeled: dict[str, Any], augmented: dict[str, Any] | None) -> TrainParams:
@@ -79,6 +82,7 @@ def train_params(plan: RoundPlan, *, artifacts: str | os.PathLike[str], model: M
     return TrainParams(artifacts=str(artifacts), labeled=labeled, augmented=augmented, seed=seed,
                        init_adapter=init, out_dir=str(Path(artifacts) / "train" / key[:16]), **sections)
 
+
 def test_set(artifacts: str | os.PathLike[str], prepared_ref: Mapping[str, Any], pool: PoolData) -> dict[str, str]:
     """The labeled test split on disk (artifacts/eval/test/<digest>/), keyed like the labeled set by its rows (IDs
     and answers) and how they were prepared, so new pool images leave the evaluation of an adapter alone."""
@@ -91,6 +95,7 @@ def test_set(artifacts: str | os.PathLike[str], prepared_ref: Mapping[str, Any],
     return save_rows(load_prepared(prepared_ref["dir"]), [s for s, _ in rows],
                      Path(artifacts) / "eval" / "test" / digest[:16], digest=digest)
 
+
 def evaluate_params(*, artifacts: str | os.PathLike[str], model: ModelConfig, answers: Sequence[str] | None,
                     batch_size: int, test: dict[str, str], adapter: dict[str, Any]) -> EvalParams:
     """The evaluate stage's parameters (its cache key) and output folder for a trained adapter on the test set
@@ -102,6 +107,7 @@ def evaluate_params(*, artifacts: str | os.PathLike[str], model: ModelConfig, an
     return EvalParams(artifacts=str(artifacts), test=test, adapter=adapter, model=keyed_model(model, artifacts),
                       answers=None if answers is None else list(answers), batch_size=batch_size,
                       out_dir=str(Path(artifacts) / "eval" / key[:16]))
+
 
 def round_strategy(select: SelectConfig, *, cold: bool, phase: Mapping[str, str] | None = None) -> str:
     """How the round's batch is chosen (pipeline.strategies.schedule.strategy_label), from the select section and

@@ -26,16 +26,19 @@ def next_round_index(artifacts: str | os.PathLike[str], labeled_digest: str | No
     last = done[-1]
     return last.round if labeled_digest is not None and last.labeled_digest == labeled_digest else last.round + 1
 
+
 def import_round(artifacts: str | os.PathLike[str]) -> int:
     """The round labels imported now belong to, the same for the inbox and `tamis labels import`: the next round,
     the first whose labeled set holds them (0 before any round finished)."""
     return next_round_index(artifacts, None)
+
 
 def exported_before(artifacts: str | os.PathLike[str], round_index: int) -> set[str]:
     """Samples sent to annotators in rounds before `round_index` (exported but maybe not labeled yet)."""
     from pipeline.annotation.export import exported_sample_ids
 
     return exported_sample_ids(artifacts, before_round=round_index)
+
 
 def still_out(artifacts: str | os.PathLike[str], plan: RoundPlan) -> set[str]:
     """Samples exported in earlier rounds and still with the annotators: not labeled, and not given back by a
@@ -51,6 +54,7 @@ def still_out(artifacts: str | os.PathLike[str], plan: RoundPlan) -> set[str]:
     for r, sids in since.items():  # rejected at the import of round r: exported again in round r or later → out
         out -= sids - exported_sample_ids(artifacts, since_round=r, before_round=plan.index)
     return out
+
 
 @dataclass
 class PoolData:
@@ -117,11 +121,13 @@ class PoolData:
         """Answers the data came with on its train split: labels before any annotator."""
         return dict(self._pairs("train"))
 
+
 def round_labels(pool: PoolData, ledger_labels: Mapping[str, str]) -> dict[str, str]:
     """The labels a round trains on: the seed labels, overridden by the ledger's labels of this dataset's samples."""
     ids = list(ledger_labels)
     known = pool.index.knows(ids)
     return {**pool.seed_labels(), **{s: ledger_labels[s] for s, k in zip(ids, known, strict=True) if k}}
+
 
 def labels_now(artifacts: str | os.PathLike[str], prepared_dir: str | os.PathLike[str], pool: PoolData, *,
                round_index: int) -> dict[str, str]:
@@ -130,6 +136,7 @@ def labels_now(artifacts: str | os.PathLike[str], prepared_dir: str | os.PathLik
     from pipeline.annotation.carry import follow_images
 
     return round_labels(pool, follow_images(artifacts, prepared_dir, pool.index, round_index=round_index))
+
 
 @dataclass
 class RoundPlan:
@@ -162,6 +169,7 @@ class RoundPlan:
         return RoundState(round=self.index, labeled=len(self.labels), labeled_digest=self.labeled_digest,
                           imports=import_record(self.rerun, imports), **fields)
 
+
 def plan_round(artifacts: str | os.PathLike[str], labels: dict[str, str]) -> RoundPlan:
     """The round for this labeled set: the last one again when it is unchanged (a re-run), else the next."""
     digest = digest_json(sorted(labels.items()))
@@ -170,6 +178,7 @@ def plan_round(artifacts: str | os.PathLike[str], labels: dict[str, str]) -> Rou
     return RoundPlan(index=r, dir=round_dir(artifacts, r), labels=labels, labeled_digest=digest,
                      rerun=next((s for s in done if s.round == r), None),
                      previous=[s for s in done if s.round < r])
+
 
 def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: RoundPlan,
                   quality_excluded: set[str], *, stop: Sequence[str] = ()) -> tuple[list[str], set[str]]:

@@ -21,6 +21,7 @@ def write_round(plan: RoundPlan, state: RoundState, summary: str) -> None:
     atomic_write_text(plan.dir / SUMMARY_FILE, summary + "\n")
     atomic_write_json(plan.dir / ROUND_FILE, state.to_json())
 
+
 def record_selection(state: RoundState, sel: Mapping[str, Any], exp: Mapping[str, Any]) -> None:
     """The round state's fields from its select and export references: what the summary, `tamis status` and the
     waiting form read (a phase's label replaces the configured strategy's)."""
@@ -38,9 +39,11 @@ def record_selection(state: RoundState, sel: Mapping[str, Any], exp: Mapping[str
     if sel.get("candidates"):
         state.candidates = sel["candidates"]
 
+
 def relabels(labelcheck: LabelCheckConfig, check: Mapping[str, Any] | None) -> bool:
     """Whether the round queues its likely label errors for re-labeling: a label check ran, labelcheck.relabel_top_n."""
     return check is not None and bool(labelcheck.relabel_top_n)
+
 
 def record_relabel(annotate: AnnotateConfig, artifacts: str | os.PathLike[str], state: RoundState,
                    rel: Mapping[str, Any]) -> None:
@@ -55,6 +58,7 @@ def record_relabel(annotate: AnnotateConfig, artifacts: str | os.PathLike[str], 
 
         state.label_studio_relabel = push_batch(annotate, artifacts, rel["dir"])
 
+
 def record_evaluation(artifacts: str | os.PathLike[str], plan: RoundPlan, state: RoundState,
                       ev: Mapping[str, Any]) -> None:
     """The adapter's test metrics and evaluation folder in the state, and booked on the learning curve."""
@@ -64,8 +68,10 @@ def record_evaluation(artifacts: str | os.PathLike[str], plan: RoundPlan, state:
     book_metrics(artifacts, round_index=plan.index, labels=len(plan.labels), metrics=ev["metrics"],
                  strategy=state.strategy, intervals=ev.get("intervals"))
 
+
 LABEL_CHECK_KEYS = ("dir", "method", "checked", "issues", "abstained", "oos_accuracy", "expected_false_alarms",
                     "message")  # what round.json keeps of the label check's reference
+
 
 def label_check_record(check: Mapping[str, Any] | None) -> LabelCheckRecord | None:
     """The label check's summary as round.json keeps it (LABEL_CHECK_KEYS); None when no check ran."""

@@ -16,6 +16,7 @@ def simulated(rounds_cfg: RoundsConfig, simulate: bool | None) -> bool:
     rounds.simulate_annotator."""
     return rounds_cfg.simulate_annotator if simulate is None else simulate
 
+
 def answer_round(artifacts: str | os.PathLike[str], s: RoundState, *, ground_truth: Any,
                  noise: float, seed: int, crowd: RoundsConfig | None = None) -> None:
     """The simulated annotator answers a finished round's export (and its re-label queue) into the inbox; with a

@@ -19,6 +19,7 @@ def main_metric(answers: Sequence[str] | None) -> str:
     """The metric the rounds are judged by: accuracy on a closed answer set (data.answers), token F1 on open answers."""
     return "accuracy" if answers else "token_f1"
 
+
 def stop_reason(rc: RoundsConfig, round_index: int, n_labels: int, metrics: Sequence[Mapping[str, Any]],
                 pool_left: int, stability: Mapping[str, Any] | None = None, *, main: str = "accuracy",
                 hours: float = 0.0, outstanding: int = 0) -> str | None:
@@ -41,6 +42,7 @@ def stop_reason(rc: RoundsConfig, round_index: int, n_labels: int, metrics: Sequ
     )
     return next((why for why in reasons if why is not None), None)
 
+
 def _last_round(rc: RoundsConfig, round_index: int) -> str | None:
     if round_index + 1 < rc.max_rounds:
         return None
@@ -48,21 +50,25 @@ def _last_round(rc: RoundsConfig, round_index: int) -> str | None:
     return (f"rounds.max_rounds = {rc.max_rounds}: round {round_index} is the last (0–{rc.max_rounds - 1}); "
             "trained, selects nothing")
 
+
 def _label_budget(rc: RoundsConfig, n_labels: int, outstanding: int) -> str | None:
     if rc.label_budget is None or n_labels + outstanding < rc.label_budget:
         return None
     out = f" + {outstanding} tasks still with the annotators" if outstanding else ""
     return f"label budget spent: {n_labels} labels{out} ≥ rounds.label_budget = {rc.label_budget}"
 
+
 def _hours_budget(rc: RoundsConfig, hours: float) -> str | None:
     if rc.budget_hours is None or hours < rc.budget_hours:
         return None
     return f"hours budget spent: {hours:.2f} annotator-hours recorded ≥ rounds.budget_hours = {rc.budget_hours}"
 
+
 def _target(rc: RoundsConfig, main: str, curve: Sequence[float]) -> str | None:
     if rc.target_metric is None or not curve or curve[-1] < rc.target_metric:
         return None
     return f"target reached: {main} = {curve[-1]:.4f} ≥ rounds.target_metric = {rc.target_metric}"
+
 
 def _plateau(rc: RoundsConfig, main: str, curve: Sequence[float]) -> str | None:
     n = rc.plateau_rounds
@@ -70,8 +76,10 @@ def _plateau(rc: RoundsConfig, main: str, curve: Sequence[float]) -> str | None:
         return None
     return f"plateau: {main} has not improved by 0.005 over the last {n} rounds"
 
+
 def _pool_empty(pool_left: int) -> str | None:
     return "pool exhausted: no unlabeled samples left to select" if pool_left == 0 else None
+
 
 def close_round(cfg: ProjectConfig, plan: RoundPlan, state: RoundState, *, pool_left: int,
                 agreed: Mapping[str, Any]) -> None:
@@ -93,6 +101,7 @@ def close_round(cfg: ProjectConfig, plan: RoundPlan, state: RoundState, *, pool_
     state.at_chance = chance_check(rows, cfg.data.answers, train=cfg.train, model=cfg.model,
                                    up_to_round=plan.index).warning
 
+
 def budget_batch(rounds_cfg: RoundsConfig, batch_size: int, spent: int, outstanding: int = 0) -> int:
     """The round's batch size: select.batch_size, cut to what rounds.label_budget has left after the labels spent
     and the tasks still with the annotators (a budget is a cap: 90 with batches of 40 gives 40, 40, then 10)."""
@@ -100,9 +109,11 @@ def budget_batch(rounds_cfg: RoundsConfig, batch_size: int, spent: int, outstand
         return batch_size
     return max(0, min(batch_size, rounds_cfg.label_budget - spent - outstanding))
 
+
 def batch_for(rounds_cfg: RoundsConfig, batch_size: int, state: RoundState) -> int:
     """budget_batch for the round `state` once close_round counted its labels spent and tasks out."""
     return budget_batch(rounds_cfg, batch_size, state.labels_spent or 0, state.tasks_out)
+
 
 def budget_left(rounds_cfg: RoundsConfig, state: RoundState) -> int | None:
     """What rounds.label_budget leaves after this round's batch (`state`: labels_spent, tasks_out, selected), for
@@ -112,15 +123,18 @@ def budget_left(rounds_cfg: RoundsConfig, state: RoundState) -> int | None:
     return budget_batch(rounds_cfg, rounds_cfg.label_budget, (state.labels_spent or 0) + state.selected_count,
                         state.tasks_out)
 
+
 def redundancy_cap(rounds_cfg: RoundsConfig, state: RoundState) -> int | None:
     """The labels rounds.label_budget leaves for the redundancy queue (each second opinion costs one): what the batch
     left (budget_left) less the re-label tasks sent with it; None without a budget."""
     left = budget_left(rounds_cfg, state)
     return None if left is None else max(0, left - (state.relabel or 0))
 
+
 def outstanding_tasks(artifacts: str | os.PathLike[str], plan: RoundPlan) -> int:
     """Samples exported in earlier rounds and still out (still_out): the label budget has promised them already."""
     return len(still_out(artifacts, plan))
+
 
 def recorded_hours(artifacts: str | os.PathLike[str]) -> float:
     """Annotator-hours recorded in the ledger's times (every timed annotation, re-labels included)."""
@@ -128,10 +142,12 @@ def recorded_hours(artifacts: str | os.PathLike[str]) -> float:
 
     return sum(float(r["seconds"]) for r in Ledger(ledger_path(artifacts)).times()) / 3600
 
+
 def should_wait(rounds_cfg: RoundsConfig, state: RoundState, *, deployed: bool) -> bool:
     """Whether a finished round waits for its annotators: rounds.wait_for_labels, a batch was exported, and the run
     can be suspended and resumed later (only a deployment's run can: its worker starts it again)."""
     return bool(rounds_cfg.wait_for_labels and deployed and state.export_dir and not state.stopped)
+
 
 @dataclass(frozen=True)
 class StopSetCheck:
@@ -142,6 +158,7 @@ class StopSetCheck:
     out_dir: Path  # the round's stop-set scores (round_dir/stopset)
     previous_dir: Path | None  # the previous round's folder (its adapter's answers); None in the first
     target: float  # the agreement rounds.stop_when_stable asks for
+
 
 def stop_set_check(rc: RoundsConfig, plan: RoundPlan, pool: PoolData, *, seed: int,
                    artifacts: str | os.PathLike[str]) -> StopSetCheck | None:

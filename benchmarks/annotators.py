@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 from benchmarks._results import write_result  # noqa: E402
 from pipeline.annotation.ledger import Ledger  # noqa: E402
 from pipeline.config import parse_config  # noqa: E402
-from pipeline.rounds import main_metric, stop_reason  # noqa: E402
+from pipeline.round.stop import main_metric, stop_reason  # noqa: E402
 from pipeline.selection import select_step  # noqa: E402
 from pipeline.stopping import agreement  # noqa: E402
 from pipeline.store import atomic_write_bytes  # noqa: E402

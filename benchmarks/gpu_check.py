@@ -399,7 +399,7 @@ def training(env: Env, path: Path, family: str, shape: Any, image_size: int, bat
     planner's estimate of the same step."""
 
     from pipeline.model.loading import load_model
-    from pipeline.model.planner import RUNTIME_BYTES, plan
+    from pipeline.model.planner import RUNTIME_BYTES, PlanInputs, plan
     from pipeline.scoring import decode_rgb
 
     rows = make_rows(batch, image_size, seed=1)
@@ -459,9 +459,10 @@ def training(env: Env, path: Path, family: str, shape: Any, image_size: int, bat
                 losses = [train_step(env, model, enc, opt, offload) for _ in range(steps)]
                 env.sync()
                 secs = time.perf_counter() - t0
-                p = plan(shape, mode=mode, batch=batch, seq_len=text_tokens, image_size=image_size, lora_r=16,
-                         checkpointing=ckpt, precision="bf16" if env.cuda else "fp32", device=env.device,
-                         optimizer=opt_name, activation_offload=offload, liger=case["liger"])
+                p = plan(shape, PlanInputs(
+                    mode=mode, batch=batch, seq_len=text_tokens, image_size=image_size, lora_r=16, checkpointing=ckpt,
+                    precision="bf16" if env.cuda else "fp32", device=env.device, optimizer=opt_name,
+                    activation_offload=offload, liger=case["liger"]))
                 # max_memory_allocated sees neither the CUDA context nor cuBLAS workspaces (the planner's runtime).
                 planned = p.total - RUNTIME_BYTES["cuda"] if env.cuda else p.total
                 peak = env.peak_mb()

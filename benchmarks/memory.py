@@ -205,11 +205,12 @@ def _summary(cases: list[dict]) -> dict:
 
 
 def _add_plan(case: dict, shape, args: argparse.Namespace, device: str, image_size: int):
-    from pipeline.model.planner import RUNTIME_BYTES, plan
+    from pipeline.model.planner import RUNTIME_BYTES, PlanInputs, plan
 
-    p = plan(shape, mode=case["mode"], batch=args.batch, seq_len=args.seq_len, image_size=image_size,
-             lora_r=args.lora_r, checkpointing=case["gradient_checkpointing"], optimizer=case["optimizer"],
-             precision="bf16" if device == "cuda" else "fp32", device=device)
+    p = plan(shape, PlanInputs(
+        mode=case["mode"], batch=args.batch, seq_len=args.seq_len, image_size=image_size, lora_r=args.lora_r,
+        checkpointing=case["gradient_checkpointing"], optimizer=case["optimizer"],
+        precision="bf16" if device == "cuda" else "fp32", device=device))
     # max_memory_allocated excludes the CUDA context; RSS includes the Python/torch runtime.
     planned = p.total - (RUNTIME_BYTES["cuda"] if device == "cuda" else 0)
     case["planned_mb"] = round(planned / MiB, 1)

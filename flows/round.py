@@ -1,6 +1,6 @@
 """One labeling round: ingest → prepare → import labels → (augment → retrain → evaluate) → score → select → export.
 
-Every heavy step is a content-keyed task and every decision a pipeline function (pipeline/rounds.py), so a re-run
+Every heavy step is a content-keyed task and every decision a pipeline function (pipeline/round/), so a re-run
 of a finished round executes no stage body and a round killed anywhere resumes where it stopped.
 """
 
@@ -19,7 +19,7 @@ from flows.prepare import prepare_refs
 from flows.select import select_ref
 from flows.train import train_round
 from flows.ui import library_logs_to_ui, name_run, progress_sink, publish_round
-from pipeline import report, rounds, unchanged
+from pipeline import report, unchanged
 from pipeline.annotation.inbox import import_inbox, receive_labels
 from pipeline.annotation.label_files import LabelKeys
 from pipeline.annotation.label_studio import pull_labels
@@ -29,6 +29,10 @@ from pipeline.lock import ProjectLock
 from pipeline.model.resolve import resolve_configured
 from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids, explain_flags
+from pipeline.round.plan import PoolData, eligible_pool, import_round, labels_now, plan_round
+from pipeline.round.records import record_relabel, record_selection, relabels
+from pipeline.round.simulate import answer_round, simulated
+from pipeline.round.stop import batch_for, budget_left, close_round, redundancy_cap
 from pipeline.round_state import RoundState, adapter_ref
 from pipeline.roundreport.sources import resolve_sources
 from pipeline.roundreport.writeup import write_up
@@ -49,13 +53,13 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     with progress.step("prepare"):
         prep = prepare_refs(cfg, ing)
     with progress.step("import labels"):
-        pool, start = rounds.PoolData.of(load_prepared(prep["prepare"]["dir"])), rounds.import_round(art)
+        pool, start = PoolData.of(load_prepared(prep["prepare"]["dir"])), import_round(art)
         # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
         imports = pull_labels(cfg.annotate, cfg.data, art, known_ids=pool.index, round_index=start) + import_inbox(
             art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg.data),
             aliases=cfg.data.answer_aliases)
         agreed = settle_votes(art, cfg.annotate, answers=cfg.data.answers, round_index=start)
-        plan = rounds.plan_round(art, rounds.labels_now(art, prep["prepare"]["dir"], pool, round_index=start))
+        plan = plan_round(art, labels_now(art, prep["prepare"]["dir"], pool, round_index=start))
         state = plan.state(imports, annotation_time=annotation_time(art, next_batch=cfg.select.batch_size),
                            strategy=planned_strategy(cfg.select, cfg.data.answers, plan.labels, plan.history_dirs(art)),
                            quality_flags=explain_flags(prep["quality"]["info"], cfg.quality))
@@ -66,31 +70,31 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     if not plan.labels:
         progress.skip("train", "evaluate", "label check")
 
-    pool_ids, exclude = rounds.eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
-                                             stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
-    rounds.close_round(cfg, plan, state, pool_left=len(pool_ids), agreed=agreed)
+    pool_ids, exclude = eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
+                                      stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
+    close_round(cfg, plan, state, pool_left=len(pool_ids), agreed=agreed)
     if not state.stopped:
         with progress.step("score pool", "select"):
             sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=pool_ids, exclude=sorted(exclude),
                              round_dir=plan.dir, labels=plan.labels, history_dirs=plan.history_dirs(art),
                              adapter=adapter_ref(adapter),
-                             batch_size=rounds.batch_for(cfg.rounds, cfg.select.batch_size, state))
+                             batch_size=batch_for(cfg.rounds, cfg.select.batch_size, state))
         with progress.step("export"):
-            rounds.record_selection(state, sel, export_ref(cfg, selection=sel, prepared=prep["prepare"],
-                                                           round_index=plan.index))
-            if rounds.relabels(cfg.labelcheck, check):
-                rounds.record_relabel(cfg.annotate, art, state, relabel_ref(cfg, check=check, prepared=prep["prepare"],
-                                                              round_index=plan.index,
-                                                              cap=rounds.budget_left(cfg.rounds, state)))
+            record_selection(state, sel, export_ref(cfg, selection=sel, prepared=prep["prepare"],
+                                                    round_index=plan.index))
+            if relabels(cfg.labelcheck, check):
+                record_relabel(cfg.annotate, art, state, relabel_ref(cfg, check=check, prepared=prep["prepare"],
+                                                                     round_index=plan.index,
+                                                                     cap=budget_left(cfg.rounds, state)))
             state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.answers,
                                           prepared_dir=prep["prepare"]["dir"], round_index=plan.index,
-                                          cap=rounds.redundancy_cap(cfg.rounds, state)))
+                                          cap=redundancy_cap(cfg.rounds, state)))
 
     state.adapter = adapter
     up = write_up(art, cfg.data.answers, plan, state, check, resolve=lambda: resolve_sources(cfg, state, prep))
-    if rounds.simulated(cfg.rounds, simulate):
-        rounds.answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
-                            seed=cfg.seed, crowd=cfg.rounds)
+    if simulated(cfg.rounds, simulate):
+        answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
+                     seed=cfg.seed, crowd=cfg.rounds)
     publish_round(cfg.artifacts, state, up, waiting=waiting.waits_for_labels(cfg, state))
     unchanged.record_round_inputs(art, state, inputs, unchanged.round_inputs(cfg, sources=inputs.sources))
     progress.complete(report.state_message(state))

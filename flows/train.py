@@ -8,11 +8,15 @@ from flows.labelcheck import label_check_ref
 from flows.prepare import augment_ref
 from flows.stages import run_stage, stage_task
 from flows.ui import progress_sink
-from pipeline import report, rounds
+from pipeline import report
 from pipeline.augment import training_rows
 from pipeline.config import ProjectConfig
 from pipeline.evaluate import EVAL_VERSION, evaluate_stage
 from pipeline.model.train_stage import TRAIN_VERSION, TrainParams, train_stage
+from pipeline.round.params import evaluate_params, labeled_set, test_set, train_params
+from pipeline.round.plan import PoolData, RoundPlan
+from pipeline.round.records import label_check_record, record_evaluation
+from pipeline.round.stop import StopSetCheck, stop_set_check
 from pipeline.round_state import RoundState, adapter_ref
 from pipeline.stopping import measure_stop_set
 
@@ -25,34 +29,34 @@ def train_task(params: TrainParams) -> dict[str, Any]:
     return train_stage(params, training_rows(params.labeled, params.augmented), on_step=reporter)
 
 
-def train_round(cfg: ProjectConfig, plan: rounds.RoundPlan, prep: dict[str, Any], state: RoundState,
-                progress: report.RoundProgress, pool: rounds.PoolData) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def train_round(cfg: ProjectConfig, plan: RoundPlan, prep: dict[str, Any], state: RoundState,
+                progress: report.RoundProgress, pool: PoolData) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(the adapter's ref, the label check's ref or None) of a round that has labels; records its metrics, the
     stop set's agreement with the previous adapter (rounds.stop_set) and the label check in `state`."""
     pool.check_evaluable()
-    labeled = rounds.labeled_set(prep["prepare"], plan)
+    labeled = labeled_set(prep["prepare"], plan)
     aug = augment_ref(cfg, labeled) if cfg.augment.copies else None
     art = cfg.artifacts
     with progress.step("train"):
-        adapter = run_stage(train_task, params=rounds.train_params(plan, artifacts=art, model=cfg.model,
-                                                                   train=cfg.train, seed=cfg.seed, labeled=labeled,
-                                                                   augmented=aug))
+        adapter = run_stage(train_task, params=train_params(plan, artifacts=art, model=cfg.model, train=cfg.train,
+                                                            seed=cfg.seed, labeled=labeled, augmented=aug))
     with progress.step("evaluate"):
-        test = rounds.test_set(art, prep["prepare"], pool)
-        rounds.record_evaluation(art, plan, state, run_stage(evaluate_task, params=rounds.evaluate_params(
+        test = test_set(art, prep["prepare"], pool)
+        record_evaluation(art, plan, state, run_stage(evaluate_task, params=evaluate_params(
             artifacts=art, model=cfg.model, answers=cfg.data.answers, batch_size=cfg.select.score_batch_size,
             test=test, adapter=adapter)))
-        if (stop := rounds.stop_set_check(cfg.rounds, plan, pool, seed=cfg.seed, artifacts=art)) is not None:
+        if (stop := stop_set_check(cfg.rounds, plan, pool, seed=cfg.seed, artifacts=art)) is not None:
             state.stability = stop_set_agreement(cfg, prep, adapter, stop)
     with progress.step("label check"):
-        check = label_check_ref(cfg, labeled=labeled, previous=plan.last,
+        # The label check's stage reads the previous round as its round.json object (its cache key holds it).
+        check = label_check_ref(cfg, labeled=labeled, previous=plan.last and plan.last.to_json(),
                                 round_dir=plan.dir, prepared=prep["prepare"])
-    state.labelcheck = rounds.label_check_record(check)
+    state.labelcheck = label_check_record(check)
     return adapter, check
 
 
 def stop_set_agreement(cfg: ProjectConfig, prep: dict[str, Any], adapter: dict[str, Any],
-                       stop: rounds.StopSetCheck) -> dict[str, Any]:
+                       stop: StopSetCheck) -> dict[str, Any]:
     """Score the stop set with the round's adapter (cached shards, like the pool's) and compare its answers with
     the previous round's adapter's."""
     from flows.select import score_pool

@@ -13,8 +13,8 @@ from pydantic import Field
 
 from pipeline.config import ProjectConfig, load_config
 from pipeline.report import run_name, state_message
-from pipeline.round_state import RoundState
-from pipeline.rounds import completed_rounds, should_wait
+from pipeline.round.stop import should_wait
+from pipeline.round_state import RoundState, completed_rounds
 
 WAIT_KEY = "labels-in"  # the round's one suspension: a resumed run finds it among its pause keys
 
@@ -39,7 +39,7 @@ def first_name() -> str:
         done = completed_rounds(load_config(flow_run.parameters.get("config_path")).artifacts)
     except Exception:  # a bad config fails the run itself, with its message; the name must not fail first
         return run_name(None)
-    return run_name(done[-1]["round"] + 1 if done else 0)
+    return run_name(done[-1].round + 1 if done else 0)
 
 
 def resumed() -> bool:

@@ -91,7 +91,7 @@ def chance_check(rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | Non
     return ChanceCheck(warning, "at chance", chance)
 
 
-def card_lines(state: Mapping[str, Any]) -> list[str]:
-    """The model card's warning section for the exported round's state (round.json's `at_chance`), or nothing."""
-    warning = state.get("at_chance")
+def card_lines(warning: str | None) -> list[str]:
+    """The model card's warning section for the exported round's `at_chance` warning (RoundState.at_chance), or
+    nothing."""
     return ["", "## Warning: at chance", "", warning] if warning else []

@@ -60,10 +60,10 @@ EVAL_VERSION = stage_version("2", "pipeline.evaluate")  # 2: per-class report, i
 
 @dataclass(frozen=True)
 class EvalParams:
-    """The evaluate stage's parameters, built by pipeline.rounds.evaluate_params; its cache key is their `asdict()`."""
+    """The evaluate stage's parameters, built by pipeline.round.params.evaluate_params; its cache key is their `asdict()`."""
 
     artifacts: str
-    test: dict[str, Any]  # the labeled test split on disk (pipeline.rounds.test_set)
+    test: dict[str, Any]  # the labeled test split on disk (pipeline.round.params.test_set)
     adapter: dict[str, Any]  # the train stage's ref
     model: dict[str, Any]  # the model section with its identity (pipeline.model.identity.keyed_model)
     answers: list[str] | None

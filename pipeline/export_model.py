@@ -32,6 +32,7 @@ from pipeline.config import (
 )
 from pipeline.errors import ConfigError, ModelError
 from pipeline.mdtext import code_span, escape_md, fenced
+from pipeline.round_state import RoundState, trained_round
 
 if TYPE_CHECKING:
     from pipeline.serving.vllm import VllmExport
@@ -59,45 +60,30 @@ class Provenance:
     """What the model card and lineage.json say about a round's adapter, gathered once."""
 
     round: int
-    state: dict[str, Any]
+    state: RoundState
     train_manifest: Any
     labels: list[dict[str, Any]]  # one per training label: ledger entry fields, or source "seed"
     artifacts: Path  # the project's: paths under it are written relative to it
 
 
-def round_state(artifacts: str | os.PathLike[str], round_index: int | None) -> dict[str, Any]:
-    """The finished round whose adapter is exported: `round_index`, else the latest round that trained one."""
-    from pipeline.rounds import completed_rounds
-
-    states = completed_rounds(artifacts)
-    trained = [s for s in states if s.get("adapter")]
-    pick = trained[-1] if round_index is None and trained else next(
-        (s for s in trained if s["round"] == round_index), None)
-    if pick is None:
-        raise ConfigError(f"{'round ' + str(round_index) if round_index is not None else 'no round'} in {artifacts} "
-                          f"has a trained adapter to export; rounds with one: "
-                          f"{', '.join(str(s['round']) for s in trained) or 'none yet (run `tamis round` until one has labels)'}")
-    return pick
-
-
-def training_labels(artifacts: str | os.PathLike[str], state: Mapping[str, Any]) -> list[dict[str, Any]]:
+def training_labels(artifacts: str | os.PathLike[str], state: RoundState) -> list[dict[str, Any]]:
     """The labels the round's adapter trained on (its labeled set, rounds/NNN/labeled/), each traced to the newest
     ledger entry for that sample imported by that round, or marked as a seed label the data came with."""
     import datasets
 
     from pipeline.annotation.ledger import Ledger, ledger_path
-    from pipeline.rounds import round_dir
+    from pipeline.round_state import round_dir
 
-    folder = round_dir(artifacts, state["round"]) / "labeled" / "dataset"
+    folder = round_dir(artifacts, state.round) / "labeled" / "dataset"
     if not folder.is_dir():
         raise ConfigError(f"{folder}: the round's labeled set is gone, so its labels cannot be traced; run "
                           f"`tamis round --full` to rebuild it")
     ds = datasets.load_from_disk(str(folder)).select_columns(["sample_id", "answer"])
     newest: dict[str, dict[str, Any]] = {}
     for e in Ledger(ledger_path(artifacts)).entries():
-        if "sample_id" in e and int(e.get("round", 0)) <= state["round"]:
+        if "sample_id" in e and int(e.get("round", 0)) <= state.round:
             newest[e["sample_id"]] = e
-    logged = logged_votes(artifacts, state["round"])
+    logged = logged_votes(artifacts, state.round)
     return [trace_label(sid, answer, newest.get(sid), logged, artifacts)
             for sid, answer in zip(ds["sample_id"], ds["answer"], strict=True)]
 
@@ -166,8 +152,8 @@ def shareable_path(path: str | os.PathLike[str] | None, artifacts: str | os.Path
 def provenance(artifacts: str | os.PathLike[str], round_index: int | None) -> Provenance:
     from pipeline.store import read_manifest
 
-    state = round_state(artifacts, round_index)
-    return Provenance(state["round"], state, read_manifest(state["adapter"]["dir"]),
+    state = trained_round(artifacts, round_index)
+    return Provenance(state.round, state, read_manifest(state.adapter["dir"]),
                       training_labels(artifacts, state), Path(artifacts))
 
 
@@ -175,7 +161,7 @@ def lineage(prov: Provenance, *, model: Mapping[str, Any], train: Mapping[str, A
     """lineage.json: which labels (ledger entry ids, their files' digests) and which config made the adapter."""
     from pipeline.store import digest_json
 
-    ref, m = prov.state["adapter"], prov.train_manifest
+    ref, m = prov.state.adapter, prov.train_manifest
     return {
         "round": prov.round,
         "adapter": {"digest": ref.get("adapter_digest"), "train_key": ref.get("digest"),
@@ -183,7 +169,7 @@ def lineage(prov: Provenance, *, model: Mapping[str, Any], train: Mapping[str, A
                     "stage_version": m.stage_version, "inputs": dict(m.inputs)},
         "config_digest": digest_json({"model": dict(model), "train": dict(train), "seed": seed}),
         "train_config_digest": m.config_digest,
-        "labeled_digest": prov.state.get("labeled_digest"),
+        "labeled_digest": prov.state.labeled_digest,
         "counts": {"labels": len(prov.labels), "from_ledger": sum(r["source"] == "ledger" for r in prov.labels),
                    "seed": sum(r["source"] == "seed" for r in prov.labels)},
         "labels": prov.labels,
@@ -239,7 +225,7 @@ def _provenance_lines(prov: Provenance, *, model_cfg: ModelConfig, family: str, 
         f"- annotators: {len(people)} ({', '.join(map(escape_md, people)) or 'none'}); consensus method: "
         f"{escape_md(consensus)}",
     ]
-    check = prov.state.get("labelcheck")
+    check = prov.state.labelcheck
     if check:
         lines.append(f"- label check ({escape_md(str(check.get('method')))}): " + (
             f"could not judge yet ({check.get('checked')} labels checked)" if check.get("abstained") else
@@ -249,14 +235,14 @@ def _provenance_lines(prov: Provenance, *, model_cfg: ModelConfig, family: str, 
     return lines
 
 
-def metrics_markdown(state: Mapping[str, Any], evaluation: Any) -> list[str]:
+def metrics_markdown(metrics: Mapping[str, float] | None, evaluation: Any) -> list[str]:
     """The card's test metrics: the per-class table (pipeline.report escapes the names), else each metric with its interval."""
     from pipeline.report import per_class_markdown, per_group_markdown
 
     pc = evaluation.per_class if evaluation is not None else None
     if pc:
         return per_class_markdown(pc)
-    metrics, ci = state.get("metrics") or {}, _intervals(evaluation)
+    metrics, ci = metrics or {}, _intervals(evaluation)
     if not metrics:
         return []
     lines = [", ".join(f"{k} = {v:.4f}" + (f" (95% CI {ci[k][0]:.3f}–{ci[k][1]:.3f})" if k in ci else "")
@@ -286,8 +272,8 @@ def model_card(prov: Provenance, *, model_cfg: ModelConfig, loaded: Any, adapter
         "`lineage.json`.", "",
         *_provenance_lines(prov, model_cfg=model_cfg, family=loaded.family.name, adapter_config=adapter_config,
                            rounds_done=rounds_done, consensus=consensus, base=base),
-        *chance_card_lines(prov.state),
-        "", "## Test metrics", "", *metrics_markdown(prov.state, evaluation),
+        *chance_card_lines(prov.state.at_chance),
+        "", "## Test metrics", "", *metrics_markdown(prov.state.metrics, evaluation),
         "", "## Prompt", "",
         f"Question: {code_span(question)}" + (f"; answers: {', '.join(map(escape_md, answers))}" if answers else
                                                " (open answers)"),
@@ -453,7 +439,7 @@ def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[st
     `fmt` vllm adds serve.sh and, when the adapter holds LoRA vLLM does not take, adapter-vllm/ (pipeline/serving/)."""
     from pipeline.perclass import load_eval_report
     from pipeline.preprocess import resolve_size
-    from pipeline.rounds import completed_rounds
+    from pipeline.round_state import completed_rounds
     from pipeline.store import atomic_write_json, atomic_write_text
 
     data, pre, model_cfg = spec.data, spec.preprocess, spec.model
@@ -461,7 +447,7 @@ def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[st
         raise ConfigError(f"--format {fmt!r}: choose {' or '.join(FORMATS)}")
     out = check_out(out, artifacts, force=force)
     prov = provenance(artifacts, round_index)
-    adapter_src = Path(prov.state["adapter"]["adapter_dir"])
+    adapter_src = Path(prov.state.adapter["adapter_dir"])
     base = model_cfg.name_as_written  # a hub ID, or the folder as the user wrote it (never the resolved path)
     loaded = load_processor(model_cfg)
     size = resolve_size(pre, model_cfg)
@@ -492,7 +478,7 @@ def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[st
     card = model_card(prov, model_cfg=model_cfg, loaded=loaded, adapter_config=adapter_cfg,
                       rounds_done=len(completed_rounds(artifacts)), consensus=spec.annotate.consensus,
                       question=next((s.question for s in data.sources if s.question), None) or data.question,
-                      answers=data.answers, evaluation=load_eval_report(prov.state.get("eval_dir")), base=base,
+                      answers=data.answers, evaluation=load_eval_report(prov.state.eval_dir), base=base,
                       preprocess_note=note, merged_dtype=merged_dtype)
     atomic_write_text(out / "README.md", card)
     write_predict_script(out, loaded=loaded, processor=processor, spec=spec, size=size)

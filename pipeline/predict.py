@@ -45,7 +45,7 @@ def find_adapter(artifacts: str | os.PathLike[str], *, round_index: int | None =
 
     A round records its adapter in round.json (`adapter`: the train stage's reference, whose `dir` holds the train
     manifest and `adapter_dir` the PEFT folder); the manifest is verified, so a deleted or edited adapter is refused."""
-    from pipeline.rounds import completed_rounds
+    from pipeline.round_state import trained_round
     from pipeline.store import read_manifest
 
     if adapter is not None:
@@ -54,23 +54,12 @@ def find_adapter(artifacts: str | os.PathLike[str], *, round_index: int | None =
             raise ConfigError(f"--adapter {path}: not an adapter folder (no adapter_config.json) nor a saved model "
                               "(no config.json); give a round's artifacts/train/<key>/adapter folder")
         return AdapterChoice(path, None, None, f"--adapter {path}")
-    states = completed_rounds(artifacts)
-    trained = [s for s in states if s.get("adapter")]
-    if round_index is not None:
-        state = next((s for s in states if s["round"] == round_index), None)
-        if state is None or not state.get("adapter"):
-            what = "is not a finished round" if state is None else "trained no adapter (a cold-start round)"
-            raise ConfigError(f"--round {round_index} {what}; rounds with an adapter: "
-                              f"{', '.join(str(s['round']) for s in trained) or 'none yet'}")
-        why = f"round {round_index} (--round)"
-    elif not trained:
-        raise ConfigError(f"no finished round in {artifacts} trained an adapter yet: run `tamis round` until one has "
-                          "labels (the first round only selects), or give --adapter DIR")
-    else:
-        state, why = trained[-1], f"the latest round that trained one, round {trained[-1]['round']}"
-    ref = state["adapter"]
+    state = trained_round(artifacts, round_index)
+    why = (f"round {round_index} (--round)" if round_index is not None
+           else f"the latest round that trained one, round {state.round}")
+    ref = state.adapter
     read_manifest(ref["dir"])  # verifies the adapter's files against the train stage's digests
-    return AdapterChoice(Path(ref["adapter_dir"]), state["round"], ref.get("adapter_digest"), why)
+    return AdapterChoice(Path(ref["adapter_dir"]), state.round, ref.get("adapter_digest"), why)
 
 
 def source_for(path: str | os.PathLike[str], question: str | None) -> Any:

@@ -43,9 +43,8 @@ def run_tags(round_index: int, *, rerun: bool = False, stopped: str | None = Non
     return tags
 
 
-def state_message(state: RoundState | Mapping[str, Any]) -> str:
+def state_message(s: RoundState) -> str:
     """One line for the run's final state: what the round did, or why no batch was selected."""
-    s = RoundState.of(state)
     done = f"round {s.round}: {s.labeled} labels"
     if s.metrics:
         done += ", " + ", ".join(f"{k} {v:.3f}" for k, v in merge_equal_metrics(s.metrics).items())
@@ -60,11 +59,11 @@ def png_data_uri(path: str | os.PathLike[str]) -> str:
     return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
 
 
-def import_record(previous: Mapping[str, Any] | None, imports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def import_record(previous: RoundState | None, imports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The imports that brought a round's labels: a re-run of the round (whose files are all already imported) keeps
     the record of the run that imported them (`previous`, that round's finished state), and adds only what it
     imported or refused itself."""
-    kept = [i for i in (previous or {}).get("imports", []) if not i.get("already_imported")]
+    kept = [i for i in (previous.imports if previous else []) if not i.get("already_imported")]
     return kept + [i for i in imports if not i.get("already_imported") and i not in kept]
 
 
@@ -257,7 +256,7 @@ def _handoff_lines(s: RoundState) -> list[str]:
     return lines
 
 
-def summary_markdown(state: RoundState | Mapping[str, Any], metrics_rows: Sequence[Mapping[str, Any]],
+def summary_markdown(s: RoundState, metrics_rows: Sequence[Mapping[str, Any]],
                      label_report: str = "", *, curve_uri: str | None = None,
                      curve_path: str | os.PathLike[str] | None = None, evaluation: Any = None,
                      confusion_uri: str | None = None, batch_uri: str | None = None,
@@ -267,7 +266,6 @@ def summary_markdown(state: RoundState | Mapping[str, Any], metrics_rows: Sequen
     where the round's report is, the per-class results (`evaluation`, a pipeline.perclass.EvalReport, with the
     confusion matrix inline as `confusion_uri` for the UI), the hand-off, the label check and, with several annotators
     a sample, their quality and the redundancy tasks."""
-    s = RoundState.of(state)
     warn = [f"**{s.at_chance}**", ""] if s.at_chance else []  # first: nothing else on the page matters as much
     lines = [f"# Labeling round {s.round}", "", *warn, *_counts_lines(s)]
     if report_path:
@@ -325,12 +323,11 @@ def handoff_markdown(export_dir: str | os.PathLike[str], *, artifacts: str | os.
     return "\n".join(lines)
 
 
-def next_steps(state: RoundState | Mapping[str, Any], *, artifacts: str | os.PathLike[str], config: str,
+def next_steps(s: RoundState, *, artifacts: str | os.PathLike[str], config: str,
                files: Mapping[str, str], batch_size: int, max_rounds: int, simulated: bool = False) -> list[str]:
     """What to do after a round, as `tamis round` prints it: where the batch for annotators is (the export's
     `files`: tasks, csv, jsonl), how its labels come back, and what the next round will do. The Prefect UI's
     hand-off (handoff_markdown) says the same at more length."""
-    s = RoundState.of(state)
     inbox = Path(artifacts).resolve() / "inbox"
     again = f"tamis round{f' -c {config}' if config else ''}"
     if s.stopped:

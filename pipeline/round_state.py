@@ -1,19 +1,27 @@
 """A round's state: what round.json records, what the round summary, `tamis round` / `tamis status`, the Prefect UI
 and the unchanged-round check read. One typed object instead of a dict of string keys; the file keeps its shape.
 
-Library functions fill it (pipeline/rounds.py), the flow only orders them. `from_json` reads files written by any
-tamis: a key it does not know is kept as it is (and written back), a key the file lacks takes its default.
+Library functions fill it (pipeline/round/), the flow only orders them. `from_json` reads files written by any
+tamis: a key it does not know is kept as it is (and written back), a key the file lacks takes its default. Every
+reader of round.json reads it here (completed_rounds, trained_round), as a RoundState, never as its JSON object.
+
+The nested records are TypedDicts: the JSON objects the stages return, named with the keys their readers read, so
+round.json (and every cache key built from a record, such as a warm start's adapter) keeps its bytes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
+
+from pipeline.errors import ConfigError
 
 ROUNDS_DIR = "rounds"  # under the artifacts folder: one rounds/NNN/ folder per round
+ROUND_FILE = "round.json"  # written last: a round folder without it is an unfinished round
 
 
 def round_dir(artifacts: str | os.PathLike[str], round_index: int, *parts: str) -> Path:
@@ -26,6 +34,131 @@ def adapter_ref(adapter: Mapping[str, Any] | None) -> dict[str, str] | None:
     """The train stage's reference ({adapter_dir, adapter_digest, …}) as the score and select stages take an
     adapter: {"dir", "digest"}; None for the base model (no adapter yet)."""
     return None if not adapter else {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]}
+
+
+class ImportRecord(TypedDict, total=False):
+    """One label file or pull a round imported (pipeline/annotation/labels.py: ImportReport), or the error that
+    refused it; a pull that did not reach Label Studio also carries "pull_failed"."""
+
+    file: str
+    summary: str
+    error: str
+    accepted: int
+    rejected: int
+    rejections: list[dict[str, Any]]  # the first rejected rows, file:line and why
+    rejections_file: str
+    already_imported: bool
+
+
+class ConsensusSummary(TypedDict, total=False):
+    """Several annotators a sample (pipeline/annotation/consensus.py: round_record): the method, counts and the
+    annotator table the round summary shows."""
+
+    method: str
+    model_rater: bool
+    samples: int
+    undecided: int
+    mean_confidence: float
+    annotators: list[dict[str, Any]]
+
+
+class AdapterRecord(TypedDict, total=False):
+    """The train stage's reference (pipeline/model/train_stage.py): its folder and manifest key, the PEFT folder."""
+
+    dir: str
+    digest: str
+    adapter_dir: str
+    adapter_digest: str
+
+
+class PhaseRecord(TypedDict, total=False):
+    """The selection phase and why (pipeline/strategies/schedule.py)."""
+
+    phase: str
+    reason: str
+
+
+class LabelCheckRecord(TypedDict, total=False):
+    """What round.json keeps of the label check's reference (pipeline/round/records.py: LABEL_CHECK_KEYS)."""
+
+    dir: str
+    method: str
+    checked: int
+    issues: int
+    abstained: int
+    oos_accuracy: float | None
+    expected_false_alarms: float | None
+    message: str
+
+
+class PushRecord(TypedDict, total=False):
+    """A push of tasks to Label Studio (pipeline/annotation/label_studio.py), or the error that stopped it."""
+
+    project: int
+    pushed: int
+    already: int
+    error: str
+
+
+class OutliersRecord(TypedDict, total=False):
+    """The pool's outliers the select stage flagged (pipeline/strategies/outliers.py)."""
+
+    flagged: int
+    far: int
+    persistent: int
+    policy: str
+
+
+class StabilityRecord(TypedDict, total=False):
+    """The stop set's agreement with the previous adapter (pipeline/stopping.py: measure_stop_set)."""
+
+    n: int
+    agreement: float
+    kappa: float
+    f_change_bound: float | None
+    forecast: str
+
+
+class TimeRecord(TypedDict, total=False):
+    """Annotator time recorded so far (pipeline/status.py: annotation_time)."""
+
+    hours: float
+    timed: int
+    median_s: float
+    p90_s: float
+    next_batch: int
+    next_batch_hours: float
+
+
+class CostRecord(TypedDict, total=False):
+    """select.cost's model and its forecast for the batch (pipeline/strategies/cost.py)."""
+
+    n: int
+    status: str
+    reason: str
+    cv_r2: float
+    cv_mae_s: float
+    median_mae_s: float
+    next_batch: int
+    next_batch_hours: float
+
+
+class CandidatesRecord(TypedDict, total=False):
+    """What select.candidates scored: all eligible samples (method "all") or candidates from `sources`."""
+
+    method: str
+    eligible: int
+    candidates: int
+    scored: int
+    sources: dict[str, int]
+    reason: str
+
+
+class TrimmedRecord(TypedDict):
+    """Unsure samples rounds.label_budget held back from the redundancy queue."""
+
+    count: int
+    reason: str
 
 
 # Keys round.json always holds (null when empty), as the rounds before RoundState wrote them.
@@ -43,36 +176,36 @@ class RoundState:
     round: int = 0
     labeled: int = 0  # labels the round trains on
     labeled_digest: str | None = None
-    imports: list[dict[str, Any]] = field(default_factory=list)  # pipeline.report.import_record
+    imports: list[ImportRecord] = field(default_factory=list)  # pipeline.report.import_record: one per file
     metrics: dict[str, float] | None = None  # the adapter's test metrics; None before any labels
-    annotation_time: dict[str, Any] | None = None  # pipeline.status.annotation_time
+    annotation_time: TimeRecord | None = None  # pipeline.status.annotation_time
     strategy: str = ""
     quality_flags: list[str] | None = None  # pipeline.quality.explain_flags
     eval_dir: str | None = None
-    stability: dict[str, Any] | None = None  # the stop set's agreement (pipeline.stopping.measure_stop_set)
-    labelcheck: dict[str, Any] | None = None  # the label check's summary (rounds.label_check_record)
-    consensus: dict[str, Any] | None = None  # several annotators a sample (pipeline.annotation.consensus)
+    stability: StabilityRecord | None = None  # the stop set's agreement (pipeline.stopping.measure_stop_set)
+    labelcheck: LabelCheckRecord | None = None  # the label check's summary (round.records.label_check_record)
+    consensus: ConsensusSummary | None = None  # several annotators a sample (pipeline.annotation.consensus)
     pool: int = 0  # eligible pool samples
     labels_spent: int | None = None  # labels paid for, re-labels included (None: not counted yet)
     tasks_out: int = 0  # exported earlier, not labeled yet
-    stopped: str | None = None  # why the round selects nothing (rounds.stop_reason)
+    stopped: str | None = None  # why the round selects nothing (round.stop.stop_reason)
     at_chance: str | None = None  # the warning when accuracy is still at chance (pipeline.chance.chance_check)
-    label_studio: dict[str, Any] | None = None  # the push of the batch to Label Studio
+    label_studio: PushRecord | None = None  # the push of the batch to Label Studio
     selected: int | None = None  # None: the round selected nothing (it stopped)
     export_dir: str | None = None
     selection_dir: str | None = None
-    outliers: dict[str, Any] | None = None
-    phase: dict[str, Any] | None = None  # the selection phase and its reason (strategies.schedule)
+    outliers: OutliersRecord | None = None
+    phase: PhaseRecord | None = None  # the selection phase and its reason (strategies.schedule)
     embeddings: str | None = None
-    cost: dict[str, Any] | None = None  # select.cost's model and forecast
-    candidates: dict[str, Any] | None = None  # what select.candidates scored
+    cost: CostRecord | None = None  # select.cost's model and forecast
+    candidates: CandidatesRecord | None = None  # what select.candidates scored
     relabel: int | None = None  # likely label errors queued for re-labeling
     relabel_dir: str | None = None
-    label_studio_relabel: dict[str, Any] | None = None
+    label_studio_relabel: PushRecord | None = None
     consensus_dir: str | None = None  # the redundancy tasks (annotate.redundancy)
     consensus_requeued: int | None = None
-    consensus_trimmed: dict[str, Any] | None = None  # unsure samples rounds.label_budget held back: {count, reason}
-    adapter: dict[str, Any] | None = None  # the train stage's reference
+    consensus_trimmed: TrimmedRecord | None = None  # unsure samples rounds.label_budget held back: {count, reason}
+    adapter: AdapterRecord | None = None  # the train stage's reference
     extra: dict[str, Any] = field(default_factory=dict)  # keys this tamis does not know, kept as they were
 
     @classmethod
@@ -82,11 +215,6 @@ class RoundState:
         state = cls(**{k: v for k, v in data.items() if k in known})
         state.extra = {k: v for k, v in data.items() if k not in known}
         return state
-
-    @classmethod
-    def of(cls, state: RoundState | Mapping[str, Any]) -> RoundState:
-        """`state` itself, or read from its JSON object: what readers accept."""
-        return state if isinstance(state, RoundState) else cls.from_json(state)
 
     def to_json(self) -> dict[str, Any]:
         """round.json's object: the keys always written, the selection's once it selected, the rest when set."""
@@ -111,3 +239,34 @@ class RoundState:
     @property
     def selected_count(self) -> int:
         return self.selected or 0
+
+
+def completed_rounds(artifacts: str | os.PathLike[str]) -> list[RoundState]:
+    """States of finished rounds (round.json is written last), in round order."""
+    rounds = Path(artifacts) / ROUNDS_DIR
+    states = []
+    for p in sorted(rounds.glob(f"[0-9][0-9][0-9]/{ROUND_FILE}")) if rounds.is_dir() else []:
+        try:
+            states.append(RoundState.from_json(json.loads(p.read_text(encoding="utf-8"))))
+        except (OSError, ValueError):
+            continue  # an unreadable state is an unfinished round: it will be run again
+    return sorted(states, key=lambda s: s.round)
+
+
+def trained_round(artifacts: str | os.PathLike[str], index: int | None = None) -> RoundState:
+    """The finished round that trained the adapter asked for: round `index`, else the latest round that trained one.
+    What `tamis predict` and `tamis export-model` read an adapter from."""
+    states = completed_rounds(artifacts)
+    trained = [s for s in states if s.adapter]
+    pick = trained[-1] if index is None and trained else next((s for s in trained if s.round == index), None)
+    if pick is not None:
+        return pick
+    if index is None:
+        what = f"no finished round in {artifacts} trained an adapter yet"
+    elif all(s.round != index for s in states):
+        what = f"round {index} is not a finished round in {artifacts}"
+    else:
+        what = f"round {index} trained no adapter (a cold-start round, before any labels)"
+    raise ConfigError(f"{what}; rounds with an adapter: {', '.join(str(s.round) for s in trained) or 'none yet'}. "
+                      "Pick one of those with --round, or run `tamis round` until a round has labels (the first "
+                      "round only selects)")

@@ -11,8 +11,7 @@ from pipeline.annotation.inbox import inbox_dir, inbox_files
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.annotation.rejections import read_rejections, rejections_dir
 from pipeline.metrics import read_metrics
-from pipeline.round_state import ROUNDS_DIR
-from pipeline.rounds import completed_rounds
+from pipeline.round_state import ROUNDS_DIR, completed_rounds
 from pipeline.store import MANIFEST_NAME, digest_file
 
 

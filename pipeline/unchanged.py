@@ -39,8 +39,8 @@ from pipeline.config import (
     RoundsConfig,
 )
 from pipeline.errors import TamisError
-from pipeline.round_state import ROUNDS_DIR, RoundState
-from pipeline.rounds import completed_states, simulated
+from pipeline.round.simulate import simulated
+from pipeline.round_state import ROUNDS_DIR, RoundState, completed_rounds
 from pipeline.store import atomic_write_json, digest_json
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def unchanged_round(rounds_cfg: RoundsConfig, annotate: AnnotateConfig, artifact
         return None
     if not rec.get("before") or rec.get("before") != rec.get("after"):
         return None
-    states = completed_states(artifacts)
+    states = completed_rounds(artifacts)
     if not states or states[-1].round != rec.get("round"):
         return None
     if not all(Path(p).exists() for p in rec.get("outputs", [])):

@@ -156,7 +156,7 @@ FLOORS = (
     ("pipeline.score_stage", "pipeline.selection", "pipeline.evaluate", "pipeline.stopping", "pipeline.annotation",
      "pipeline.labelcheck"),
     # the round: its plan, its report, what reads a finished round
-    ("pipeline.rounds", "pipeline.unchanged", "pipeline.status", "pipeline.roundreport", "pipeline.predict",
+    ("pipeline.round", "pipeline.unchanged", "pipeline.status", "pipeline.roundreport", "pipeline.predict",
      "pipeline.export_model", "pipeline.dataexport", "pipeline.project_init", "pipeline.serving"),
     ("flows",),
 )

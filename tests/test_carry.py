@@ -13,7 +13,7 @@ from flows.cli.main import app
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.config import load_config
 from pipeline.preprocess import load_prepared
-from pipeline.rounds import PoolData, labels_now
+from pipeline.round.plan import PoolData, labels_now
 
 runner = CliRunner()
 PHOTOS = {"astronaut": "person", "chelsea": "cat", "coffee": "cup", "rocket": "rocket", "camera": "person"}

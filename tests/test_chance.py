@@ -13,6 +13,7 @@ import yaml
 from pipeline.chance import chance_check
 from pipeline.config import load_config
 from pipeline.config.sections import ModelConfig, TrainConfig
+from pipeline.round_state import RoundState
 
 LETTERS = list("ABCDEFGH")  # 8 answers: chance is 0.125
 
@@ -77,10 +78,11 @@ def test_tamis_status_prints_the_warning(tmp_path):
 def test_the_round_records_it_and_summary_report_and_card_show_it(tmp_path):
     from pipeline.chance import card_lines
     from pipeline.report import summary_markdown
+    from pipeline.round.plan import plan_round
+    from pipeline.round.stop import close_round
     from pipeline.round_state import RoundState
     from pipeline.roundreport.build import build_report
     from pipeline.roundreport.sources import ReportSources
-    from pipeline.rounds import close_round, plan_round
 
     config, art = _project(tmp_path)
     cfg = load_config(config)
@@ -95,7 +97,7 @@ def test_the_round_records_it_and_summary_report_and_card_show_it(tmp_path):
     sources = ReportSources(round=plan.index, round_dir=str(plan.dir), artifacts=str(art), answers=LETTERS, seed=0)
     html = build_report(sources, state, []).html.read_text()
     assert 'id="at-chance"' in html and "still at chance: accuracy 0.170" in html
-    assert card_lines(state.to_json())[-1] == state.at_chance
+    assert card_lines(state.at_chance)[-1] == state.at_chance
 
 
 def test_the_model_card_carries_the_warning(tmp_path, tiny_models):
@@ -103,7 +105,7 @@ def test_the_model_card_carries_the_warning(tmp_path, tiny_models):
 
     model = ModelConfig(name_or_path=str(tiny_models["idefics3"]))
     warning = chance_check(_rows([0.16, 0.18, 0.17]), LETTERS, train=TrainConfig(), model=model).warning
-    state = {"round": 2, "metrics": {"accuracy": 0.17}, "at_chance": warning}
+    state = RoundState(round=2, metrics={"accuracy": 0.17}, at_chance=warning)
     card = model_card(Provenance(2, state, None, [], tmp_path), model_cfg=model, loaded=load_processor(model),
                       adapter_config={}, rounds_done=3, consensus="majority", question="Which letter?",
                       answers=LETTERS, evaluation=None, base="tiny", preprocess_note="", merged_dtype=None)

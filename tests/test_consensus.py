@@ -156,8 +156,9 @@ def test_dawid_skene_labels_the_ties_majority_rejects_and_keeps_every_raw_vote(t
     assert state["method"] == "dawid_skene" and {r["annotator"] for r in state["annotators"]} == {"ann", "bob", "cat"}
     # The round summary (summary.md and the Prefect UI's round-summary artifact are one text) carries their table.
     from pipeline.report import summary_markdown
+    from pipeline.round_state import RoundState
 
-    md = summary_markdown({"round": 0, "labeled": 30, "pool": 0, "strategy": "random", "consensus": state}, [])
+    md = summary_markdown(RoundState(round=0, labeled=30, pool=0, strategy="random", consensus=state), [])
     table = md[md.index("### Annotators (consensus: dawid_skene)"):].splitlines()
     assert {row.split(" | ")[0].strip("| ") for row in table[4:7]} == {"ann", "bob", "cat"}
 
@@ -223,8 +224,8 @@ def test_the_redundancy_queue_is_capped_by_the_label_budget_and_says_so(tmp_path
     the re-label tasks, least confident first, and the round says how many it held back and why."""
     from pipeline.annotation.redundancy import queue_redundancy
     from pipeline.report import summary_markdown
+    from pipeline.round.stop import redundancy_cap
     from pipeline.round_state import RoundState
-    from pipeline.rounds import redundancy_cap
 
     cfg, ds, gt, ids = _project(tmp_path, make_vqa, redundancy={"threshold": 0.8, "max_labels": 3})
     simulate_annotators(export_dir(cfg.artifacts, 0), gt, cfg.artifacts / "inbox", annotators=ANNOTATORS,

@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.config import SelectConfig, parse_config
-from pipeline.rounds import recorded_hours, stop_reason
+from pipeline.round.stop import recorded_hours, stop_reason
 from pipeline.scoring import ScoreResult
 from pipeline.selection import labeled_seconds, select_round
 from pipeline.store import read_jsonl
@@ -148,13 +148,16 @@ def test_labeled_seconds_are_the_median_per_labeled_sample(tmp_path):
 
 
 def test_the_round_summary_reports_the_cost_model_and_the_forecast():
+    from dataclasses import replace
+
     from pipeline.report import summary_markdown
+    from pipeline.round_state import RoundState
 
     scores, seconds = pool_scores()
-    state = {"round": 2, "labeled": 40, "pool": 80, "strategy": "margin+top_k", "selected": 10}
+    state = RoundState(round=2, labeled=40, pool=80, strategy="margin+top_k", selected=10)
     for labeled, expect in ((scores.sample_ids[:40], "ranked by gain per predicted second"),
                             (scores.sample_ids[:10], "cost-blind ranking: 10 timed labels < select.cost_min_timed")):
         info = run_round("predicted", labeled, seconds, scores).info["cost"]
-        md = summary_markdown({**state, "cost": info}, [])
+        md = summary_markdown(replace(state, cost=info), [])
         line = next(x for x in md.splitlines() if x.startswith("- cost model"))
         assert expect in line and f"forecast for this batch of 10: {info['next_batch_hours']:.2f} h" in line

@@ -223,11 +223,11 @@ def test_spawned_ranks_need_picklable_hooks(tiny_models, rows, tmp_path):
 
 
 def test_planner_adds_the_allreduce_buffer_per_device():
-    from pipeline.model.planner import analyze, plan
+    from pipeline.model.planner import PlanInputs, analyze, plan
 
     shape = analyze(Path(__file__).resolve().parent.parent / "configs" / "smolvlm-256m-shape.json")
-    one = plan(shape, mode="full", batch=2, image_size=512)
-    four = plan(shape, mode="full", batch=2, image_size=512, processes=4)
+    one = plan(shape, PlanInputs(mode="full", batch=2, image_size=512))
+    four = plan(shape, PlanInputs(mode="full", batch=2, image_size=512, processes=4))
     assert "gradient_allreduce" not in one.terms and four.terms["gradient_allreduce"] == four.terms["gradients"]
     assert four.total == one.total + four.terms["gradients"] and four.as_dict()["processes"] == 4
 

@@ -29,7 +29,7 @@ from benchmarks import _round_driver as driver
 from pipeline.annotation.inbox import inbox_files
 from pipeline.annotation.ledger import Ledger, make_entry
 from pipeline.errors import ArtifactError
-from pipeline.rounds import completed_rounds
+from pipeline.round_state import completed_rounds
 from pipeline.store import (
     MANIFEST_NAME,
     append_jsonl,
@@ -145,7 +145,7 @@ def test_readers_never_pick_up_temp_leftovers_of_killed_writes(tmp_path):
     (rounds / "000" / "round.json").write_text(json.dumps({"round": 0}))
     (rounds / "001").mkdir()
     (rounds / "001" / ".round.json.ab12.tmp").write_text('{"round": 1, "lab')
-    assert [s["round"] for s in completed_rounds(art)] == [0]
+    assert [s.round for s in completed_rounds(art)] == [0]
 
     log = art / "executions.jsonl"
     append_jsonl(log, [{"stage": "a"}])
@@ -573,7 +573,7 @@ def test_round_killed_at_every_stage_resumes_to_the_uninterrupted_result(tmp_pat
     at = next(i for i, (_, k) in enumerate(plan) if k and ".step-4" in (k.on_replace or ""))  # killed mid-checkpoint
     assert [_resumed_from(run) for run in runs[at:at + 4]] == [[f"{ck / 'step-2'} (step 2 of 6)"]] * 2 + [
         [f"{ck / 'step-4'} (step 4 of 6)"], [f"{fold_ck / 'step-4'} (step 4 of 6)"]]
-    assert [s["round"] for s in completed_rounds(art)] == [0, 1]
+    assert [s.round for s in completed_rounds(art)] == [0, 1]
     assert not (art / "round.lock").exists()
     assert _stage_folders(art) == _stage_folders(ref)  # the same stage outputs as the uninterrupted run, all whole
 

@@ -17,7 +17,7 @@ from pipeline.model.hardware import (
     choose_train_settings,
     detect_hardware,
 )
-from pipeline.model.planner import analyze, plan
+from pipeline.model.planner import PlanInputs, analyze, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE_JSON = ROOT / "configs" / "smolvlm-256m-shape.json"
@@ -85,8 +85,8 @@ def test_planner_is_at_least_as_good_as_the_tiers(smol, qwen2b, gib, tier_micro)
         s = choose_train_settings(TrainConfig(), ModelConfig(mode="qlora"), hw, shape, seq_len=128, image_size=448)
         assert s.micro_batch * s.grad_accum == 16
         assert s.micro_batch >= tier_micro, (shape.model_type, gib, s)
-        chosen = plan(shape, mode="qlora", batch=s.micro_batch, seq_len=128, image_size=448,
-                      checkpointing=s.gradient_checkpointing, gpu_memory_bytes=hw.memory_budget_bytes, margin=SAFETY)
+        chosen = plan(shape, PlanInputs(mode="qlora", batch=s.micro_batch, seq_len=128, image_size=448, margin=SAFETY,
+                                        checkpointing=s.gradient_checkpointing, gpu_memory_bytes=hw.memory_budget_bytes))
         assert chosen.fits, s.reason
         assert "planner" in s.reason
 
@@ -96,8 +96,8 @@ def test_a_bigger_micro_batch_does_not_fit_where_the_planner_stops(qwen2b):
     s = choose_train_settings(TrainConfig(), ModelConfig(mode="qlora"), hw, qwen2b, seq_len=128, image_size=448)
     bigger = [d for d in (2, 4, 8, 16) if d > s.micro_batch]
     for b in bigger:
-        p = plan(qwen2b, mode="qlora", batch=b, seq_len=128, image_size=448, checkpointing=True,
-                 gpu_memory_bytes=hw.memory_budget_bytes, margin=SAFETY)
+        p = plan(qwen2b, PlanInputs(mode="qlora", batch=b, seq_len=128, image_size=448, checkpointing=True,
+                            gpu_memory_bytes=hw.memory_budget_bytes, margin=SAFETY))
         assert not p.fits
 
 

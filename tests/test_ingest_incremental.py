@@ -183,7 +183,7 @@ def test_a_deleted_file_leaves_the_pool_and_its_shard_is_rebuilt_from_the_rest(t
     ds = load_ingested(tmp_path / "out2")
     assert gone_id not in ds["sample_id"]
     # A label the ledger holds for the deleted sample stays there, but no round trains on it any more.
-    from pipeline.rounds import PoolData, round_labels
+    from pipeline.round.plan import PoolData, round_labels
 
     kept_id = ds["sample_id"][0]
     labels = round_labels(PoolData.of(ds), {gone_id: "4", kept_id: "9"})

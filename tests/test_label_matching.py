@@ -154,7 +154,7 @@ def test_cli_dry_run_project_scope_round_and_brackets(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from flows.cli.main import app
-    from pipeline.rounds import import_round
+    from pipeline.round.plan import import_round
     from pipeline.store import atomic_write_json
 
     monkeypatch.setenv("COLUMNS", "250")

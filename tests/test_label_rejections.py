@@ -10,8 +10,9 @@ from pipeline.annotation.labels import import_labels
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.annotation.matching import SampleIndex
 from pipeline.report import rejection_lines, summary_markdown
+from pipeline.round.plan import PoolData, RoundPlan, eligible_pool
+from pipeline.round.stop import outstanding_tasks
 from pipeline.round_state import RoundState
-from pipeline.rounds import PoolData, RoundPlan, eligible_pool, outstanding_tasks
 from pipeline.status import status_summary
 
 DIGITS = [str(i) for i in range(10)]

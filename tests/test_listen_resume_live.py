@@ -88,7 +88,7 @@ def test_the_listener_resumes_the_deployed_round_waiting_for_labels_and_its_work
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from pipeline.annotation.ledger import Ledger, ledger_path
-    from pipeline.rounds import completed_rounds
+    from pipeline.round_state import completed_rounds
     from pipeline.store import read_jsonl
 
     server, project = resume_label_studio
@@ -118,9 +118,9 @@ def test_the_listener_resumes_the_deployed_round_waiting_for_labels_and_its_work
             run = _wait_for(client, run_id, lambda r: r.state.is_paused(), "suspended", worker, worker_log)
             assert run.state.name == "Suspended" and run.name == "round-000"
             [first] = completed_rounds(art)
-            pid = first["label_studio"]["project"]
+            pid = first.label_studio["project"]
             batch = project_tasks(server, pid)
-            assert len(batch) == first["selected"] == first["label_studio"]["pushed"] == 4, first["label_studio"]
+            assert len(batch) == first.selected == first.label_studio["pushed"] == 4, first.label_studio
 
             setup = _cli_tamis(["setup-webhook", "--config", str(config)], env, project)
             assert f"on Label Studio project {pid}" in setup, setup
@@ -165,7 +165,7 @@ def test_the_listener_resumes_the_deployed_round_waiting_for_labels_and_its_work
     assert {e["round"] for e in ledger.entries()} == {1}
     assert any(m.startswith("trained 2 steps") for m in logs)
     second = completed_rounds(art)[-1]
-    assert second["round"] == 1 and second["labeled"] == 4 and second["label_studio"]["pushed"] == 4
+    assert second.round == 1 and second.labeled == 4 and second.label_studio["pushed"] == 4
     after = project_tasks(server, pid)
     assert sum(t["data"].get("tamis_set") == "001/export" for t in after) == 4 and len(after) == 8
     assert len(read_jsonl(art / "webhooks" / "events.jsonl")) == len(batch)  # one event per annotation

@@ -207,11 +207,11 @@ class TestFamilyContract:
                                    atol=1e-4, rtol=1e-4)
 
     def test_planner_weights_match_the_4bit_footprint(self, tiny_models, inference, family):
-        from pipeline.model.planner import analyze, plan
+        from pipeline.model.planner import PlanInputs, analyze, plan
 
         shape = analyze(tiny_models[family])
         assert shape.family == family
-        p = plan(shape, mode="qlora", precision="fp32", device="cpu", image_size=32, seq_len=32)
+        p = plan(shape, PlanInputs(mode="qlora", precision="fp32", device="cpu", image_size=32, seq_len=32))
         footprint = inference(family).model.get_memory_footprint()
         stored = p.terms["weights_nf4"] + p.terms["weights_other"]
         assert abs(stored - footprint) / footprint < 0.10, (stored, footprint)

@@ -204,6 +204,7 @@ def test_the_learning_curve_starts_at_chance_with_integer_ticks_and_intervals():
 
 def test_the_summary_and_status_show_the_per_class_table(tmp_path):
     from flows.cli.cmd_rounds import per_class_output
+    from pipeline.round_state import RoundState
 
     preds, refs = noisy()
     rep = per_class_report(preds, refs, ANSWERS)
@@ -211,7 +212,7 @@ def test_the_summary_and_status_show_the_per_class_table(tmp_path):
     plot_confusion(rep, tmp_path / "confusion.png")
     ev = load_eval_report(tmp_path)
     assert isinstance(ev, EvalReport) and ev.confusion_png == tmp_path / "confusion.png"
-    state = {"round": 2, "labeled": 40, "pool": 100, "strategy": "margin", "eval_dir": str(tmp_path)}
+    state = RoundState(round=2, labeled=40, pool=100, strategy="margin", eval_dir=str(tmp_path))
     md = summary_markdown(state, [], evaluation=ev, confusion_uri="data:image/png;base64,AAAA")
     assert "## Per-class results" in md and "| fish | 0.000 | 0.000 | 0.000 | 0 |" in md
     assert "![confusion matrix](data:image/png;base64,AAAA)" in md
@@ -219,5 +220,5 @@ def test_the_summary_and_status_show_the_per_class_table(tmp_path):
     table, line = per_class_output([state])
     assert table.row_count == 4 and "macro-F1" in line
     assert load_eval_report(tmp_path / "none") is None
-    table, line = per_class_output([{"round": 0}])
+    table, line = per_class_output([RoundState(round=0)])
     assert table is None and "no per-class evaluation yet" in line

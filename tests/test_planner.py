@@ -4,6 +4,7 @@ tensors, image-token counts, and the shape of plans (what shrinks with 4-bit and
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from pipeline.errors import ModelError
 from pipeline.model.planner import (
     MiB,
+    PlanInputs,
     analyze,
     image_token_counts,
     load_model_config,
@@ -92,7 +94,7 @@ def test_weights_match_footprint_fp32_and_bf16(family):
     assert shape.params == sum(p.numel() for p in model.parameters())
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = model.to(dtype)
-        planned = plan(shape, mode="lora", precision=precision, device="cpu").weights
+        planned = plan(shape, PlanInputs(mode="lora", precision=precision, device="cpu")).weights
         measured = model.get_memory_footprint()
         assert abs(planned - measured) / measured < 0.10, (precision, planned, measured)
 
@@ -104,7 +106,7 @@ def test_weights_match_footprint_4bit(family, tmp_path):
     config = tiny_config(family)
     model = _load_4bit(config, tmp_path)
     shape = analyze(config)
-    p = plan(shape, mode="qlora", precision="fp32", device="cpu")
+    p = plan(shape, PlanInputs(mode="qlora", precision="fp32", device="cpu"))
     # The same Linear layers become 4-bit as transformers decides (lm_head and friends stay full precision).
     quantized = {n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert quantized, "nothing was quantized"
@@ -129,7 +131,7 @@ def test_midsize_smolvlm_shape_weights_match_footprint():
     # Full widths of SmolVLM-256M (49k vocabulary, 576/768 hidden), fewer layers so the test runs in seconds.
     config = _shape_json(2, 1)
     model = _model(config)
-    planned = plan(config, mode="lora", precision="fp32", device="cpu").weights
+    planned = plan(config, PlanInputs(mode="lora", precision="fp32", device="cpu")).weights
     measured = model.get_memory_footprint()
     assert abs(planned - measured) / measured < 0.10
 
@@ -138,7 +140,7 @@ def test_midsize_smolvlm_shape_weights_match_footprint():
 def test_midsize_smolvlm_shape_4bit_footprint(tmp_path):
     config = _shape_json(4, 2)
     model = _load_4bit(config, tmp_path)
-    p = plan(config, mode="qlora", precision="fp32", device="cpu")
+    p = plan(config, PlanInputs(mode="qlora", precision="fp32", device="cpu"))
     footprint = model.get_memory_footprint()
     stored = p.terms["weights_nf4"] + p.terms["weights_other"]
     assert abs(stored - footprint) / footprint < 0.10
@@ -151,7 +153,7 @@ def test_full_smolvlm_shape_has_256m_params():
     assert 250e6 < shape.params < 262e6
     assert shape.skip_quant == ("lm_head",)
     # The vision encoder's Linears are quantized too: transformers only skips the output embedding by default.
-    p = plan(shape, mode="qlora", device="cuda")
+    p = plan(shape, PlanInputs(mode="qlora", device="cuda"))
     assert p.terms["weights_nf4"] > 0.4 * (shape.params - shape.other_params) / 2
 
 
@@ -198,8 +200,8 @@ def test_per_layer_activations_match_saved_tensors(mode, dropout):
                                                      target_modules=get_family("idefics3").lora_target()))
         inputs = _idefics3_batch(config, batch=2, text=48)
         measured.append(_saved_bytes(model, inputs))
-        p = plan(config, mode=mode, batch=2, seq_len=48 - 3, image_size=32, precision="fp32", device="cpu",
-                 lora_dropout=dropout)
+        p = plan(config, PlanInputs(mode=mode, batch=2, seq_len=48 - 3, image_size=32, precision="fp32", device="cpu",
+                            lora_dropout=dropout))
         planned.append(p.terms["activations"])
     per_layer_measured = (measured[1] - measured[0]) / 2
     per_layer_planned = (planned[1] - planned[0]) / 2
@@ -213,12 +215,13 @@ def test_vision_activations_count_only_when_the_tower_trains():
     config = tiny_config("idefics3")
     shape = analyze(config)
     text_only = get_family("idefics3").lora_target(["q_proj", "v_proj"])
-    lora = plan(shape, mode="lora", batch=4, image_size=32, precision="fp32", device="cpu", target_modules=text_only)
+    lora = plan(shape, PlanInputs(mode="lora", batch=4, image_size=32, precision="fp32", device="cpu",
+                                  target_modules=text_only))
     in_vision = lora_targets(shape, ["q_proj", "v_proj"])
     assert any("vision_model" in lin.name for lin in in_vision)
     assert not any("vision_model" in lin.name for lin in lora_targets(shape, None))
-    lora_vision = plan(shape, mode="lora", batch=4, image_size=32, precision="fp32", device="cpu",
-                       target_modules=["q_proj", "v_proj"])
+    lora_vision = plan(shape, PlanInputs(mode="lora", batch=4, image_size=32, precision="fp32", device="cpu",
+                                  target_modules=["q_proj", "v_proj"]))
     assert lora_vision.trainable_params > lora.trainable_params
     assert lora_vision.terms["activations"] > lora.terms["activations"]
 
@@ -227,25 +230,26 @@ def test_vision_activations_count_only_when_the_tower_trains():
 def test_qlora_and_checkpointing_shrink_the_plan():
     shape = analyze(SHAPE_JSON)
     kw = {"batch": 8, "seq_len": 128, "image_size": 512, "precision": "bf16", "device": "cuda"}
-    full, lora, qlora = (plan(shape, mode=m, **kw) for m in ("full", "lora", "qlora"))
+    full, lora, qlora = (plan(shape, PlanInputs(mode=m, **kw)) for m in ("full", "lora", "qlora"))
     # Not 4x smaller: the 49k-token embeddings and lm_head stay out of 4-bit and are upcast to fp32.
     assert qlora.weights < 0.7 * lora.weights
     assert qlora.total < lora.total < full.total
-    ckpt = plan(shape, mode="qlora", checkpointing=True, **kw)
+    ckpt = plan(shape, PlanInputs(mode="qlora", checkpointing=True, **kw))
     assert ckpt.terms["activations"] < 0.5 * qlora.terms["activations"]
     assert ckpt.terms["weights_nf4"] == qlora.terms["weights_nf4"]
-    double = plan(shape, mode="qlora", **{**kw, "batch": 16})
+    double = plan(shape, PlanInputs(mode="qlora", **{**kw, "batch": 16}))
     assert 1.8 < double.terms["activations"] / qlora.terms["activations"] < 2.2
     assert double.terms["logits"] == 2 * qlora.terms["logits"]
 
 
 def test_fits_uses_the_margin():
     shape = analyze(SHAPE_JSON)
-    p = plan(shape, mode="qlora", batch=4, image_size=512, gpu_memory_bytes=10**12)
+    p = plan(shape, PlanInputs(mode="qlora", batch=4, image_size=512, gpu_memory_bytes=10**12))
     assert p.fits is True
-    tight = plan(shape, mode="qlora", batch=4, image_size=512, gpu_memory_bytes=int(p.total / 0.9), margin=0.85)
+    tight = plan(shape, PlanInputs(mode="qlora", batch=4, image_size=512, gpu_memory_bytes=int(p.total / 0.9),
+                                   margin=0.85))
     assert tight.fits is False
-    assert plan(shape, mode="qlora", image_size=512).fits is None
+    assert plan(shape, PlanInputs(mode="qlora", image_size=512)).fits is None
 
 
 def test_image_token_counts():
@@ -257,10 +261,13 @@ def test_image_token_counts():
 
 
 def test_bad_inputs_are_named(tmp_path):
+    # Refused where they are written down, before any model config is read.
     with pytest.raises(ModelError, match="mode 'big'"):
-        plan(tiny_config("idefics3"), mode="big")  # type: ignore[arg-type]
+        PlanInputs(mode="big")  # type: ignore[arg-type]
     with pytest.raises(ModelError, match="batch \\(0\\)"):
-        plan(tiny_config("idefics3"), batch=0)
+        PlanInputs(batch=0)
+    with pytest.raises(ModelError, match="optimizer 'sgd' is not one of"):
+        PlanInputs(optimizer="sgd")
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     with pytest.raises(ModelError, match="config.json: not valid JSON"):
@@ -277,11 +284,11 @@ def test_tables_render():
     from rich.console import Console
 
     shape = analyze(tiny_config("qwen2_5_vl"))
-    plans = plan_grid(shape, batches=(1, 64), image_size=64, gpu_memory_bytes=900 * MiB, device="cuda")
+    plans = plan_grid(shape, PlanInputs(image_size=64, gpu_memory_bytes=900 * MiB, device="cuda"), batches=(1, 64))
     assert len(plans) == 3 * 2 * 2
     assert {p.fits for p in plans} == {True, False}  # the runtime alone takes most of 900 MiB at batch 64
     console = Console(record=True, width=160)
-    console.print(plan_table(shape, batches=(1, 64), image_size=64, gpu_memory_bytes=900 * MiB))
+    console.print(plan_table(shape, PlanInputs(image_size=64, gpu_memory_bytes=900 * MiB), batches=(1, 64)))
     console.print(terms_table(plans[0]))
     text = console.export_text()
     assert "qlora" in text and "full" in text and "yes" in text and "no" in text
@@ -303,7 +310,8 @@ def test_optimizer_state_matches_the_real_optimizers(optimizer):
         p.grad = torch.zeros_like(p)
     opt.step()
     measured = optimizer_state_bytes(opt)
-    planned = plan(analyze(config), mode="full", precision="fp32", device="cpu", optimizer=optimizer).optimizer_state
+    full = PlanInputs(mode="full", precision="fp32", device="cpu", optimizer=optimizer)
+    planned = plan(analyze(config), full).optimizer_state
     # The step counters (one scalar per parameter) and per-parameter copies of the shared 8-bit maps are all
     # that differ.
     assert abs(planned - measured) / measured < 0.05, (planned, measured)
@@ -312,15 +320,15 @@ def test_optimizer_state_matches_the_real_optimizers(optimizer):
 def test_8bit_state_is_under_30_percent_and_paged_state_leaves_the_gpu():
     shape = analyze(SHAPE_JSON)
     kw = {"mode": "full", "batch": 1, "seq_len": 64, "image_size": 512}
-    adamw = plan(shape, optimizer="adamw", precision="fp32", device="cpu", **kw)
-    eight = plan(shape, optimizer="adamw_8bit", precision="fp32", device="cpu", **kw)
+    adamw = plan(shape, PlanInputs(optimizer="adamw", precision="fp32", device="cpu", **kw))
+    eight = plan(shape, PlanInputs(optimizer="adamw_8bit", precision="fp32", device="cpu", **kw))
     assert eight.optimizer_state < 0.30 * adamw.optimizer_state
     assert eight.total < adamw.total
-    paged = plan(shape, optimizer="paged_adamw", precision="bf16", device="cuda", **kw)
-    plain = plan(shape, optimizer="adamw", precision="bf16", device="cuda", **kw)
+    paged = plan(shape, PlanInputs(optimizer="paged_adamw", precision="bf16", device="cuda", **kw))
+    plain = plan(shape, PlanInputs(optimizer="adamw", precision="bf16", device="cuda", **kw))
     # bitsandbytes' 32-bit state is fp32 (8 bytes per bf16 parameter), in unified memory the driver can page out.
     assert "optimizer" not in paged.terms and paged.host_terms["optimizer_paged"] == 2 * plain.terms["optimizer"]
-    cpu_paged = plan(shape, optimizer="paged_adamw", precision="fp32", device="cpu", **kw)
+    cpu_paged = plan(shape, PlanInputs(optimizer="paged_adamw", precision="fp32", device="cpu", **kw))
     assert cpu_paged.terms["optimizer"] == adamw.terms["optimizer"] and not cpu_paged.host_terms
 
 
@@ -329,25 +337,25 @@ def test_the_optimizer_step_can_be_the_peak():
     the step then outweighs the backward pass, and the plan says which phase it sized."""
     shape = analyze(SHAPE_JSON)
     kw = {"mode": "full", "batch": 1, "seq_len": 64, "image_size": 512, "precision": "fp32", "device": "cpu"}
-    p = plan(shape, optimizer="adamw_8bit", checkpointing=True, **kw)
+    p = plan(shape, PlanInputs(optimizer="adamw_8bit", checkpointing=True, **kw))
     biggest = max(n for _, n in shape.other_param_names)  # the token embeddings
     assert p.phase == "optimizer step" and p.terms["optimizer_step"] == 20 * biggest
     assert "activations" not in p.terms
-    assert plan(shape, optimizer="adamw_8bit", checkpointing=False, **kw).phase == "backward"
+    assert plan(shape, PlanInputs(optimizer="adamw_8bit", checkpointing=False, **kw)).phase == "backward"
 
 
 def test_activation_offload_and_liger_count_on_cuda_only():
     shape = analyze(SHAPE_JSON)
     kw = {"mode": "lora", "batch": 8, "seq_len": 128, "image_size": 512}
-    gpu = plan(shape, precision="bf16", device="cuda", **kw)
-    off = plan(shape, precision="bf16", device="cuda", activation_offload=True, **kw)
+    gpu = plan(shape, PlanInputs(precision="bf16", device="cuda", **kw))
+    off = plan(shape, PlanInputs(precision="bf16", device="cuda", activation_offload=True, **kw))
     assert off.terms["activations"] < 0.5 * gpu.terms["activations"]
     assert off.host_terms["activations_offloaded"] + off.terms["activations"] == gpu.terms["activations"]
-    cpu = plan(shape, precision="fp32", device="cpu", **kw)
-    assert plan(shape, precision="fp32", device="cpu", activation_offload=True, **kw).terms == cpu.terms
-    liger = plan(shape, precision="bf16", device="cuda", liger=True, **kw)
+    cpu = plan(shape, PlanInputs(precision="fp32", device="cpu", **kw))
+    assert plan(shape, PlanInputs(precision="fp32", device="cpu", activation_offload=True, **kw)).terms == cpu.terms
+    liger = plan(shape, PlanInputs(precision="bf16", device="cuda", liger=True, **kw))
     assert liger.terms["logits"] < 0.5 * gpu.terms["logits"] and liger.liger
-    assert plan(shape, precision="fp32", device="cpu", liger=True, **kw).terms == cpu.terms
+    assert plan(shape, PlanInputs(precision="fp32", device="cpu", liger=True, **kw)).terms == cpu.terms
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -365,7 +373,7 @@ def test_planned_targets_are_what_peft_wraps(family, train):
         train=train, linears=linear_names(base))))
     wrapped = {n.removeprefix("base_model.model.") for n, m in model.named_modules() if isinstance(m, LoraLayer)}
     assert {lin.name for lin in lora_targets(analyze(config), None, train)} == wrapped
-    p = plan(config, mode="lora", image_size=32, device="cpu", precision="fp32", train=train, lora_r=4)
+    p = plan(config, PlanInputs(mode="lora", image_size=32, device="cpu", precision="fp32", train=train, lora_r=4))
     assert p.trainable_params == sum(x.numel() for x in model.parameters() if x.requires_grad)
 
 
@@ -375,10 +383,9 @@ def test_knobs_table_shows_every_alternative():
     from pipeline.model.knobs import alternatives, knobs_table
 
     shape = analyze(SHAPE_JSON)
-    base = {"mode": "qlora", "batch": 4, "seq_len": 128, "image_size": 512, "checkpointing": False,
-            "precision": "bf16", "optimizer": "paged_adamw", "activation_offload": False, "liger": False,
-            "train": "language", "device": "cuda"}
-    rows = alternatives(shape, base, "cuda")
+    base = PlanInputs(mode="qlora", batch=4, seq_len=128, image_size=512, checkpointing=False, precision="bf16",
+                      optimizer="paged_adamw", activation_offload=False, liger=False, train="language", device="cuda")
+    rows = alternatives(shape, base)
     knobs = {(r.knob, r.setting) for r in rows}
     assert {("train.gradient_checkpointing", "on"), ("train.optimizer", "adamw_8bit"), ("model.liger", "on"),
             ("train.activation_offload", "on"), ("model.mode", "full"), ("model.train", "all")} <= knobs
@@ -390,5 +397,30 @@ def test_knobs_table_shows_every_alternative():
     console.print(knobs_table(rows, budget=16 << 30))
     text = console.export_text()
     assert "train.activation_offload" in text and "×1.00" in text and "fits" in text
-    cpu = {(r.knob, r.setting) for r in alternatives(shape, {**base, "device": "cpu", "precision": "fp32"}, "cpu")}
+    cpu = {(r.knob, r.setting) for r in alternatives(shape, replace(base, device="cpu", precision="fp32"))}
     assert not any(k in ("model.liger", "train.activation_offload") for k, _ in cpu)
+
+
+def test_tamis_plan_with_a_project_config_prints_each_knob(tmp_path):
+    """`tamis plan -c` as a user runs it: the project's model section and chosen settings become the planner's
+    inputs (knobs.plan_inputs), and every single-knob change is planned from them."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / "model").mkdir()
+    shutil.copy(SHAPE_JSON, tmp_path / "model" / "config.json")
+    config = tmp_path / "tamis.yaml"
+    config.write_text(yaml.safe_dump({"model": {"name_or_path": str(tmp_path / "model"), "mode": "qlora"},
+                                      "paths": {"artifacts": str(tmp_path / "art")}}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "250", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([str(Path(sys.executable).parent / "tamis"), "plan", "-c", str(config), "--gpu-memory",
+                          "16GiB"], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = " ".join(res.stdout.split())
+    assert "What each knob saves and costs" in out and "qlora, ckpt off" in out
+    for knob in ("train.gradient_checkpointing", "train.optimizer", "model.mode", "model.train"):
+        assert knob in out, out

@@ -21,6 +21,7 @@ import yaml
 from PIL import Image
 from typer.testing import CliRunner
 
+from pipeline.round_state import RoundState
 from pipeline.roundreport import REPORT_FILE, ReportSources, build_report
 from pipeline.roundreport.gather import per_class_metrics, pool_map_points
 from pipeline.store import read_jsonl
@@ -86,7 +87,7 @@ def photo_rounds(tmp_path_factory, tiny_models, prefect_harness):
     from pipeline.config import load_config
 
     config = write_photo_project(tmp_path_factory.mktemp("photo-rounds"), tiny_models["idefics3"])
-    states = [labeling_round(str(config)), labeling_round(str(config))]
+    states = [RoundState.from_json(labeling_round(str(config))) for _ in range(2)]  # the flow returns round.json's
     return config, load_config(config).artifacts, states
 
 
@@ -101,9 +102,9 @@ def _data_images(html: str) -> list[bytes]:
 def test_every_round_writes_its_report_with_the_batch_map_errors_and_curve(photo_rounds):
     _, art, states = photo_rounds
     for state in states:
-        html = _html(art, state["round"])
-        batch = read_jsonl(art / "rounds" / f"{state['round']:03d}" / "selection" / "selection.jsonl")
-        assert len(batch) == state["selected"] == 6
+        html = _html(art, state.round)
+        batch = read_jsonl(art / "rounds" / f"{state.round:03d}" / "selection" / "selection.jsonl")
+        assert len(batch) == state.selected == 6
         # Every batch sample is a card with its thumbnail, in pick order.
         cards = re.findall(r'<figure class="card" data-sample="([0-9a-f]+)">\s*<img class="thumb"', html)
         assert cards == [r["sample_id"] for r in batch]
@@ -131,11 +132,11 @@ def test_why_picked_says_what_the_round_scored_restricted_or_all():
     row = {"strategy": "margin", "diversity": "top_k", "score": 0.25}
     # select.candidates: auto that scored every eligible sample records no candidates nor sources (KeyError before).
     every = {"method": "all", "eligible": 64, "scored": 70, "reason": "64 eligible samples fit the scoring budget"}
-    assert pick_reason(row, {"adapter": {}, "candidates": every}) == (
+    assert pick_reason(row, RoundState(adapter={}, candidates=every)) == (
         "uncertainty (margin 0.250); scored all 64 eligible samples (select.candidates)")
     restricted = {"method": "restrict", "candidates": 40, "eligible": 1300, "scored": 46, "reason": "too many",
                   "sources": {"neighbors": 20, "clusters": 12, "random": 8}}
-    assert pick_reason(row, {"adapter": {}, "candidates": restricted}) == (
+    assert pick_reason(row, RoundState(adapter={}, candidates=restricted)) == (
         "uncertainty (margin 0.250); scored 40 candidates of 1300 eligible (20 neighbors, 12 clusters, 8 random; "
         "select.candidates) and the 6 labeled samples")
 
@@ -145,7 +146,7 @@ def test_per_class_metrics_agree_with_the_evaluation_and_prefer_its_own_file(pho
     sources = ReportSources.load(art / "rounds/001")
     pc = per_class_metrics(sources.eval_dir, sources.answers)
     preds = read_jsonl(Path(sources.eval_dir) / "predictions.jsonl")
-    assert pc["accuracy"] == pytest.approx(states[1]["metrics"]["accuracy"])
+    assert pc["accuracy"] == pytest.approx(states[1].metrics["accuracy"])
     assert pc["n"] == len(preds) == sum(c["support"] for c in pc["per_class"]) == np.sum(pc["confusion"])
     assert pc["answers"] == list(PHOTOS) and len(pc["confusion"]) == len(PHOTOS)
     assert pc["accuracy_ci95"][0] <= pc["accuracy"] <= pc["accuracy_ci95"][1]

@@ -12,7 +12,7 @@ from pipeline.config import load_config
 from pipeline.data.demo import write_digits
 from pipeline.errors import DataError, LockError
 from pipeline.lock import ProjectLock
-from pipeline.rounds import completed_rounds
+from pipeline.round_state import completed_rounds
 from pipeline.store import executions, read_jsonl, read_manifest
 
 
@@ -100,7 +100,7 @@ def test_two_rounds_cached_rerun_label_import_and_corrupt_inbox(tmp_path, tiny_m
     assert [i["accepted"] for i in third["imports"] if "error" not in i] == [6]
     assert len(ledger.entries()) == entries
     assert third["round"] == 1  # nothing new was labeled: still the same round
-    assert [s["round"] for s in completed_rounds(art)] == [0, 1]
+    assert [s.round for s in completed_rounds(art)] == [0, 1]
     assert (art / "learning_curve.png").stat().st_size > 0
     check_round_runs_in_the_api(art, ["round-000", "round-001", "round-001-rerun", "round-001-rerun"])
 

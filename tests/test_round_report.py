@@ -4,6 +4,7 @@ its curve, the annotator hand-off, progress, the labels a resumed round receives
 import base64
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -27,7 +28,8 @@ from pipeline.report import (
     state_message,
     summary_markdown,
 )
-from pipeline.rounds import main_metric, should_wait
+from pipeline.round.stop import main_metric, should_wait
+from pipeline.round_state import RoundState
 
 ROWS = [
     {"round": 1, "labels": 6, "metric": "accuracy", "value": 0.25, "strategy": "margin+none"},
@@ -35,8 +37,8 @@ ROWS = [
     {"round": 2, "labels": 12, "metric": "accuracy", "value": 0.5, "strategy": "margin+none"},
     {"round": 2, "labels": 12, "metric": "exact_match", "value": 0.5, "strategy": "margin+none"},
 ]
-STATE = {"round": 2, "labeled": 12, "pool": 40, "selected": 6, "strategy": "margin+none",
-         "metrics": {"accuracy": 0.5, "exact_match": 0.5}, "stopped": None, "export_dir": "/p/art/rounds/002/export"}
+STATE = RoundState(round=2, labeled=12, pool=40, selected=6, strategy="margin+none",
+                   metrics={"accuracy": 0.5, "exact_match": 0.5}, export_dir="/p/art/rounds/002/export")
 
 
 def test_run_names_and_tags_say_which_round():
@@ -46,7 +48,7 @@ def test_run_names_and_tags_say_which_round():
     assert run_tags(3, rerun=True, stopped="max rounds", waiting=True) == [
         "tamis", "round-003", "rerun", "stopped", "waiting-for-labels"]
     assert state_message(STATE) == "round 2: 12 labels, accuracy = exact_match 0.500; 6 samples exported for annotation"
-    assert state_message({**STATE, "stopped": "label budget spent"}).endswith("; stopped: label budget spent")
+    assert state_message(replace(STATE, stopped="label budget spent")).endswith("; stopped: label budget spent")
 
 
 def test_equal_metrics_are_shown_once():
@@ -120,7 +122,7 @@ def test_round_progress_moves_with_the_stages_and_training_reports_every_n_steps
 
 def test_import_record_keeps_the_imports_that_brought_a_rerun_rounds_labels():
     first = {"file": "a.json", "accepted": 6, "already_imported": False}
-    previous = {"imports": [first]}
+    previous = RoundState(imports=[first])
     again = [{"file": "a.json", "accepted": 0, "already_imported": True}]
     assert import_record(previous, again) == [first]
     assert import_record(None, [first]) == [first]
@@ -169,7 +171,7 @@ def test_only_a_deployed_round_that_exported_waits_for_labels():
     cfg = ProjectConfig.model_validate({"rounds": {"wait_for_labels": True}})
     assert should_wait(cfg.rounds, STATE, deployed=True)
     assert not should_wait(cfg.rounds, STATE, deployed=False)  # no worker to start it again after a suspend
-    assert not should_wait(cfg.rounds, {**STATE, "stopped": "max rounds", "export_dir": None}, deployed=True)
+    assert not should_wait(cfg.rounds, replace(STATE, stopped="max rounds", export_dir=None), deployed=True)
     assert not should_wait(ProjectConfig().rounds, STATE, deployed=True)
 
 
@@ -222,9 +224,9 @@ def test_rounds_table_names_the_metric_it_shows():
 
     from flows.cli.cmd_rounds import _rounds_table
 
-    open_rounds = [{"round": 0, "labeled": 0, "strategy": "cold start: random", "metrics": None},
-                   {"round": 1, "labeled": 40, "strategy": "token_entropy+cluster_margin",
-                    "metrics": {"exact_match": 0.5, "token_f1": 0.625, "edit_similarity": 0.7}}]
+    open_rounds = [RoundState(round=0, labeled=0, strategy="cold start: random", metrics=None),
+                   RoundState(round=1, labeled=40, strategy="token_entropy+cluster_margin",
+                              metrics={"exact_match": 0.5, "token_f1": 0.625, "edit_similarity": 0.7})]
     console = Console(width=200, record=True)
     console.print(_rounds_table(open_rounds, main_metric(None)))
     text = console.export_text()
@@ -270,17 +272,17 @@ def test_next_steps_say_where_the_batch_is_how_labels_come_back_and_what_comes_n
 
     files = {"tasks": "label_studio_tasks.json", "csv": "annotate.csv", "jsonl": "annotate.jsonl"}
     export = tmp_path / "art" / "rounds" / "000" / "export"
-    state = {"round": 0, "labeled": 0, "selected": 40, "export_dir": str(export), "stopped": None}
+    state = RoundState(round=0, labeled=0, selected=40, export_dir=str(export))
     lines = next_steps(state, artifacts=tmp_path / "art", config="my.yaml", files=files, batch_size=40, max_rounds=4)
     text = "\n".join(lines)
     assert f"batch for annotators (40 images): {export}" in text and "annotate.csv" in text
     assert f"into {(tmp_path / 'art' / 'inbox').resolve()}" in text and "`tamis round -c my.yaml`" in text
     assert "next round (1): imports them, trains the adapter on 40 labels, evaluates it and selects 40 more" in text
     # The round before the last: its successor only trains and evaluates (rounds.max_rounds counts every round).
-    last = next_steps({**state, "round": 2, "labeled": 80}, artifacts=tmp_path / "art", config="", files=files,
+    last = next_steps(replace(state, round=2, labeled=80), artifacts=tmp_path / "art", config="", files=files,
                       batch_size=40, max_rounds=4)
     assert "next round (3): imports them, trains the adapter on 120 labels, evaluates it, and stops there" in last[-1]
-    stopped = next_steps({**state, "stopped": "rounds.max_rounds = 4: …", "adapter": {"adapter_dir": "/a/3"}},
+    stopped = next_steps(replace(state, stopped="rounds.max_rounds = 4: …", adapter={"adapter_dir": "/a/3"}),
                          artifacts=tmp_path, config="", files=files, batch_size=40, max_rounds=4)
     assert stopped == ["stopped: rounds.max_rounds = 4: …", "the model: adapter /a/3 (docs/use-your-model.md)"]
 
@@ -309,8 +311,7 @@ def test_the_summary_shows_class_and_annotator_names_as_text_never_as_markup():
              "source_file": "/inbox/<b>x</b>.csv"}
     checked = label_report_markdown([issue], {who["annotator"]: {"n": 3, "agree_majority": 1.0, "n_model": 3,
                                                                  "agree_model": 0.5}}, method="kfold", checked=3)
-    state = {**STATE, "consensus": consensus,
-             "imports": [{"file": "l|x.csv", "error": "![](http://evil.example/e.png)"}]}
+    state = replace(STATE, consensus=consensus, imports=[{"file": "l|x.csv", "error": "![](http://evil.example/e.png)"}])
     md = summary_markdown(state, [], checked, evaluation=EvalReport(Path("/nowhere"), pc, None))
     html = MarkdownIt("commonmark").enable("table").render(md)
     assert "<img" not in html and not [u for u in re.findall(r'(?:src|href)="([^"]*)"', html) if "evil" in u]

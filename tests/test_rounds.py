@@ -1,4 +1,4 @@
-"""The round's decisions as plain functions (pipeline/rounds.py): no Prefect server, real files in a tmp project."""
+"""The round's decisions as plain functions (pipeline/round/): no Prefect server, real files in a tmp project."""
 
 import json
 
@@ -8,21 +8,12 @@ import pytest
 from pipeline.annotation.export import TASKS_FILE
 from pipeline.config import parse_config
 from pipeline.metrics import book_metrics, read_metrics
-from pipeline.rounds import (
-    ROUND_FILE,
-    SUMMARY_FILE,
-    PoolData,
-    answer_round,
-    completed_rounds,
-    eligible_pool,
-    main_metric,
-    plan_round,
-    round_dir,
-    round_labels,
-    stop_reason,
-    train_params,
-    write_round,
-)
+from pipeline.round.params import train_params
+from pipeline.round.plan import PoolData, eligible_pool, plan_round, round_labels
+from pipeline.round.records import SUMMARY_FILE, write_round
+from pipeline.round.simulate import answer_round
+from pipeline.round.stop import main_metric, stop_reason
+from pipeline.round_state import ROUND_FILE, RoundState, completed_rounds, round_dir
 
 IDS = [f"s{i:02d}" for i in range(10)]
 SPLITS = ["train", "train", "test", "pool", "pool", "pool", "pool", "pool", "pool", "pool"]
@@ -45,7 +36,7 @@ def _sections(c):
 
 
 def finish(art, plan, **state):
-    write_round(plan, {**plan.state([]).to_json(), **state}, "summary")
+    write_round(plan, plan.state([], **state), "summary")
 
 
 def test_seed_labels_come_from_the_train_split_and_the_ledger_overrides_them(pool):
@@ -60,9 +51,9 @@ def test_round_numbers_advance_only_when_the_labeled_set_changes(tmp_path):
     assert (first.index, first.rerun, first.previous) == (0, None, [])
     finish(art, first, adapter=None)
     again = plan_round(art, {})  # nothing new: a re-run of round 0, which is not its own history
-    assert (again.index, again.rerun["round"], again.previous) == (0, 0, [])
+    assert (again.index, again.rerun.round, again.previous) == (0, 0, [])
     more = plan_round(art, {"s03": "5"})
-    assert more.index == 1 and more.rerun is None and [p["round"] for p in more.previous] == [0]
+    assert more.index == 1 and more.rerun is None and [p.round for p in more.previous] == [0]
     assert more.dir == round_dir(art, 1) and more.labeled_digest != first.labeled_digest
 
 
@@ -153,10 +144,10 @@ def test_open_answers_stop_on_token_f1(tmp_path):
 def test_summary_is_written_before_the_round_counts_as_finished(tmp_path):
     art = tmp_path / "artifacts"
     plan = plan_round(art, {"s03": "5"})
-    write_round(plan, {**plan.state([]).to_json(), "selected": 3}, "# Round 0")
+    write_round(plan, plan.state([], selected=3), "# Round 0")
     assert (plan.dir / SUMMARY_FILE).read_text() == "# Round 0\n"
     assert json.loads((plan.dir / ROUND_FILE).read_text())["selected"] == 3
-    assert [s["round"] for s in completed_rounds(art)] == [0]
+    assert [s.round for s in completed_rounds(art)] == [0]
 
 
 def test_metrics_are_booked_once_per_round(tmp_path):
@@ -170,7 +161,7 @@ def test_metrics_are_booked_once_per_round(tmp_path):
 
 def test_a_round_that_exported_nothing_is_not_answered(tmp_path):
     art = tmp_path / "artifacts"
-    answer_round(art, {"round": 0, "stopped": "pool exhausted"}, ground_truth=None, noise=0.0, seed=0)
+    answer_round(art, RoundState(round=0, stopped="pool exhausted"), ground_truth=None, noise=0.0, seed=0)
     assert not (art / "inbox").exists()
 
 
@@ -220,10 +211,10 @@ def test_the_last_round_trains_on_its_new_labels_and_selects_nothing(tmp_path, p
     reason = stop_reason(c.rounds, last.index, len(last.labels), [{"round": 1, "metric": "accuracy", "value": 0.4}], len(ids))
     assert ids and reason == "rounds.max_rounds = 2: round 1 is the last (0–1); trained, selects nothing"  # the pool is not what stops it
     finish(art, last, adapter={"adapter_digest": "a1", "adapter_dir": "x1"}, stopped=reason)
-    answer_round(art, {"round": 1, "stopped": reason}, ground_truth=None, noise=0.0, seed=0)
+    answer_round(art, RoundState(round=1, stopped=reason), ground_truth=None, noise=0.0, seed=0)
     assert not (art / "inbox").exists()
     again = plan_round(art, round_labels(pool, {"s03": "5", "s04": "6"}))
-    assert again.index == 1 and again.rerun["stopped"] == reason and again.rerun["adapter"]["adapter_digest"] == "a1"
+    assert again.index == 1 and again.rerun.stopped == reason and again.rerun.adapter["adapter_digest"] == "a1"
     # The same training job (warm from round 0's adapter, never its own): a cached re-run trains nothing.
     assert train_params(again, **_sections(c), **refs) == job
 
@@ -239,7 +230,7 @@ def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_pat
     """rounds.label_budget 90 with batches of 40: 40, 40, then 10, and nothing after; a round run before all of the
     last batch came back counts what is still with the annotators, so the budget is never exceeded."""
     from pipeline.labelcheck import labels_spent
-    from pipeline.rounds import budget_batch, outstanding_tasks
+    from pipeline.round.stop import budget_batch, outstanding_tasks
     from pipeline.selection import plan_selection
 
     c = cfg(tmp_path, rounds={"max_rounds": 10, "label_budget": 90}, select={"batch_size": 40, "cold_start": "random"})
@@ -271,12 +262,12 @@ def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_pat
     assert budget_batch(cfg(tmp_path).rounds, 40, 500) == 40  # no budget: never cut
     # The label check's re-label queue goes out with the batch: it gets what the batch left, no more.
     from pipeline.labelcheck import plan_relabel
-    from pipeline.rounds import budget_left
+    from pipeline.round.stop import budget_left
 
     c = cfg(tmp_path, rounds={"label_budget": 90}, labelcheck={"relabel_top_n": 20})
-    assert budget_left(c.rounds, {"labels_spent": 70, "selected": 10, "tasks_out": 5}) == 5
-    assert budget_left(c.rounds, {"labels_spent": 80, "selected": 10}) == 0
-    assert budget_left(cfg(tmp_path).rounds, {"labels_spent": 80, "selected": 10}) is None
+    assert budget_left(c.rounds, RoundState(labels_spent=70, selected=10, tasks_out=5)) == 5
+    assert budget_left(c.rounds, RoundState(labels_spent=80, selected=10)) == 0
+    assert budget_left(cfg(tmp_path).rounds, RoundState(labels_spent=80, selected=10)) is None
     relabel = {"artifacts": c.artifacts, "annotate": c.annotate, "labelcheck": c.labelcheck, "answers": None,
                "check": {"dir": "x", "digest": "d"}, "prepared": {"dir": "p", "digest": "q"}, "round_index": 2}
     assert plan_relabel(**relabel, cap=5).top_n == 5 and plan_relabel(**relabel).top_n == 20
@@ -301,7 +292,7 @@ def test_train_evaluate_and_score_keys_know_the_models_weights_and_libraries(tmp
     import shutil
 
     from pipeline.model import identity
-    from pipeline.rounds import evaluate_params
+    from pipeline.round.params import evaluate_params
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_models["idefics3"], model_dir)

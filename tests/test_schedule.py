@@ -89,7 +89,7 @@ def test_one_strategy_name_for_a_round_before_and_after_it_selects():
     import numpy as np
 
     from pipeline.config import SelectConfig
-    from pipeline.rounds import round_strategy
+    from pipeline.round.params import round_strategy
     from pipeline.scoring import ScoreResult
     from pipeline.selection import Space, select_round
 

@@ -162,8 +162,8 @@ def test_format_vllm_leaves_vision_lora_out_measures_the_change_and_writes_serve
     from safetensors.torch import load_file
 
     from pipeline.evaluate import predict_answers
-    from pipeline.export_model import round_state
     from pipeline.model.loading import load_model
+    from pipeline.round_state import trained_round
     from pipeline.serving.vllm import test_rows
 
     root, config = letters_project
@@ -178,7 +178,7 @@ def test_format_vllm_leaves_vision_lora_out_measures_the_change_and_writes_serve
     assert sorted(lang) == sorted(k for k in full if ".text_model." in k)
 
     # The measured change is the share of the round's test answers that differ between the two adapters.
-    rows = test_rows(cfg.artifacts, round_state(cfg.artifacts, None))
+    rows = test_rows(cfg.artifacts, trained_round(cfg.artifacts, None))
     got = [predict_answers(load_model(cfg.model, adapter=out / a), rows, cfg.data.answers)
            for a in ("adapter", "adapter-vllm")]
     changed = sum(x != y for x, y in zip(*got, strict=True)) / len(rows)

@@ -7,7 +7,8 @@ import pytest
 from sklearn.metrics import cohen_kappa_score
 
 from pipeline.config import parse_config
-from pipeline.rounds import PoolData, eligible_pool, plan_round, stop_reason
+from pipeline.round.plan import PoolData, eligible_pool, plan_round
+from pipeline.round.stop import stop_reason
 from pipeline.stopping import (
     STOPSET_FILE,
     agreement,

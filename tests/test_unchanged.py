@@ -13,7 +13,7 @@ import yaml
 
 from pipeline.annotation.simulate import simulated_file
 from pipeline.config import load_config
-from pipeline.rounds import completed_rounds
+from pipeline.round_state import completed_rounds
 from pipeline.store import executions
 from pipeline.unchanged import (
     INPUTS_FILE,
@@ -55,7 +55,7 @@ def test_an_unchanged_round_is_known_before_any_flow(tmp_path, tiny_models, pref
     # Its replay reads what it leaves: from now on `tamis round` knows it would only replay round 1.
     labeling_round(str(config))
     state = replay(cfg)
-    assert state is not None and state.to_json() == completed_rounds(art)[-1] and state.round == 1
+    assert state is not None and state == completed_rounds(art)[-1] and state.round == 1
     assert replay(cfg, simulate=True) is None  # answering would change the labels
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # no server at all: none is needed

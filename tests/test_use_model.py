@@ -25,7 +25,7 @@ from flows.cli.main import app
 from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
-from pipeline.rounds import completed_rounds
+from pipeline.round_state import completed_rounds
 from tests.test_round_flow import write_project
 
 runner = CliRunner()
@@ -409,7 +409,7 @@ def test_the_card_escapes_answer_names_in_its_per_class_table():
     answers = ["cat | dog", "![y](http://example.invalid/y.png)", "<b>bold</b>", "a`b\\"]
     refs = [answers[i % 4] for i in range(12)]
     report = EvalReport(Path("unused"), per_class_report(refs[::-1], refs, answers, resamples=20), None)
-    html = MarkdownIt("commonmark").enable("table").render("\n".join(metrics_markdown({}, report)) + "\n")
+    html = MarkdownIt("commonmark").enable("table").render("\n".join(metrics_markdown(None, report)) + "\n")
     rows = html.split("<tr>")[2:]
     assert len(rows) == 4 and all(r.count("<td") == 5 for r in rows)  # a pipe in a name adds no column
     assert "<img" not in html and "<b>" not in html
@@ -444,7 +444,7 @@ def test_export_holds_relative_paths_and_ordinary_file_modes(crowd_project, tmp_
 def test_the_evaluation_folder_holds_per_class_metrics_shown_in_the_summary_and_status(project):
     config, art, states = project
     eval_dir = Path(states[1]["eval_dir"])
-    assert completed_rounds(art)[1]["eval_dir"] == str(eval_dir)
+    assert completed_rounds(art)[1].eval_dir == str(eval_dir)
     pc = json.loads((eval_dir / "per_class.json").read_text())
     assert list(pc) == ["answers", "per_class", "confusion", "confusion_columns", "accuracy", "accuracy_ci95",
                         "macro_f1", "macro_f1_ci95", "n", "bootstrap"]

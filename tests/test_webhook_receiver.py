@@ -132,7 +132,7 @@ def test_an_event_with_a_wrong_field_type_is_refused_and_not_queued(tmp_path, ba
 
 def test_a_queued_event_the_loop_cannot_read_is_parked_and_the_loop_goes_on(tmp_path, caplog):
     """An old receiver queued `"project": [7]`: the loop raised TypeError (unhashable) and every restart died on it."""
-    from flows.cli.cmd_listen import Listener
+    from flows.cli.cmd_listen import listener_for
     from pipeline.config import load_config
 
     config = _listener_project(tmp_path, min_new_labels=1)
@@ -141,7 +141,7 @@ def test_a_queued_event_the_loop_cannot_read_is_parked_and_the_loop_goes_on(tmp_
     poisoned = {**parse_event(ann_payload(CREATED, 2, "b", "1", "2026-01-01T10:00:00Z"), 2.0), "project": [7]}
     append_jsonl(EventQueue(cfg.artifacts).path, [poisoned, good])
     calls = []
-    listener = Listener(config, cfg, run_round=lambda path: calls.append(path) or {"round": 1, "imports": []})
+    listener = listener_for(config, cfg, run_round=lambda path: calls.append(path) or {"round": 1, "imports": []})
     assert listener.step() is None and len(calls) == 1  # the good event still starts its round
     parked = read_jsonl(listener.queue.dead_letter)
     assert [p["event"]["annotation"] for p in parked] == [2] and "project" in parked[0]["reason"]
@@ -270,7 +270,8 @@ def test_setup_webhook_never_registers_an_every_interface_url(tmp_path):
 def test_an_annotation_deleted_while_the_receiver_was_down_is_retired_after_one_pull(tmp_path):
     """Its event says "new" and no deletion event came: with min_new_labels a round started every retry_s for ever,
     each importing nothing."""
-    from flows.cli.cmd_listen import POLL_S, Listener
+    from flows.cli.cmd_listen import listener_for
+    from pipeline.annotation.listener import POLL_S
     from pipeline.annotation.webhooks import retired_keys
     from pipeline.config import load_config
 
@@ -285,7 +286,7 @@ def test_an_annotation_deleted_while_the_receiver_was_down_is_retired_after_one_
         pulled_path(cfg.artifacts, 7).write_text(json.dumps(keys))
         return {"round": 1, "imports": [{"file": "pull-1.json", "accepted": 1}]}
 
-    listener = Listener(config, cfg, run_round=a_round)
+    listener = listener_for(config, cfg, run_round=a_round)
     for i, s in ((1, "a"), (2, "b")):
         listener.queue.append(parse_event(ann_payload(CREATED, i, s, "1", "2026-01-01T10:00:00Z"), float(i)))
     assert listener.step() is None and len(calls) == 1

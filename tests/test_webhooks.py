@@ -200,8 +200,48 @@ def _pull_all(art):
     pulled_path(art, 7).write_text(json.dumps(keys))
 
 
+def test_the_library_loop_runs_resumes_and_retries_with_plain_functions(tmp_path):
+    """The retry policy is library code (pipeline/annotation/listener.py): no CLI module, no Prefect; a round's
+    result is a RoundState, and a resumed round blocks a second one for retry_s."""
+    import time
+
+    from pipeline.annotation.listener import TriggerLoop, listen_trigger
+    from pipeline.config import load_config
+    from pipeline.round_state import RoundState
+
+    cfg = load_config(_listener_project(tmp_path, retry_s=90))
+    ran, resumed = [], []
+
+    def a_round():
+        ran.append(1)
+        _pull_all(cfg.artifacts)
+        return RoundState(round=1, selected=3, export_dir="e")
+
+    loop = TriggerLoop(listen_trigger(cfg.rounds, cfg.annotate, "listen"), cfg.artifacts, run_round=a_round,
+                       resume=lambda note: resumed.append(note) or "round-001", wait_for_labels=True)
+    _annotated(loop.queue, "a", "b", "c")
+    assert loop.step() is None and resumed and not ran  # a suspended round was resumed, none run here
+    assert loop.retry_at == pytest.approx(time.time() + 90, abs=5) and loop.step() > 0 and not ran
+    loop.retry_at, loop.wait_for_labels = 0.0, False
+    assert loop.step() is None and ran == [1] and loop.retry_at is None  # ran; its pull took every label
+    assert loop.step() == 30.0 and ran == [1]
+
+
+def test_listen_refuses_a_config_without_a_trigger_or_label_studio():
+    from pipeline.annotation.listener import listen_trigger
+    from pipeline.config import ProjectConfig, parse_config
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"`tamis listen`: rounds.trigger is not set"):
+        listen_trigger(ProjectConfig().rounds, ProjectConfig().annotate, "listen")
+    cfg = parse_config({"rounds": {"trigger": {"port": 1}}})
+    with pytest.raises(ConfigError, match=r"`tamis setup-webhook`: annotate.label_studio is not set"):
+        listen_trigger(cfg.rounds, cfg.annotate, "setup-webhook")
+
+
 def test_a_trigger_during_a_running_round_starts_one_more_round_and_a_lock_waits(tmp_path):
-    from flows.cli.cmd_listen import LOCK_RETRY_S, Listener
+    from flows.cli.cmd_listen import listener_for
+    from pipeline.annotation.listener import LOCK_RETRY_S
     from pipeline.config import load_config
     from pipeline.errors import LockError
 
@@ -218,7 +258,7 @@ def test_a_trigger_during_a_running_round_starts_one_more_round_and_a_lock_waits
             _annotated(listener.queue, "d", "e", first_id=10)
         return {"round": len(calls) - 1}
 
-    listener = Listener(config, cfg, run_round=a_round)
+    listener = listener_for(config, cfg, run_round=a_round)
     _annotated(listener.queue, "a", "b")
     assert listener.step() is None and len(calls) == 1  # started, found the lock
     assert listener.retry_at is not None and listener.step() > LOCK_RETRY_S - 2  # waits for the lock, starts nothing
@@ -232,7 +272,7 @@ def test_a_trigger_during_a_running_round_starts_one_more_round_and_a_lock_waits
 def test_a_round_that_leaves_the_labels_unimported_is_retried_after_retry_s(tmp_path):
     import time
 
-    from flows.cli.cmd_listen import Listener
+    from flows.cli.cmd_listen import listener_for
     from pipeline.annotation.label_studio import PULL_FAILED
     from pipeline.config import load_config
 
@@ -247,7 +287,7 @@ def test_a_round_that_leaves_the_labels_unimported_is_retried_after_retry_s(tmp_
         return {"round": 1, "imports": [{"file": "Label Studio http://127.0.0.1:9 project 7",
                                          "error": "connection refused", PULL_FAILED: True}]}
 
-    listener = Listener(config, load_config(config), run_round=a_round)
+    listener = listener_for(config, load_config(config), run_round=a_round)
     _annotated(listener.queue, "a", "b", "c")
     assert listener.step() is None and len(calls) == 1
     assert listener.retry_at == pytest.approx(time.time() + 120, abs=5)
@@ -325,7 +365,7 @@ def test_with_wait_for_labels_the_suspended_deployed_round_is_resumed_not_run_tw
     from prefect import flow, get_client
     from prefect.states import Suspended
 
-    from flows.cli.cmd_listen import Listener, resume_waiting_round
+    from flows.cli.cmd_listen import listener_for, resume_waiting_round
     from flows.waiting import WAIT_KEY
     from pipeline.config import load_config
 
@@ -345,7 +385,7 @@ def test_with_wait_for_labels_the_suspended_deployed_round_is_resumed_not_run_tw
                                                                state=Suspended(pause_key=WAIT_KEY))
                        for path in (tmp_path / "other.yaml", config))
     calls = []
-    listener = Listener(config, load_config(config), run_round=calls.append)
+    listener = listener_for(config, load_config(config), run_round=calls.append)
     _annotated(listener.queue, "a", "b", "c")
     assert listener.step() is None and calls == []  # resumed, not run here
     assert listener.retry_at is not None and listener.step() > 0 and calls == []  # and not again meanwhile
@@ -365,7 +405,7 @@ def test_a_deployed_round_given_a_relative_config_path_is_resumed_from_a_listene
     from prefect import flow, get_client
     from prefect.states import Suspended
 
-    from flows.cli.cmd_listen import Listener
+    from flows.cli.cmd_listen import listener_for
     from flows.waiting import WAIT_KEY
     from pipeline.config import load_config
 
@@ -393,7 +433,7 @@ def test_a_deployed_round_given_a_relative_config_path_is_resumed_from_a_listene
             runs[name] = client.create_flow_run_from_deployment(
                 deployment, parameters={"config_path": relative}, state=Suspended(pause_key=WAIT_KEY))
     calls = []
-    listener = Listener(config.resolve(), load_config(config), run_round=calls.append)
+    listener = listener_for(config.resolve(), load_config(config), run_round=calls.append)
     _annotated(listener.queue, "a", "b", "c")
     assert listener.step() is None and calls == []  # resumed, not run here
     with get_client(sync_client=True) as client:

@@ -55,8 +55,8 @@ def test_annotations_arriving_start_the_next_round_which_pushes_the_next_batch(
     assert out["next_batch_s"] < NEXT_BATCH_WITHIN_S, out["next_batch_s"]
     assert out["log"].count("starting the next round") == 1, out["log"]  # one round, however many triggers
     first, second = out["rounds"]
-    assert (first["round"], second["round"]) == (0, 1)
-    assert second["labeled"] == out["batch"] and second["label_studio"]["pushed"] == second["selected"] > 0
+    assert (first.round, second.round) == (0, 1)
+    assert second.labeled == out["batch"] and second.label_studio["pushed"] == second.selected > 0
 
     # it imported exactly the batch's labels, the correction as corrected (not the stale replay)
     cfg = load_config(root / "tamis.yaml")
@@ -70,7 +70,7 @@ def test_annotations_arriving_start_the_next_round_which_pushes_the_next_batch(
     assert out["events_before_last"] == out["batch"] // 2 + 1
     assert len(events) == out["events_before_last"] + out["batch"] - out["batch"] // 2
     left = pending(events, pulled_keys(cfg.artifacts, {out["project"]}), current_batch(cfg.artifacts, second))
-    assert not left.new and left.batch == second["selected"] and left.batch_left == left.batch
+    assert not left.new and left.batch == second.selected and left.batch_left == left.batch
 
     for p in cfg.artifacts.rglob("*"):  # neither the webhook secret nor the API token is written anywhere
         if p.is_file() and p.stat().st_size < 50_000_000:

@@ -168,7 +168,7 @@ def round_trip(server: Any, root: Path, tiny_models: Any, *, token: str, token_e
                ) -> dict[str, Any]:
     """Run the scenario in a new Label Studio project `title` (`document_root`: the server's, when it is not the
     project's artifacts folder); returns what the test checks and the benchmark records."""
-    from pipeline.rounds import completed_rounds
+    from pipeline.round_state import completed_rounds
 
     env = {**os.environ, token_env: token, SECRET_ENV: SECRET, "PREFECT_API_URL": prefect_api,
            "PYTHONPATH": os.pathsep.join([str(ROOT), *extra_path]), "COLUMNS": "240"}

@@ -21,7 +21,7 @@ def labels_annotators(
     from pipeline.annotation.consensus import annotator_rows, derive_consensus
     from pipeline.annotation.redundancy import requeued_ids
     from pipeline.config import load_config
-    from pipeline.rounds import import_round
+    from pipeline.round.plan import import_round
 
     cfg = load_config(config)
     art = cfg.artifacts

@@ -38,7 +38,7 @@ def labels_import(
     from pipeline.annotation.labels import LabelKeys, project_index
     from pipeline.config import load_config
     from pipeline.lock import ProjectLock
-    from pipeline.rounds import import_round
+    from pipeline.round.plan import import_round
 
     out = out_console(markup=False, highlight=False)  # reasons hold [lists] rich would read as markup
     cfg = load_config(config)
@@ -121,27 +121,27 @@ def labels_issues(
     from pipeline.config import load_config
     from pipeline.errors import DataError
     from pipeline.labelcheck import VERDICT_FILE, false_alarm_text, verdict_headline, verdict_signals
-    from pipeline.rounds import completed_rounds
+    from pipeline.round_state import completed_rounds
     from pipeline.store import read_jsonl
 
     out = out_console()
     cfg = load_config(config)
-    done = [s for s in completed_rounds(cfg.artifacts) if round_index is None or s["round"] == round_index]
-    checked = [s for s in done if s.get("labelcheck")]
+    done = [s for s in completed_rounds(cfg.artifacts) if round_index is None or s.round == round_index]
+    checked = [s for s in done if s.labelcheck]
     if not checked:
         which = "any round" if round_index is None else f"round {round_index}"
         raise DataError(f"{cfg.artifacts}: no label check in {which}; checks run after a round trains, unless "
                         "labelcheck.method is off (heldout needs a previous round's adapter)")
     state = checked[-1]
-    check = state["labelcheck"]
+    check = state.labelcheck
     folder = Path(check["dir"])
     rows = read_jsonl(folder / "issues.jsonl")
     verdict_path = folder / VERDICT_FILE
     verdict = json.loads(verdict_path.read_text(encoding="utf-8")) if verdict_path.is_file() else {}
     if verdict.get("abstained"):
-        out.print(f"round {state['round']}: {verdict_headline(verdict, 0, check['checked'])}", highlight=False)
+        out.print(f"round {state.round}: {verdict_headline(verdict, 0, check['checked'])}", highlight=False)
     else:
-        t = Table(title=f"round {state['round']}: {len(rows)} likely label errors among {check['checked']} labels "
+        t = Table(title=f"round {state.round}: {len(rows)} likely label errors among {check['checked']} labels "
                         f"checked ({check['method']})")
         for col in ("rank", "sample", "given", "suggested", "P(wrong)", "signals", "score", "annotators",
                     "source file"):
@@ -165,8 +165,8 @@ def labels_issues(
                       str(v["n_model"]), "–" if v["agree_model"] is None else f"{100 * v['agree_model']:.0f}%")
         out.print(a)
     out.print(f"full table: {folder / 'issues.jsonl'}", highlight=False)
-    if state.get("relabel_dir"):
-        out.print(f"sent back for re-labeling: {state['relabel_dir']}", highlight=False)
+    if state.relabel_dir:
+        out.print(f"sent back for re-labeling: {state.relabel_dir}", highlight=False)
 
 
 def labels_orphans(

@@ -157,17 +157,17 @@ def hardware_cmd(
 def print_knobs(config: Path | None, gpu_memory: str | None, seq_len: int) -> None:
     """`tamis plan --config`: one table of what each training knob saves and costs for this project config."""
     from pipeline.model.hardware import SAFETY, choose_train_settings, detect_hardware, parse_memory
-    from pipeline.model.knobs import alternatives, knobs_table, plan_kwargs
+    from pipeline.model.knobs import alternatives, knobs_table, plan_inputs
     from pipeline.model.planner import analyze
 
     cfg = project_config(config)
     hw = detect_hardware()
     settings = choose_train_settings(cfg.train, cfg.model, hw, seq_len=seq_len, image_size=cfg.preprocess.size)
     shape = analyze(cfg.model.name_or_path)
-    base = plan_kwargs(cfg.model, cfg.train, settings, seq_len=seq_len, image_size=cfg.preprocess.size)
+    base = plan_inputs(cfg.model, settings, seq_len=seq_len, image_size=cfg.preprocess.size, device=hw.device)
     budget = parse_memory(gpu_memory) if gpu_memory else hw.memory_budget_bytes
     console = out_console()
-    console.print(knobs_table(alternatives(shape, {**base, "device": hw.device}, hw.device), int(SAFETY * budget)))
+    console.print(knobs_table(alternatives(shape, base), int(SAFETY * budget)))
     console.print(f"settings: {settings.reason}")
 
 
@@ -189,8 +189,10 @@ def plan_cmd(
 
     With --processes N each GPU holds the whole model and its own micro-batch (plus the gradient all-reduce buffer);
     the effective batch is micro-batch × accumulation × N. Without --gpu-memory the least free of N GPUs is used."""
+    from dataclasses import replace
+
     from pipeline.model.hardware import SAFETY, detect_hardware, parse_memory
-    from pipeline.model.planner import analyze, plan, plan_table, terms_table
+    from pipeline.model.planner import PlanInputs, analyze, plan, plan_table, terms_table
 
     if config is not None or model is None:
         print_knobs(config, gpu_memory, seq_len)
@@ -201,13 +203,13 @@ def plan_cmd(
         hw = detect_hardware()
         memory = hw.process_budget_bytes(processes) if hw.gpus else None
     shape = analyze(Path(model) if Path(model).exists() else model)
-    kw = {"seq_len": seq_len, "image_size": image_size, "gpu_memory_bytes": memory, "lora_r": lora_r,
-          "precision": precision, "device": "cuda", "margin": SAFETY, "processes": processes}
+    inputs = PlanInputs(seq_len=seq_len, image_size=image_size, gpu_memory_bytes=memory, lora_r=lora_r,
+                        precision=precision, device="cuda", margin=SAFETY, processes=processes)
     console = out_console()
-    console.print(terms_table(*(plan(shape, mode=mode, batch=batch or 1, checkpointing=c, **kw)  # type: ignore[arg-type]
+    console.print(terms_table(*(plan(shape, replace(inputs, mode=mode, batch=batch or 1, checkpointing=c))
                                 for c in (False, True))))
     batches = sorted({1, 2, 4, 8, 16, *([batch] if batch else [])})
-    console.print(plan_table(shape, batches=batches, **kw))
+    console.print(plan_table(shape, inputs, batches=batches))
     if processes > 1:
         console.print(f"Per device, each of {processes} GPUs: a micro-batch b there trains b × accumulation × "
                       f"{processes} samples per optimizer step.")

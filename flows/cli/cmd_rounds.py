@@ -13,11 +13,12 @@ from flows.deploy import register_serve, server_url
 from pipeline.config import ProjectConfig
 from pipeline.errors import ConfigError, DataError
 from pipeline.report import rejection_lines
-from pipeline.round_state import RoundState
-from pipeline.rounds import main_metric, simulated
+from pipeline.round.simulate import simulated
+from pipeline.round.stop import main_metric
+from pipeline.round_state import LabelCheckRecord, RoundState
 
 
-def _check_cell(check: dict[str, Any] | None) -> str:
+def _check_cell(check: LabelCheckRecord | None) -> str:
     """The label check's column: issues / checked, or that the model could not judge yet."""
     if not check:
         return "—"
@@ -32,8 +33,8 @@ def _round_row(state: RoundState, metric: str) -> list[str]:
             str(state.selected_count), _check_cell(state.labelcheck), str(state.relabel or 0), state.stopped or ""]
 
 
-def _rounds_table(states: list[RoundState | dict[str, Any]], metric: str) -> Any:
-    """The rounds as a table; `metric`: the column's (pipeline.rounds.main_metric)."""
+def _rounds_table(states: list[RoundState], metric: str) -> Any:
+    """The rounds as a table; `metric`: the column's (pipeline.round.stop.main_metric)."""
     from rich.table import Table
 
     table = Table(title="labeling rounds")
@@ -42,7 +43,7 @@ def _rounds_table(states: list[RoundState | dict[str, Any]], metric: str) -> Any
                       ("stopped", "left")):
         table.add_column(col, justify=just)
     for s in states:
-        table.add_row(*_round_row(RoundState.of(s), metric))
+        table.add_row(*_round_row(s, metric))
     return table
 
 
@@ -143,10 +144,10 @@ def status_summary_of(cfg: ProjectConfig) -> dict[str, Any]:
     """Everything `tamis status` reports, as plain data (`--json` prints it as is)."""
     from pipeline.chance import chance_check
     from pipeline.metrics import read_metrics
-    from pipeline.rounds import completed_states
+    from pipeline.round_state import completed_rounds
     from pipeline.status import annotation_time, status_summary
 
-    states = completed_states(cfg.artifacts)
+    states = completed_rounds(cfg.artifacts)
     chance = chance_check(read_metrics(cfg.artifacts), cfg.data.answers, train=cfg.train, model=cfg.model)
     quarantined = 0
     for p in Path(cfg.artifacts).glob("*/*/quarantine.jsonl"):
@@ -160,14 +161,14 @@ def status_summary_of(cfg: ProjectConfig) -> dict[str, Any]:
                                                    "export_dir", "eval_dir")} for s in states]}
 
 
-def per_class_output(states: list[RoundState | dict[str, Any]]) -> tuple[Any, str]:
+def per_class_output(states: list[RoundState]) -> tuple[Any, str]:
     """(a rich table, a line above it) of the latest evaluation's per-class (closed) or per-group (open) results."""
     from rich.table import Table
 
     from pipeline.perclass import load_eval_report
     from pipeline.report import per_class_markdown
 
-    state = next((s for s in map(RoundState.of, reversed(states)) if s.eval_dir), None)
+    state = next((s for s in reversed(states) if s.eval_dir), None)
     ev = load_eval_report(state and state.eval_dir)
     if ev is None:
         return None, ("no per-class evaluation yet: the first round that trains an adapter writes one (rounds "
@@ -202,21 +203,21 @@ def status_cmd(
     import json
 
     from pipeline.metrics import merge_equal_metrics
-    from pipeline.rounds import completed_states
+    from pipeline.round_state import completed_rounds
 
     cfg = load(config)
     summary = status_summary_of(cfg)
     if as_json and per_class:
         from pipeline.perclass import load_eval_report
 
-        state = next((s for s in reversed(completed_states(cfg.artifacts)) if s.eval_dir), None)
+        state = next((s for s in reversed(completed_rounds(cfg.artifacts)) if s.eval_dir), None)
         ev = load_eval_report(state and state.eval_dir)
         summary["per_class"] = ev and (ev.per_class or ev.per_group)
     if as_json:
         typer.echo(json.dumps(summary, default=str, indent=2))
         return
     out = out_console()
-    states = completed_states(cfg.artifacts)
+    states = completed_rounds(cfg.artifacts)
     if not states:
         out.print(f"no finished round yet in {cfg.artifacts}; start one with `tamis round`", highlight=False)
     else:

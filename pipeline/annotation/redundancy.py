@@ -84,7 +84,7 @@ def budget_trim(rows: Sequence[Mapping[str, Any]], cap: int | None
                 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """(the rows the budget pays for, the trim as round.json records it, or None when nothing was held back). `rows`
     come least confident first (redundancy_candidates), so the samples that need a second opinion most go first;
-    `cap`: the labels rounds.label_budget leaves for the queue (pipeline.rounds.redundancy_cap), None without one."""
+    `cap`: the labels rounds.label_budget leaves for the queue (pipeline.round.stop.redundancy_cap), None without one."""
     rows = [dict(r) for r in rows]
     if cap is None or len(rows) <= cap:
         return rows, None
@@ -132,7 +132,7 @@ def export_redundancy(rows: Sequence[Mapping[str, Any]], dataset: Any, out_dir: 
 def queue_redundancy(artifacts: str | os.PathLike[str], annotate: AnnotateConfig, *, answers: Sequence[str] | None,
                      prepared_dir: str | os.PathLike[str], round_index: int, cap: int | None = None) -> dict[str, Any]:
     """The round's redundancy queue from the current consensus.json, at most `cap` tasks (what rounds.label_budget
-    leaves: pipeline.rounds.redundancy_cap), as round.json records it: {"consensus_dir", "consensus_requeued"}, with
+    leaves: pipeline.round.stop.redundancy_cap), as round.json records it: {"consensus_dir", "consensus_requeued"}, with
     "consensus_trimmed" ({"count", "reason"}) when the budget held samples back; {} when annotate.redundancy is off
     or no sample is unsure."""
     from pipeline.annotation.consensus import read_consensus

@@ -26,6 +26,7 @@ from pipeline.annotation.counted import instant
 from pipeline.annotation.export import TASKS_FILE
 from pipeline.annotation.label_studio import PULL_FAILED, annotation_key, pulled_path, task_set_name
 from pipeline.config import TriggerConfig
+from pipeline.round_state import RoundState
 from pipeline.store import append_jsonl, atomic_write_text, digest_json, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -173,11 +174,10 @@ class EventQueue:
 
 
 # ---------------------------------------------------------------------------------------------- what is pending
-def current_batch(artifacts: str | Path, state: Mapping[str, Any] | None) -> set[tuple[str, str]]:
+def current_batch(artifacts: str | Path, state: RoundState | None) -> set[tuple[str, str]]:
     """The (sample_id, task set) pairs the last finished round sent out: its export and its re-label tasks."""
     out: set[tuple[str, str]] = set()
-    for key in ("export_dir", "relabel_dir"):
-        folder = (state or {}).get(key)
+    for folder in (state.export_dir, state.relabel_dir) if state else ():
         tasks = Path(folder) / TASKS_FILE if folder else None
         if tasks is None or not tasks.is_file():
             continue

@@ -4,7 +4,7 @@
     DIR/<format files>   the records (pipeline/dataexport/writers.py): train, and test with --include-test
     DIR/lineage.json     the labels behind it: the ledger's size and digest, each label's entry and votes, counts
 
-The labels are those the next round would train on (pipeline/rounds.py round_labels): the answers the data came with
+The labels are those the next round would train on (pipeline/round/plan.py round_labels): the answers the data came with
 on its train split, overridden by the ledger's current label of each sample, after the consensus of every raw vote
 as `round` would settle it now (derived, not written: an export changes nothing in the project). The test split
 (what every round evaluates on) stays out unless asked for, and then in its own file.
@@ -43,7 +43,7 @@ def ledger_with_consensus(artifacts: Path, annotate: AnnotateConfig,
     from pipeline.annotation.consensus import derive_consensus
     from pipeline.annotation.ledger import Ledger, ledger_path
     from pipeline.annotation.redundancy import requeued_ids
-    from pipeline.rounds import import_round
+    from pipeline.round.plan import import_round
 
     current = Ledger(ledger_path(artifacts)).current()
     _, pending = derive_consensus(artifacts, annotate, answers=answers, round_index=import_round(artifacts),
@@ -57,7 +57,7 @@ def current_labels(artifacts: Path, ds: Any, annotate: AnnotateConfig, answers: 
     training data."""
     import pyarrow.compute as pc
 
-    from pipeline.rounds import PoolData, round_labels
+    from pipeline.round.plan import PoolData, round_labels
 
     entries, pending = ledger_with_consensus(artifacts, annotate, answers)
     pool = PoolData.of(ds)
@@ -122,7 +122,8 @@ def data_lineage(artifacts: Path, labels: CurrentLabels, splits: Mapping[str, li
     adapter's (export_model.trace_label), with its split and file; paths relative only."""
     from pipeline.annotation.ledger import Ledger, ledger_path
     from pipeline.export_model import annotators, logged_votes, shareable_path, trace_label
-    from pipeline.rounds import completed_rounds, import_round
+    from pipeline.round.plan import import_round
+    from pipeline.round_state import completed_rounds
     from pipeline.store import digest_file
 
     ledger, nxt = ledger_path(artifacts), import_round(artifacts)
@@ -136,7 +137,7 @@ def data_lineage(artifacts: Path, labels: CurrentLabels, splits: Mapping[str, li
         "format": fmt,
         "ledger": {"file": shareable_path(ledger, artifacts), "entries": len(Ledger(ledger).entries()),
                    "digest": digest_file(ledger) if ledger.is_file() else None},
-        "round": nxt, "last_round": done[-1]["round"] if done else None,
+        "round": nxt, "last_round": done[-1].round if done else None,
         "dataset": shareable_path(dataset, artifacts), "consensus": annotate.consensus,
         "annotators": annotators(rows),
         "counts": {**{split: len(samples) for split, samples in splits.items()},

@@ -67,7 +67,7 @@ def _check_labeled(rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | N
     for i, r in enumerate(rows):
         sid, label = r.get("sample_id"), r.get("answer")
         if not isinstance(sid, str) or not sid:
-            raise LabelCheckError(f"labeled row {i}: no sample_id; pass rows from pipeline.rounds.labeled_rows")
+            raise LabelCheckError(f"labeled row {i}: no sample_id; pass rows from pipeline.selection.labeled_rows")
         if sid in seen:
             raise LabelCheckError(f"labeled row {i}: sample {sid} appears twice; each sample has one current label")
         if allowed is None and (not isinstance(label, str) or not label.strip()):

@@ -185,7 +185,7 @@ def plan_relabel(*, artifacts: str | os.PathLike[str], annotate: AnnotateConfig,
                  round_index: int, cap: int | None = None) -> RelabelParams:
     """The relabel task's parameters: the likely errors of `check` (the labelcheck stage's ref) at least
     labelcheck.min_confidence likely wrong that no earlier round sent back, at most labelcheck.relabel_top_n (and at
-    most `cap`, what rounds.label_budget has left: pipeline.rounds.budget_left), go to rounds/NNN/relabel/."""
+    most `cap`, what rounds.label_budget has left: pipeline.round.stop.budget_left), go to rounds/NNN/relabel/."""
     queued = sorted({s for ids in relabel_queued(artifacts, round_index).values() for s in ids})
     return RelabelParams(
         artifacts=str(artifacts), check=StageRef(check["dir"], check["digest"]), prepared=StageRef.of(prepared),

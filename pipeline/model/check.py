@@ -299,15 +299,15 @@ def _scoring(ld: Any, images: list[Any], data: DataConfig, max_new_tokens: int) 
 def _memory(path: Path, model: ModelConfig, train: TrainConfig, fam: Any, size: int,
             hw: Any) -> tuple[Status, str, Any]:
     from pipeline.model.hardware import choose_train_settings
-    from pipeline.model.planner import analyze, plan
+    from pipeline.model.planner import PlanInputs, analyze, plan
 
     shape = analyze(path)
     s = choose_train_settings(train, model, hw, shape, image_size=size)
     targets = list(model.target_modules) if model.target_modules else fam.lora_target()
     budget = hw.memory_budget_bytes or None
-    p = plan(shape, mode=model.mode, batch=s.micro_batch, image_size=size, lora_r=model.lora_r,
-             target_modules=targets, checkpointing=s.gradient_checkpointing, precision=s.precision,
-             device=hw.device, gpu_memory_bytes=budget, lora_dropout=model.lora_dropout)
+    p = plan(shape, PlanInputs(mode=model.mode, batch=s.micro_batch, image_size=size, lora_r=model.lora_r,
+                               target_modules=targets, checkpointing=s.gradient_checkpointing, precision=s.precision,
+                               device=hw.device, gpu_memory_bytes=budget, lora_dropout=model.lora_dropout))
     where = "GPU" if hw.device == "cuda" else "RAM"
     found = (f"{p.total / 2**30:.2f} GiB peak at micro-batch {s.micro_batch} × accumulation {s.grad_accum}, "
              f"checkpointing {'on' if s.gradient_checkpointing else 'off'}, {s.precision} ({s.reason}); "

@@ -286,15 +286,16 @@ class _Candidates:
             f" per process ({self.nproc} processes)" if self.nproc > 1 else "")
 
     def plan(self, micro: int, ckpt: bool) -> Any:
-        from pipeline.model.planner import plan
+        from pipeline.model.planner import PlanInputs, plan
 
         m = self.model_cfg
         attention = "eager" if m.attn_implementation == "eager" else "sdpa"
-        return plan(self.shape, mode=m.mode, batch=micro, seq_len=self.seq_len, image_size=self.image_size,
-                    gpu_memory_bytes=self.budget, lora_r=m.lora_r, target_modules=m.target_modules,
-                    checkpointing=ckpt, precision=self.precision, device=self.hw.device, lora_dropout=m.lora_dropout,
-                    attention=attention, margin=SAFETY, processes=self.nproc, optimizer=self.optimizer,
-                    activation_offload=self.offload, train=m.train, liger=self.liger)
+        return plan(self.shape, PlanInputs(
+            mode=m.mode, batch=micro, seq_len=self.seq_len, image_size=self.image_size, gpu_memory_bytes=self.budget,
+            lora_r=m.lora_r, target_modules=m.target_modules, checkpointing=ckpt, precision=self.precision,
+            device=self.hw.device, lora_dropout=m.lora_dropout, attention=attention, margin=SAFETY,
+            processes=self.nproc, optimizer=self.optimizer, activation_offload=self.offload, train=m.train,
+            liger=self.liger))
 
     def settings(self, micro: int, accum: int, ckpt: bool, reason: str) -> TrainSettings:
         if self.nproc > 1:

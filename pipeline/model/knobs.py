@@ -10,11 +10,20 @@ activations and paged state, the fused kernels' fewer memory passes), and the ta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from pipeline.config import ModelConfig, TrainConfig
-from pipeline.model.planner import GiB, ModelShape, Plan, _is_vision, image_token_counts, lora_targets, plan
+from pipeline.config import ModelConfig
+from pipeline.model.planner import (
+    GiB,
+    ModelShape,
+    Plan,
+    PlanInputs,
+    _is_vision,
+    image_token_counts,
+    lora_targets,
+    plan,
+)
 
 
 def step_flops(shape: ModelShape, *, mode: str, checkpointing: bool, train: str, batch: int, seq_len: int,
@@ -45,22 +54,23 @@ class Alternative:
     note: str = ""
 
 
-def alternatives(shape: ModelShape, base: dict[str, Any], device: str) -> list[Alternative]:
+def alternatives(shape: ModelShape, base: PlanInputs) -> list[Alternative]:
     """The configured plan first, then one plan per single change of a knob (the others as configured)."""
+    device = base.device
+
     def one(knob: str, setting: str, note: str = "", **change: Any) -> Alternative:
-        kw = {**base, **change}
-        p = plan(shape, **kw)
-        f = step_flops(shape, mode=kw["mode"], checkpointing=kw["checkpointing"], train=kw["train"],
-                       batch=kw["batch"], seq_len=kw["seq_len"], image_size=p.image_size,
-                       target_modules=kw.get("target_modules"))
+        i = replace(base, **change)
+        p = plan(shape, i)
+        f = step_flops(shape, mode=i.mode, checkpointing=i.checkpointing, train=i.train, batch=i.batch,
+                       seq_len=i.seq_len, image_size=p.image_size, target_modules=i.target_modules)
         return Alternative(knob, setting, p, f, note)
 
     rows = [one("as configured", _describe(base))]
-    ckpt = not base["checkpointing"]
+    ckpt = not base.checkpointing
     rows.append(one("train.gradient_checkpointing", "on" if ckpt else "off", "recomputes each layer in backward",
                     checkpointing=ckpt))
     for opt in ("adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"):
-        if opt != base["optimizer"]:
+        if opt != base.optimizer:
             note = {"adamw_8bit": "8-bit moments (block-wise absmax)",
                     "paged_adamw": "state paged to host under pressure (CUDA)" if device == "cuda"
                     else "no paging on the CPU",
@@ -68,25 +78,23 @@ def alternatives(shape: ModelShape, base: dict[str, Any], device: str) -> list[A
                     "adamw": "fp32 moments (torch)"}[opt]
             rows.append(one("train.optimizer", opt, note, optimizer=opt))
     if device == "cuda":
-        rows.append(one("train.activation_offload", "off" if base["activation_offload"] else "on",
-                        "+ host transfers (overlapped, not counted)",
-                        activation_offload=not base["activation_offload"]))
-        rows.append(one("model.liger", "off" if base["liger"] else "on", "fused kernels: fewer memory passes",
-                        liger=not base["liger"]))
+        rows.append(one("train.activation_offload", "off" if base.activation_offload else "on",
+                        "+ host transfers (overlapped, not counted)", activation_offload=not base.activation_offload))
+        rows.append(one("model.liger", "off" if base.liger else "on", "fused kernels: fewer memory passes",
+                        liger=not base.liger))
     for mode in ("qlora", "lora", "full"):
-        if mode != base["mode"]:
+        if mode != base.mode:
             rows.append(one("model.mode", mode, "4-bit dequantization not counted in time" if mode == "qlora" else "",
                             mode=mode))
-    if base["mode"] != "full" and base.get("target_modules") is None:
+    if base.mode != "full" and base.target_modules is None:
         for train in ("language", "language+projector", "all"):
-            if train != base["train"]:
+            if train != base.train:
                 rows.append(one("model.train", train, train=train))
     return rows
 
 
-def _describe(base: dict[str, Any]) -> str:
-    return (f"{base['mode']}, ckpt {'on' if base['checkpointing'] else 'off'}, {base['optimizer']}, "
-            f"micro-batch {base['batch']}")
+def _describe(base: PlanInputs) -> str:
+    return f"{base.mode}, ckpt {'on' if base.checkpointing else 'off'}, {base.optimizer}, micro-batch {base.batch}"
 
 
 def knobs_table(rows: list[Alternative], budget: int | None = None) -> Any:
@@ -108,11 +116,11 @@ def knobs_table(rows: list[Alternative], budget: int | None = None) -> Any:
     return t
 
 
-def plan_kwargs(model_cfg: ModelConfig, train_cfg: TrainConfig, settings: Any, *, seq_len: int, image_size: int | None) -> dict:
-    """The planner's keywords for a project config and its chosen training settings."""
-    return {"mode": model_cfg.mode, "batch": settings.micro_batch, "seq_len": seq_len, "image_size": image_size,
-            "lora_r": model_cfg.lora_r, "target_modules": model_cfg.target_modules,
-            "checkpointing": settings.gradient_checkpointing, "precision": settings.precision,
-            "lora_dropout": model_cfg.lora_dropout, "optimizer": settings.optimizer,
-            "activation_offload": settings.activation_offload, "train": model_cfg.train,
-            "liger": getattr(settings, "liger", False), "processes": settings.num_processes}
+def plan_inputs(model_cfg: ModelConfig, settings: Any, *, seq_len: int, image_size: int | None, device: str) -> PlanInputs:
+    """The planner's inputs for a project's model section and its chosen training settings on `device`."""
+    return PlanInputs(mode=model_cfg.mode, batch=settings.micro_batch, seq_len=seq_len, image_size=image_size,
+                      lora_r=model_cfg.lora_r, target_modules=model_cfg.target_modules,
+                      checkpointing=settings.gradient_checkpointing, precision=settings.precision,
+                      lora_dropout=model_cfg.lora_dropout, optimizer=settings.optimizer,
+                      activation_offload=settings.activation_offload, train=model_cfg.train,
+                      liger=getattr(settings, "liger", False), processes=settings.num_processes, device=device)

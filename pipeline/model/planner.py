@@ -20,7 +20,7 @@ import logging
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -89,6 +89,37 @@ class ModelShape:
     @property
     def params(self) -> int:
         return self.other_params + sum(lin.numel + (lin.out_features if lin.bias else 0) for lin in self.linears)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """One training step's configuration as the planner reads it (`plan(model_config, inputs)`); invalid values are
+    refused here, naming the field. `seq_len` counts text tokens per sample; `image_size` None: the vision config's
+    own; `gpu_memory_bytes` × `margin` is the budget `Plan.fits` compares with; `processes`: data-parallel devices."""
+
+    mode: Mode = "qlora"
+    batch: int = 1
+    seq_len: int = 256
+    image_size: int | None = None
+    gpu_memory_bytes: int | None = None
+    lora_r: int = 8
+    target_modules: Sequence[str] | str | None = None
+    checkpointing: bool = False
+    precision: str = "bf16"
+    device: Literal["cuda", "cpu"] = "cuda"
+    lora_dropout: float = 0.05
+    attention: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
+    skip_modules: Sequence[str] | None = None
+    double_quant: bool = True
+    margin: float = 0.85
+    processes: int = 1
+    optimizer: str = "adamw"
+    activation_offload: bool = False
+    train: str = "language"
+    liger: bool = False
+
+    def __post_init__(self) -> None:
+        _check_plan_args(self.mode, self.precision, self.batch, self.seq_len, self.optimizer)
 
 
 @dataclass(frozen=True)
@@ -532,84 +563,56 @@ def _peak(terms: dict[str, int], optimizer: str, tr: _Trained, device: str) -> t
     return terms, "backward"
 
 
-def plan(
-    model_config: Any,
-    *,
-    mode: Mode = "qlora",
-    batch: int = 1,
-    seq_len: int = 256,
-    image_size: int | None = None,
-    gpu_memory_bytes: int | None = None,
-    lora_r: int = 8,
-    target_modules: Sequence[str] | str | None = None,
-    checkpointing: bool = False,
-    precision: str = "bf16",
-    device: Literal["cuda", "cpu"] = "cuda",
-    lora_dropout: float = 0.05,
-    attention: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa",
-    skip_modules: Sequence[str] | None = None,
-    double_quant: bool = True,
-    margin: float = 0.85,
-    processes: int = 1,
-    optimizer: str = "adamw",
-    activation_offload: bool = False,
-    train: str = "language",
-    liger: bool = False,
-) -> Plan:
+def plan(model_config: Any, inputs: PlanInputs = PlanInputs()) -> Plan:
     """Estimated peak memory of one training step (forward, backward, optimizer step), term by term.
 
     `model_config` is anything `load_model_config` reads, or a `ModelShape` from `analyze` (faster when planning
-    many configurations). `seq_len` counts text tokens per sample; the image tokens of one `image_size` px image are
-    added. `fits` compares the total with `margin` × `gpu_memory_bytes`.
+    many configurations). The image tokens of one `inputs.image_size` px image are added to each sample's text.
 
-    With `processes` > 1 (data-parallel, pipeline.model.distributed) the plan is one device's: each holds the whole
-    model and its own micro-batch, plus the flat buffer its gradients are summed across devices in.
+    With `inputs.processes` > 1 (data-parallel, pipeline.model.distributed) the plan is one device's: each holds the
+    whole model and its own micro-batch, plus the flat buffer its gradients are summed across devices in.
     """
-    _check_plan_args(mode, precision, batch, seq_len, optimizer)
+    i, device = inputs, inputs.device
     shape = model_config if isinstance(model_config, ModelShape) else analyze(model_config)
-    p = DTYPE_BYTES[precision]
-    image_size = image_size if image_size is not None else int(shape.vision_cfg.get("image_size", 0) or 448)
+    p = DTYPE_BYTES[i.precision]
+    image_size = i.image_size if i.image_size is not None else int(shape.vision_cfg.get("image_size", 0) or 448)
     img_tokens, vis_tokens = image_token_counts(shape, image_size)
-    tok = _Tokens(seq_len + img_tokens, vis_tokens, batch * (seq_len + img_tokens), batch * vis_tokens)
-    full = mode == "full"
-    offload, liger = activation_offload and device == "cuda", liger and device == "cuda"
+    tok = _Tokens(i.seq_len + img_tokens, vis_tokens, i.batch * (i.seq_len + img_tokens), i.batch * vis_tokens)
+    full = i.mode == "full"
+    offload, liger = i.activation_offload and device == "cuda", i.liger and device == "cuda"
 
-    skip = list(shape.skip_quant) + list(skip_modules or ())
+    skip = list(shape.skip_quant) + list(i.skip_modules or ())
     # fp16 weights cannot be trained under a grad scaler, so full fp16 training keeps fp32 weights (as loading does).
-    wp = 4 if full and precision == "fp16" else p
-    tr = _trained(shape, mode, wp, lora_r, target_modules, train)
-    terms = _weights(shape, mode, wp, skip, double_quant) | _trained_terms(tr, full)
+    wp = 4 if full and i.precision == "fp16" else p
+    tr = _trained(shape, i.mode, wp, i.lora_r, i.target_modules, i.train)
+    terms = _weights(shape, i.mode, wp, skip, i.double_quant) | _trained_terms(tr, full)
     host: dict[str, int] = {}
-    where, state = _optimizer_term(optimizer, tr, device)
+    where, state = _optimizer_term(i.optimizer, tr, device)
     (host if where == "optimizer_paged" else terms)[where] = state
     terms["activations"], offloaded = _activations(
-        shape, tr, tok, mode=mode, p=p, attention=attention, lora_r=lora_r, lora_dropout=lora_dropout,
-        checkpointing=checkpointing, offload=offload, device=device)
+        shape, tr, tok, mode=i.mode, p=p, attention=i.attention, lora_r=i.lora_r, lora_dropout=i.lora_dropout,
+        checkpointing=i.checkpointing, offload=offload, device=device)
     if offload:
         host["activations_offloaded"] = offloaded
     terms["logits"] = _logits_bytes(shape, tok.text, liger)
-    if mode == "qlora":  # backward dequantizes one weight at a time
+    if i.mode == "qlora":  # backward dequantizes one weight at a time
         terms["dequant_buffer"] = max((lin.numel for lin in shape.linears if _quantized(lin.name, skip)), default=0) * p
-    if processes > 1:  # the gradients are copied into one buffer for the all-reduce, next to their originals
+    if i.processes > 1:  # the gradients are copied into one buffer for the all-reduce, next to their originals
         terms["gradient_allreduce"] = terms["gradients"]
     terms["runtime"] = RUNTIME_BYTES[device] + int(FRAGMENTATION * (terms["activations"] + terms["logits"]))
-    terms, phase = _peak(terms, optimizer, tr, device)
-    return Plan(mode, batch, seq_len, image_size, img_tokens, vis_tokens, checkpointing, precision, device,
-                terms, gpu_memory_bytes, margin, tr.params, shape.params, processes, optimizer, offload, phase, host,
-                liger)
+    terms, phase = _peak(terms, i.optimizer, tr, device)
+    return Plan(mode=i.mode, batch=i.batch, seq_len=i.seq_len, image_size=image_size, image_tokens=img_tokens,
+                vision_tokens=vis_tokens, checkpointing=i.checkpointing, precision=i.precision, device=device,
+                terms=terms, gpu_memory_bytes=i.gpu_memory_bytes, margin=i.margin, trainable_params=tr.params,
+                total_params=shape.params, processes=i.processes, optimizer=i.optimizer, activation_offload=offload,
+                phase=phase, host_terms=host, liger=liger)
 
 
-def plan_grid(
-    model_config: Any,
-    *,
-    modes: Iterable[Mode] = MODES,
-    batches: Iterable[int] = (1, 2, 4, 8, 16),
-    checkpointing: Iterable[bool] = (False, True),
-    **kwargs: Any,
-) -> list[Plan]:
-    """Plans for every mode × checkpointing × micro-batch, the model analyzed once."""
+def plan_grid(model_config: Any, inputs: PlanInputs = PlanInputs(), *, modes: Iterable[Mode] = MODES,
+              batches: Iterable[int] = (1, 2, 4, 8, 16), checkpointing: Iterable[bool] = (False, True)) -> list[Plan]:
+    """Plans of `inputs` for every mode × checkpointing × micro-batch, the model analyzed once."""
     shape = model_config if isinstance(model_config, ModelShape) else analyze(model_config)
-    return [plan(shape, mode=m, batch=b, checkpointing=c, **kwargs)
+    return [plan(shape, replace(inputs, mode=m, batch=b, checkpointing=c))
             for m in modes for c in checkpointing for b in batches]
 
 
@@ -638,12 +641,13 @@ def terms_table(*plans: Plan) -> Any:
     return t
 
 
-def plan_table(model_config: Any, **kwargs: Any) -> Any:
-    """Which configurations fit (rich Table): mode × checkpointing × micro-batch, with the main terms."""
+def plan_table(model_config: Any, inputs: PlanInputs = PlanInputs(), *,
+               batches: Iterable[int] = (1, 2, 4, 8, 16)) -> Any:
+    """Which configurations of `inputs` fit (rich Table): mode × checkpointing × micro-batch, with the main terms."""
     from rich.table import Table
 
-    plans = plan_grid(model_config, **kwargs)
-    n = kwargs.get("processes", 1)
+    plans = plan_grid(model_config, inputs, batches=batches)
+    n = inputs.processes
     t = Table(title="Peak training memory (GiB)" + (f" per device, {n} data-parallel processes" if n > 1 else ""))
     for col in ("mode", "ckpt", "batch", "weights", "trainable+opt", "activations", "logits", "total", "fits"):
         t.add_column(col, justify="right" if col not in ("mode", "ckpt", "fits") else "left")
@@ -658,14 +662,16 @@ def plan_table(model_config: Any, **kwargs: Any) -> Any:
     return t
 
 
-def largest_fitting_batch(shape: ModelShape, budget_candidates: Sequence[int], **kwargs: Any) -> tuple[int, Plan] | None:
-    """The largest micro-batch among `budget_candidates` whose plan fits, with its plan; None when none fits."""
+def largest_fitting_batch(shape: ModelShape, budget_candidates: Sequence[int],
+                          inputs: PlanInputs = PlanInputs()) -> tuple[int, Plan] | None:
+    """The largest micro-batch among `budget_candidates` whose plan of `inputs` fits, with its plan; None when none
+    fits."""
     for b in sorted(budget_candidates, reverse=True):
-        p = plan(shape, batch=b, **kwargs)
+        p = plan(shape, replace(inputs, batch=b))
         if p.fits:
             return b, p
     return None
 
 
-__all__ = ["Linear", "ModelShape", "Plan", "Stack", "analyze", "image_token_counts", "largest_fitting_batch",
+__all__ = ["Linear", "ModelShape", "Plan", "PlanInputs", "Stack", "analyze", "image_token_counts", "largest_fitting_batch",
            "load_model_config", "lora_targets", "plan", "plan_grid", "plan_table", "terms_table"]

@@ -27,11 +27,11 @@ def trains_in_process(train: Any) -> bool:
 
 @dataclass(frozen=True)
 class TrainParams:
-    """The train stage's parameters, built by pipeline.rounds.train_params; its cache key is their `asdict()`. The
+    """The train stage's parameters, built by pipeline.round.params.train_params; its cache key is their `asdict()`. The
     rows are keyed by their stage refs (the labeled set, the augment stage's copies), never listed."""
 
     artifacts: str
-    labeled: dict[str, Any]  # the labeled set's ref (pipeline.rounds.labeled_set)
+    labeled: dict[str, Any]  # the labeled set's ref (pipeline.round.params.labeled_set)
     augmented: dict[str, Any] | None  # the augment stage's ref; None without augmentation
     model: dict[str, Any]  # the model section with its identity (pipeline.model.identity.keyed_model)
     train: dict[str, Any]

@@ -66,10 +66,9 @@ def _header(state: RoundState, sources: ReportSources) -> dict[str, Any]:
             "metrics": metrics, "stopped": state.stopped, "at_chance": state.at_chance, "round_dir": sources.round_dir}
 
 
-def build_report(sources: ReportSources, state: RoundState | Mapping[str, Any],
+def build_report(sources: ReportSources, state: RoundState,
                  metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport:
     """Write report.html (and batch.png, confusion.png) for the round `state` from `sources`."""
-    state = RoundState.of(state)
     start = time.perf_counter()
     rd = Path(sources.round_dir)
     labels = gather.labeled_answers(rd)
@@ -148,11 +147,11 @@ def rebuild_report(artifacts: str | os.PathLike[str], round_index: int | None = 
     `resolve(state, prepared refs or None)` (resolve_sources on the project)."""
     from pipeline.metrics import read_metrics
     from pipeline.preprocess import latest_refs
+    from pipeline.round_state import ROUND_FILE, completed_rounds
     from pipeline.roundreport.sources import SOURCES_FILE, check_sources
-    from pipeline.rounds import ROUND_FILE, completed_states
 
     art = Path(artifacts)
-    states = {s.round: s for s in completed_states(art)}
+    states = {s.round: s for s in completed_rounds(art)}
     if not states:
         raise DataError(f"no finished round in {art}/rounds (a round is finished once its {ROUND_FILE} is "
                         "written); run `tamis round` first")

@@ -85,13 +85,12 @@ class BatchItem:
     name: str | None = None  # the user's file name (Images.names), what a person knows the sample by
 
 
-def pick_reason(row: Mapping[str, Any], state: RoundState | Mapping[str, Any]) -> str:
+def pick_reason(row: Mapping[str, Any], s: RoundState) -> str:
     """Why a selection row was picked, in the words of the round's phase: coverage of the selection space (no model
     score), or uncertainty (the heuristic's score) spread by the diversity selector."""
     from pipeline.strategies.candidates import picks_by_space
     from pipeline.strategies.registry import get_heuristic
 
-    s = RoundState.of(state)
     strategy, diversity = row.get("strategy", "random"), row.get("diversity", "top_k")
     if picks_by_space(strategy, diversity):
         why = f"coverage ({diversity})" + (" — cold start, no model yet" if not s.adapter else "")
@@ -130,7 +129,7 @@ def shard_scores(shards: Sequence[tuple[str, str]], ids: Sequence[str]) -> dict[
     return out
 
 
-def read_batch(sources: ReportSources, state: RoundState | Mapping[str, Any]) -> list[BatchItem]:
+def read_batch(sources: ReportSources, state: RoundState) -> list[BatchItem]:
     """The round's batch in pick order (selection/selection.jsonl) with the model's answers from its score shards."""
     rows = read_jsonl(Path(sources.round_dir) / "selection" / "selection.jsonl")
     scores = shard_scores(sources.shards, [r["sample_id"] for r in rows]) if sources.shards else {}
@@ -205,7 +204,7 @@ def _shard_len(sources: ReportSources) -> int:
         return 256
 
 
-def pool_map_points(sources: ReportSources, state: RoundState | Mapping[str, Any], batch: Sequence[str],
+def pool_map_points(sources: ReportSources, state: RoundState, batch: Sequence[str],
                     labels: Mapping[str, str]) -> PoolMap | None:
     """A bounded, seeded sample of the selection space (every selected sample, at most MAP_EXTRA labeled and
     outliers, MAP_POINTS drawn uniformly) projected to 2-D by a PCA fitted on that sample, with each point's kind."""

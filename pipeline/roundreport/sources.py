@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,7 +91,7 @@ def find_eval_dir(artifacts: str | os.PathLike[str], adapter_digest: str) -> str
     return max(found)[1] if found else None
 
 
-def resolve_sources(cfg: ProjectConfig, state: RoundState | Mapping[str, Any],
+def resolve_sources(cfg: ProjectConfig, state: RoundState,
                     prepared: dict[str, Any] | None) -> ReportSources:
     """The report's sources for a finished round (`state`, its round.json) of the project `cfg` (the whole project:
     the embeddings and score stages' keys are re-derived from it); `prepared` holds the round's prepare and quality
@@ -104,7 +103,6 @@ def resolve_sources(cfg: ProjectConfig, state: RoundState | Mapping[str, Any],
     from pipeline.embeddings import embeddings_params
     from pipeline.score_stage import POOL_FILE, plan_pool_scoring, read_pool_file
 
-    state = RoundState.of(state)
     rd = round_dir(cfg.artifacts, state.round)
     prep = (prepared or {}).get("prepare")
     space = embeddings_params(cfg, prep) if prep else None

@@ -14,10 +14,11 @@ from pipeline.labelcheck import check_report_markdown
 from pipeline.metrics import learning_curve, read_metrics
 from pipeline.perclass import EvalReport, load_eval_report
 from pipeline.report import summary_markdown
+from pipeline.round.plan import RoundPlan
+from pipeline.round.records import write_round
 from pipeline.round_state import RoundState
 from pipeline.roundreport.build import RoundReport, try_round_report
 from pipeline.roundreport.sources import ReportSources
-from pipeline.rounds import RoundPlan, write_round
 
 
 @dataclass(frozen=True)

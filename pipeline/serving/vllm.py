@@ -23,6 +23,7 @@ from pipeline.config import ModelConfig
 from pipeline.errors import ConfigError
 from pipeline.model.families import Family
 from pipeline.model.runtimes import vllm_max_lora_rank
+from pipeline.round_state import RoundState
 
 log = logging.getLogger(__name__)
 LANGUAGE_ADAPTER = "adapter-vllm"
@@ -83,15 +84,15 @@ def write_language_adapter(src: Path, out: Path, family: Family) -> int:
     return len(tensors) - len(kept)
 
 
-def test_rows(artifacts: str | os.PathLike[str], state: Mapping[str, Any]) -> list[dict[str, Any]]:
+def test_rows(artifacts: str | os.PathLike[str], state: RoundState) -> list[dict[str, Any]]:
     """The labeled test split the round evaluated its adapter on (artifacts/eval/test/<digest>/), or [] without one."""
     import datasets
 
     from pipeline.store import read_manifest
 
-    if not state.get("eval_dir") or not Path(state["eval_dir"]).is_dir():
+    if not state.eval_dir or not Path(state.eval_dir).is_dir():
         return []
-    digest = read_manifest(state["eval_dir"]).inputs.get("test")
+    digest = read_manifest(state.eval_dir).inputs.get("test")
     folder = Path(artifacts) / "eval" / "test" / str(digest)[:16] / "dataset"
     return list(datasets.load_from_disk(str(folder))) if digest and folder.is_dir() else []
 
@@ -121,13 +122,13 @@ def serve_script(*, base: str, name: str, adapter: str | None, rank: int | None)
     return "\n".join(lines) + "\n"
 
 
-def export_vllm(out: Path, *, state: Mapping[str, Any], family: Family, model: ModelConfig, base: str,
+def export_vllm(out: Path, *, state: RoundState, family: Family, model: ModelConfig, base: str,
                 answers: Sequence[str] | None, batch_size: int, artifacts: str | os.PathLike[str]) -> VllmExport:
     """serve.sh in `out` (an export with adapter/, or merged/ when vLLM takes no adapter here), and adapter-vllm/
     with the language-model LoRA when the adapter holds more, measured on the round's test split."""
     from pipeline.store import atomic_write_text
 
-    name = f"tamis-round-{state['round']}"
+    name = f"tamis-round-{state.round}"
     adapter_dir = out / "adapter"
     if model.mode == "full" or not family.runtimes.vllm_lora or not adapter_dir.is_dir():
         res = VllmExport(out / SERVE_SCRIPT, None, None)

@@ -17,7 +17,8 @@ from pydantic import (
 from pipeline.config.answers import ClosedAnswers
 from pipeline.config.base import Section
 
-SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio"]
+# trl / sharegpt / swift: conversations with several images and turns (pipeline/data/conversations.py).
+SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio", "trl", "sharegpt", "swift"]
 Split = Literal["train", "pool", "test"]
 
 

@@ -151,7 +151,8 @@ FLOORS = (
     ("pipeline.scoring",),  # scorers of rows with a loaded model (the shard stage that loads it is above)
     ("pipeline.model",),  # families, loading, planning, training on given rows
     # prepared data and what is computed from it without a round: quality, augmentation, selection embeddings
-    ("pipeline.preprocess", "pipeline.quality", "pipeline.augment", "pipeline.embedders", "pipeline.embeddings"),
+    ("pipeline.preprocess", "pipeline.quality", "pipeline.augment", "pipeline.embedders", "pipeline.embeddings",
+     "pipeline.several_images"),
     ("pipeline.strategies",),  # heuristics, selectors, candidates: arrays in, picks out
     # the round's stages and the annotation loop
     ("pipeline.score_stage", "pipeline.selection", "pipeline.evaluate", "pipeline.stopping", "pipeline.annotation",

@@ -44,26 +44,40 @@ def _control(view: ET.Element, f: FieldSpec, to: str) -> None:
         ET.SubElement(view, "TextArea", name=f.name, toName=to, maxSubmissions="1", editable="true", **required)
 
 
-def labeling_config(n_images: int, schema: AnswerSchema | None = None) -> str:
-    """The `<View>` of a project whose samples have `n_images` pictures: one Image per picture, the question
-    (`$text`, as pipeline/annotation/export.py's config reads it), and one control per field of `schema` (module
-    docstring); without a schema, one TextArea `answer`."""
+def labeling_config(n_images: int, schema: AnswerSchema | None = None, *, answers: Sequence[str] | None = None,
+                    context: bool = False) -> str:
+    """The `<View>` of a project whose samples have `n_images` pictures: one Image per picture, the earlier turns
+    (`$context`, with `context`), the question (`$text`, as pipeline/annotation/export.py's config reads it), and
+    one control per field of `schema` (module docstring); without a schema, one `answer` control: Choices of
+    `answers` (a closed set), else a TextArea."""
     keys = image_keys(n_images)
-    taken = sorted(set(schema.names if schema is not None else ()) & {*keys, "question"})
+    taken = sorted(set(schema.names if schema is not None else ()) & {*keys, "question", "context"})
     if taken:
         raise DataError(f"{schema.path if schema is not None else 'the answer schema'}: field(s) {taken} have the "
                         "names of the Label Studio task's images or question; rename the field(s) in the schema")
     view = ET.Element("View")
     for k in keys:
         ET.SubElement(view, "Image", name=k, value=f"${k}")
+    if context:
+        ET.SubElement(view, "Text", name="context", value="$context")
     ET.SubElement(view, "Text", name="question", value="$text")
     if schema is None:
-        ET.SubElement(view, "TextArea", name="answer", toName=keys[0], maxSubmissions="1", editable="true",
-                      required="true")
+        _control(view, FieldSpec("answer", "enum", tuple(answers)) if answers else FieldSpec("answer", "string"),
+                 keys[0])
     for f in schema.fields if schema is not None else ():
         _control(view, f, keys[0])
     ET.indent(view)
     return ET.tostring(view, encoding="unicode") + "\n"
+
+
+def sample_task(sample_id: str, urls: Sequence[str], question: str,
+                context: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """A Label Studio task of one sample: its images (`task_images`, one `<Image>` each in `labeling_config`), its
+    question as `text`, its earlier turns as `context` ("role: text" lines) and its sample ID."""
+    data: dict[str, Any] = {**task_images(urls), "text": question, "sample_id": sample_id}
+    if context:
+        data["context"] = "\n".join(f"{role}: {text}" for role, text in context)
+    return {"data": data}
 
 
 def answer_from_results(results: Sequence[Mapping[str, Any]], schema: AnswerSchema) -> str:

@@ -181,6 +181,7 @@ def test_init_detects_each_conversation_format_in_its_file_and_its_folder(kind, 
         assert found.source == {"kind": kind, "path": str(file)}
         assert (found.images, found.labeled, found.answers) == (3, 2, ["left", "right"])
         assert "1 with several images" not in found.what and "2 with several images" in found.what
+        assert ("(columns from dataset_info.json:pairs)" in found.what) == (kind == "sharegpt")
 
 
 def test_cli_init_on_a_folder_with_a_trl_jsonl_writes_a_config_that_ingests_both_images(tmp_path, tiny_models):

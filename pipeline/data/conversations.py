@@ -58,9 +58,10 @@ class ShareGptColumns:
 
 
 def sharegpt_columns(data_file: Path) -> tuple[ShareGptColumns, str | None]:
-    """The column mapping of `data_file` from the dataset_info.json beside it (the entry whose `file_name` is the
-    file), with where it came from; the sharegpt defaults when there is none. A dataset_info.json that cannot be read
-    is not silently skipped: its problem is returned as the second element's text instead of an entry name."""
+    """(the column mapping of `data_file`, "dataset_info.json:<entry>" it came from) from the dataset_info.json beside
+    it (the entry whose `file_name` is the file); (the sharegpt defaults, None) when none names it. ValueError when
+    that dataset_info.json cannot be read, or reads the file as another format: skipping it would read the file with
+    the wrong column names."""
     info = data_file.parent / "dataset_info.json"
     if not info.is_file():
         return ShareGptColumns(), None

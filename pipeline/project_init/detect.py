@@ -109,7 +109,10 @@ def _conversations(path: Path, recs: list[Any]) -> Found:
 
     kind = conversation_kind(recs[0])
     assert kind is not None
-    cols = sharegpt_columns(path)[0] if kind == "sharegpt" else ShareGptColumns()
+    try:
+        cols, named = sharegpt_columns(path) if kind == "sharegpt" else (ShareGptColumns(), None)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
     convs = [c for c in (parse(r, kind, cols) if isinstance(r, dict) else "" for r in recs)
              if isinstance(c, Conversation)]
     answers = [_cell(c.answer) for c in convs if _cell(c.answer)]
@@ -117,7 +120,8 @@ def _conversations(path: Path, recs: list[Any]) -> Found:
              for p in [path.resolve().parent / c.images[0]] if p.is_file()]
     many = sum(len(c.images) > 1 for c in convs)
     turns = sum(bool(c.context) for c in convs)
-    what = (f"{kind} conversations: {len(recs):,} records ({len(answers):,} ending on an answer"
+    what = (f"{kind} conversations: {len(recs):,} records" + (f" (columns from {named})" if named else "")
+            + f" ({len(answers):,} ending on an answer"
             + (f", {many:,} with several images" if many else "") + (f", {turns:,} with earlier turns" if turns else "")
             + (f"; {len(recs) - len(convs):,} the readers quarantine with a reason" if len(convs) < len(recs) else "")
             + ")")

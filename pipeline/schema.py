@@ -39,7 +39,9 @@ blur_score float.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from pipeline.store import canonical_json, digest_bytes
 
@@ -83,6 +85,29 @@ def sample_id_of(images: Sequence[bytes], question: str, context: Sequence[tuple
         return sample_id_for(images[0], question)
     parts = [digest_bytes(i) for i in images]
     return digest_bytes(canonical_json([parts, [list(c) for c in context], question]).encode("utf-8"))[:20]
+
+
+@dataclass(frozen=True)
+class Question:
+    """What a sample asks beyond one image and one question: its earlier turns and how many pictures it shows.
+
+    `context` is (role, text) pairs (system, user, assistant) that come before the question; `images` is the count of
+    image items its chat holds (all at the start of the first user turn, in order, as an export writes them).
+    `Question(text)` is a one-image sample's: the chat a family renders from it is byte for byte a plain string's."""
+
+    text: str
+    context: tuple[tuple[str, str], ...] = ()
+    images: int = 1
+
+
+def sample_chat(row: Mapping[str, Any]) -> tuple[list[bytes], str | Question]:
+    """A prepared row's pictures (PNG bytes: `prepared`, then `more_prepared`'s) and what it asks: its question string
+    when it has one picture and no earlier turns (the inputs a one-image project always had), else a Question."""
+    pngs = [row["prepared"], *(row.get("more_prepared") or [])]
+    context = tuple((c["role"], c["text"]) for c in row.get("context") or [])
+    if len(pngs) == 1 and not context:
+        return pngs, row["question"]
+    return pngs, Question(row["question"], context, len(pngs))
 
 
 def display_name(image_path: str | None, source: str | None, sample_id: str) -> str:

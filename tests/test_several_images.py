@@ -10,8 +10,8 @@ from PIL import Image
 
 from pipeline.config import PreprocessConfig
 from pipeline.fields.labelstudio import labeling_config, sample_task
-from pipeline.preprocess import decode_prepared, prepare_image
-from pipeline.several_images import MORE_PREPARED, prepare_more_batch, sample_embedding
+from pipeline.preprocess import MORE_PREPARED, decode_prepared, prepare_image, prepare_more_batch
+from pipeline.several_images import sample_embedding
 
 
 def png(size, colour=(200, 80, 20)) -> bytes:
@@ -53,3 +53,65 @@ def test_a_label_studio_task_shows_every_picture_and_the_earlier_turns():
     assert set(keys) == set(task["data"]) - {"sample_id"}
     assert [c.get("value") for c in view.find("Choices[@name='answer']")] == ["left", "right"]
     assert ET.fromstring(labeling_config(1)).find("TextArea[@name='answer']") is not None
+
+
+# ------------------------------------------------------------------ the family's chat with several pictures
+import pytest  # noqa: E402
+
+from pipeline.model.families import FAMILIES, get_family  # noqa: E402
+from pipeline.schema import Question  # noqa: E402
+
+
+def _pictures(n: int) -> list[Image.Image]:
+    return [Image.fromarray(np.full((32, 32, 3), 40 * (i + 1), np.uint8)) for i in range(n)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_two_pictures_give_two_image_items_and_placeholders_and_one_picture_the_one_image_chat(tiny_models, family):
+    """Scoring and training build a sample's chat from its pictures and context (issue 51 item 2): two pictures put
+    two image items in the chat, which the real processor expands into twice the image tokens of one; a one-image
+    sample without context renders byte for byte what a plain question did (the cache keys of one-image projects)."""
+    from transformers import AutoProcessor
+
+    fam, proc = get_family(family), AutoProcessor.from_pretrained(tiny_models[family])
+    one = fam.prompt(proc, "What changed?", "flipped")
+    assert fam.prompt(proc, Question("What changed?"), "flipped") == one
+    assert fam.messages("What changed?") == [{"role": "user", "content": [{"type": "image"},
+                                                                          {"type": "text", "text": "What changed?"}]}]
+    two = Question("What changed?", context=(("user", "Look at both."), ("assistant", "I see them.")), images=2)
+    msgs = fam.messages(two, "flipped")
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
+    assert [c["type"] for c in msgs[0]["content"]] == ["image", "image", "text"]
+    assert "Look at both." in fam.prompt(proc, two) and "I see them." in fam.prompt(proc, two)
+    pic = _pictures(2)
+    image_id = proc.tokenizer.convert_tokens_to_ids(fam.image_token)
+    n1 = int((fam.encode(proc, [pic[0]], ["What changed?"])["input_ids"] == image_id).sum())
+    enc = fam.encode(proc, [pic], [two], ["flipped"])
+    two_tokens = int((enc["input_ids"] == image_id).sum())
+    if family == "llava_onevision":  # a picture among several gets its base features only (no anyres grid): fewer
+        assert fam.prompt(proc, two).count("<image>") == 2 and two_tokens % 2 == 0 and 0 < two_tokens
+    else:
+        assert n1 > 0 and two_tokens == 2 * n1
+    assert (enc["labels"] != -100).sum() > 0  # the answer is still located after the longer prompt
+    with pytest.raises(Exception, match="row 0 has 2 image"):
+        fam.encode(proc, [pic], [Question("What changed?")])
+
+
+def test_the_reports_picture_of_a_two_picture_sample_shows_both_side_by_side(tmp_path):
+    """The round report's thumbnails and contact sheet read gather.Images.png: a sample of several pictures gets them
+    all, left to right; a one-picture sample its prepared PNG as it is."""
+    import datasets
+
+    from pipeline.roundreport.gather import Images
+    from pipeline.store import write_manifest
+
+    a, b = png((30, 20)), png((10, 20), (0, 0, 250))
+    ds = datasets.Dataset.from_dict({"sample_id": ["two", "one"], "prepared": [a, a], "more_prepared": [[b], []]})
+    ds.save_to_disk(str(tmp_path / "dataset"))
+    write_manifest(tmp_path, stage="preprocess", stage_version="1", inputs={}, config={},
+                   outputs={"dataset": "dataset"})
+    got = Images(str(tmp_path)).png(["two", "one"])
+    assert got["one"] == a
+    both = Image.open(io.BytesIO(got["two"])).convert("RGB")
+    assert both.size == (30 + 4 + 10, 20)
+    assert both.getpixel((5, 5)) == (200, 80, 20) and both.getpixel((40, 5)) == (0, 0, 250)

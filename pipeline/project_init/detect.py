@@ -113,9 +113,11 @@ def _conversations(path: Path, recs: list[Any]) -> Found:
         cols, named = sharegpt_columns(path) if kind == "sharegpt" else (ShareGptColumns(), None)
     except ValueError as exc:
         raise DataError(str(exc)) from None
-    convs = [c for c in (parse(r, kind, cols) if isinstance(r, dict) else "" for r in recs)
-             if isinstance(c, Conversation)]
+    parsed = [(r, parse(r, kind, cols)) for r in recs if isinstance(r, dict)]
+    convs = [c for _, c in parsed if isinstance(c, Conversation)]
     answers = [_cell(c.answer) for c in convs if _cell(c.answer)]
+    # Records whose split cell says test are the test split, as a manifest's rows are (the reader's split_column).
+    tests = [_cell(c.answer) for r, c in parsed if isinstance(c, Conversation) and _cell(r.get("split")).lower() == "test"]
     files = [p for c in _spread(convs, SIZE_SAMPLE) if c.images
              for p in [path.resolve().parent / c.images[0]] if p.is_file()]
     many = sum(len(c.images) > 1 for c in convs)
@@ -124,9 +126,10 @@ def _conversations(path: Path, recs: list[Any]) -> Found:
             + f" ({len(answers):,} ending on an answer"
             + (f", {many:,} with several images" if many else "") + (f", {turns:,} with earlier turns" if turns else "")
             + (f"; {len(recs) - len(convs):,} the readers quarantine with a reason" if len(convs) < len(recs) else "")
-            + ")")
+            + (f", {len(tests):,} in the test split" if tests else "") + ")")
     return Found({"kind": kind, "path": str(path)}, len(recs), len(answers), sorted(set(answers)), image_sizes(files),
-                 what, counts=dict(Counter(answers)), free_text=True)
+                 what, counts=dict(Counter(answers)), free_text=True, test=len(tests),
+                 test_counts=dict(Counter(a for a in tests if a)))
 
 
 def _conversation_file(folder: Path) -> Path | None:

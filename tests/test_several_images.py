@@ -115,3 +115,70 @@ def test_the_reports_picture_of_a_two_picture_sample_shows_both_side_by_side(tmp
     both = Image.open(io.BytesIO(got["two"])).convert("RGB")
     assert both.size == (30 + 4 + 10, 20)
     assert both.getpixel((5, 5)) == (200, 80, 20) and both.getpixel((40, 5)) == (0, 0, 250)
+
+
+def _two_picture_rows(bad_second: bool = False):
+    """An ingested table of a conversation project: two two-picture samples (a before / after pair each, the second
+    sample's after-picture broken when `bad_second`) and one one-picture sample with an earlier turn."""
+    import datasets
+
+    from pipeline.data.multi import more_features
+
+    wide, tall = png((60, 30)), png((20, 40), (10, 10, 200))
+    more = [[{"image": tall, "image_path": "/data/after_a.png", "width": 20, "height": 40, "mode": "RGB"}],
+            [{"image": b"broken" if bad_second else wide, "image_path": "/data/after_b.png", "width": 60,
+              "height": 30, "mode": "RGB"}], []]
+    feats = datasets.Features({"sample_id": datasets.Value("string"), "image": datasets.Value("binary"),
+                               "image_path": datasets.Value("string"), "question": datasets.Value("string"),
+                               **more_features()})
+    return datasets.Dataset.from_dict({
+        "sample_id": ["pa", "pb", "pc"], "image": [wide, tall, wide],
+        "image_path": ["/data/before_a.png", "/data/before_b.png", "/data/single.png"],
+        "question": ["What changed?"] * 3, "more_images": more,
+        "context": [[], [], [{"role": "user", "text": "Look closely."}]]}, features=feats)
+
+
+def test_the_preprocess_stage_prepares_every_picture_and_quarantines_a_sample_whose_later_picture_fails(tmp_path):
+    from pipeline.preprocess import load_prepared, preprocess_dataset
+
+    m = preprocess_dataset(_two_picture_rows(bad_second=True), PreprocessConfig(), tmp_path, size=32,
+                           max_pixels=10**7)
+    assert m.info["rows"] == 2 and m.info["quarantined"] == 1
+    from pipeline.store import read_jsonl
+
+    (q,) = read_jsonl(tmp_path / "quarantine.jsonl")
+    assert q["sample_id"] == "pb" and q["reason"].startswith("image 2 of 2: ")
+    ds = load_prepared(tmp_path)
+    assert "more_prep_error" not in ds.column_names and "prep_error" not in ds.column_names
+    first = ds[0]
+    assert (first["more_prep_width"], first["more_prep_height"]) == ([16], [32])  # the tall picture, aspect kept
+    assert decode_prepared(first["more_prepared"][0]).shape[:2] == (32, 16)  # not stretched (no pad by default)
+    assert ds[1]["more_prepared"] == []
+
+
+def test_the_round_export_shows_every_picture_with_its_original_name_and_the_earlier_turns(tmp_path):
+    import csv
+    import json
+
+    from pipeline.annotation.export import export_selection
+    from pipeline.config import AnnotateConfig
+    from pipeline.preprocess import load_prepared, preprocess_dataset
+
+    preprocess_dataset(_two_picture_rows(), PreprocessConfig(), tmp_path / "prep", size=32, max_pixels=10**7)
+    out = tmp_path / "artifacts" / "rounds" / "000" / "export"
+    sel = [{"sample_id": s, "rank": k, "score": 1.0} for k, s in enumerate(["pa", "pb", "pc"])]
+    export_selection(sel, load_prepared(tmp_path / "prep"), AnnotateConfig(export_images="original"),
+                     ["same", "flipped"], tmp_path / "artifacts", out, round_index=0)
+    tasks = {t["data"]["sample_id"]: t["data"] for t in json.loads((out / "label_studio_tasks.json").read_text())}
+    assert tasks["pa"]["image_2"].endswith("/images/pa_2.png") and tasks["pa"]["original_image_2"] == "after_a.png"
+    assert "image_2" not in tasks["pc"] and tasks["pc"]["context"] == "user: Look closely."
+    assert (out / "images" / "pa_2.png").read_bytes() == png((20, 40), (10, 10, 200))  # the original, as it was
+    view = ET.fromstring((out / "label_config.xml").read_text())
+    assert [i.get("value") for i in view.iter("Image")] == ["$image", "$image_2"]
+    assert [c.get("value") for c in view.iter("Choice")] == ["same", "flipped"]
+    with (out / "annotate.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["sample_id", "image", "original_image", "text", "model_answer", "confidence",
+                             "image_2", "original_image_2", "context", "label"]
+    assert [(r["original_image"], r["original_image_2"]) for r in rows] == [
+        ("before_a.png", "after_a.png"), ("before_b.png", "after_b.png"), ("single.png", "")]

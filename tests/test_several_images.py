@@ -59,7 +59,6 @@ def test_a_label_studio_task_shows_every_picture_and_the_earlier_turns():
 import pytest  # noqa: E402
 
 from pipeline.model.families import FAMILIES, get_family  # noqa: E402
-from pipeline.schema import Question  # noqa: E402
 
 
 def _pictures(n: int) -> list[Image.Image]:
@@ -72,6 +71,8 @@ def test_two_pictures_give_two_image_items_and_placeholders_and_one_picture_the_
     two image items in the chat, which the real processor expands into twice the image tokens of one; a one-image
     sample without context renders byte for byte what a plain question did (the cache keys of one-image projects)."""
     from transformers import AutoProcessor
+
+    from pipeline.schema import Question
 
     fam, proc = get_family(family), AutoProcessor.from_pretrained(tiny_models[family])
     one = fam.prompt(proc, "What changed?", "flipped")
@@ -182,3 +183,49 @@ def test_the_round_export_shows_every_picture_with_its_original_name_and_the_ear
                              "image_2", "original_image_2", "context", "label"]
     assert [(r["original_image"], r["original_image_2"]) for r in rows] == [
         ("before_a.png", "after_a.png"), ("before_b.png", "after_b.png"), ("single.png", "")]
+
+
+def test_augmentation_draws_one_transform_per_copy_for_every_picture_of_a_sample(tmp_path):
+    """Two identical pictures stay identical in every augmented copy (the same flip, rotation and brightness), and
+    the copies differ from the original: a before / after pair stays comparable."""
+    import datasets
+
+    from pipeline.augment import augment_labeled, load_augmented
+    from pipeline.config import AugmentConfig
+
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(buf, format="PNG")
+    pic = buf.getvalue()
+    ds = datasets.Dataset.from_dict({"sample_id": ["s"], "prepared": [pic], "more_prepared": [[pic]],
+                                     "question": ["Same?"], "answer": ["same"], "split": ["train"]})
+    cfg = AugmentConfig(copies=3, image={"affine_p": 1.0, "horizontal_flip_p": 0.5, "brightness_contrast_p": 1.0})
+    augment_labeled(ds, cfg, 7, tmp_path)
+    out = load_augmented(tmp_path)
+    assert len(out) == 3
+    for row in out:
+        assert row["more_prepared"] == [row["prepared"]] and row["prepared"] != pic
+
+
+def test_a_two_picture_samples_selection_vector_is_the_normalised_mean_of_its_pictures():
+    """The selection space (pixels embedder, fitted on first pictures): a two-picture sample's vector is
+    sample_embedding of its two pictures' vectors; a sample whose pictures are the same is that picture's direction."""
+    import datasets
+
+    from pipeline.embedders import PixelsEmbedder
+    from pipeline.embeddings import _embed
+
+    rng = np.random.default_rng(1)
+
+    def pic():
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(buf, format="PNG")
+        return buf.getvalue()
+
+    a, b, c = pic(), pic(), pic()
+    emb = PixelsEmbedder(side=8, dim=2).fit([decode_prepared(p) for p in (a, b, c)])
+    table = datasets.Dataset.from_dict({"sample_id": ["ab", "aa"], "prepared": [a, a], "more_prepared": [[b], [a]]})
+    got = _embed(emb, table)
+    one = emb.embed([decode_prepared(a), decode_prepared(b)])
+    assert np.allclose(got[0], sample_embedding([one[0], one[1]]), atol=1e-6)
+    assert np.allclose(got[1], one[0] / np.linalg.norm(one[0]), atol=1e-6)

@@ -259,8 +259,20 @@ def _augment_batch(batch: dict[str, list[Any]], *, cfg: dict[str, Any], seed: in
                 out[col].append(batch[col][i])
             out["sample_id"][-1] = augmented_id(sid, k)
             out["prepared"][-1] = encode_png(pipe(image=rgb)["image"])
+            if batch.get("more_prepared") and batch["more_prepared"][i]:
+                out["more_prepared"][-1] = _augment_more(pipe, batch["more_prepared"][i], s)
             out["question"][-1] = augment_text(batch["question"][i], texts, s)
             out["augmented_from"].append(sid)
+    return out
+
+
+def _augment_more(pipe: A.Compose, pngs: list[bytes], seed: int) -> list[bytes]:
+    """A sample's later pictures augmented as its first was: the pipeline re-seeded with the copy's seed before each,
+    so every picture draws the same transform (a flip flips them all, a before / after pair stays comparable)."""
+    out = []
+    for png in pngs:
+        pipe.set_random_seed(seed)
+        out.append(encode_png(pipe(image=decode_prepared(png))["image"]))
     return out
 
 
@@ -325,6 +337,11 @@ def load_augmented(folder: str | os.PathLike[str]) -> datasets.Dataset:
 
 
 TRAIN_COLUMNS = ["sample_id", "prepared", "question", "answer"]
+MORE_TRAIN_COLUMNS = ["more_prepared", "context"]  # a sample's later pictures and earlier turns, where a project has them
+
+
+def _train_columns(ds: datasets.Dataset) -> datasets.Dataset:
+    return ds.select_columns([*TRAIN_COLUMNS, *(c for c in MORE_TRAIN_COLUMNS if c in ds.column_names)])
 
 
 def training_rows(labeled: Mapping[str, Any], augmented: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -332,9 +349,9 @@ def training_rows(labeled: Mapping[str, Any], augmented: Mapping[str, Any] | Non
     the round augments, the augment stage's copies (its ref), in the columns training reads."""
     import datasets
 
-    rows = list(datasets.load_from_disk(labeled["dataset"]).select_columns(TRAIN_COLUMNS))
+    rows = list(_train_columns(datasets.load_from_disk(labeled["dataset"])))
     if augmented is not None:
-        rows += list(load_augmented(augmented["dir"]).select_columns(TRAIN_COLUMNS))
+        rows += list(_train_columns(load_augmented(augmented["dir"])))
     return rows
 
 

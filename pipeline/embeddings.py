@@ -31,6 +31,7 @@ from pipeline.embedders import EmbeddingsSpec, make_embedder
 from pipeline.errors import ArtifactError, ConfigError, DataError
 from pipeline.idindex import IdIndex
 from pipeline.preprocess import decode_prepared
+from pipeline.several_images import sample_embedding
 from pipeline.stage_ref import StageRef
 from pipeline.store import (
     Manifest,
@@ -259,7 +260,10 @@ def _fit_rows(spec: EmbeddingsSpec, embedder: Any, splits: Sequence[str]) -> lis
 
 
 def _embed(embedder: Any, table: datasets.Dataset) -> np.ndarray:
-    """Every row of `table` embedded, CHUNK images decoded at a time: float32 [rows, d]."""
+    """Every row of `table` embedded, CHUNK images decoded at a time: float32 [rows, d]. A project whose samples
+    have several pictures (`more_prepared`): `_embed_samples`."""
+    if "more_prepared" in table.column_names:
+        return _embed_samples(embedder, table)
     chunks, batch = [], []
     for img in _images(table):
         batch.append(img)
@@ -269,6 +273,21 @@ def _embed(embedder: Any, table: datasets.Dataset) -> np.ndarray:
     if batch:
         chunks.append(embedder.embed(batch))
     return np.ascontiguousarray(np.concatenate(chunks) if chunks else np.zeros((0, 0), np.float32), np.float32)
+
+
+def _embed_samples(embedder: Any, table: datasets.Dataset) -> np.ndarray:
+    """[rows, d]: every picture of a sample embedded, the sample's vector the normalised mean of its pictures'
+    (pipeline/several_images.py `sample_embedding`: each picture weighs the same; a one-picture sample's vector is
+    its picture's, normalised, which cosine distances do not tell apart). The embedder is fitted on first pictures."""
+    out: list[np.ndarray] = []
+    for start in range(0, len(table), CHUNK):
+        batch = table[start:start + CHUNK]
+        pics = [[decode_prepared(p), *(decode_prepared(m) for m in more or [])]
+                for p, more in zip(batch["prepared"], batch["more_prepared"], strict=True)]
+        flat = embedder.embed([im for row in pics for im in row])
+        at = np.cumsum([0, *(len(row) for row in pics)])
+        out += [sample_embedding(list(flat[a:b])) for a, b in zip(at[:-1], at[1:], strict=True)]
+    return np.ascontiguousarray(np.stack(out) if out else np.zeros((0, 0), np.float32), np.float32)
 
 
 def compute_selection_embeddings(
@@ -291,7 +310,8 @@ def compute_selection_embeddings(
         raise DataError(f"the prepared dataset lacks column(s) {sorted(missing)}; pass the prepare stage's dataset")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = prepared.select_columns(sorted(need))
+    more = ["more_prepared"] if e.source != "file" and "more_prepared" in prepared.column_names else []
+    table = prepared.select_columns(sorted(need) + more)
     ids = [str(s) for s in column(table, "sample_id")]
     if len(set(ids)) != len(ids):
         raise DataError("the prepared dataset repeats a sample_id; rebuild it with ingest (which de-duplicates)")
@@ -439,7 +459,9 @@ def _shard_vectors(spec: EmbeddingsSpec, embedder: Any, fit: str | None, folder:
 
     def compute() -> Manifest:
         done.append(out.name)
-        table = datasets.load_from_disk(str(folder)).select_columns(["sample_id", "prepared"])
+        shard = datasets.load_from_disk(str(folder))
+        table = shard.select_columns(["sample_id", "prepared", *(["more_prepared"] if "more_prepared" in
+                                                                 shard.column_names else [])])
         vectors = _embed(embedder, table)
         buf = io.BytesIO()
         np.save(buf, vectors, allow_pickle=False)

@@ -236,10 +236,54 @@ def prepare_image(data: bytes, cfg: PreprocessConfig, *, size: int, max_pixels: 
 def prepared_features(base: datasets.Features) -> datasets.Features:
     from datasets import Features, List, Value
 
+    more = more_prepared_features() if "more_images" in base else {}
     return Features({
         **base, "prepared": Value("binary"), "prep_width": Value("int32"), "prep_height": Value("int32"),
-        "prep_box": List(Value("int32")), "prep_error": Value("string"),
+        "prep_box": List(Value("int32")), "prep_error": Value("string"), **more,
     })
+
+
+# A sample's 2nd..Nth pictures (pipeline/schema.py `more_images`, a conversation source's), each prepared as the first.
+MORE_PREPARED = ("more_prepared", "more_prep_width", "more_prep_height", "more_prep_box", "more_prep_error")
+
+
+def more_prepared_features() -> dict[str, Any]:
+    from datasets import List, Value
+
+    i = Value("int32")
+    return {"more_prepared": List(Value("binary")), "more_prep_width": List(i), "more_prep_height": List(i),
+            "more_prep_box": List(List(i)), "more_prep_error": List(Value("string"))}
+
+
+def prepare_more_batch(batch: dict[str, list[Any]], *, cfg: PreprocessConfig, size: int,
+                       max_pixels: int) -> dict[str, list[Any]]:
+    """The MORE_PREPARED columns of a batch of ingested rows (each a list, one entry per image of `more_images`):
+    longest side `size`, aspect kept, padded as configured, by the same ImagePreparer as the first image; a picture
+    that fails keeps its reason in `more_prep_error` (the row is quarantined naming which picture)."""
+    prep = ImagePreparer(cfg, size=size, max_pixels=max_pixels)
+    out: dict[str, list[Any]] = {k: [] for k in MORE_PREPARED}
+    for more in batch["more_images"]:
+        row: dict[str, list[Any]] = {k: [] for k in MORE_PREPARED}
+        for m in more or []:
+            try:
+                rgb, box = prep(m["image"])
+                png, err = encode_png(rgb), ""
+            except (DataError, ValueError, OSError, cv2.error) as exc:
+                rgb, box, png = np.zeros((0, 0, 3), np.uint8), (0, 0, 0, 0), None
+                err = getattr(exc, "reason", None) or f"{exc.__class__.__name__}: {exc}"
+            for k, v in zip(MORE_PREPARED, (png, rgb.shape[1], rgb.shape[0], list(box), err), strict=True):
+                row[k].append(v)
+        for k in MORE_PREPARED:
+            out[k].append(row[k])
+    return out
+
+
+def _row_error(first: str, more: list[str] | None) -> str:
+    """The reason a row is quarantined: its first picture's, else the first later picture's that failed (named)."""
+    if first or not more:
+        return first
+    bad = next(((i, e) for i, e in enumerate(more, 2) if e), None)
+    return "" if bad is None else f"image {bad[0]} of {len(more) + 1}: {bad[1]}"
 
 
 def _prepare_batch(batch: dict[str, list[Any]], *, cfg: dict[str, Any], size: int, max_pixels: int) -> dict:
@@ -258,6 +302,9 @@ def _prepare_batch(batch: dict[str, list[Any]], *, cfg: dict[str, Any], size: in
         out["prep_height"].append(rgb.shape[0])
         out["prep_box"].append(list(box))
         out["prep_error"].append(err)
+    if "more_images" in batch:
+        out.update(prepare_more_batch(batch, cfg=PreprocessConfig(**cfg), size=size, max_pixels=max_pixels))
+        out["prep_error"] = [_row_error(e, m) for e, m in zip(out["prep_error"], out["more_prep_error"], strict=True)]
     return out
 
 
@@ -304,7 +351,8 @@ def preprocess_dataset(
         bad_set = set(bad)
         kept = mapped.select([i for i in range(len(mapped)) if i not in bad_set]) if bad else mapped
         with atomic_dir(out_dir / "dataset") as tmp:
-            save_dataset(kept.remove_columns("prep_error"), tmp)
+            save_dataset(kept.remove_columns([c for c in ("prep_error", "more_prep_error") if c in kept.column_names]),
+                         tmp)
         del mapped, kept
     atomic_write_jsonl(out_dir / "quarantine.jsonl", quarantine)
     log.info("preprocess: %d rows prepared at %d px, %d quarantined", len(ds) - len(bad), size, len(bad))
@@ -401,7 +449,8 @@ def _preprocess_shards(artifacts: str | os.PathLike[str], dataset: str, shards: 
 
     def empty(tmp: Path) -> None:
         feats = prepared_features(datasets.load_from_disk(dataset).features)
-        datasets.Dataset.from_dict({c: [] for c in feats}, features=feats).remove_columns("prep_error").save_to_disk(
+        errors = [c for c in ("prep_error", "more_prep_error") if c in feats]
+        datasets.Dataset.from_dict({c: [] for c in feats}, features=feats).remove_columns(errors).save_to_disk(
             str(tmp), num_shards=1)
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,18 @@ Ingested dataset (Hugging Face `datasets`, Arrow, saved with `save_to_disk`):
     mode        str          the decoded PIL mode before conversion (e.g. "CMYK", "I;16", "P", "RGBA")
     external_id str | None   the source's own ID of the row (its `id_column`, default "id"); label files may use it
 
+A project with a conversation source (kind trl / sharegpt / swift, pipeline/data/conversations.py) has two more
+columns, on every row (empty lists on a one-image row); a project without one has neither, so its rows, IDs and
+cache keys are those it always had:
+
+    more_images list[struct]   the sample's 2nd..Nth images, in order, each {image, image_path, width, height, mode}
+                               as the first image's columns above (which stay the first image: a stage that reads one
+                               image reads the sample's first)
+    context     list[struct]   the turns before `question`, oldest first, each {role: system|user|assistant, text}
+
+A sample's ID covers every image and turn (`sample_id_of`); one image and no context is `sample_id_for`'s ID, so
+the same picture and question is the same sample whichever source it came from.
+
 Prepared dataset adds:
 
     prepared    bytes        PNG of the preprocessed RGB image (aspect kept; optional square pad)
@@ -27,7 +39,11 @@ blur_score float.
 
 from __future__ import annotations
 
-from pipeline.store import digest_bytes
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.store import canonical_json, digest_bytes
 
 # Column names that mean "the answer" in a table of images: a source's manifest (`tamis init`) or a label file.
 ANSWER_NAMES = ("answer", "label", "labels", "category", "class", "target", "caption", "y")
@@ -57,6 +73,41 @@ def sample_id_for(image_bytes: bytes, question: str) -> str:
     80 bits of sha256 (20 hex chars): collision-free in practice for any pool, short enough for file names.
     """
     return digest_bytes(image_bytes + b"\0" + question.encode("utf-8"))[:20]
+
+
+MORE_COLUMNS = ("more_images", "context")
+
+
+def sample_id_of(images: Sequence[bytes], question: str, context: Sequence[tuple[str, str]] = ()) -> str:
+    """The ID of a sample of several images or turns: sample_id_for's when there is one image and no context, else
+    a digest of every image's digest in order, the context and the question (module docstring)."""
+    if len(images) == 1 and not context:
+        return sample_id_for(images[0], question)
+    parts = [digest_bytes(i) for i in images]
+    return digest_bytes(canonical_json([parts, [list(c) for c in context], question]).encode("utf-8"))[:20]
+
+
+@dataclass(frozen=True)
+class Question:
+    """What a sample asks beyond one image and one question: its earlier turns and how many pictures it shows.
+
+    `context` is (role, text) pairs (system, user, assistant) that come before the question; `images` is the count of
+    image items its chat holds (all at the start of the first user turn, in order, as an export writes them).
+    `Question(text)` is a one-image sample's: the chat a family renders from it is byte for byte a plain string's."""
+
+    text: str
+    context: tuple[tuple[str, str], ...] = ()
+    images: int = 1
+
+
+def sample_chat(row: Mapping[str, Any]) -> tuple[list[bytes], str | Question]:
+    """A prepared row's pictures (PNG bytes: `prepared`, then `more_prepared`'s) and what it asks: its question string
+    when it has one picture and no earlier turns (the inputs a one-image project always had), else a Question."""
+    pngs = [row["prepared"], *(row.get("more_prepared") or [])]
+    context = tuple((c["role"], c["text"]) for c in row.get("context") or [])
+    if len(pngs) == 1 and not context:
+        return pngs, row["question"]
+    return pngs, Question(row["question"], context, len(pngs))
 
 
 def display_name(image_path: str | None, source: str | None, sample_id: str) -> str:

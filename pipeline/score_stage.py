@@ -165,13 +165,15 @@ def score_shard(params: ShardParams) -> dict[str, Any]:
 
     def compute() -> Manifest:
         ds, index = _index(prepared["dir"])
-        # Only the three columns a shard reads: the original images' pages are never touched.
+        # Only the columns a shard reads (a sample's later pictures and turns where the project has them): the
+        # original images' pages are never touched.
         at = index.rows(shard_ids)
         if (at < 0).any():
             raise DataError(f"score shard {out_dir}: {int((at < 0).sum())} of {len(shard_ids)} samples (first: "
                             f"{shard_ids[int(np.flatnonzero(at < 0)[0])]}) are not in the prepared dataset "
                             f"{prepared['dir']}; run the round again to re-plan its shards")
-        rows = list(ds.select_columns(["sample_id", "prepared", "question"]).select(at.tolist()))
+        more = [c for c in ("more_prepared", "context") if c in ds.column_names]
+        rows = list(ds.select_columns(["sample_id", "prepared", "question", *more]).select(at.tolist()))
         loaded = _loaded(json.dumps(model, sort_keys=True), adapter and adapter["dir"], adapter and adapter["digest"])
         scorer = make_scorer(loaded, scoring["answers"], length_normalize=scoring["length_normalize"],
                              max_new_tokens=scoring["max_new_tokens"])

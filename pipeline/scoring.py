@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from pipeline.schema import Question, sample_chat
 from pipeline.store import (
     Manifest,
     atomic_write_bytes,
@@ -76,6 +77,19 @@ def predictions(scores: ScoreResult, answers: list[str] | None) -> tuple[list[st
 
 def decode_rgb(data: bytes) -> Image.Image:
     return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def row_inputs(rows: Sequence[Mapping[str, Any]]) -> tuple[list[Image.Image | list[Image.Image]],
+                                                            list[str | Question]]:
+    """Each prepared row's pictures (one image, or the list of a sample of several) and what it asks, as the family's
+    encode takes them (pipeline.schema.sample_chat: a one-image row gives what it always gave)."""
+    images: list[Image.Image | list[Image.Image]] = []
+    questions: list[str | Question] = []
+    for r in rows:
+        pngs, q = sample_chat(r)
+        images.append(decode_rgb(pngs[0]) if len(pngs) == 1 else [decode_rgb(p) for p in pngs])
+        questions.append(q)
+    return images, questions
 
 
 @contextmanager
@@ -152,7 +166,7 @@ class ClosedSetScorer:
         return self._cand is not None and all(len(c) == 1 for c in self._cand)
 
     @torch.no_grad()
-    def logprobs(self, images: list[Image.Image], questions: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def logprobs(self, images: list[Any], questions: list[Any]) -> tuple[np.ndarray, np.ndarray]:
         """(candidate log-likelihoods [n, c], pooled prefix embeddings [n, d]) for one batch."""
         cand = self._candidates(questions[0])
         enc = self.family.encode(self.processor, images, questions).to(_device_of(self.model))
@@ -220,8 +234,7 @@ class ClosedSetScorer:
         return total / lengths if self.length_normalize else total
 
     def score(self, rows: Sequence[dict], *, batch_size: int, mc_passes: int = 0, seed: int = 0) -> ScoreResult:
-        images = [decode_rgb(r["prepared"]) for r in rows]
-        questions = [r["question"] for r in rows]
+        images, questions = row_inputs(rows)
         self._candidates(questions[0])
         lls, embs, mc = [], [], []
         for i in range(0, len(rows), batch_size):
@@ -276,7 +289,7 @@ class OpenAnswerScorer:
         self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
 
     @torch.no_grad()
-    def _generate(self, images: list[Image.Image], questions: list[str]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    def _generate(self, images: list[Any], questions: list[Any]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
         """(answers, token log-probs [n, t], token entropies [n, t], prefix embeddings [n, d]) of one batch.
 
         The family's encode left-pads generation prompts whatever the tokenizer's own padding side, so every row's
@@ -319,7 +332,7 @@ class OpenAnswerScorer:
         answers, lps, ents, embs, mc = [], [], [], [], []
         for i in range(0, len(rows), batch_size):
             chunk = rows[i : i + batch_size]
-            ims, qs = [decode_rgb(r["prepared"]) for r in chunk], [r["question"] for r in chunk]
+            ims, qs = row_inputs(chunk)
             a, lp, ent, emb = self._generate(ims, qs)
             answers += a
             lps.append(lp)

@@ -145,16 +145,19 @@ FLOORS = (
     ("pipeline", "pipeline.errors", "pipeline.store", "pipeline.codeversion", "pipeline.config", "pipeline.idindex",
      "pipeline.schema", "pipeline.lock", "pipeline.metrics", "pipeline.chance", "pipeline.perclass", "pipeline.report",
      "pipeline.meaning", "pipeline.answer_metrics", "pipeline.stage_ref", "pipeline.faiss_threads", "pipeline.round_state", "pipeline.boxes",
-     "pipeline.mdtext", "pipeline.csvcells"),  # user text made inert in markdown and in CSVs for spreadsheets
+     "pipeline.mdtext", "pipeline.csvcells",  # user text made inert in markdown and in CSVs for spreadsheets
+     "pipeline.fields.schema"),  # the answer schema the config checks (the rest of pipeline.fields is a stage floor)
     ("pipeline.data",),  # sources → the ingested table
     ("pipeline.scoring",),  # scorers of rows with a loaded model (the shard stage that loads it is above)
     ("pipeline.model",),  # families, loading, planning, training on given rows
     # prepared data and what is computed from it without a round: quality, augmentation, selection embeddings
-    ("pipeline.preprocess", "pipeline.quality", "pipeline.augment", "pipeline.embedders", "pipeline.embeddings"),
+    ("pipeline.preprocess", "pipeline.quality", "pipeline.augment", "pipeline.embedders", "pipeline.embeddings",
+     "pipeline.several_images"),
     ("pipeline.strategies",),  # heuristics, selectors, candidates: arrays in, picks out
     # the round's stages and the annotation loop
     ("pipeline.score_stage", "pipeline.selection", "pipeline.evaluate", "pipeline.stopping", "pipeline.annotation",
-     "pipeline.labelcheck"),
+     "pipeline.labelcheck",
+     "pipeline.fields"),  # structured answers: per-field metrics use pipeline.evaluate's token F1
     # the round: its plan, its report, what reads a finished round
     ("pipeline.round", "pipeline.unchanged", "pipeline.status", "pipeline.roundreport", "pipeline.predict",
      "pipeline.export_model", "pipeline.dataexport", "pipeline.project_init", "pipeline.serving"),

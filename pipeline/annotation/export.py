@@ -23,6 +23,7 @@ from pipeline.codeversion import stage_version
 from pipeline.config import AnnotateConfig
 from pipeline.csvcells import csv_text
 from pipeline.errors import TamisError
+from pipeline.fields.labelstudio import image_keys, labeling_config
 from pipeline.idindex import IdIndex
 from pipeline.round_state import ROUNDS_DIR, round_dir
 from pipeline.stage_ref import StageRef
@@ -81,10 +82,23 @@ class ExportItem:
     confidence: float | None = None
     scores: Mapping[str, float] = field(default_factory=dict)
     original_name: str = ""
+    # A sample of several pictures (a conversation source's): its 2nd..Nth as (bytes, extension, original file name),
+    # and its earlier turns (role, text); empty on a one-image sample, whose files are what they always were.
+    more: tuple[tuple[bytes, str, str], ...] = ()
+    context: tuple[tuple[str, str], ...] = ()
 
     @property
     def image_name(self) -> str:
         return f"{self.sample_id}.{self.image_ext}"
+
+    def more_names(self) -> list[str]:
+        """The file names of its later pictures in images/: `<sample_id>_2.<ext>`, `_3`, …"""
+        return [f"{self.sample_id}_{i}.{ext}" for i, (_, ext, _) in enumerate(self.more, 2)]
+
+    def images(self) -> list[tuple[str, bytes]]:
+        """(file name in images/, bytes) of every picture, the first first."""
+        return [(self.image_name, self.image_bytes),
+                *zip(self.more_names(), (b for b, _, _ in self.more), strict=True)]
 
 
 @dataclass(frozen=True)
@@ -164,6 +178,7 @@ class LabelStudioExporter(Exporter):
                     # JSON_MIN exports drop `meta`; the ID must also travel in `data`.
                     "sample_id": it.sample_id,
                     **({"original_image": it.original_name} if it.original_name else {}),
+                    **_more_task_data(it, f"{prefix}{rel}/{IMAGES_DIR}/"),
                 },
                 "meta": {
                     "sample_id": it.sample_id,
@@ -177,8 +192,27 @@ class LabelStudioExporter(Exporter):
             for it in items
         ]
         atomic_write_text(out_dir / TASKS_FILE, _dumps(tasks))
-        atomic_write_text(out_dir / LABEL_CONFIG_FILE, label_config_xml(self.ctx.answers))
+        n_images = max((1 + len(it.more) for it in items), default=1)
+        context = any(it.context for it in items)
+        # One <Image> per picture where some sample has several (or earlier turns): pipeline/fields/labelstudio.py,
+        # whose answer control keeps the names the label import reads; a one-image project's config is unchanged.
+        xml = label_config_xml(self.ctx.answers) if n_images == 1 and not context else labeling_config(
+            n_images, answers=self.ctx.answers, context=context)
+        atomic_write_text(out_dir / LABEL_CONFIG_FILE, xml)
         return [TASKS_FILE, LABEL_CONFIG_FILE]
+
+
+def _more_task_data(it: ExportItem, url: str) -> dict[str, Any]:
+    """A task's data for a sample's later pictures (`image_2`, … as `labeling_config` names them, each with its
+    `original_image_2`, …) and its earlier turns (`context`); nothing for a one-image sample."""
+    if not it.more and not it.context:
+        return {}
+    keys = image_keys(1 + len(it.more))[1:]
+    data: dict[str, Any] = {k: url + name for k, name in zip(keys, it.more_names(), strict=True)}
+    data |= {f"original_{k}": orig for k, (_, _, orig) in zip(keys, it.more, strict=True) if orig}
+    if it.context:
+        data["context"] = "\n".join(f"{role}: {text}" for role, text in it.context)
+    return data
 
 
 def _table_rows(items: Sequence[ExportItem]) -> list[dict[str, Any]]:
@@ -191,9 +225,29 @@ def _table_rows(items: Sequence[ExportItem]) -> list[dict[str, Any]]:
             "model_answer": it.prediction,
             "confidence": it.confidence,
             "label": "",
+            **_more_cells(it),
         }
         for it in items
     ]
+
+
+def _more_cells(it: ExportItem) -> dict[str, Any]:
+    """The table cells of a sample's later pictures (`image_2` and `original_image_2`, …) and earlier turns."""
+    cells: dict[str, Any] = {}
+    for k, name, (_, _, orig) in zip(image_keys(1 + len(it.more))[1:], it.more_names(), it.more, strict=True):
+        cells |= {k: name, f"original_{k}": orig}
+    if it.context:
+        cells["context"] = "\n".join(f"{role}: {text}" for role, text in it.context)
+    return cells
+
+
+def table_columns(items: Sequence[ExportItem]) -> list[str]:
+    """TABLE_COLUMNS, then one image and original_image column per later picture and a context column where some
+    sample has them (before `label`, which stays last: the column a person fills)."""
+    n = max((1 + len(it.more) for it in items), default=1)
+    more = [c for k in image_keys(n)[1:] for c in (k, f"original_{k}")]
+    more += ["context"] if any(it.context for it in items) else []
+    return [*TABLE_COLUMNS[:-1], *more, TABLE_COLUMNS[-1]]
 
 
 class CsvExporter(Exporter):
@@ -202,7 +256,7 @@ class CsvExporter(Exporter):
     def write(self, items: Sequence[ExportItem], out_dir: Path) -> list[str]:
         # Formula-like cells (a file named =HYPERLINK(…), an open answer starting with -) get a leading ' so a
         # spreadsheet shows them as text; the label import takes it off again (pipeline/csvcells.py).
-        atomic_write_text(out_dir / CSV_FILE, csv_text(TABLE_COLUMNS, _table_rows(items)))
+        atomic_write_text(out_dir / CSV_FILE, csv_text(table_columns(items), _table_rows(items)))
         return [CSV_FILE]
 
 
@@ -221,11 +275,11 @@ class ImagesExporter(Exporter):
     def write(self, items: Sequence[ExportItem], out_dir: Path) -> list[str]:
         # Swapped in as a whole so images of an earlier, different selection never linger beside the new ones.
         with atomic_dir(out_dir / IMAGES_DIR) as tmp:
-            for it in items:
-                target = (tmp / it.image_name).resolve()
+            for name, data in (pic for it in items for pic in it.images()):
+                target = (tmp / name).resolve()
                 if target.parent != tmp.resolve():
-                    raise ExportError(f"{it.image_name!r} would be written outside {out_dir / IMAGES_DIR}")
-                target.write_bytes(it.image_bytes)
+                    raise ExportError(f"{name!r} would be written outside {out_dir / IMAGES_DIR}")
+                target.write_bytes(data)
         return [IMAGES_DIR]
 
 
@@ -311,14 +365,11 @@ def build_items(
             "the selection is from another dataset version: re-run the select stage"
         )
     cols = ["sample_id", "question", image_col] + (["image_path"] if "image_path" in dataset.column_names else [])
+    cols += [c for c in ("more_images", "more_prepared", "context") if c in dataset.column_names]
     sub = dataset.select_columns(cols).select(at.tolist())
     items = []
     for r, d in zip(rows, sub, strict=True):
-        data, ext = d[image_col], "png"
-        if image_source == "legible":
-            data, ext = legible_image(data, r["sample_id"])
-        elif image_source == "original":
-            ext = _image_ext(data, r["sample_id"])
+        data, ext = _exported_image(d[image_col], r["sample_id"], image_source)
         items.append(
             ExportItem(
                 sample_id=r["sample_id"],
@@ -331,9 +382,26 @@ def build_items(
                 confidence=None if r.get("confidence") is None else float(r["confidence"]),
                 scores={k: float(v) for k, v in sorted((r.get("scores") or {}).items())},
                 original_name=os.path.basename(d.get("image_path") or ""),
+                more=_more_images(d, image_source),
+                context=tuple((c["role"], c["text"]) for c in d.get("context") or []),
             )
         )
     return items
+
+
+def _exported_image(data: bytes, sample_id: str, image_source: str) -> tuple[bytes, str]:
+    """(bytes, extension) of a picture as annotate.export_images asks: prepared PNG, legible, or the original."""
+    if image_source == "legible":
+        return legible_image(data, sample_id)
+    return data, _image_ext(data, sample_id) if image_source == "original" else "png"
+
+
+def _more_images(d: Mapping[str, Any], image_source: str) -> tuple[tuple[bytes, str, str], ...]:
+    """A dataset row's later pictures as the first is exported (prepared or original), with their file names."""
+    originals = d.get("more_images") or []
+    sources = d.get("more_prepared") if image_source == "prepared" else [m["image"] for m in originals]
+    return tuple((*_exported_image(data, d["sample_id"], image_source), os.path.basename(m["image_path"] or ""))
+                 for data, m in zip(sources or [], originals, strict=True))
 
 
 def export_selection(
@@ -375,7 +443,7 @@ def export_selection(
         stage="export",
         stage_version=EXPORT_VERSION,
         inputs={"selection": digest_json([dict(r) for r in selection_rows]),
-                "images": digest_json([(it.image_name, digest_bytes(it.image_bytes)) for it in items])},
+                "images": digest_json([(name, digest_bytes(data)) for it in items for name, data in it.images()])},
         config=config,
         outputs=outputs,
         info={"round": round_index, "count": len(items), "strategies": strategies},

@@ -51,6 +51,7 @@ from pipeline.config.sections import (  # noqa: F401 (re-exported: callers impor
 )
 from pipeline.config.trigger import TriggerConfig  # noqa: F401 (re-exported)
 from pipeline.errors import ConfigError
+from pipeline.fields.schema import load_answer_schema
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "demo.yaml"
 
@@ -127,6 +128,7 @@ def _absolutize(cfg: ProjectConfig, root: Path) -> ProjectConfig:
         src.path = fix(src.path)
     cfg.data.allowed_roots = [fix(p) for p in cfg.data.allowed_roots]
     cfg.data.ground_truth = fix(cfg.data.ground_truth)
+    cfg.data.answer_schema = fix(cfg.data.answer_schema)
     cfg.annotate.document_root = fix(cfg.annotate.document_root)
     cfg.rounds.labels_from = fix(cfg.rounds.labels_from)
     cfg.select.embeddings.path = fix(cfg.select.embeddings.path)
@@ -147,7 +149,13 @@ def parse_config(data: dict[str, Any] | None, *, origin: str = "<config>", root:
     except ValidationError as exc:
         lines = "\n".join(f"  {_describe(e)}" for e in exc.errors())
         raise ConfigError(f"{origin}: invalid config\n{lines}") from None
-    return _absolutize(cfg, (root or Path.cwd()).resolve())
+    cfg = _absolutize(cfg, (root or Path.cwd()).resolve())
+    if cfg.data.answer_schema is not None:  # read once the path is the config's, not the working folder's
+        try:
+            load_answer_schema(cfg.data.answer_schema)
+        except ConfigError as exc:
+            raise ConfigError(f"{origin}: invalid config\n  {exc}") from None
+    return cfg
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -17,7 +17,8 @@ from pydantic import (
 from pipeline.config.answers import ClosedAnswers
 from pipeline.config.base import Section
 
-SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio"]
+# trl / sharegpt / swift: conversations with several images and turns (pipeline/data/conversations.py).
+SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio", "trl", "sharegpt", "swift"]
 Split = Literal["train", "pool", "test"]
 
 
@@ -53,6 +54,12 @@ class DataConfig(Section):
         "{'hotdog': 'hot dog'}. Labels match an answer ignoring case, character width and repeated spaces without "
         "an alias (pipeline/config/answers.py); each import reports the labels it mapped.")
     question: str = "What is shown in the image?"
+    answer_schema: Path | None = Field(
+        default=None,
+        description="A JSON Schema file (relative to the config's folder) for answers that are JSON objects of fields: "
+        "an object whose properties are enums, strings or numbers (docs/structured.md). Answers are validated against "
+        "it, evaluated per field and labeled with one control per field. Not with data.answers (each enum field is its "
+        "own closed set).")
     # Decompression-bomb guard: images with more pixels than this are quarantined, not decoded.
     max_image_pixels: int = Field(default=64_000_000, ge=1)
     # Extra roots a manifest may point into besides its own folder (absolute image paths are checked against these).
@@ -91,6 +98,9 @@ class DataConfig(Section):
         elif self.answer_aliases:
             raise ValueError("data.answer_aliases maps labels to a closed answer set, but data.answers is not set "
                              "(open answers); declare data.answers or remove the aliases")
+        if self.answer_schema is not None and self.answers is not None:
+            raise ValueError("data.answer_schema and data.answers are both set: answers under a schema are JSON "
+                             "objects, each enum field its own closed set; remove data.answers (or the schema)")
         return self
 
     @model_serializer(mode="wrap")
@@ -99,6 +109,8 @@ class DataConfig(Section):
         data = handler(self)
         if isinstance(data, dict) and not self.answer_aliases:
             data.pop("answer_aliases", None)
+        if isinstance(data, dict) and self.answer_schema is None:  # the same for the schema (issue 51)
+            data.pop("answer_schema", None)
         return data
 
 

@@ -22,10 +22,11 @@ from pipeline.config import DataConfig, SourceConfig
 from pipeline.data.file_index import FileIndex, open_index
 from pipeline.data.images import ImageRejected, open_image
 from pipeline.data.listing import Listings, open_listings, source_files
+from pipeline.data.multi import add_more_features, has_more, more_columns, row_key_more
 from pipeline.data.readers import READERS, RawRow, Rejected
 from pipeline.data.shards import SHARDS_FILE, Shard, ShardWriter, assemble, reusable_shards, save_lineage
 from pipeline.errors import DataError
-from pipeline.schema import INGEST_COLUMNS, MAX_QUESTION_CHARS, SPLITS, sample_id_for
+from pipeline.schema import INGEST_COLUMNS, MAX_QUESTION_CHARS, MORE_COLUMNS, SPLITS, sample_id_of
 from pipeline.store import (
     Manifest,
     atomic_write_json,
@@ -74,7 +75,7 @@ def ingest_key_config(data_config: dict[str, Any]) -> dict[str, Any]:
 def _row_key(item: RawRow | Rejected) -> list[Any]:
     if isinstance(item, RawRow):
         return [item.source, item.image_path, item.image_digest, item.question, item.answer, item.split,
-                item.external_id]
+                item.external_id, *row_key_more(item)]
     return [item.source, item.path, item.reason]
 
 
@@ -216,10 +217,15 @@ def _validate(row: RawRow, cfg: DataConfig, acc: _Accounting) -> dict[str, Any] 
         acc.reject(row.source, f"answer {row.answer!r} is not in data.answers {cfg.answers}; fix the label or add it "
                    "to data.answers", row.image_path)
         return None
+    more = more_columns(row, cfg.max_image_pixels) if has_more(cfg) else {}
+    if isinstance(more, str):
+        acc.reject(row.source, more, row.image_path)
+        return None
+    sid = sample_id_of([row.image, *(m.image for m in row.more)], row.question, row.context)
     return {
-        "sample_id": sample_id_for(row.image, row.question), "image": row.image, "image_path": row.image_path,
+        "sample_id": sid, "image": row.image, "image_path": row.image_path,
         "question": row.question, "answer": row.answer, "split": split, "source": row.source,
-        "width": width, "height": height, "mode": mode, "external_id": row.external_id,
+        "width": width, "height": height, "mode": mode, "external_id": row.external_id, **more,
     }
 
 
@@ -260,12 +266,14 @@ def _read_new(item: RawRow, embedded: dict[str, bytes]) -> RawRow | Rejected:
     """The row with its image bytes, for validation; the walk only stat'ed the file."""
     if not item.image_path:
         return replace(item, image=embedded[item.source], digest=None)
-    try:
-        data = Path(item.image_path).read_bytes()
-    except OSError as exc:
-        return Rejected(item.source, f"cannot read {item.image_path}: {exc.strerror}; fix the file and ingest again",
-                        item.image_path)
-    return replace(item, image=data, digest=None)
+    more = []
+    for one in (item, *item.more):
+        try:
+            more.append(replace(one, image=Path(one.image_path).read_bytes(), digest=None))
+        except OSError as exc:
+            return Rejected(item.source, f"cannot read {one.image_path}: {exc.strerror}; fix the file and ingest "
+                            "again", one.image_path)
+    return replace(more[0], more=tuple(more[1:]))
 
 
 def _judge(cfg: DataConfig, parts: Parts, acc: _Accounting, reused: list[Shard], writer: ShardWriter) -> int:
@@ -341,6 +349,8 @@ def ingest(data: DataConfig, artifacts: str | os.PathLike[str], out_dir: Path, *
     reused = reusable_shards(artifacts, data, present)
     acc = _Accounting()
     features, columns = ingest_features(), list(INGEST_COLUMNS)
+    if has_more(data):  # pipeline/schema.py: only a project with a conversation source has these columns
+        features, columns = add_more_features(features), [*columns, *MORE_COLUMNS]
     writer = ShardWriter(artifacts, data, features, out_dir, reused)
     fresh = _judge(data, parts, acc, reused, writer)
     shards = reused + writer.finish(lambda sid: acc.kept[sid]["sources"], columns)

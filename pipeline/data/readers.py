@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
 from pipeline.config import DataConfig, SourceConfig
+from pipeline.data.conversations import Conversation, ShareGptColumns, parse, sharegpt_columns
 from pipeline.data.file_index import FileIndex
 from pipeline.errors import DataError
 from pipeline.store import digest_bytes
@@ -42,6 +43,10 @@ class RawRow:
     note: str | None = None  # something a person should know about the row that did not stop it (a warning)
     # sha256 of the image file, from a FileIndex, when the bytes were not read (`image` is then b""); see image_digest
     digest: str | None = None
+    # A sample of several images or turns (conversation sources, pipeline/data/conversations.py): its 2nd..Nth images
+    # (RawRows holding only image, image_path and digest) and the turns before its question, (role, text) each.
+    more: tuple[RawRow, ...] = ()
+    context: tuple[tuple[str, str], ...] = ()
 
     @property
     def image_digest(self) -> str:
@@ -284,28 +289,35 @@ def _folder_file(name: str, real_here: str, cfg: DataConfig, source: str,
         return Rejected(source, f"cannot read {source}: {exc.strerror}; check its permissions", source)
 
 
+def _json_lines(path: Path) -> Iterator[tuple[str, Any] | Rejected]:
+    """(`file:line`, the parsed value) per non-blank line of a JSONL file, or the line's problem."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            if not raw.strip():
+                continue
+            try:
+                yield where, json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
+            except UnicodeDecodeError as exc:
+                yield Rejected(where, f"line is not UTF-8 ({exc.reason} at byte {exc.start}); save the file as UTF-8")
+            except json.JSONDecodeError as exc:
+                yield Rejected(where, f"line is not valid JSON at column {exc.colno}: {json_problem(exc)}")
+
+
 class JsonlReader(Reader):
     def rows(self, source: SourceConfig, cfg: DataConfig, files: FileIndex | None = None) -> Iterator[Item]:
         path = _require_source(source, folder=False)
         base = path.resolve().parent
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                where = f"{path}:{lineno}"
-                if not raw.strip():
-                    continue
-                try:
-                    rec = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
-                except UnicodeDecodeError as exc:
-                    yield Rejected(where, f"line is not UTF-8 ({exc.reason} at byte {exc.start}); save the file as UTF-8")
-                    continue
-                except json.JSONDecodeError as exc:
-                    yield Rejected(where, f"line is not valid JSON at column {exc.colno}: {json_problem(exc)}")
-                    continue
-                if not isinstance(rec, dict):
-                    yield Rejected(where, f"line is a JSON {type(rec).__name__}, expected an object with "
-                                   f"{source.image_column!r}")
-                    continue
-                yield _manifest_row(rec, where, base, source, cfg, files=files)
+        for item in _json_lines(path):
+            if isinstance(item, Rejected):
+                yield item
+                continue
+            where, rec = item
+            if not isinstance(rec, dict):
+                yield Rejected(where, f"line is a JSON {type(rec).__name__}, expected an object with "
+                               f"{source.image_column!r}")
+                continue
+            yield _manifest_row(rec, where, base, source, cfg, files=files)
 
 
 def json_problem(exc: json.JSONDecodeError) -> str:
@@ -501,10 +513,85 @@ def _annotation_answer(annotations: list[Any]) -> str | None:
     return None
 
 
+def _records(path: Path) -> Iterator[tuple[str, Any] | Rejected]:
+    """(location, record) per record of a JSONL file (`file:line`) or a JSON list (`file:record N`, from 1)."""
+    with open(path, "rb") as f:
+        head = f.read(4096).decode("utf-8-sig", errors="replace").lstrip()
+    if path.suffix.lower() == ".json" or head.startswith("["):
+        try:
+            recs = json.loads(path.read_text(encoding="utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DataError(f"{path}: not valid JSON ({exc}); save it as one JSON list of records, or as JSONL (one "
+                            "record per line)") from None
+        if not isinstance(recs, list):
+            raise DataError(f"{path}: a JSON {type(recs).__name__}, expected a list of records")
+        yield from ((f"{path}:record {i}", r) for i, r in enumerate(recs, 1))
+        return
+    yield from _json_lines(path)
+
+
+class ConversationReader(Reader):
+    """TRL, LLaMA-Factory (sharegpt, with the column names of a dataset_info.json beside the file) and ms-swift
+    records, JSONL or a JSON list (pipeline/data/conversations.py): the last assistant turn is the answer, earlier
+    turns the context; a row whose image placeholders and image list disagree is rejected with both counts. Image
+    paths are relative to the file's folder, as a manifest's are."""
+
+    kind = "trl"
+
+    def rows(self, source: SourceConfig, cfg: DataConfig, files: FileIndex | None = None) -> Iterator[Item]:
+        path = _require_source(source, folder=False)
+        cols = ShareGptColumns()
+        if self.kind == "sharegpt":
+            try:
+                cols = sharegpt_columns(path)[0]
+            except ValueError as exc:
+                raise DataError(str(exc)) from None
+        base = path.resolve().parent
+        for item in _records(path):
+            if isinstance(item, Rejected):
+                yield item
+                continue
+            where, rec = item
+            parsed = parse(rec, self.kind, cols) if isinstance(rec, dict) else (
+                f"record is a JSON {type(rec).__name__}, expected an object")
+            if isinstance(parsed, str):
+                yield Rejected(where, parsed)
+                continue
+            yield _conversation_row(parsed, rec, where, base, source, cfg, files)
+
+
+def _conversation_row(conv: Conversation, rec: dict[str, Any], where: str, base: Path, source: SourceConfig,
+                      cfg: DataConfig, files: FileIndex | None) -> Item:
+    found = [read_image_file(ref, base, cfg, where, files) for ref in conv.images]
+    for i, img in enumerate(found, 1):
+        if isinstance(img, Rejected):
+            return Rejected(where, f"image {i} of {len(found)}: {img.reason}", img.path)
+    first = found[0]
+    assert isinstance(first, RawRow)
+    return RawRow(first.image, first.image_path, _question(conv.question, source, cfg), _text(conv.answer),
+                  _text(rec.get(source.split_column)) or source.default_split, where, _text(rec.get(source.id_column)),
+                  None, first.digest, more=tuple(r for r in found[1:] if isinstance(r, RawRow)), context=conv.context)
+
+
+class TrlReader(ConversationReader):
+    kind = "trl"
+
+
+class ShareGptReader(ConversationReader):
+    kind = "sharegpt"
+
+
+class SwiftReader(ConversationReader):
+    kind = "swift"
+
+
 READERS: dict[str, type[Reader]] = {
     "folder": FolderReader,
     "jsonl": JsonlReader,
     "csv": CsvReader,
     "hf": HFReader,
     "label_studio": LabelStudioReader,
+    "trl": TrlReader,
+    "sharegpt": ShareGptReader,
+    "swift": SwiftReader,
 }

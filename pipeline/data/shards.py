@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.codeversion import stage_version
 from pipeline.config import DataConfig
+from pipeline.data.multi import has_more
 from pipeline.errors import ArtifactError
 from pipeline.store import (
     atomic_dir,
@@ -60,7 +61,9 @@ _BATCH = 256
 def shard_config(data: DataConfig) -> dict[str, Any]:
     """The settings a shard's judgements depend on beyond the rows' own descriptions (which carry question, answer,
     split and paths): the answer set and the pixel guard. Sources may be added or removed without losing shards."""
-    return {"answers": data.answers, "max_image_pixels": data.max_image_pixels}
+    # The columns too, where a conversation source adds some (a one-image project's lineage file keeps its name).
+    more = {"columns": "more_images+context"} if has_more(data) else {}
+    return {"answers": data.answers, "max_image_pixels": data.max_image_pixels, **more}
 
 
 def shards_root(artifacts: str | os.PathLike[str]) -> Path:

@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.config import AnnotateConfig, DataConfig
 from pipeline.dataexport.images import SourceImage, common_root, own_name, place, write_images
-from pipeline.dataexport.records import Sample, Turn
+from pipeline.dataexport.records import Sample, turns_of
 from pipeline.dataexport.writers import get_writer
 from pipeline.errors import DataError
 
@@ -80,31 +80,64 @@ def project_dataset(artifacts: Path) -> tuple[Path, Any]:
     return folder, datasets.load_from_disk(str(folder))
 
 
-def build_samples(ds: Any, labels: Mapping[str, Mapping[str, str]]) -> tuple[dict[str, list[Sample]],
-                                                                               dict[str, SourceImage],
-                                                                               Callable[[str], bytes],
-                                                                               list[dict[str, str]]]:
-    """(split → samples sorted by image name, sample_id → its source image, sample_id → its ingested bytes, renamed
-    files) for `labels` (split → sample_id → answer). The bytes are read again when written, never all held."""
-    from pipeline.idindex import IdIndex
-    from pipeline.store import arrow_column, digest_bytes
+ImageKey = tuple[str, int]  # (sample_id, the image's place in the sample: 0 the first)
 
-    root = common_root(arrow_column(ds, "image_path").to_pylist())
+
+def image_paths(ds: Any) -> list[str]:
+    """Every image file of the dataset, the later images of several-image samples (`more_images`) included."""
+    import pyarrow.compute as pc
+
+    from pipeline.store import arrow_column
+
+    paths = arrow_column(ds, "image_path").to_pylist()
+    if "more_images" in ds.column_names:
+        paths += pc.list_flatten(arrow_column(ds, "more_images")).field("image_path").to_pylist()
+    return paths
+
+
+def _pictures(r: Mapping[str, Any]) -> list[tuple[str, bytes]]:
+    """(file, ingested bytes) of each image of an ingested row, in order."""
+    return [(r["image_path"] or "", r["image"]),
+            *((m["image_path"] or "", m["image"]) for m in r.get("more_images") or [])]
+
+
+def build_samples(ds: Any, labels: Mapping[str, Mapping[str, str]]) -> tuple[dict[str, list[Sample]],
+                                                                               dict[ImageKey, SourceImage],
+                                                                               Callable[[ImageKey], bytes],
+                                                                               list[dict[str, str]]]:
+    """(split → samples sorted by image names, (sample_id, i) → its i-th source image, the same key → its ingested
+    bytes, renamed files) for `labels` (split → sample_id → answer). The bytes are read again when written, never all
+    held. A row's context (pipeline/schema.py) becomes its earlier turns."""
+    from pipeline.idindex import IdIndex
+    from pipeline.schema import MORE_COLUMNS
+    from pipeline.store import digest_bytes
+
+    root = common_root(image_paths(ds))
     wanted = sorted({s for split in labels.values() for s in split})
     at = IdIndex.of_dataset(ds).rows(wanted)
+    more = [c for c in MORE_COLUMNS if c in ds.column_names]
     rows = ds.select(sorted(int(i) for i in at if i >= 0)).select_columns(
-        ["sample_id", "image", "image_path", "question"])
-    sources, questions, named, where = {}, {}, {}, {}
+        ["sample_id", "image", "image_path", "question", *more])
+    sources, texts, named, where = {}, {}, {}, {}
     for i, r in enumerate(rows):
         sid = r["sample_id"]
-        sources[sid] = SourceImage(sid, r["image_path"] or "", digest_bytes(r["image"]))
-        questions[sid], where[sid] = r["question"], i
-        named[sid] = (own_name(sources[sid], root, r["image"]), sources[sid].digest)
+        for k, (path, data) in enumerate(_pictures(r)):
+            sources[(sid, k)] = SourceImage(sid if k == 0 else f"{sid}_{k + 1}", path, digest_bytes(data))
+            named[(sid, k)] = (own_name(sources[(sid, k)], root, data), sources[(sid, k)].digest)
+        texts[sid], where[sid] = (r["question"], r.get("context") or []), i
     files, renamed = place(named)
-    splits = {split: sorted((Sample(s, (files[s],), (Turn(questions[s], a),), split) for s, a in ids.items()
-                             if s in files), key=lambda x: (x.images, x.id))
+    images: dict[str, tuple[str, ...]] = {}
+    for (sid, _), f in sorted(files.items()):  # each sample's files in its images' order
+        images[sid] = (*images.get(sid, ()), f)
+    splits = {split: sorted((Sample(s, images[s], turns, split, system) for s, a in ids.items() if s in texts
+                             for system, turns in [turns_of(texts[s][1], texts[s][0], a)]),
+                            key=lambda x: (x.images, x.id))
               for split, ids in labels.items()}
-    return splits, sources, lambda sid: rows[where[sid]]["image"], renamed
+
+    def read(key: ImageKey) -> bytes:
+        return _pictures(rows[where[key[0]]])[key[1]][1]
+
+    return splits, sources, read, renamed
 
 
 @dataclass(frozen=True)
@@ -129,7 +162,7 @@ def data_lineage(artifacts: Path, labels: CurrentLabels, splits: Mapping[str, li
     ledger, nxt = ledger_path(artifacts), import_round(artifacts)
     logged = logged_votes(artifacts, nxt)
     # A test row's answer is the one the data came with (what the rounds evaluate on), whatever the ledger says.
-    rows = [{**trace_label(s.id, s.turns[0].answer, labels.entries.get(s.id) if split == "train" else None, logged,
+    rows = [{**trace_label(s.id, s.answer, labels.entries.get(s.id) if split == "train" else None, logged,
                            artifacts), "split": split, "files": list(s.images)}
             for split, samples in splits.items() for s in samples]
     done = completed_rounds(artifacts)
@@ -168,7 +201,8 @@ def export_data(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[str
     wanted = {"train": labels.train, **({"test": labels.test} if include_test else {})}
     splits, sources, read, renamed = build_samples(ds, wanted)
     out.mkdir(parents=True, exist_ok=True)
-    counts = write_images(out, {s.id: s.images[0] for rows in splits.values() for s in rows}, sources, read)
+    counts = write_images(out, {(s.id, k): f for rows in splits.values() for s in rows
+                                for k, f in enumerate(s.images)}, sources, read)
     files = writer.write(splits, out)
     lin = atomic_write_json(out / "lineage.json", data_lineage(artifacts, labels, splits, fmt=fmt, annotate=annotate,
                                                                dataset=folder, renamed=renamed))

@@ -16,11 +16,13 @@ import io
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TypeVar
 
 IMAGES_DIR = "images"
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,9 @@ def own_name(img: SourceImage, root: str | None, data: bytes | None = None) -> s
     return f"{IMAGES_DIR}/{img.sample_id}{_suffix(data) if data is not None else ''}"
 
 
-def place(named: Mapping[str, tuple[str, str]]) -> tuple[dict[str, str], list[dict[str, str]]]:
-    """(sample_id → its file under the export, the renamed files) from sample_id → (own name, digest). The same
+def place(named: Mapping[K, tuple[str, str]]) -> tuple[dict[K, str], list[dict[str, str]]]:
+    """(image key → its file under the export, the renamed files) from image key (a sample ID, or (sample ID, its
+    place) for samples of several images) → (own name, digest). The same
     bytes under the same name share one file; different bytes on a name already taken (compared without case, as
     macOS and Windows disks do) get `~<digest[:8]>` before the suffix, in name then digest order."""
     taken: dict[str, str] = {}  # casefolded name → digest that holds it
@@ -87,11 +90,11 @@ def write_file(dest: Path, source: str, data: bytes) -> str:
     return "written"
 
 
-def write_images(out: Path, files: Mapping[str, str], sources: Mapping[str, SourceImage],
-                 read: Callable[[str], bytes]) -> dict[str, int]:
-    """out/images/ holding `files` (sample_id → path under out), swapped in whole once written (an earlier export's
+def write_images(out: Path, files: Mapping[K, str], sources: Mapping[K, SourceImage],
+                 read: Callable[[K], bytes]) -> dict[str, int]:
+    """out/images/ holding `files` (image key → path under out), swapped in whole once written (an earlier export's
     images/ is replaced). Not through store.atomic_dir: that resets file modes, which on a hard link would change the
-    user's original. `read(sample_id)`: its ingested bytes."""
+    user's original. `read(key)`: the image's ingested bytes."""
     counts = {"linked": 0, "copied": 0, "written": 0}
     from pipeline.store import current_umask
 

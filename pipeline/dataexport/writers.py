@@ -56,6 +56,12 @@ class JsonLinesWriter(DataWriter):
         return written
 
 
+def trl_messages(s: Sample) -> list[dict[str, Any]]:
+    """TRL's conversational messages: typed content, one `{"type": "image"}` entry per image."""
+    return [{"role": role, "content": [{"type": "image"}] * n + [{"type": "text", "text": text}]}
+            for role, text, n in conversation(s)]
+
+
 class TrlWriter(JsonLinesWriter):
     """TRL's SFTTrainer for vision-language models: conversational `messages` (typed content, the image as a
     `{"type": "image"}` entry, as tamis's own prompt builds it: pipeline/model/families.py Family.messages) and an
@@ -64,9 +70,7 @@ class TrlWriter(JsonLinesWriter):
     name = "trl"
 
     def record(self, s: Sample) -> dict[str, Any]:
-        messages = [{"role": role, "content": [{"type": "image"}] * n + [{"type": "text", "text": text}]}
-                    for role, text, n in conversation(s)]
-        return {"id": s.id, "messages": messages, "images": list(s.images)}
+        return {"id": s.id, "messages": trl_messages(s), "images": list(s.images)}
 
 
 class SwiftWriter(JsonLinesWriter):
@@ -90,47 +94,68 @@ class LlamaFactoryWriter(DataWriter):
     ROLES: ClassVar[dict[str, str]] = {"user": "human", "assistant": "gpt"}
 
     def record(self, s: Sample) -> dict[str, Any]:
-        return {"id": s.id, "conversations": [{"from": self.ROLES[role], "value": _tagged(s, text, n, "LLaMA-Factory")}
-                                              for role, text, n in conversation(s)], "images": list(s.images)}
+        # sharegpt keeps a system prompt in its own column, not as a turn.
+        turns = [{"from": self.ROLES[role], "value": _tagged(s, text, n, "LLaMA-Factory")}
+                 for role, text, n in conversation(s) if role != "system"]
+        return {"id": s.id, "conversations": turns, "images": list(s.images), **({"system": s.system} if s.system
+                                                                                  else {})}
 
     @staticmethod
-    def entry(file: str) -> dict[str, Any]:
-        return {"file_name": file, "formatting": "sharegpt", "columns": {"messages": "conversations", "images": "images"},
+    def entry(file: str, system: bool = False) -> dict[str, Any]:
+        return {"file_name": file, "formatting": "sharegpt",
+                "columns": {"messages": "conversations", "images": "images", **({"system": "system"} if system else {})},
                 "tags": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt"}}
 
     def write(self, splits: Mapping[str, Sequence[Sample]], out: Path) -> list[Path]:
         written = [atomic_write_json(out / f"{split}.json", [self.record(s) for s in rows])
                    for split, rows in splits.items()]
-        written.append(atomic_write_json(out / "dataset_info.json",
-                                         {f"tamis_{split}": self.entry(f"{split}.json") for split in splits}))
+        written.append(atomic_write_json(out / "dataset_info.json", {
+            f"tamis_{split}": self.entry(f"{split}.json", any(s.system for s in rows)) for split, rows in splits.items()}))
         _remove_stale(out, self.files, written)
         return written
 
 
 class HfWriter(DataWriter):
-    """A `datasets.DatasetDict` saved with save_to_disk (DIR/dataset: `load_from_disk` → {"train", "test"}):
-    `image` a datasets.Image holding the image's bytes (the folder stands alone, wherever it is moved; `file` names
-    the copy under images/), `question`, `answer`, `id`. Chosen over an imagefolder with metadata.jsonl because
-    imagefolder takes its splits from folder names (train/, test/), which would re-arrange the user's own layout."""
+    """A `datasets.DatasetDict` saved with save_to_disk (DIR/dataset: `load_from_disk` → {"train", "test"}), whose
+    images are bytes inside it (the folder stands alone, wherever it is moved). One image and one turn per sample:
+    `id`, `image` (a datasets.Image), `question`, `answer`, `file` (the copy under images/). A project with a sample of
+    several images or turns: `id`, `images` (a list of datasets.Image, in order), `files`, `messages` (TRL's
+    conversational column, one `{"type": "image"}` entry per image: SFTTrainer-ready), `question` and `answer` (the
+    last turn's). Chosen over an imagefolder with metadata.jsonl because imagefolder takes its splits from folder names
+    (train/, test/), which would re-arrange the user's own layout."""
 
     name = "hf"
     files = ("dataset",)
 
+    @staticmethod
+    def features(several: bool) -> Any:
+        import datasets
+
+        s = datasets.Value("string")
+        if not several:
+            return datasets.Features({"id": s, "image": datasets.Image(), "question": s, "answer": s, "file": s})
+        return datasets.Features({"id": s, "images": datasets.List(datasets.Image()), "files": datasets.List(s),
+                                  "messages": datasets.List({"role": s, "content": datasets.List({"type": s, "text": s})}),
+                                  "question": s, "answer": s})
+
+    @staticmethod
+    def row(s: Sample, out: Path, several: bool) -> dict[str, Any]:
+        if not several:
+            return {"id": s.id, "image": {"bytes": (out / s.images[0]).read_bytes(), "path": s.images[0]},
+                    "question": s.turns[0].question, "answer": s.answer, "file": s.images[0]}
+        return {"id": s.id, "images": [{"bytes": (out / f).read_bytes(), "path": f} for f in s.images],
+                "files": list(s.images), "messages": [{"role": m["role"], "content": [{"text": None, **c} for c in
+                                                                                      m["content"]]}
+                                                      for m in trl_messages(s)],
+                "question": s.turns[-1].question, "answer": s.answer}
+
     def write(self, splits: Mapping[str, Sequence[Sample]], out: Path) -> list[Path]:
         import datasets
 
-        features = datasets.Features({"id": datasets.Value("string"), "image": datasets.Image(),
-                                      "question": datasets.Value("string"), "answer": datasets.Value("string"),
-                                      "file": datasets.Value("string")})
-        parts = {}
-        for split, rows in splits.items():
-            if any(len(s.images) != 1 or len(s.turns) != 1 for s in rows):
-                raise DataError("--format hf writes one image and one question per row; a sample with several needs "
-                                "--format trl, llamafactory or swift")
-            parts[split] = datasets.Dataset.from_list(
-                [{"id": s.id, "image": {"bytes": (out / s.images[0]).read_bytes(), "path": s.images[0]},
-                  "question": s.turns[0].question, "answer": s.turns[0].answer, "file": s.images[0]} for s in rows],
-                features=features)
+        several = any(len(s.images) != 1 or len(s.turns) != 1 or s.system for rows in splits.values() for s in rows)
+        parts = {split: datasets.Dataset.from_list([self.row(s, out, several) for s in rows],
+                                                   features=self.features(several))
+                 for split, rows in splits.items()}
         with atomic_dir(out / "dataset") as tmp:
             datasets.DatasetDict(parts).save_to_disk(str(tmp))
         return [out / "dataset"]

@@ -30,6 +30,7 @@ from pipeline.boxes.box import smart_resize
 from pipeline.errors import ModelError
 from pipeline.model import templates
 from pipeline.model.runtimes import UNCHECKED, Runtimes
+from pipeline.schema import Question
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
@@ -143,15 +144,21 @@ class Family:
         return rf"^(?:.*\.)?(?:{language}|{'|'.join(map(re.escape, picked))})$"
 
     # --------------------------------------------------------------------------------------------- prompts
-    def messages(self, question: str, answer: str | None = None) -> list[dict[str, Any]]:
-        msgs: list[dict[str, Any]] = [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
-        ]
+    def messages(self, question: str | Question, answer: str | None = None) -> list[dict[str, Any]]:
+        """The chat of one sample: its context turns (a system prompt, earlier user / assistant turns), then the
+        question; one image item per picture at the start of the first user turn (a one-image, no-context sample: the
+        one user turn [image, question], as ever)."""
+        q = question if isinstance(question, Question) else Question(question)
+        msgs: list[dict[str, Any]] = [{"role": role, "content": [{"type": "text", "text": text}]}
+                                      for role, text in q.context]
+        msgs.append({"role": "user", "content": [{"type": "text", "text": q.text}]})
+        first = next(m for m in msgs if m["role"] == "user")
+        first["content"] = [{"type": "image"}] * q.images + first["content"]
         if answer is not None:
             msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
         return msgs
 
-    def _render(self, processor: Any, question: str, answer: str | None) -> str:
+    def _render(self, processor: Any, question: str | Question, answer: str | None) -> str:
         template = getattr(processor, "chat_template", None) or self.chat_template
         return processor.apply_chat_template(
             self.messages(question, answer), chat_template=template, add_generation_prompt=answer is None,
@@ -164,8 +171,9 @@ class Family:
         return "template" if self._render(processor, question, answer).startswith(
             self._render(processor, question, None)) else "appended"
 
-    def prompt(self, processor: Any, question: str, answer: str | None = None) -> str:
-        """The chat-formatted text: the user turn (image + question), then the assistant's answer or its cue."""
+    def prompt(self, processor: Any, question: str | Question, answer: str | None = None) -> str:
+        """The chat-formatted text: the context turns and the user turn (images + question), then the assistant's
+        answer or its cue."""
         cue = self._render(processor, question, None)
         if answer is None:
             return cue
@@ -199,17 +207,17 @@ class Family:
         return rest[: rest.index(end)] if end in rest else rest
 
     # --------------------------------------------------------------------------------------------- encoding
-    def _call(self, processor: Any, images: list[Image.Image], texts: list[str], image_size: int,
+    def _call(self, processor: Any, images: list[list[Image.Image]], texts: list[str], image_size: int,
               padding_side: str) -> Any:
         kwargs = self.processor_kwargs(image_size, tile=self.tile_size(processor))
-        return processor(images=[[im] for im in images], text=texts, padding=True, padding_side=padding_side,
+        return processor(images=images, text=texts, padding=True, padding_side=padding_side,
                          return_tensors="pt", **kwargs)
 
     def encode(
         self,
         processor: Any,
-        images: Sequence[Image.Image],
-        questions: Sequence[str],
+        images: Sequence[Image.Image | Sequence[Image.Image]],
+        questions: Sequence[str | Question],
         answers: Sequence[str] | None = None,
         *,
         image_size: int | None = None,
@@ -221,22 +229,31 @@ class Family:
         end-of-turn token) and `answer_start` (index of each row's first answer token). The prompt's length is
         measured by tokenizing the prompt alone with the same images, so nothing depends on a marker string.
         `image_size` defaults to the longest image side in the batch (prepared images already have the right size).
+        A row of several pictures gives its images as a list and its question as a `Question` (context turns, the
+        image count): one image item per picture in the chat, the processor given the row's images in order.
         """
-        images = [im.convert("RGB") for im in images]
         if len(images) != len(questions) or (answers is not None and len(answers) != len(questions)):
             raise ModelError(f"encode: {len(images)} images, {len(questions)} questions and "
                              f"{'no' if answers is None else len(answers)} answers; one of each per row is needed")
-        size = image_size or max(max(im.size) for im in images)
+        rows = [[im.convert("RGB")] if isinstance(im, Image.Image) else [m.convert("RGB") for m in im]
+                for im in images]
+        questions = [q if isinstance(q, Question) else Question(q, images=len(r))
+                     for q, r in zip(questions, rows, strict=True)]
+        for i, (q, r) in enumerate(zip(questions, rows, strict=True)):
+            if q.images != len(r):
+                raise ModelError(f"encode: row {i} has {len(r)} image(s) but its question shows {q.images}; give a "
+                                 "Question(images=…) that matches the row's pictures")
+        size = image_size or max(max(im.size) for r in rows for im in r)
         prompts = [self.prompt(processor, q) for q in questions]
         if answers is None:
-            return self._call(processor, images, prompts, size, "left")
+            return self._call(processor, rows, prompts, size, "left")
 
         for i, a in enumerate(answers):
             if not isinstance(a, str) or not a.strip():
                 raise ModelError(f"encode: row {i}: answer is {a!r}; training needs a non-empty answer string")
         full = [self.prompt(processor, q, a) for q, a in zip(questions, answers, strict=True)]
-        enc = self._call(processor, images, full, size, "right")
-        pe = self._call(processor, images, prompts, size, "right")
+        enc = self._call(processor, rows, full, size, "right")
+        pe = self._call(processor, rows, prompts, size, "right")
         prompt_ids, prompt_lens = pe["input_ids"], pe["attention_mask"].sum(1)
         ids, mask = enc["input_ids"], enc["attention_mask"]
         end = self.end_token_id(processor)

@@ -35,6 +35,7 @@ from pipeline.model.hardware import TrainSettings
 from pipeline.model.loading import Loaded, load_model
 from pipeline.model.optim import build_optimizer, optimizer_state, optimizer_state_bytes, optimizer_tensors
 from pipeline.model.utilisation import UtilisationWatch
+from pipeline.schema import sample_chat
 from pipeline.store import (
     Manifest,
     atomic_dir,
@@ -95,7 +96,9 @@ def check_rows(rows: Sequence[dict[str, Any]]) -> str:
             if not isinstance(row.get(key), str) or not row[key].strip():
                 raise DataError(f"training row {i} (sample {rid}): field {key!r} is {row.get(key)!r}; "
                                 f"a non-empty string is needed (only labeled rows can be trained on)")
-        parts.append((digest_bytes(bytes(image)), row["question"], row["answer"]))
+        # A sample's later pictures and turns join its part only when it has them: one-image rows digest as before.
+        more = [[digest_bytes(bytes(m)) for m in row.get("more_prepared") or []], row.get("context") or []]
+        parts.append((digest_bytes(bytes(image)), row["question"], row["answer"], *(more if any(more) else ())))
     return digest_json(parts)
 
 
@@ -119,6 +122,15 @@ def _decode(data: bytes, where: str) -> Image.Image:
     except Exception as exc:  # noqa: BLE001 - any decode failure is the same user-facing fault
         raise DataError(f"{where}: image bytes do not decode ({exc.__class__.__name__}: {exc}); "
                         "re-run the prepare stage") from None
+
+
+def _row_inputs(chunk: Sequence[dict[str, Any]], at: Sequence[int]) -> tuple[list[Any], list[Any]]:
+    """Each training row's pictures (one image, or the list of a sample of several) and what it asks (its question,
+    or a Question with its earlier turns: pipeline.schema.sample_chat), as the family's encode takes them."""
+    chats = [sample_chat({**r, "prepared": _row_image(r)}) for r in chunk]
+    pics = [[_decode(p, f"training row {j} (sample {r.get('sample_id', j)})") for p in pngs]
+            for j, r, (pngs, _) in zip(at, chunk, chats, strict=True)]
+    return [p[0] if len(p) == 1 else p for p in pics], [q for _, q in chats]
 
 
 # -------------------------------------------------------------------------------------------------- schedule
@@ -644,9 +656,8 @@ def _optimizer_step(model: torch.nn.Module, processor: Any, family: Any, rows: S
     batches = []
     for i in range(0, len(idx), micro):
         chunk = [rows[j] for j in idx[i: i + micro]]
-        images = [_decode(_row_image(r), f"training row {j} (sample {r.get('sample_id', j)})")
-                  for j, r in zip(idx[i: i + micro], chunk, strict=True)]
-        enc = family.encode(processor, images, [r["question"] for r in chunk], [r["answer"] for r in chunk])
+        images, questions = _row_inputs(chunk, idx[i: i + micro])
+        enc = family.encode(processor, images, questions, [r["answer"] for r in chunk])
         enc = dict(enc)
         enc.pop("answer_start")
         batches.append(enc)

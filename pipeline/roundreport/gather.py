@@ -33,6 +33,23 @@ EXAMPLES = 12  # test errors and likely label errors shown
 
 
 # ------------------------------------------------------------------------------------------------- images
+def side_by_side(pngs: Sequence[bytes], gap: int = 4) -> bytes:
+    """One PNG of a sample's pictures left to right, in order, a white gap between them, tops aligned."""
+    import io
+
+    from PIL import Image
+
+    pics = [Image.open(io.BytesIO(p)).convert("RGB") for p in pngs]
+    out = Image.new("RGB", (sum(p.width for p in pics) + gap * (len(pics) - 1), max(p.height for p in pics)), "white")
+    x = 0
+    for p in pics:
+        out.paste(p, (x, 0))
+        x += p.width + gap
+    buf = io.BytesIO()
+    out.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 class Images:
     """Prepared images and the user's file names by sample ID, from the prepare stage (one indexed lookup per list,
     never the whole pool)."""
@@ -55,10 +72,14 @@ class Images:
         return self._ds.select(found).select_columns([c for c in columns if c in self._ds.column_names]).to_dict()
 
     def png(self, ids: Sequence[str]) -> dict[str, bytes]:
+        """Each sample's prepared picture; a sample of several pictures: all of them side by side in one PNG, so
+        the contact sheet and the thumbnails show every picture of it."""
         if not self._dir or not ids:
             return {}
-        sub = self._rows(ids, ["sample_id", "prepared"])
-        return dict(zip(sub.get("sample_id", []), sub.get("prepared", []), strict=True))
+        sub = self._rows(ids, ["sample_id", "prepared", "more_prepared"])
+        more = sub.get("more_prepared") or [None] * len(sub.get("sample_id", []))
+        return {sid: side_by_side([png, *m]) if m else png
+                for sid, png, m in zip(sub.get("sample_id", []), sub.get("prepared", []), more, strict=True)}
 
     def names(self, ids: Sequence[str]) -> dict[str, str]:
         """The user's file name of each sample (schema.display_name; the sample ID where the dataset has none)."""

@@ -190,6 +190,8 @@ def main() -> None:
     ap.add_argument("--answer-score", type=float, default=0.3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--add-to", default=None, help="a results JSON of this benchmark with the same settings: its "
+                    "seeds' runs are kept and summarised with this run's (other seeds)")
     args = ap.parse_args()
     if "random" not in args.strategies:
         ap.error("--strategies must include random: every other strategy is compared with it")
@@ -198,11 +200,36 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     started = time.time()
     log = lambda msg: print(f"[{time.time() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    runs = {seed: run_seed(seed, args.strategies, args, log) for seed in args.seeds}
+    earlier, before = _earlier(args)
+    runs = {**earlier, **{seed: run_seed(seed, args.strategies, args, log) for seed in args.seeds}}
     budgets = [args.start + args.step * r for r in range(args.rounds + 1)]
     write_result({"learner": "reference: tiny CenterNet-style CNN from scratch (benchmarks/_box_learner.py), "
                              "not the VLM", "budgets": budgets, "summary": summarise(runs, budgets),
-                  "runs": {str(k): v for k, v in runs.items()}}, args.json_out, config=vars(args), started=started)
+                  "runs": {str(k): v for k, v in runs.items()}, "settings": _settings(args), **before}, args.json_out,
+                 config=vars(args),
+                 started=started)
+
+
+def _earlier(args) -> tuple[dict[int, dict[str, list[float]]], dict]:
+    """The runs of `--add-to` (same settings, other seeds) and where they came from."""
+    if not args.add_to:
+        return {}, {}
+    import json
+
+    old = json.loads(Path(args.add_to).read_text(encoding="utf-8"))
+    mine, theirs = _settings(args), old["settings"]
+    moved = [k for k in mine if k not in ("seeds", "threads") and theirs.get(k) != mine[k]]
+    seeds = sorted(int(k) for k in old["runs"])
+    if moved or set(seeds) & set(args.seeds):
+        sys.exit(f"--add-to {args.add_to}: settings {moved} differ or seeds overlap ({seeds}); run with its "
+                 "settings and other seeds")
+    return ({int(k): v for k, v in old["runs"].items()},
+            {"earlier_runs": [*old.get("earlier_runs", []), {"seeds": seeds, "commit": old["commit"],
+                                                               "wall_s": old["wall_s"], "machine": old["machine"]}]})
+
+
+def _settings(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in ("json_out", "add_to")}
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ Methods (`annotate.consensus`), one small class each in CONSENSUS:
 |               | confusion matrix and the class priors → a posterior      | after each import                          |
 | `one_coin`    | Dawid–Skene with one accuracy per annotator (crowd-kit's  | as dawid_skene                             |
 |               | OneCoinDawidSkene): few parameters, for few votes        |                                            |
+| `box_iou`     | box labels: boxes matched by IoU across annotators, kept | per import file (box projects only)        |
+|               | where most drew one, class by majority                   |                                            |
 
-The confidence of a decision is the share of votes for the winner (majority) or its posterior probability
-(Dawid–Skene); a sample below `annotate.redundancy.threshold` goes to another annotator in the next export.
+The confidence of a decision is the share of votes for the winner (majority), its posterior probability
+(Dawid–Skene) or the annotators' mean pairwise box agreement (box_iou); a sample below `annotate.redundancy.threshold` goes to another annotator in the next export.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pipeline.annotation.counted import count_once
+from pipeline.boxes.answer import box_label, parse_box_label
+from pipeline.boxes.consensus import box_consensus
+from pipeline.boxes.matching import agreement
 from pipeline.config import AnnotateConfig
 from pipeline.store import read_jsonl
 
@@ -91,7 +96,7 @@ class Consensus:
                    decisions: Mapping[str, Decision]) -> dict[str, AnnotatorQuality]:
         """Agreement with the consensus, counted on samples someone else labeled too (on a sample only one person
         labeled, agreeing with yourself says nothing)."""
-        tally: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        tally: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
         for sid, vs in votes.items():
             d = decisions.get(sid)
             for v in vs:
@@ -99,9 +104,14 @@ class Consensus:
                 t[0] += 1
                 if len(vs) > 1 and d is not None and d.label is not None:
                     t[1] += 1
-                    t[2] += v.label == d.label
-        return {name: AnnotatorQuality(name, n, shared, agree / shared if shared else None)
+                    t[2] += self.agree(v.label, d.label)
+        return {name: AnnotatorQuality(name, int(n), int(shared), agree / shared if shared else None)
                 for name, (n, shared, agree) in sorted(tally.items())}
+
+    @staticmethod
+    def agree(vote: str, decided: str) -> float:
+        """How much one vote agrees with the decided label, in [0, 1]: equality for one-answer labels."""
+        return float(vote == decided)
 
 
 class Majority(Consensus):
@@ -193,8 +203,36 @@ class OneCoinDawidSkene(DawidSkene):
         return float(self._fit.skills_[name])
 
 
+class BoxIoU(Consensus):
+    """Box labels (canonical JSON text, pipeline/boxes/answer.py): boxes matched by IoU across annotators, a box
+    kept where most annotators drew one, its class by majority (pipeline/boxes/consensus.py). The confidence is the
+    annotators' mean pairwise box agreement; an annotator's agreement is their mean box agreement with the
+    consensus (string equality would call two near-identical drawings a disagreement)."""
+
+    name = "box_iou"
+    per_file = True
+
+    def decide(self, votes: Mapping[str, Sequence[Vote]]) -> dict[str, Decision]:
+        out = {}
+        for sid, vs in votes.items():
+            if not vs:
+                continue
+            answers = {f"{v.annotator}#{i}": parse_box_label(v.label, where=f"sample {sid}, {v.annotator}'s label")
+                       for i, v in enumerate(vs)}
+            d = box_consensus(answers)
+            label = None if d.boxes is None else box_label(d.boxes)
+            out[sid] = Decision(label, round(d.confidence, 6), dict(ranked_votes([v.label for v in vs])),
+                                d.outcome if len(vs) > 1 else "agreed")
+        return out
+
+    @staticmethod
+    def agree(vote: str, decided: str) -> float:
+        return agreement(parse_box_label(vote), parse_box_label(decided))
+
+
+# box_iou is not an `annotate.consensus` choice: a box project (data.task: boxes, once rounds take boxes) uses it.
 CONSENSUS: dict[str, type[Consensus]] = {"majority": Majority, "dawid_skene": DawidSkene,
-                                          "one_coin": OneCoinDawidSkene}
+                                          "one_coin": OneCoinDawidSkene, "box_iou": BoxIoU}
 
 
 # ------------------------------------------------------------------------------------------------ the votes

@@ -324,6 +324,22 @@ def read_label_studio(path: str | Path, *, kind: str = "annotations", image_key:
     return out
 
 
+def rectangle_boxes(result: list[Any], score: Any = None) -> tuple[list[Box], list[str]]:
+    """The boxes of one Label Studio result list (its RectangleLabels regions; other tags are skipped) in original
+    pixels, and the reason for each region that could not be read (rotated, no original size, outside the image)."""
+    boxes: list[Box] = []
+    problems: list[str] = []
+    for j, item in enumerate(result):
+        if not isinstance(item, dict) or str(item.get("type", "")).lower() != "rectanglelabels":
+            continue
+        got = _ls_region(item, score)
+        if isinstance(got, str):
+            problems.append(f"result[{j}]: {got}")
+        else:
+            boxes += got
+    return boxes, problems
+
+
 def _ls_regions(found: tuple[list, Any], where: str, name: str, out: BoxSet, labels: dict[str, None]) -> None:
     result, score = found
     for j, item in enumerate(result):

@@ -76,30 +76,41 @@ def write_yolo(root: str | Path, boxes: BoxSet, images_dir: str | Path) -> Path:
     return root
 
 
+def label_studio_prediction(boxes: list[Box], width: int, height: int, *, from_name: str = "label",
+                            to_name: str = "image", model_version: str = "tamis", score: float | None = None,
+                            region_prefix: str = "r") -> dict[str, Any]:
+    """One Label Studio prediction: a RectangleLabels result per box in percent of original_width ×
+    original_height (top-left, no rotation), a score per box where it has one, and the prediction's `score`
+    (given, else the lowest box score: Label Studio sorts tasks by it, the least sure first)."""
+    result = []
+    for k, b in enumerate(boxes):
+        region: dict[str, Any] = {
+            "id": f"{region_prefix}-{k}", "type": "rectanglelabels", "from_name": from_name, "to_name": to_name,
+            "original_width": width, "original_height": height, "image_rotation": 0,
+            "value": {"x": b.x / width * 100, "y": b.y / height * 100, "width": b.w / width * 100,
+                      "height": b.h / height * 100, "rotation": 0, "rectanglelabels": [b.label]},
+        }
+        if b.score is not None:
+            region["score"] = b.score
+        result.append(region)
+    prediction: dict[str, Any] = {"model_version": model_version, "result": result}
+    scores = [b.score for b in boxes if b.score is not None]
+    if score is not None:
+        prediction["score"] = float(score)
+    elif scores:
+        prediction["score"] = min(scores)
+    return prediction
+
+
 def write_label_studio(path: str | Path, boxes: BoxSet, *, image_url: Callable[[str], str] = lambda name: name,
                        data_key: str = "image", from_name: str = "label", to_name: str = "image",
                        model_version: str = "tamis") -> Path:
     """Label Studio tasks, one per image (`data[data_key]` = image_url(name); from_name/to_name: the RectangleLabels
-    and Image tags' names in the project's labeling config), each with one prediction whose
-    RectangleLabels results hold the boxes in percent of original_width × original_height, a score per box, and
-    the prediction's score (the lowest box score: Label Studio sorts tasks by it, the least sure first)."""
+    and Image tags' names in the project's labeling config), each with one prediction (`label_studio_prediction`)."""
     tasks = []
     for name, image_boxes in boxes.images.items():
         width, height = _size(boxes, name, "Label Studio")
-        result = []
-        for k, b in enumerate(image_boxes):
-            region: dict[str, Any] = {
-                "id": f"r{len(tasks)}-{k}", "type": "rectanglelabels", "from_name": from_name, "to_name": to_name,
-                "original_width": width, "original_height": height, "image_rotation": 0,
-                "value": {"x": b.x / width * 100, "y": b.y / height * 100, "width": b.w / width * 100,
-                          "height": b.h / height * 100, "rotation": 0, "rectanglelabels": [b.label]},
-            }
-            if b.score is not None:
-                region["score"] = b.score
-            result.append(region)
-        prediction: dict[str, Any] = {"model_version": model_version, "result": result}
-        scores = [b.score for b in image_boxes if b.score is not None]
-        if scores:
-            prediction["score"] = min(scores)
+        prediction = label_studio_prediction(image_boxes, width, height, from_name=from_name, to_name=to_name,
+                                             model_version=model_version, region_prefix=f"r{len(tasks)}")
         tasks.append({"data": {data_key: image_url(name)}, "predictions": [prediction]})
     return atomic_write_json(path, tasks)

@@ -1,0 +1,156 @@
+"""`tamis export-model --format gguf`: what the pinned llama.cpp converter writes, the runtime files beside it, and
+(slow) the real llama.cpp, built from the same pinned source, answering with what it wrote.
+
+How llama.cpp's answers are compared for a closed set: `llama-mtmd-cli` decodes greedily under a GBNF grammar that
+admits only the answers (an optional leading space, as SmolVLM answers after "Assistant:"), so its first token is
+the most likely answer token. The tiny models' answers are one token each, so that is the answer tamis's scoring of
+every answer token ranks first; the reference is the export's predict.py on merged/ (transformers, fp32). The prompt
+is the one the rounds trained with, rendered by merged/'s processor, passed whole through a pass-through chat
+template with llama.cpp's image marker where the template put the image.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.model.families import FAMILIES, get_family
+from pipeline.serving.gguf import chat_frame, modelfile, refusal, stop_tokens
+from pipeline.serving.gguf_convert import gpt2_pretokenizer
+from tests.test_round_flow import write_project
+from tests.test_use_model import photo_folder, said, tamis_cli
+
+CONVERTIBLE = ("idefics3", "smolvlm", "qwen3_vl")  # the tiny families the pinned converter takes (docs: why not others)
+# Where each family's chat template puts the image (llama.cpp's mtmd adds the family's own image markup around it).
+IMAGE_TEXT = {"idefics3": "<image>", "smolvlm": "<image>", "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+MEDIA = "<__media__>"
+
+
+@pytest.mark.parametrize("name", ["llava_onevision", "internvl"])
+def test_a_family_the_converter_does_not_take_is_refused_before_any_work(name, tmp_path, tiny_models):
+    """No rounds ran, no folder is written: the refusal comes from the family alone, with the nearest path."""
+    config = write_project(tmp_path, tiny_models, model={"name_or_path": str(tiny_models[name]), "family": name})
+    proc = tamis_cli("export-model", "--config", config, "--format", "gguf", "--out", tmp_path / "out")
+    assert proc.returncode != 0 and not (tmp_path / "out").exists()
+    msg = said(proc)
+    assert "0c1e57098" in msg and "transformers" in msg and "vLLM" in msg, msg
+    assert "LLaVA-OneVision" in msg if name == "llava_onevision" else "InternVLForConditionalGeneration" in msg
+    check = said(tamis_cli("export-model", "--config", config, "--check"))
+    assert "llama.cpp / LM Studio / Ollama (GGUF): no." in check, check
+
+
+def test_every_convertible_family_names_both_architectures_the_converter_registers():
+    src = Path.home() / ".cache" / "tamis-llama-cpp-0c1e57098" / "src" / "conversion" / "__init__.py"
+    for name, fam in FAMILIES.items():
+        rt = fam().runtimes
+        assert (refusal(fam()) is None) == rt.gguf, name
+        if rt.gguf and src.is_file():  # the pinned converter's registry, when it has been fetched
+            registry = src.read_text(encoding="utf-8")
+            assert f'"{rt.gguf_vision}"' in registry, name
+            assert f'"{rt.gguf_text}"' in registry or rt.gguf_text == "VLlama3ForCausalLM", name
+
+
+@pytest.mark.parametrize("name", CONVERTIBLE)
+def test_the_modelfile_has_model_and_projector_as_two_from_lines_and_the_trained_chat_frame(name, tiny_models):
+    from transformers import AutoProcessor
+
+    fam, processor = get_family(name), AutoProcessor.from_pretrained(tiny_models[name])
+    frame = chat_frame(processor)
+    text = modelfile("m-q8_0.gguf", "mmproj-m-f16.gguf", frame, stop_tokens(fam, processor))
+    assert [x for x in text.splitlines() if x.startswith("FROM")] == ["FROM ./m-q8_0.gguf", "FROM ./mmproj-m-f16.gguf"]
+    assert "ADAPTER" not in text and f"PARAMETER stop {json.dumps(fam.end_token)}" in text
+    turn = [{"role": "user", "content": [{"type": "text", "text": "Which digit?"}]}]
+    assert frame.replace("{{ .Prompt }}", "Which digit?") == processor.apply_chat_template(
+        turn, add_generation_prompt=True, tokenize=False)
+
+
+def test_only_a_gpt2_byte_level_pretokenizer_is_named_gpt2(tmp_path, tiny_models):
+    assert gpt2_pretokenizer(Path(tiny_models["smolvlm"]))
+    tok = json.loads((Path(tiny_models["smolvlm"]) / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [{"type": "Split"}, tok["pre_tokenizer"]]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    assert not gpt2_pretokenizer(tmp_path) and not gpt2_pretokenizer(tmp_path / "none")
+
+
+# ------------------------------------------------------------------------------------------- the real llama.cpp
+def sample_images(folder: Path, size: int, n: int = 30) -> list[Path]:
+    """scikit-image crops and seeded colour patterns, all at the prepared size (tamis's preparation leaves them be)."""
+    files = [folder / f for f in photo_folder(folder, square=size)]
+    rng = np.random.default_rng(0)
+    for i in range(n - len(files)):
+        base = rng.integers(0, 256, size=3)
+        ramp = np.linspace(0, 1, size)[:, None, None] * rng.integers(-128, 128, size=3)
+        arr = np.clip(base + ramp + rng.normal(0, 20 * (i % 3), (size, size, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(arr).save(folder / f"pattern-{i:02d}.png")
+        files.append(folder / f"pattern-{i:02d}.png")
+    return files
+
+
+def mtmd_answer(cli: Path, model: Path, mmproj: Path, image: Path, prompt: str, answers: list[str]) -> str:
+    grammar = 'root ::= " "? (' + " | ".join(json.dumps(a) for a in answers) + ")"
+    proc = subprocess.run([str(cli), "-m", str(model), "--mmproj", str(mmproj), "--image", str(image), "-p", prompt,
+                           "--jinja", "--chat-template", "{{ messages[0]['content'] }}", "--grammar", grammar,
+                           "--temp", "0", "-n", "4", "-t", "2", "--no-warmup"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONVERTIBLE)
+def test_llama_cpp_built_from_the_pinned_source_answers_as_transformers_on_merged(name, tmp_path, tiny_models,
+                                                                                 prefect_harness, record_property):
+    """Two rounds, `tamis export-model --format gguf` as a user runs it, then llama.cpp's llama-mtmd-cli (built
+    here, cached under ~/.cache/tamis-llama-cpp-<commit>/) loads model + projector: its top answers agree with
+    predict.py on merged/ for >= 95 % of 30 images at f16; q8_0's agreement is recorded."""
+    from transformers import AutoProcessor
+
+    from flows.round import labeling_round
+    from pipeline.serving.llama_cpp import build_tools
+
+    start = time.monotonic()
+    tools = build_tools()  # reused when built: the first run on 2 cores takes ~30 min
+    record_property("llama_cpp_build_s", round(time.monotonic() - start))
+    config = write_project(tmp_path, tiny_models, model={"name_or_path": str(tiny_models[name]), "family": name})
+    labeling_round(str(config))
+    assert labeling_round(str(config), simulate=False)["adapter"]
+    out, start = tmp_path / "export", time.monotonic()
+    proc = tamis_cli("export-model", "--config", config, "--format", "gguf", "--out", out)
+    assert proc.returncode == 0, said(proc)
+    record_property("export_s", round(time.monotonic() - start))
+    gguf = out / "gguf"
+    stem = next(gguf.glob("*-f16.gguf")).name.removesuffix("-f16.gguf").removeprefix("mmproj-")
+    models = {t: gguf / f"{stem}-{t}.gguf" for t in ("f16", "q8_0", "Q4_K_M")}
+    mmproj = gguf / f"mmproj-{stem}-f16.gguf"
+    assert all(p.is_file() for p in [*models.values(), mmproj]), sorted(p.name for p in gguf.iterdir())
+    assert sorted(p.name for p in (out / "lmstudio" / "tamis" / stem).iterdir()) == sorted(
+        [models["q8_0"].name, mmproj.name])
+    card = (out / "README.md").read_text()
+    assert f"llama-mtmd-cli -m gguf/{models['q8_0'].name} --mmproj gguf/{mmproj.name}" in card and "lms import" in card
+
+    cfg = json.loads((out / "predict_config.json").read_text())
+    images = sample_images(tmp_path / "images", cfg["image"]["size"])
+    subprocess.run([sys.executable, str(out / "predict.py"), *map(str, images), "--model", "merged",
+                    "--out", str(tmp_path / "hf.csv")], check=True, capture_output=True, timeout=900)
+    reference = {Path(r["file"]).name: r["answer"] for r in csv.DictReader((tmp_path / "hf.csv").open())}
+    processor = AutoProcessor.from_pretrained(out / "merged")
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": cfg["question"]}]}]
+    prompt = processor.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+    assert prompt.count(IMAGE_TEXT[name]) == 1, prompt
+    prompt = prompt.replace(IMAGE_TEXT[name], MEDIA)
+    agreement = {}
+    for kind in ("f16", "q8_0"):
+        got = {f.name: mtmd_answer(tools["llama-mtmd-cli"], models[kind], mmproj, f, prompt, cfg["answers"])
+               for f in images}
+        agreement[kind] = sum(got[k] == reference[k] for k in got) / len(got)
+        record_property(f"agreement_{kind}", agreement[kind])
+    print(f"{name}: agreement with transformers on merged/ {agreement}, answers {sorted(set(reference.values()))}")
+    assert agreement["f16"] >= 0.95, agreement

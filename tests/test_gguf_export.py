@@ -2,8 +2,8 @@
 (slow) the real llama.cpp, built from the same pinned source, answering with what it wrote.
 
 How llama.cpp's answers are compared for a closed set: `llama-mtmd-cli` decodes greedily under a GBNF grammar that
-admits only the answers (an optional leading space, as SmolVLM answers after "Assistant:"), so its first token is
-the most likely answer token. The tiny models' answers are one token each, so that is the answer tamis's scoring of
+admits only the answers, each exactly as it follows the prompt in training (its tokens tamis scores, decoded), so its
+first token is the most likely answer token. The tiny models' answers are one token each, so that is the answer tamis's scoring of
 every answer token ranks first; the reference is the export's predict.py on merged/ (transformers, fp32). The prompt
 is the one the rounds trained with, rendered by merged/'s processor, passed whole through a pass-through chat
 template with llama.cpp's image marker where the template put the image.
@@ -23,8 +23,9 @@ import pytest
 from PIL import Image
 
 from pipeline.model.families import FAMILIES, get_family
-from pipeline.serving.gguf import chat_frame, modelfile, refusal, stop_tokens
+from pipeline.serving.gguf import chat_frame, modelfile, refusal, staged, stop_tokens
 from pipeline.serving.gguf_convert import gpt2_pretokenizer
+from pipeline.serving.predict_script import answer_tokens, render
 from tests.test_round_flow import write_project
 from tests.test_use_model import photo_folder, said, tamis_cli
 
@@ -60,9 +61,8 @@ def test_every_convertible_family_names_both_architectures_the_converter_registe
         rt = fam().runtimes
         assert (refusal(fam()) is None) == rt.gguf, name
         if rt.gguf and src.is_file():  # the pinned converter's registry, when it has been fetched
-            registry = src.read_text(encoding="utf-8")
-            assert f'"{rt.gguf_vision}"' in registry, name
-            assert f'"{rt.gguf_text}"' in registry or rt.gguf_text == "VLlama3ForCausalLM", name
+            text_map, _, mmproj_map = src.read_text(encoding="utf-8").partition("MMPROJ_MODEL_MAP: dict")
+            assert f'"{rt.gguf_text}"' in text_map and f'"{rt.gguf_vision}"' in mmproj_map, name
 
 
 @pytest.mark.parametrize("name", CONVERTIBLE)
@@ -77,6 +77,20 @@ def test_the_modelfile_has_model_and_projector_as_two_from_lines_and_the_trained
     turn = [{"role": "user", "content": [{"type": "text", "text": "Which digit?"}]}]
     assert frame.replace("{{ .Prompt }}", "Which digit?") == processor.apply_chat_template(
         turn, add_generation_prompt=True, tokenize=False)
+
+
+def test_the_converter_sees_the_architecture_it_registers_and_merged_keeps_its_own(tmp_path):
+    """A merged Qwen2.5-VL whose config.json says Qwen2_5_VLModel (llama.cpp #13802) is staged as
+    Qwen2_5_VLForConditionalGeneration; merged/ itself is left as transformers wrote it."""
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / "config.json").write_text(json.dumps({"architectures": ["Qwen2_5_VLModel"], "model_type": "qwen2_5_vl"}))
+    (merged / "model.safetensors").write_bytes(b"weights")
+    view = staged(merged, get_family("qwen2_5_vl").runtimes.gguf_text, tmp_path / "view")
+    assert json.loads((view / "config.json").read_text()) == {"architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                                                              "model_type": "qwen2_5_vl"}
+    assert (view / "model.safetensors").read_bytes() == b"weights" and (view / "model.safetensors").is_symlink()
+    assert json.loads((merged / "config.json").read_text())["architectures"] == ["Qwen2_5_VLModel"]
 
 
 def test_only_a_gpt2_byte_level_pretokenizer_is_named_gpt2(tmp_path, tiny_models):
@@ -101,8 +115,9 @@ def sample_images(folder: Path, size: int, n: int = 30) -> list[Path]:
     return files
 
 
-def mtmd_answer(cli: Path, model: Path, mmproj: Path, image: Path, prompt: str, answers: list[str]) -> str:
-    grammar = 'root ::= " "? (' + " | ".join(json.dumps(a) for a in answers) + ")"
+def mtmd_answer(cli: Path, model: Path, mmproj: Path, image: Path, prompt: str, continuations: list[str]) -> str:
+    """The continuation llama-mtmd-cli picks greedily when only `continuations` may follow the prompt."""
+    grammar = "root ::= " + " | ".join(json.dumps(a) for a in continuations)
     proc = subprocess.run([str(cli), "-m", str(model), "--mmproj", str(mmproj), "--image", str(image), "-p", prompt,
                            "--jinja", "--chat-template", "{{ messages[0]['content'] }}", "--grammar", grammar,
                            "--temp", "0", "-n", "4", "-t", "2", "--no-warmup",
@@ -111,7 +126,7 @@ def mtmd_answer(cli: Path, model: Path, mmproj: Path, image: Path, prompt: str, 
                            "--image-min-tokens", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout.strip()
+    return proc.stdout.strip("\n")
 
 
 def two_rounds_then_export(tmp_path: Path, tiny_models, name: str) -> tuple[Path, Path, Path]:
@@ -180,13 +195,16 @@ def test_llama_cpp_built_from_the_pinned_source_answers_as_transformers_on_merge
                     "--out", str(tmp_path / "hf.csv")], check=True, capture_output=True, timeout=900)
     reference = {Path(r["file"]).name: r["answer"] for r in csv.DictReader((tmp_path / "hf.csv").open())}
     processor = AutoProcessor.from_pretrained(out / "merged")
-    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": cfg["question"]}]}]
-    prompt = processor.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+    prompt = render(processor, cfg)  # what the rounds trained with, as predict.py renders it
     assert prompt.count(IMAGE_TEXT[name]) == 1, prompt
     prompt = prompt.replace(IMAGE_TEXT[name], MEDIA)
+    # Each answer exactly as it follows the prompt (its tokens tamis scores, decoded): "6" here, " 6" after SmolVLM's
+    # "Assistant:". A looser grammar (an optional space) lets greedy decoding take a space token first.
+    cont = [processor.tokenizer.decode(ids) for ids in answer_tokens(processor, cfg)]
+    by_text = dict(zip(cont, cfg["answers"], strict=True))
     agreement = {}
     for kind in ("f16", "q8_0"):
-        got = {f.name: mtmd_answer(tools["llama-mtmd-cli"], models[kind], mmproj, f, prompt, cfg["answers"])
+        got = {f.name: by_text.get(mtmd_answer(tools["llama-mtmd-cli"], models[kind], mmproj, f, prompt, cont))
                for f in images}
         agreement[kind] = sum(got[k] == reference[k] for k in got) / len(got)
         record_property(f"agreement_{kind}", agreement[kind])

@@ -35,6 +35,7 @@ from pipeline.mdtext import code_span, escape_md, fenced
 from pipeline.round_state import RoundState, trained_round
 
 if TYPE_CHECKING:
+    from pipeline.serving.gguf import GgufExport
     from pipeline.serving.vllm import VllmExport
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
@@ -366,6 +367,7 @@ class ExportResult:
     merged: Path | None
     merged_dtype: str | None
     vllm: VllmExport | None = None  # with format vllm: serve.sh, the adapter it serves, what leaving LoRA out cost
+    gguf: GgufExport | None = None  # with format gguf: the GGUF files, the Modelfile, the LM Studio folder
 
 
 def storage_dtype(choice: str, model_cfg: ModelConfig) -> Any:
@@ -381,8 +383,8 @@ def storage_dtype(choice: str, model_cfg: ModelConfig) -> Any:
 
 
 EXPORT_NAMES = ("adapter", "merged", "README.md", "lineage.json", "predict.py", "predict_config.json",
-                "adapter-vllm", "serve.sh")
-FORMATS = ("hf", "vllm")  # what an export writes into its folder
+                "adapter-vllm", "serve.sh", "gguf", "lmstudio")
+FORMATS = ("hf", "vllm", "gguf")  # what an export writes into its folder
 
 
 def check_out(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *, force: bool,
@@ -431,6 +433,20 @@ def serve_with_vllm(out: Path, prov: Provenance, loaded: Any, spec: ExportSpec, 
                        answers=spec.data.answers, batch_size=spec.select.score_batch_size, artifacts=prov.artifacts)
 
 
+def serve_with_gguf(out: Path, prov: Provenance, loaded: Any, processor: Any, question: str | None,
+                    size: int) -> GgufExport:
+    """--format gguf: merged/ converted by the pinned llama.cpp (pipeline/serving/gguf.py), its section in the card."""
+    from pipeline.serving.gguf import card_section, export_gguf, gguf_name
+    from pipeline.store import atomic_write_text
+
+    res = export_gguf(out, out / "merged", loaded.family, name=gguf_name(loaded.family, prov.round),
+                      processor=processor)
+    for card in (out / "README.md", out / "adapter" / "README.md"):
+        if card.is_file():
+            atomic_write_text(card, card.read_text(encoding="utf-8") + card_section(res, question=question, size=size))
+    return res
+
+
 def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[str], spec: ExportSpec,
                  round_index: int | None = None, merge: bool = False, dtype: str = "auto",
                  force: bool = False, fmt: str = "hf") -> ExportResult:
@@ -444,7 +460,11 @@ def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[st
 
     data, pre, model_cfg = spec.data, spec.preprocess, spec.model
     if fmt not in FORMATS:
-        raise ConfigError(f"--format {fmt!r}: choose {' or '.join(FORMATS)}")
+        raise ConfigError(f"--format {fmt!r}: choose {', '.join(FORMATS)}")
+    if fmt == "gguf":  # before any work: a family the pinned converter cannot take
+        from pipeline.serving.gguf import check_convertible
+
+        check_convertible(model_cfg)
     out = check_out(out, artifacts, force=force)
     prov = provenance(artifacts, round_index)
     adapter_src = Path(prov.state.adapter["adapter_dir"])
@@ -455,7 +475,7 @@ def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[st
     out.mkdir(parents=True, exist_ok=True)
     adapter_out, adapter_cfg = out / "adapter", {}
     # A full fine-tune has no adapter, and vLLM takes no LoRA for some families: the whole model is the hand-off.
-    if model_cfg.mode == "full" or (fmt == "vllm" and not loaded.family.runtimes.vllm_lora):
+    if model_cfg.mode == "full" or fmt == "gguf" or (fmt == "vllm" and not loaded.family.runtimes.vllm_lora):
         merge = True
     if model_cfg.mode == "full":
         if adapter_out.is_dir():  # an earlier export's (--force): it would not match this model
@@ -475,17 +495,19 @@ def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[st
     pad = f", padded square with {tuple(pre.pad_color)}" if pre.pad == "square" else ""
     note = (f"Images are prepared as tamis prepares them: EXIF-rotated, RGB, longest side {size} px (aspect kept{pad}); "
             "the exported processor carries tamis's image settings for images of that size.")
+    question = next((s.question for s in data.sources if s.question), None) or data.question
     card = model_card(prov, model_cfg=model_cfg, loaded=loaded, adapter_config=adapter_cfg,
                       rounds_done=len(completed_rounds(artifacts)), consensus=spec.annotate.consensus,
-                      question=next((s.question for s in data.sources if s.question), None) or data.question,
+                      question=question,
                       answers=data.answers, evaluation=load_eval_report(prov.state.eval_dir), base=base,
                       preprocess_note=note, merged_dtype=merged_dtype)
     atomic_write_text(out / "README.md", card)
     write_predict_script(out, loaded=loaded, processor=processor, spec=spec, size=size)
     if adapter_out.is_dir():
         atomic_write_text(adapter_out / "README.md", card)  # in place of PEFT's empty template
-    for stale in ("adapter-vllm", "serve.sh"):  # an earlier export's (--force): they would not match this adapter
+    for stale in ("adapter-vllm", "serve.sh", "gguf", "lmstudio"):  # an earlier export's (--force): they would not match this adapter
         shutil.rmtree(out / stale) if (out / stale).is_dir() else (out / stale).unlink(missing_ok=True)
     vllm = serve_with_vllm(out, prov, loaded, spec, base) if fmt == "vllm" else None
+    gguf = serve_with_gguf(out, prov, loaded, processor, question, size) if fmt == "gguf" else None
     return ExportResult(out, prov.round, adapter_out, out / "README.md", out / "lineage.json", len(prov.labels),
-                        out / "merged" if merge else None, merged_dtype, vllm)
+                        out / "merged" if merge else None, merged_dtype, vllm, gguf)

@@ -65,7 +65,9 @@ def export_model_cmd(
                                         "project's artifacts folder.")] = False,
     fmt: Annotated[str, typer.Option("--format", help="hf (default), or vllm: also serve.sh (`vllm serve` with the "
                                      "adapter), and adapter-vllm/ without LoRA vLLM does not take, its cost "
-                                     "measured on the test split.")] = "hf",
+                                     "measured on the test split; or gguf: merged/ as llama.cpp GGUF (text model "
+                                     "f16/q8_0, Q4_K_M with a built llama-quantize, and the mmproj projector), an "
+                                     "Ollama Modelfile and an LM Studio folder.")] = "hf",
     check: Annotated[bool, typer.Option("--check", help="Only say which runtimes (transformers, vLLM, llama.cpp / "
                                         "LM Studio / Ollama) can take this project's model, and why not; writes "
                                         "nothing.")] = False,
@@ -101,6 +103,10 @@ def export_model_cmd(
                                                     if res.vllm.adapter else " (serves merged/)"))
         if res.vllm.warning():
             lines.append(f"warning: {res.vllm.warning()}")
+    if res.gguf:
+        lines += [f"  GGUF ({res.gguf.seconds:.0f} s): {', '.join(p.name for p in res.gguf.models.values())} and "
+                  f"{res.gguf.mmproj.name} in {res.gguf.dir}", f"  Ollama: {res.gguf.modelfile}",
+                  f"  LM Studio: {res.gguf.lmstudio}", *(f"note: {n}" for n in res.gguf.notes)]
     out_console().print("\n".join(lines), highlight=False, markup=False)
 
 

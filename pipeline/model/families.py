@@ -397,7 +397,8 @@ class Idefics3Family(TiledFamily):
     special_tokens = _SMOL_TOKENS
     chat_template = templates.IDEFICS3
     runtimes = Runtimes(True, True, vllm_note="Idefics3ForConditionalGeneration: LoRA on the language model",
-                        gguf_note="SmolVLM / Idefics3: text model + --mmproj vision tower")
+                        gguf_note="SmolVLM / Idefics3: text model + --mmproj vision tower",
+                        gguf_text="VLlama3ForCausalLM", gguf_vision="Idefics3ForConditionalGeneration")
 
 
 class SmolVLMFamily(Idefics3Family):
@@ -408,7 +409,8 @@ class SmolVLMFamily(Idefics3Family):
     special_tokens = (*_SMOL_TOKENS, "<video>")
     chat_template = templates.SMOLVLM2
     runtimes = Runtimes(True, True, vllm_note="SmolVLMForConditionalGeneration: LoRA on the language model",
-                        gguf_note="SmolVLM2: text model + --mmproj vision tower")
+                        gguf_note="SmolVLM2: text model + --mmproj vision tower",
+                        gguf_text="VLlama3ForCausalLM", gguf_vision="SmolVLMForConditionalGeneration")
 
 
 class Qwen2VLFamily(GridFamily):
@@ -426,7 +428,8 @@ class Qwen2VLFamily(GridFamily):
     chat_template = templates.QWEN2_VL
     box_codec = "qwen2_vl_tokens"
     runtimes = Runtimes(True, True, vllm_note="Qwen2VLForConditionalGeneration: LoRA on the language model",
-                        gguf_note="Qwen2-VL: text model + --mmproj vision tower")
+                        gguf_note="Qwen2-VL: text model + --mmproj vision tower",
+                        gguf_text="Qwen2VLForConditionalGeneration", gguf_vision="Qwen2VLForConditionalGeneration")
 
 
 class Qwen25VLFamily(Qwen2VLFamily):
@@ -436,7 +439,9 @@ class Qwen25VLFamily(Qwen2VLFamily):
     model_types = ("qwen2_5_vl",)
     box_codec = "qwen2_5_vl_json"  # pixels of the smart-resized image, not Qwen2-VL's 0-1000 tokens
     runtimes = Runtimes(True, True, vllm_note="Qwen2_5_VLForConditionalGeneration: LoRA on the language model",
-                        gguf_note="Qwen2.5-VL: text model + --mmproj vision tower")
+                        gguf_note="Qwen2.5-VL: text model + --mmproj vision tower",
+                        gguf_text="Qwen2_5_VLForConditionalGeneration",
+                        gguf_vision="Qwen2_5_VLForConditionalGeneration")
 
 
 class Qwen3VLFamily(Qwen2VLFamily):
@@ -450,7 +455,8 @@ class Qwen3VLFamily(Qwen2VLFamily):
     box_codec = "json_1000"  # Qwen2.5-VL's JSON, back to 0-1000 relative coordinates
     runtimes = Runtimes(True, True, vllm_note="Qwen3VLForConditionalGeneration: LoRA on the language model",
                         gguf_note="Qwen3-VL: text model + --mmproj vision tower (registered in llama.cpp's conversion/ "
-                        "since late 2026, e.g. llama.cpp@0c1e57098)")
+                        "since late 2026, e.g. llama.cpp@0c1e57098)",
+                        gguf_text="Qwen3VLForConditionalGeneration", gguf_vision="Qwen3VLForConditionalGeneration")
 
 
 class Gemma3Family(Family):
@@ -468,7 +474,8 @@ class Gemma3Family(Family):
                       "<end_of_image>", "<image_soft_token>")
     chat_template = templates.GEMMA3
     runtimes = Runtimes(True, True, vllm_note="Gemma3ForConditionalGeneration: LoRA on the language model",
-                        gguf_note="Gemma 3: text model + --mmproj vision tower")
+                        gguf_note="Gemma 3: text model + --mmproj vision tower",
+                        gguf_text="Gemma3ForConditionalGeneration", gguf_vision="Gemma3ForConditionalGeneration")
     square_tiles = True  # resized to the square without keeping the aspect ratio (pan-and-scan off)
     nested_images = True
 
@@ -524,9 +531,11 @@ class InternVLFamily(Family):
     image_token = "<IMG_CONTEXT>"
     special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
     chat_template = templates.INTERNVL
-    runtimes = Runtimes(True, True, vllm_note="InternVLForConditionalGeneration (-hf): LoRA on the language model",
-                        gguf_note="InternVL 2.5 / 3: text model + --mmproj vision tower (llama.cpp converts "
-                        "the original InternVLChatModel layout; an -hf checkpoint may need its weights renamed)")
+    runtimes = Runtimes(True, False, vllm_note="InternVLForConditionalGeneration (-hf): LoRA on the language "
+                        "model", gguf_note="llama.cpp's converter (at 0c1e57098) registers InternVL's original "
+                        "InternVLChatModel layout (InternVisionModel) only, not the -hf "
+                        "InternVLForConditionalGeneration tamis trains: it answers 'Model "
+                        "InternVLForConditionalGeneration is not supported'")
     square_tiles = True
     box_codec = "internvl_ref"
 

@@ -23,6 +23,10 @@ class Runtimes:
     # Ollama load the result
     vllm_note: str = ""
     gguf_note: str = ""
+    # The `architectures` the pinned converter (pipeline/serving/llama_cpp.py) registers for the text model and for
+    # the --mmproj pass; export-model --format gguf writes them into a staged config.json. Empty: not convertible.
+    gguf_text: str = ""
+    gguf_vision: str = ""
 
 
 UNCHECKED = Runtimes(False, False, vllm_note="not a registered family: vLLM's support for this architecture is "

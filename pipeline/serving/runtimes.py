@@ -54,13 +54,15 @@ def vllm_verdict(family: Family, model: ModelConfig) -> Verdict:
 
 
 def gguf_verdict(family: Family) -> Verdict:
-    rt = family.runtimes
-    if not rt.gguf:
-        return Verdict("llama.cpp / LM Studio / Ollama (GGUF)", "no", rt.gguf_note + ".")
+    from pipeline.serving.gguf import refusal
+
+    rt, why = family.runtimes, refusal(family)
+    if why:
+        return Verdict("llama.cpp / LM Studio / Ollama (GGUF)", "no", why.removeprefix("--format gguf: ") + ".")
     return Verdict("llama.cpp / LM Studio / Ollama (GGUF)", "merged only",
-                   f"{rt.gguf_note}: convert merged/ (--merge) with llama.cpp's convert_hf_to_gguf.py, once for the "
-                   "text model and once with --mmproj for the vision tower; tamis does not convert it (no llama.cpp "
-                   "here) and an adapter alone does not carry the vision part.")
+                   f"{rt.gguf_note}: --format gguf merges, converts merged/ with llama.cpp's convert_hf_to_gguf.py "
+                   "at a pinned commit (text model f16 / q8_0, and the projector with --mmproj) and writes an "
+                   "Ollama Modelfile and an LM Studio folder; an adapter alone does not carry the vision part.")
 
 
 def runtime_check(family: Family, model: ModelConfig) -> list[Verdict]:

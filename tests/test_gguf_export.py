@@ -1,0 +1,248 @@
+"""`tamis export-model --format gguf`: what the pinned llama.cpp converter writes, the runtime files beside it, and
+(slow) the real llama.cpp, built from the same pinned source, answering with what it wrote.
+
+How llama.cpp's answers are compared for a closed set: `llama-mtmd-cli` decodes greedily under a GBNF grammar that
+admits only the answers, each exactly as it follows the prompt in training (its tokens tamis scores, decoded), so its
+first token is the most likely answer token. The tiny models' answers are one token each, so that is the answer tamis's scoring of
+every answer token ranks first; the reference is the export's predict.py on merged/ (transformers, fp32). The prompt
+is the one the rounds trained with, rendered by merged/'s processor, passed whole through a pass-through chat
+template with llama.cpp's image marker where the template put the image.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.model.families import FAMILIES, get_family
+from pipeline.serving.gguf import chat_frame, modelfile, refusal, staged, stop_tokens
+from pipeline.serving.gguf_convert import gpt2_pretokenizer
+from pipeline.serving.predict_script import answer_tokens, render
+from tests.test_round_flow import write_project
+from tests.test_use_model import photo_folder, said, tamis_cli
+
+# The tiny families the pinned converter takes. Of the others: tiny qwen2_vl / qwen2_5_vl have 2 vision blocks and the
+# converter names merger tensors by block index (`visual.merger.mlp.2` needs depth >= 3: every real one has 32);
+# tiny gemma3's SigLIP keeps its pooling head (vision_use_head, false in real Gemma 3), which has no GGUF name.
+CONVERTIBLE = ("idefics3", "smolvlm", "qwen3_vl")
+# Of those, what llama-mtmd-cli at the pin runs: its Idefics3 path looks up "<global-img>" and "\n\n" as single
+# tokens, which the tiny byte-level vocabulary does not have (the real SmolVLM one does), and aborts
+# (GGML_ASSERT(idx >= 0), mtmd-helper.cpp:226).
+ANSWERS_IN_LLAMA_CPP = ("qwen3_vl",)
+# Where each family's chat template puts the image (llama.cpp's mtmd adds the family's own image markup around it).
+IMAGE_TEXT = {"qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+MEDIA = "<__media__>"
+
+
+@pytest.mark.parametrize("name", ["llava_onevision", "internvl"])
+def test_a_family_the_converter_does_not_take_is_refused_before_any_work(name, tmp_path, tiny_models):
+    """No rounds ran, no folder is written: the refusal comes from the family alone, with the nearest path."""
+    config = write_project(tmp_path, tiny_models, model={"name_or_path": str(tiny_models[name]), "family": name})
+    proc = tamis_cli("export-model", "--config", config, "--format", "gguf", "--out", tmp_path / "out")
+    assert proc.returncode != 0 and not (tmp_path / "out").exists()
+    msg = said(proc)
+    assert "0c1e57098" in msg and "transformers" in msg and "vLLM" in msg, msg
+    assert "LLaVA-OneVision" in msg if name == "llava_onevision" else "InternVLForConditionalGeneration" in msg
+    check = said(tamis_cli("export-model", "--config", config, "--check"))
+    assert "llama.cpp / LM Studio / Ollama (GGUF): no." in check, check
+
+
+def test_every_convertible_family_names_both_architectures_the_converter_registers():
+    src = Path.home() / ".cache" / "tamis-llama-cpp-0c1e57098" / "src" / "conversion" / "__init__.py"
+    for name, fam in FAMILIES.items():
+        rt = fam().runtimes
+        assert (refusal(fam()) is None) == rt.gguf, name
+        if rt.gguf and src.is_file():  # the pinned converter's registry, when it has been fetched
+            text_map, _, mmproj_map = src.read_text(encoding="utf-8").partition("MMPROJ_MODEL_MAP: dict")
+            assert f'"{rt.gguf_text}"' in text_map and f'"{rt.gguf_vision}"' in mmproj_map, name
+
+
+@pytest.mark.parametrize("name", CONVERTIBLE)
+def test_the_modelfile_has_model_and_projector_as_two_from_lines_and_the_trained_chat_frame(name, tiny_models):
+    from transformers import AutoProcessor
+
+    fam, processor = get_family(name), AutoProcessor.from_pretrained(tiny_models[name])
+    frame = chat_frame(processor)
+    text = modelfile("m-q8_0.gguf", "mmproj-m-f16.gguf", frame, stop_tokens(fam, processor))
+    assert [x for x in text.splitlines() if x.startswith("FROM")] == ["FROM ./m-q8_0.gguf", "FROM ./mmproj-m-f16.gguf"]
+    assert "ADAPTER" not in text and f"PARAMETER stop {json.dumps(fam.end_token)}" in text
+    turn = [{"role": "user", "content": [{"type": "text", "text": "Which digit?"}]}]
+    assert frame.replace("{{ .Prompt }}", "Which digit?") == processor.apply_chat_template(
+        turn, add_generation_prompt=True, tokenize=False)
+
+
+def test_the_converter_sees_the_architecture_it_registers_and_merged_keeps_its_own(tmp_path):
+    """A merged Qwen2.5-VL whose config.json says Qwen2_5_VLModel (llama.cpp #13802) is staged as
+    Qwen2_5_VLForConditionalGeneration; merged/ itself is left as transformers wrote it."""
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / "config.json").write_text(json.dumps({"architectures": ["Qwen2_5_VLModel"], "model_type": "qwen2_5_vl"}))
+    (merged / "model.safetensors").write_bytes(b"weights")
+    view = staged(merged, get_family("qwen2_5_vl").runtimes.gguf_text, tmp_path / "view")
+    assert json.loads((view / "config.json").read_text()) == {"architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                                                              "model_type": "qwen2_5_vl"}
+    assert (view / "model.safetensors").read_bytes() == b"weights" and (view / "model.safetensors").is_symlink()
+    assert json.loads((merged / "config.json").read_text())["architectures"] == ["Qwen2_5_VLModel"]
+
+
+def test_only_a_gpt2_byte_level_pretokenizer_is_named_gpt2(tmp_path, tiny_models):
+    assert gpt2_pretokenizer(Path(tiny_models["smolvlm"]))
+    tok = json.loads((Path(tiny_models["smolvlm"]) / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [{"type": "Split"}, tok["pre_tokenizer"]]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    assert not gpt2_pretokenizer(tmp_path) and not gpt2_pretokenizer(tmp_path / "none")
+
+
+# ------------------------------------------------------------------------------------------- the real llama.cpp
+def sample_images(folder: Path, size: int, n: int = 30) -> list[Path]:
+    """scikit-image crops and seeded colour patterns, all at the prepared size (tamis's preparation leaves them be)."""
+    files = [folder / f for f in photo_folder(folder, square=size)]
+    rng = np.random.default_rng(0)
+    for i in range(n - len(files)):
+        base = rng.integers(0, 256, size=3)
+        ramp = np.linspace(0, 1, size)[:, None, None] * rng.integers(-128, 128, size=3)
+        arr = np.clip(base + ramp + rng.normal(0, 20 * (i % 3), (size, size, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(arr).save(folder / f"pattern-{i:02d}.png")
+        files.append(folder / f"pattern-{i:02d}.png")
+    return files
+
+
+def mtmd_answer(cli: Path, model: Path, mmproj: Path, image: Path, prompt: str, continuations: list[str] | None,
+                n: int = 4) -> str:
+    """What llama-mtmd-cli generates greedily (up to `n` tokens) after `prompt`; only one of `continuations` when
+    given. Bytes a token splits mid-character read as U+FFFD, as transformers decodes them."""
+    grammar = ["--grammar", "root ::= " + " | ".join(json.dumps(a) for a in continuations)] if continuations else []
+    cmd = [str(cli), "-m", str(model), "--mmproj", str(mmproj), "--image", str(image), "-p", prompt,
+           "--jinja", "--chat-template", "{{ messages[0]['content'] }}", *grammar,
+           "--temp", "0", "-n", str(n), "-t", "2", "--no-warmup",
+           # the image at its own size: Qwen-VL's default floor (8 tokens) would upscale the 32-px
+           # tiny images that rounds trained on at 4 tokens
+           "--image-min-tokens", "1"]
+    # llama-mtmd-cli prints through an asynchronous log that may lose its tail at exit (llama.cpp #22142: here about
+    # 1 run in 8 lost all or part of stdout). Decoding is greedy, so every run prints a prefix of the same text:
+    # runs repeat until two agree, and the longest is the answer.
+    outs: list[bytes] = []
+    while len(outs) < 4 and not (len(outs) >= 2 and outs[-1] == outs[-2] and outs[-1]):
+        proc = subprocess.run(cmd, capture_output=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:].decode(errors="replace")
+        outs.append(proc.stdout.strip(b"\n"))
+    return max(outs, key=len).decode("utf-8", "replace")
+
+
+def transformers_generation(out: Path, cfg: dict, prompt: str, images: list[Path], n: int = 4) -> dict[str, str]:
+    """merged/'s greedy generation (up to `n` tokens) after the training prompt, per image file name."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from pipeline.serving.predict_script import prepare_image
+
+    processor = AutoProcessor.from_pretrained(out / "merged")
+    model = AutoModelForImageTextToText.from_pretrained(out / "merged").eval()
+    got = {}
+    for f in images:
+        enc = processor(images=[prepare_image(f, cfg["image"])], text=[prompt], return_tensors="pt",
+                        **cfg["processor_kwargs"])
+        with torch.no_grad():
+            ids = model.generate(**enc, max_new_tokens=n, do_sample=False)[0, enc["input_ids"].shape[1]:]
+        got[f.name] = processor.tokenizer.decode(ids, skip_special_tokens=False)
+    return got
+
+
+def two_rounds_then_export(tmp_path: Path, tiny_models, name: str) -> tuple[Path, Path, Path]:
+    """(export folder, the stem's f16 text model, the projector) after two rounds and `tamis export-model --format
+    gguf` run as a user runs it."""
+    from flows.round import labeling_round
+
+    config = write_project(tmp_path, tiny_models, model={"name_or_path": str(tiny_models[name]), "family": name})
+    labeling_round(str(config))
+    assert labeling_round(str(config), simulate=False)["adapter"]
+    out, start = tmp_path / "export", time.monotonic()
+    proc = tamis_cli("export-model", "--config", config, "--format", "gguf", "--out", out)
+    assert proc.returncode == 0, said(proc)
+    print(f"{name}: export-model --format gguf took {time.monotonic() - start:.0f} s: {said(proc)}")
+    model = next(p for p in (out / "gguf").glob("*-f16.gguf") if not p.name.startswith("mmproj-"))
+    return out, model, out / "gguf" / f"mmproj-{model.name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(CONVERTIBLE) - set(ANSWERS_IN_LLAMA_CPP)))
+def test_an_idefics3_export_writes_gguf_files_that_read_back_as_text_model_and_projector(name, tmp_path, tiny_models,
+                                                                                        prefect_harness):
+    from pipeline.serving.llama_cpp import llama_cpp_source
+
+    out, model, mmproj = two_rounds_then_export(tmp_path, tiny_models, name)
+    sys.path.insert(0, str(llama_cpp_source() / "gguf-py"))
+    try:
+        from gguf import GGUFReader
+    finally:
+        sys.path.pop(0)
+    text, vision = GGUFReader(model), GGUFReader(mmproj)
+    arch = bytes(text.fields["general.architecture"].parts[-1]).decode()
+    assert arch == "llama" and any(t.name == "token_embd.weight" for t in text.tensors)
+    assert any(t.name.startswith("v.blk.") for t in vision.tensors) and any(t.name.startswith("mm.") for t in
+                                                                           vision.tensors)
+    assert [x for x in (out / "gguf" / "Modelfile").read_text().splitlines() if x.startswith("FROM")] == [
+        f"FROM ./{model.name.replace('-f16', '-q8_0')}", f"FROM ./{mmproj.name}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ANSWERS_IN_LLAMA_CPP)
+def test_llama_cpp_built_from_the_pinned_source_answers_as_transformers_on_merged(name, tmp_path, tiny_models,
+                                                                                 prefect_harness, record_property):
+    """Two rounds, `tamis export-model --format gguf` as a user runs it, then llama.cpp's llama-mtmd-cli (built
+    here, cached under ~/.cache/tamis-llama-cpp-<commit>/) loads model + projector: its top answers agree with
+    predict.py on merged/ for >= 95 % of 30 images at f16; q8_0's agreement is recorded."""
+    from transformers import AutoProcessor
+
+    from pipeline.serving.llama_cpp import build_tools
+
+    start = time.monotonic()
+    tools = build_tools()  # reused when built: the first run took 23 min on 2 shared cores
+    record_property("llama_cpp_build_s", round(time.monotonic() - start))
+    out, f16, mmproj = two_rounds_then_export(tmp_path, tiny_models, name)
+    gguf, stem = out / "gguf", f16.name.removesuffix("-f16.gguf")
+    models = {t: gguf / f"{stem}-{t}.gguf" for t in ("f16", "q8_0", "Q4_K_M")}
+    assert all(p.is_file() for p in [*models.values(), mmproj]), sorted(p.name for p in gguf.iterdir())
+    assert sorted(p.name for p in (out / "lmstudio" / "tamis" / stem).iterdir()) == sorted(
+        [models["q8_0"].name, mmproj.name])
+    card = (out / "README.md").read_text()
+    assert f"llama-mtmd-cli -m gguf/{models['q8_0'].name} --mmproj gguf/{mmproj.name}" in card and "lms import" in card
+
+    cfg = json.loads((out / "predict_config.json").read_text())
+    images = sample_images(tmp_path / "images", cfg["image"]["size"])
+    subprocess.run([sys.executable, str(out / "predict.py"), *map(str, images), "--model", "merged",
+                    "--out", str(tmp_path / "hf.csv")], check=True, capture_output=True, timeout=900)
+    reference = {Path(r["file"]).name: r["answer"] for r in csv.DictReader((tmp_path / "hf.csv").open())}
+    processor = AutoProcessor.from_pretrained(out / "merged")
+    prompt = render(processor, cfg)  # what the rounds trained with, as predict.py renders it
+    assert prompt.count(IMAGE_TEXT[name]) == 1, prompt
+    prompt = prompt.replace(IMAGE_TEXT[name], MEDIA)
+    # Each answer exactly as it follows the prompt (its tokens tamis scores, decoded): "6" here, " 6" after SmolVLM's
+    # "Assistant:". A looser grammar (an optional space) lets greedy decoding take a space token first.
+    cont = [processor.tokenizer.decode(ids) for ids in answer_tokens(processor, cfg)]
+    by_text = dict(zip(cont, cfg["answers"], strict=True))
+    agreement = {}
+    for kind in ("f16", "q8_0"):
+        got = {f.name: by_text.get(mtmd_answer(tools["llama-mtmd-cli"], models[kind], mmproj, f, prompt, cont))
+               for f in images}
+        agreement[kind] = sum(got[k] == reference[k] for k in got) / len(got)
+        record_property(f"agreement_{kind}", agreement[kind])
+    # The tiny model's top answers hardly vary (two rounds of two steps): its free greedy text does, token by token
+    # over the whole vocabulary, so four unconstrained tokens are compared too.
+    free_ref = transformers_generation(out, cfg, render(processor, cfg), images)
+    for kind in ("f16", "q8_0"):
+        got = {f.name: mtmd_answer(tools["llama-mtmd-cli"], models[kind], mmproj, f, prompt, None) for f in images}
+        agreement[f"{kind} free"] = sum(got[k] == free_ref[k] for k in got) / len(got)
+        record_property(f"agreement_free_{kind}", agreement[f"{kind} free"])
+    print(f"{name}: agreement with transformers on merged/ {agreement}; top answers "
+          f"{ {a: list(reference.values()).count(a) for a in sorted(set(reference.values()))} }, "
+          f"{len(set(free_ref.values()))} distinct free generations")
+    assert agreement["f16"] >= 0.95 and agreement["f16 free"] >= 0.95, agreement

@@ -320,7 +320,8 @@ def preprocess_dataset(
     """Prepare every row's `image` into `out_dir` (dataset/, quarantine.jsonl, manifest.json).
 
     Adds `prepared` (PNG), `prep_width`, `prep_height`, `prep_box` ([x, y, w, h] of the image inside the padding).
-    A row whose image cannot be prepared goes to quarantine.jsonl with its reason, never silently away.
+    A row whose image cannot be prepared goes to quarantine.jsonl with its reason, never silently away. A project
+    with a conversation source (`more_images`) gets every later picture prepared the same way (MORE_PREPARED).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -505,7 +505,8 @@ def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[st
     write_predict_script(out, loaded=loaded, processor=processor, spec=spec, size=size)
     if adapter_out.is_dir():
         atomic_write_text(adapter_out / "README.md", card)  # in place of PEFT's empty template
-    for stale in ("adapter-vllm", "serve.sh", "gguf", "lmstudio"):  # an earlier export's (--force): they would not match this adapter
+    # An earlier export's (--force): they would not match this adapter.
+    for stale in ("adapter-vllm", "serve.sh", "gguf", "lmstudio"):
         shutil.rmtree(out / stale) if (out / stale).is_dir() else (out / stale).unlink(missing_ok=True)
     vllm = serve_with_vllm(out, prov, loaded, spec, base) if fmt == "vllm" else None
     gguf = serve_with_gguf(out, prov, loaded, processor, question, size) if fmt == "gguf" else None

@@ -169,7 +169,7 @@ def run_arm(name: str, cand: CandidatesConfig | None, cfg_s: ProjectConfig, benc
 
 
 def seed_result(cfg: ProjectConfig, bench: Bench, data: Any, work: Work, extras: dict[str, CandidatesConfig],
-                seed: int, folder: Path) -> dict[str, Any]:
+                seed: int, folder: Path, only: set[str] | None = None) -> dict[str, Any]:
     """One seed (paired: one pool, space and seed for every arm): the full-data probe, random, the default scoring
     all, the default with candidates, and the extras. Each arm is kept in `folder` under a key of everything it
     depends on (the data, the config init wrote, the protocol, its candidates) with the code version that made it
@@ -185,6 +185,8 @@ def seed_result(cfg: ProjectConfig, bench: Bench, data: Any, work: Work, extras:
     arms: dict[str, CandidatesConfig | None] = {"random": None, DEFAULT: None,
                                                 RESTRICTED: cfg.select.candidates, **extras}
     for name, cand in {"full": None, **arms}.items():
+        if only is not None and name not in only | {"full"}:
+            continue
         key = digest_json({**base, "arm": name, "candidates": cand and cand.model_dump(mode="json")})[:16]
         path = folder / f"seed{seed}-{name}-{key}.json"
         if path.is_file():
@@ -281,8 +283,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data = le.prepare_data(cfg, bench)
     work = Work(cfg, data)
     extras = {f"{DEFAULT}+{k}": cfg.select.candidates.model_copy(update=v) for k, v in args.extra.items()}
-    per_seed = [seed_result(cfg, bench, data, work, extras, seed, root / "seeds") for seed in args.seeds]
-    if args.seeds_only:
+    only = set(args.arms.split(",")) if args.arms else None
+    per_seed = [seed_result(cfg, bench, data, work, extras, seed, root / "seeds", only) for seed in args.seeds]
+    if args.seeds_only or only:
         return {"benchmark": "candidates_scale", "seeds_only": args.seeds, "folder": str(root / "seeds")}
     names = list(per_seed[0]["runs"])
     runs = {n: [p["runs"][n] for p in per_seed] for n in names}
@@ -329,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          '{"size": 2000}}\'')
     ap.add_argument("--work-dir", type=str, default="/tmp/tamis-candidates-scale")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--arms", type=str, default=None, help="with --seeds-only: only these arms (comma-separated "
+                    "names, e.g. an --extra arm added later)")
     ap.add_argument("--score-rows", type=int, default=None, help="rows the all-arm scoring time is measured on "
                     "(default: the whole pool; fewer for a quick look)")
     ap.add_argument("--seeds-only", action="store_true", help="run (or reuse) the seeds' arms and stop: seeds in "
@@ -344,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in ("candidates_scale", "label_efficiency"):
         logging.getLogger(name).setLevel(logging.INFO)
     result = run(args)
-    if args.seeds_only:
+    if "seeds_only" in result:
         return result
     return write_result(result, args.json_out, started=started, config=vars(args) | {"json_out": None},
                         code_versions=list(result["cache_code_versions"]))

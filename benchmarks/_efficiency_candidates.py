@@ -46,7 +46,7 @@ def restrictor(sel_cfg: SelectConfig, *, pool: Sequence[str], space: Space, seed
         coverage = coverage_picker(phase.strategy, phase.diversity, space=space, labeled=labeled, n_classes=n_classes)
         return round_candidates(sel_cfg, pool_ids=[s for s in pool if s not in done], labeled_ids=labeled,
                                 space_ids=space.ids, space_emb=space.emb, seed=seed, cache_dir=cache_dir,
-                                space_digest=digest, coverage=coverage).ids
+                                space_digest=digest, coverage=coverage, diversity=phase.diversity).ids
 
     return restrict
 

@@ -54,7 +54,7 @@ from benchmarks._efficiency_work import Adapter, Work  # noqa: E402
 from benchmarks._results import write_result  # noqa: E402
 from benchmarks.ingest_scale import write_pool  # noqa: E402
 from pipeline.config import CandidatesConfig, ProjectConfig, parse_config  # noqa: E402
-from pipeline.strategies.candidates import candidates_choice  # noqa: E402
+from pipeline.strategies.candidates import candidates_choice, shares_for  # noqa: E402
 
 log = logging.getLogger("candidates_scale")
 QUESTION = "Which digit is shown in the image?"
@@ -168,10 +168,10 @@ def run_arm(name: str, cand: CandidatesConfig | None, cfg_s: ProjectConfig, benc
     return out
 
 
-def seed_result(cfg: ProjectConfig, bench: Bench, data: Any, work: Work, extras: dict[str, CandidatesConfig],
+def seed_result(cfg: ProjectConfig, bench: Bench, data: Any, work: Work, arms: dict[str, CandidatesConfig | None],
                 seed: int, folder: Path, only: set[str] | None = None) -> dict[str, Any]:
-    """One seed (paired: one pool, space and seed for every arm): the full-data probe, random, the default scoring
-    all, the default with candidates, and the extras. Each arm is kept in `folder` under a key of everything it
+    """One seed (paired: one pool, space and seed for every arm): the full-data probe, then each of `arms` (name →
+    its select.candidates, None to score all; `random` is the baseline). Each arm is kept in `folder` under a key of everything it
     depends on (the data, the config init wrote, the protocol, its candidates) with the code version that made it
     (counted in the result's code_versions): processes running other seeds or arms fill one folder that a final
     run reads, and an arm added later runs alone."""
@@ -182,8 +182,6 @@ def seed_result(cfg: ProjectConfig, bench: Bench, data: Any, work: Work, extras:
     out: dict[str, Any] = {"fit_s": fit_s, "runs": {}, "seconds": {}, "candidates": {}}
     base = {"data": data.digest, "select": cfg.section("select"), "seed": seed,
             "bench": bench.model_dump(mode="json", exclude={"seeds", "bootstrap"})}
-    arms: dict[str, CandidatesConfig | None] = {"random": None, DEFAULT: None,
-                                                RESTRICTED: cfg.select.candidates, **extras}
     for name, cand in {"full": None, **arms}.items():
         if only is not None and name not in only | {"full"}:
             continue
@@ -252,8 +250,8 @@ def arm_row(name: str, summary: dict[str, Any], runs: dict[str, list[dict[str, A
     if name == "random":
         return {**row, "scored_per_round": 0, "round_s_estimate": row["select_s_per_round"]}
     if not cand:  # scoring all: every pool sample, labeled ones included, each round
-        scored = float(scoring["all"]["rows"])
-        score_s = scoring["all"]["seconds"]
+        scored = float(scoring["pool_rows"])
+        score_s = scored / scoring["all"]["rows_per_s"]
     else:  # the candidates and the labeled samples (their mean over the rounds that select)
         scored = (float(np.mean([np.mean(c["scored_per_round"]) for c in cand])) + bench.initial
                   + bench.batch * (bench.rounds - 1) / 2)
@@ -282,9 +280,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bench = bench_of(cfg, args)
     data = le.prepare_data(cfg, bench)
     work = Work(cfg, data)
-    extras = {f"{DEFAULT}+{k}": cfg.select.candidates.model_copy(update=v) for k, v in args.extra.items()}
+    cand = cfg.select.candidates
+    arms: dict[str, CandidatesConfig | None] = {
+        "random": None, DEFAULT: None, RESTRICTED: cand.model_copy(update=args.restricted),
+        **{f"{DEFAULT}+{k}": cand.model_copy(update=v) for k, v in args.extra.items()}}
     only = set(args.arms.split(",")) if args.arms else None
-    per_seed = [seed_result(cfg, bench, data, work, extras, seed, root / "seeds", only) for seed in args.seeds]
+    per_seed = [seed_result(cfg, bench, data, work, arms, seed, root / "seeds", only) for seed in args.seeds]
     if args.seeds_only or only:
         return {"benchmark": "candidates_scale", "seeds_only": args.seeds, "folder": str(root / "seeds")}
     names = list(per_seed[0]["runs"])
@@ -294,12 +295,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = cfg.select.candidates.size_for(bench.batch)
     scoring = scoring_seconds(cfg, data, work, {"candidates": size + bench.initial + bench.batch,
                                                 "all": args.score_rows or len(data.pool)}, root / "seeds")
+    scoring["pool_rows"] = len(data.pool)
     rows = {n: arm_row(n, summary, runs, full, per_seed, bench, scoring) for n in names}
-    head, base = rows[RESTRICTED], summary[DEFAULT]
+    head, base = rows[args.headline], summary[DEFAULT]
+    for n, c in arms.items():
+        if c is not None:  # the sources each restricted arm drew from (pipeline.strategies.candidates.shares_for)
+            rows[n]["shares"] = shares_for(c, cfg.select.diversity)
     return {
         "benchmark": "candidates_scale", "pool_size": len(data.pool), "seeds": args.seeds, "data": data.counts,
-        "selector": DEFAULT, "select_candidates": {**cfg.select.candidates.model_dump(mode="json"),
-                                                    "size_used": size},
+        "selector": DEFAULT, "select_candidates": {**cand.model_dump(mode="json"), "size_used": size,
+                                                    "shares_resolved": shares_for(cand, cfg.select.diversity)},
+        "headline_arm": args.headline, "restricted_override": args.restricted,
         "ratio_candidates": head["ratio_to_random_95"], "ratio_all": base.get("ratio_to_random_95"),
         "ratio_all_ci": base.get("ratio_to_random_95_ci"), "ratio_candidates_ci": head["ratio_to_random_95_ci"],
         "within_ci": head["within_all_ci_95"], "candidates_vs_all_95": head["vs_all_95"],
@@ -332,6 +338,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          '{"size": 2000}}\'')
     ap.add_argument("--work-dir", type=str, default="/tmp/tamis-candidates-scale")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--restricted", type=json.loads, default={},
+                    help="select.candidates fields that replace init's for the +candidates arm (e.g. the shares of an "
+                         "earlier default, to keep its runs)")
+    ap.add_argument("--headline", type=str, default=RESTRICTED, help="the restricted arm the top-level "
+                    "ratio_candidates reports")
     ap.add_argument("--arms", type=str, default=None, help="with --seeds-only: only these arms (comma-separated "
                     "names, e.g. an --extra arm added later)")
     ap.add_argument("--score-rows", type=int, default=None, help="rows the all-arm scoring time is measured on "

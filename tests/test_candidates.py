@@ -98,7 +98,7 @@ def test_random_fills_what_other_sources_cannot_and_small_pools_keep_everything(
 def test_share_sizes_sum_to_the_size_and_the_registry_matches_the_config():
     assert sum(share_sizes(333, {"neighbors": 0.5, "clusters": 0.3, "random": 0.2}).values()) == 333
     shares = CandidatesConfig.model_fields["shares"].annotation
-    assert set(typing.get_args(typing.get_args(shares)[0])) == set(SOURCES)
+    assert set(typing.get_args(typing.get_args(typing.get_args(shares)[0])[0])) == set(SOURCES)
 
 
 def test_all_keeps_the_select_section_as_it_was_and_restrict_needs_a_space(tmp_path):
@@ -314,6 +314,30 @@ def test_a_coverage_phase_takes_its_own_selectors_batch_over_the_whole_pool():
     want = sel.select_step(eligible, k=5, strategy="random", diversity="maxherding", seed=got.info["seed"],
                            labeled=labeled, space=space).ids
     assert got.ids == sorted(want) and got.info["sources"] == {"maxherding (coverage phase)": 5}
+
+
+def test_herding_rounds_draw_a_uniform_sample_unless_the_config_sets_the_shares():
+    from pipeline.strategies.candidates import round_candidates
+
+    # Uncertainty Herding's gain averages over its candidates: by default its restricted rounds take a uniform
+    # sample, where a top-k round takes the labeled set's neighbours, uncovered clusters and a random fill.
+    x = blobs(400)
+    ids = [f"p{i:04d}" for i in range(400)]
+    labeled, eligible = ids[:20], ids[20:]
+
+    def round_with(diversity: str, **cand) -> dict:
+        cfg = parse_config({"data": {"answers": DIGITS},
+                            "select": {"candidates": {"method": "restrict", "size": 60, **cand}, "batch_size": 6,
+                                       "embeddings": "pixels", "strategy": "margin", "diversity": diversity}}).select
+        return round_candidates(cfg, pool_ids=eligible, labeled_ids=labeled, space_ids=ids, space_emb=x, seed=0,
+                                cache_dir=None, space_digest="s").info
+
+    herding = round_with("uncertainty_herding")
+    assert herding["sources"] == {"neighbors": 0, "clusters": 0, "random": 60} and herding["shares"] == {"random": 1.0}
+    assert round_with("top_k")["sources"] == {"neighbors": 30, "clusters": 18, "random": 12}
+    # Shares set in the config are kept whatever the selector.
+    mixed = round_with("uncertainty_herding", shares={"neighbors": 0.5, "clusters": 0.3, "random": 0.2})
+    assert mixed["sources"] == {"neighbors": 30, "clusters": 18, "random": 12}
 
 
 def test_auto_candidates_restrict_only_large_pools_with_a_space_and_say_why():

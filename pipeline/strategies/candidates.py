@@ -28,7 +28,7 @@ import numpy as np
 from pipeline.config import CandidatesConfig, SelectConfig
 from pipeline.errors import SelectionError
 from pipeline.idindex import IdIndex
-from pipeline.strategies.base import kmeans_labels
+from pipeline.strategies.base import DEFAULT_CANDIDATE_SHARES, kmeans_labels
 from pipeline.strategies.index import NeighborIndex
 
 CANDIDATES_VERSION = "1"
@@ -148,8 +148,9 @@ def pick_candidates(cand_cfg: CandidatesConfig, *, eligible: Sequence[str], elig
     ids = list(eligible)
     if len(eligible_emb) != len(ids):
         raise SelectionError(f"select.candidates: {len(eligible_emb)} embedding rows for {len(ids)} eligible samples")
+    shares = dict(cand_cfg.shares if cand_cfg.shares is not None else DEFAULT_CANDIDATE_SHARES)
     info: dict[str, Any] = {"method": cand_cfg.method, "size": size, "eligible": len(ids), "seed": seed,
-                            "labeled": len(labeled_emb), "shares": dict(cand_cfg.shares)}
+                            "labeled": len(labeled_emb), "shares": shares}
     if len(ids) <= size:
         return CandidateSet(sorted(ids), {**info, "candidates": len(ids), "sources": {"all eligible": len(ids)}})
     if batch_size > size:
@@ -158,7 +159,7 @@ def pick_candidates(cand_cfg: CandidatesConfig, *, eligible: Sequence[str], elig
     pool = Pool(np.ascontiguousarray(eligible_emb, dtype=np.float32),
                 np.ascontiguousarray(labeled_emb, dtype=np.float32).reshape(-1, eligible_emb.shape[1]),
                 clusters, labeled_clusters, np.zeros(len(ids), dtype=bool))
-    want = share_sizes(size, cand_cfg.shares)
+    want = share_sizes(size, shares)
     got: dict[str, int] = {}
     left = size
     for name, source in SOURCES.items():
@@ -244,11 +245,21 @@ def picks_by_space(strategy: str, diversity: str) -> bool:
     return get_heuristic(strategy).input == "none" and not get_selector(diversity).needs_scores
 
 
+def shares_for(cand: CandidatesConfig, diversity: str) -> dict[str, float]:
+    """select.candidates.shares, or where it is unset the round's selector's own (Selector.candidate_shares)."""
+    from pipeline.strategies.registry import get_selector
+
+    return dict(cand.shares if cand.shares is not None else get_selector(diversity).candidate_shares)
+
+
 def round_candidates(sel_cfg: SelectConfig, *, pool_ids: Sequence[str], labeled_ids: Collection[str], space_ids: Sequence[str],
                      space_emb: np.ndarray, seed: int, cache_dir: Path | None, space_digest: str,
-                     coverage: tuple[str, Callable[[list[str], int, int], list[str]]] | None = None) -> CandidateSet:
+                     coverage: tuple[str, Callable[[list[str], int, int], list[str]]] | None = None,
+                     diversity: str | None = None) -> CandidateSet:
     """A round's candidates from its selection space (`space_ids` → rows of `space_emb`), under `sel_cfg`
-    (SelectConfig). The random fill's seed moves with the labeled set's size, so successive rounds draw afresh.
+    (SelectConfig), in the shares of `diversity`'s selector (the round's phase; select.diversity by default) unless
+    select.candidates.shares sets them. The random fill's seed moves with the labeled set's size, so successive
+    rounds draw afresh.
 
     `coverage` = (selector name, pick(eligible, k, seed) -> IDs) in a coverage phase (`picks_by_space`): its
     candidates are that selector's own batch picked over the whole eligible pool (it needs no forward), so only the
@@ -259,6 +270,7 @@ def round_candidates(sel_cfg: SelectConfig, *, pool_ids: Sequence[str], labeled_
     from pipeline.embeddings import lookup
 
     cand = sel_cfg.candidates
+    cand = cand.model_copy(update={"shares": shares_for(cand, diversity or sel_cfg.diversity)})
     at = IdIndex(space_ids)
     known = sorted(labeled_ids)
     labeled = [s for s, r in zip(known, at.rows(known), strict=True) if r >= 0]

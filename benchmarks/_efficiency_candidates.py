@@ -93,9 +93,10 @@ def with_candidates(sel_cfg: SelectConfig, cand: CandidatesConfig) -> SelectConf
 
 def check_row(strategy: str, summary: dict[str, Any], *, restricted: str, baseline: str,
               candidates: CandidatesConfig, batch: int, scored: list[list[int]], pool_sizes: list[int],
-              seeds: list[int]) -> dict[str, Any]:
+              seeds: list[int], shares: dict[str, float] | None = None) -> dict[str, Any]:
     """The `candidates_check` figures of one strategy from `summarize`'s output over the baseline, `strategy`
-    (scoring all) and `restricted` (the same with candidates)."""
+    (scoring all) and `restricted` (the same with candidates, drawn in `shares`: pipeline.strategies.candidates.
+    shares_for)."""
     a, c = summary[strategy], summary[restricted]
     ci = a.get("ratio_to_random_95_ci")
     ratio_c = c.get("ratio_to_random_95")
@@ -109,7 +110,8 @@ def check_row(strategy: str, summary: dict[str, Any], *, restricted: str, baseli
                          baseline: summary[baseline].get("labels_to_95")},
         "auc": {"all": a["auc"], "all_ci": a["auc_ci"], "candidates": c["auc"], "candidates_ci": c["auc_ci"]},
         "mean_curve": {"labels": a["labels"], "all": a["mean"], "candidates": c["mean"]},
-        "select_candidates": {**candidates.model_dump(mode="json"), "size_used": candidates.size_for(batch)},
+        "select_candidates": {**candidates.model_dump(mode="json"), "size_used": candidates.size_for(batch),
+                              "shares_resolved": shares},
         "scored_per_round_mean": [round(float(x), 1) for x in np.mean(scored, axis=0)],
         "eligible_pool": pool_sizes, "seeds": seeds,
     }

@@ -566,6 +566,7 @@ def candidates_check(cfg: ProjectConfig, bench: Bench, names: list[str], *, seed
     strategy scoring the whole pool, and the random baseline, on the reference probe over paired seeds
     (benchmarks/_efficiency_candidates.py). The first name is the headline row; the others go under `others`."""
     from benchmarks import _efficiency_candidates as ec
+    from pipeline.strategies.candidates import shares_for
 
     t0 = time.monotonic()
     missing = [n for n in names if n not in bench.strategies]
@@ -600,7 +601,8 @@ def candidates_check(cfg: ProjectConfig, bench: Bench, names: list[str], *, seed
     summary = summarize(runs, full, bench.baseline, bootstrap=bench.bootstrap)
     rows = [ec.check_row(n, summary, restricted=f"{n}+candidates", baseline=bench.baseline, candidates=cand,
                          batch=bench.batch, scored=[r["scored_per_round"] for r in runs[f"{n}+candidates"]],
-                         pool_sizes=pools, seeds=seeds) for n in names]
+                         pool_sizes=pools, seeds=seeds,
+                         shares=shares_for(cand, bench.strategies[n].diversity)) for n in names]
     for row, n in zip(rows, names, strict=True):
         row["candidates_vs_all_95"] = ec.paired_ratio(runs, full, f"{n}+candidates", n, 95, bench.bootstrap)
     return {**rows[0], "others": rows[1:], "pool_size": len(data.pool), "candidates_resolution": resolved,

@@ -281,6 +281,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data = le.prepare_data(cfg, bench)
     work = Work(cfg, data)
     cand = cfg.select.candidates
+    size = cand.size_for(bench.batch)
+    scoring = None
+    if not (args.seeds_only or args.arms):  # first: it needs no seed, and seeds may still be running elsewhere
+        scoring = scoring_seconds(cfg, data, work, {"candidates": size + bench.initial + bench.batch,
+                                                    "all": args.score_rows or len(data.pool)}, root / "seeds")
     arms: dict[str, CandidatesConfig | None] = {
         "random": None, DEFAULT: None, RESTRICTED: cand.model_copy(update=args.restricted),
         **{f"{DEFAULT}+{k}": cand.model_copy(update=v) for k, v in args.extra.items()}}
@@ -292,9 +297,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs = {n: [p["runs"][n] for p in per_seed] for n in names}
     full = [p["full"] for p in per_seed]
     summary = summarize(runs, full, "random", bootstrap=bench.bootstrap)
-    size = cfg.select.candidates.size_for(bench.batch)
-    scoring = scoring_seconds(cfg, data, work, {"candidates": size + bench.initial + bench.batch,
-                                                "all": args.score_rows or len(data.pool)}, root / "seeds")
     scoring["pool_rows"] = len(data.pool)
     rows = {n: arm_row(n, summary, runs, full, per_seed, bench, scoring) for n in names}
     head, base = rows[args.headline], summary[DEFAULT]

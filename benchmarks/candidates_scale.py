@@ -168,8 +168,20 @@ def run_arm(name: str, cand: CandidatesConfig | None, cfg_s: ProjectConfig, benc
     return out
 
 
+def earlier_arm(folder: Path, seed: int, name: str, rounds: int) -> Path | None:
+    """--assemble: the newest file of this seed and arm with this protocol's rounds, whatever data digest keyed it.
+    A re-ingest of the same unchanged files can give the prepared dataset another digest (the rows, IDs and every
+    curve stay the same), which would otherwise re-run every arm."""
+    found = []
+    for p in folder.glob(f"seed{seed}-{name}-*.json"):
+        r = json.loads(p.read_text(encoding="utf-8"))["result"]
+        if name == "full" or len(r["run"]["labels"]) == rounds + 1:
+            found.append((p.stat().st_mtime, p))
+    return max(found)[1] if found else None
+
+
 def seed_result(cfg: ProjectConfig, bench: Bench, data: Any, work: Work, arms: dict[str, CandidatesConfig | None],
-                seed: int, folder: Path, only: set[str] | None = None) -> dict[str, Any]:
+                seed: int, folder: Path, only: set[str] | None = None, assemble: bool = False) -> dict[str, Any]:
     """One seed (paired: one pool, space and seed for every arm): the full-data probe, then each of `arms` (name →
     its select.candidates, None to score all; `random` is the baseline). Each arm is kept in `folder` under a key of everything it
     depends on (the data, the config init wrote, the protocol, its candidates) with the code version that made it
@@ -187,6 +199,8 @@ def seed_result(cfg: ProjectConfig, bench: Bench, data: Any, work: Work, arms: d
             continue
         key = digest_json({**base, "arm": name, "candidates": cand and cand.model_dump(mode="json")})[:16]
         path = folder / f"seed{seed}-{name}-{key}.json"
+        if assemble and not path.is_file():
+            path = earlier_arm(folder, seed, name, bench.rounds) or path
         if path.is_file():
             saved = json.loads(path.read_text(encoding="utf-8"))
             work.timer.versions[saved["code_version"]] += 1
@@ -290,7 +304,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "random": None, DEFAULT: None, RESTRICTED: cand.model_copy(update=args.restricted),
         **{f"{DEFAULT}+{k}": cand.model_copy(update=v) for k, v in args.extra.items()}}
     only = set(args.arms.split(",")) if args.arms else None
-    per_seed = [seed_result(cfg, bench, data, work, arms, seed, root / "seeds", only) for seed in args.seeds]
+    per_seed = [seed_result(cfg, bench, data, work, arms, seed, root / "seeds", only, args.assemble)
+                for seed in args.seeds]
     if args.seeds_only or only:
         return {"benchmark": "candidates_scale", "seeds_only": args.seeds, "folder": str(root / "seeds")}
     names = list(per_seed[0]["runs"])
@@ -307,7 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "candidates_scale", "pool_size": len(data.pool), "seeds": args.seeds, "data": data.counts,
         "selector": DEFAULT, "select_candidates": {**cand.model_dump(mode="json"), "size_used": size,
                                                     "shares_resolved": shares_for(cand, cfg.select.diversity)},
-        "headline_arm": args.headline, "restricted_override": args.restricted,
+        "headline_arm": args.headline, "restricted_override": args.restricted, "assembled": args.assemble,
         "ratio_candidates": head["ratio_to_random_95"], "ratio_all": base.get("ratio_to_random_95"),
         "ratio_all_ci": base.get("ratio_to_random_95_ci"), "ratio_candidates_ci": head["ratio_to_random_95_ci"],
         "within_ci": head["within_all_ci_95"], "candidates_vs_all_95": head["vs_all_95"],
@@ -345,6 +360,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "earlier default, to keep its runs)")
     ap.add_argument("--headline", type=str, default=RESTRICTED, help="the restricted arm the top-level "
                     "ratio_candidates reports")
+    ap.add_argument("--assemble", action="store_true", help="an arm without a file under this run's data digest "
+                    "is read from the newest file of its seed and name with the same rounds (see earlier_arm)")
     ap.add_argument("--arms", type=str, default=None, help="with --seeds-only: only these arms (comma-separated "
                     "names, e.g. an --extra arm added later)")
     ap.add_argument("--score-rows", type=int, default=None, help="rows the all-arm scoring time is measured on "

@@ -216,12 +216,13 @@ def candidates_choice(cand: CandidatesConfig, *, eligible: int, embeddings_sourc
     """`select.candidates.method` resolved for a round with `eligible` pool samples.
 
     auto scores every eligible sample up to `auto_above` (10,000 by default) and restricts above it. Why that size:
-    restriction cost no labels on the label-efficiency benchmark (benchmarks/results/label_efficiency.json,
-    `candidates_check`: MaxHerding + margin needed 34.2 labels to 95 % of full-data accuracy with 200 candidates of
-    1,346 eligible and 34.2 scoring all, within each other's 95 % interval), while scoring everything grows with the
-    pool: benchmarks/results/pool_scale.json scores 10k samples in 8.9 s and 100k in 84 s with the tiny model, a
-    real VLM ~10-100× slower a sample. Up to 10k a full pass costs little and restriction would keep most of the pool
-    anyway at the default 10 × batch candidates; above it the full pass is what a round waits for.
+    scoring everything grows with the pool (benchmarks/results/pool_scale.json scores 10k samples in 8.9 s and 100k
+    in 84 s with the tiny model, a real VLM ~10-100× slower a sample), while the default selector restricted to a
+    uniform sample of 10 × the batch (Selector.candidate_shares) reaches 95 % of full-data accuracy with labels
+    inside the unrestricted intervals, on the digits and on 24,000 generated digits (`candidates_check` in
+    benchmarks/results/label_efficiency.json, benchmarks/results/candidates_scale.json; docs/selection.md "What
+    restriction costs"). Up to 10k a full pass costs little and restriction would keep most of the pool anyway;
+    above it the full pass is what a round waits for.
     """
     if cand.method != "auto":
         return CandidatesChoice(cand.method, f"select.candidates.method is {cand.method}")

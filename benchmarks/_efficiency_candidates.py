@@ -22,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks._curves import bootstrap_ratio, labels_to
 from benchmarks._results import provenance
 from pipeline.config import CandidatesConfig, SelectConfig
 from pipeline.selection import Space, coverage_picker
 from pipeline.store import atomic_write_json, digest_json
-from pipeline.strategies.candidates import round_candidates
+from pipeline.strategies.candidates import candidates_choice, round_candidates
 
 KEY = "candidates_check"
 
@@ -45,9 +46,45 @@ def restrictor(sel_cfg: SelectConfig, *, pool: Sequence[str], space: Space, seed
         coverage = coverage_picker(phase.strategy, phase.diversity, space=space, labeled=labeled, n_classes=n_classes)
         return round_candidates(sel_cfg, pool_ids=[s for s in pool if s not in done], labeled_ids=labeled,
                                 space_ids=space.ids, space_emb=space.emb, seed=seed, cache_dir=cache_dir,
-                                space_digest=digest, coverage=coverage).ids
+                                space_digest=digest, coverage=coverage, diversity=phase.diversity).ids
 
     return restrict
+
+
+def resolve(cand: CandidatesConfig, *, eligible: int, embeddings_source: str,
+            batch: int) -> tuple[CandidatesConfig, dict[str, Any]]:
+    """The restricted arm's settings for `cand` (the project's select.candidates, `auto` by default) at a pool of
+    `eligible` samples, and what to say about them. Where auto would score everything (at most auto_above eligible
+    samples), restriction is forced at the size auto restricts to above it (per_batch × the batch, e.g. 1,000 for
+    init's batch of 100 on a large pool): labelled `forced`, since a project of this size never restricts."""
+    choice = candidates_choice(cand, eligible=eligible, embeddings_source=embeddings_source)
+    note: dict[str, Any] = {"method_configured": cand.method, "auto_choice": choice.method,
+                            "auto_reason": choice.reason, "forced": choice.method != "restrict"}
+    if choice.method == "restrict":
+        return cand, note
+    size = cand.size_for(batch)
+    note["forced_why"] = (f"auto scores all {eligible:,} eligible samples here (≤ auto_above {cand.auto_above:,}), "
+                          f"so the restriction cannot bite; forced to restrict at the size auto uses above it: "
+                          f"per_batch {cand.per_batch} × batch {batch} = {size} candidates ({size / eligible:.1%} of "
+                          "the eligible pool), the same candidates-to-batch proportion as init's 1,000 for a batch "
+                          "of 100")
+    return cand.model_copy(update={"method": "restrict"}), note
+
+
+def paired_ratio(runs: dict[str, list[dict[str, Any]]], full: list[float], a: str, b: str, pct: int,
+                 n: int) -> dict[str, Any]:
+    """Labels to pct % of full-data accuracy of `a` ÷ those of `b` (mean curves) with a paired bootstrap 95 % interval
+    over seeds: restriction's own cost in labels (restricted ÷ all), without random's noise in between."""
+    labels = np.asarray(runs[a][0]["labels"], dtype=float)
+    acc_a = np.asarray([r["accuracy"] for r in runs[a]])
+    acc_b = np.asarray([r["accuracy"] for r in runs[b]])
+    target = pct / 100 * float(np.mean(full))
+    la = labels_to(list(labels), list(acc_a.mean(0)), target)
+    lb = labels_to(list(labels), list(acc_b.mean(0)), target)
+    ci, undefined = bootstrap_ratio(acc_a, acc_b, np.asarray(full), labels, pct, n)
+    return {"ratio": None if la is None or lb is None else round(la / lb, 3), "ci": ci,
+            "bootstrap_undefined": round(undefined, 3), "labels": {a: la, b: lb},
+            "of": f"labels to {pct} % of full-data accuracy, {a} ÷ {b} (mean curves), paired bootstrap 95 % interval"}
 
 
 def with_candidates(sel_cfg: SelectConfig, cand: CandidatesConfig) -> SelectConfig:
@@ -56,9 +93,10 @@ def with_candidates(sel_cfg: SelectConfig, cand: CandidatesConfig) -> SelectConf
 
 def check_row(strategy: str, summary: dict[str, Any], *, restricted: str, baseline: str,
               candidates: CandidatesConfig, batch: int, scored: list[list[int]], pool_sizes: list[int],
-              seeds: list[int]) -> dict[str, Any]:
+              seeds: list[int], shares: dict[str, float] | None = None) -> dict[str, Any]:
     """The `candidates_check` figures of one strategy from `summarize`'s output over the baseline, `strategy`
-    (scoring all) and `restricted` (the same with candidates)."""
+    (scoring all) and `restricted` (the same with candidates, drawn in `shares`: pipeline.strategies.candidates.
+    shares_for)."""
     a, c = summary[strategy], summary[restricted]
     ci = a.get("ratio_to_random_95_ci")
     ratio_c = c.get("ratio_to_random_95")
@@ -72,7 +110,8 @@ def check_row(strategy: str, summary: dict[str, Any], *, restricted: str, baseli
                          baseline: summary[baseline].get("labels_to_95")},
         "auc": {"all": a["auc"], "all_ci": a["auc_ci"], "candidates": c["auc"], "candidates_ci": c["auc_ci"]},
         "mean_curve": {"labels": a["labels"], "all": a["mean"], "candidates": c["mean"]},
-        "select_candidates": {**candidates.model_dump(mode="json"), "size_used": candidates.size_for(batch)},
+        "select_candidates": {**candidates.model_dump(mode="json"), "size_used": candidates.size_for(batch),
+                              "shares_resolved": shares},
         "scored_per_round_mean": [round(float(x), 1) for x in np.mean(scored, axis=0)],
         "eligible_pool": pool_sizes, "seeds": seeds,
     }

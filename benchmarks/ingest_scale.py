@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,8 +29,10 @@ from benchmarks._results import peak_rss_mb, write_result  # noqa: E402
 QUESTION = "Which digit is shown in the image?"
 
 
-def write_pool(root: Path, start: int, stop: int, seed: int) -> float:
-    """Images start..stop-1: a digit upscaled to 28×28, shifted and noised, so every file is distinct."""
+def write_pool(root: Path, start: int, stop: int, seed: int, bases: Sequence[int] | None = None) -> float:
+    """Images start..stop-1: a digit upscaled to 28×28, shifted and noised, so every file is distinct. Image i shows
+    digit `bases[i % len(bases)]` of scikit-learn's digits (default: digit i % 1797), so a pool and a test set can
+    be drawn from disjoint digits (benchmarks/candidates_scale.py)."""
     import io
 
     import numpy as np
@@ -37,11 +40,15 @@ def write_pool(root: Path, start: int, stop: int, seed: int) -> float:
     from sklearn.datasets import load_digits
 
     digits = load_digits().images
+
+    def base_of(i: int) -> int:
+        return int(bases[i % len(bases)]) if bases is not None else i % len(digits)
+
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     for i in range(start, stop):
         rng = np.random.default_rng([seed, i])
-        base = np.kron(digits[i % len(digits)], np.ones((3, 3))) * 15  # 24×24
+        base = np.kron(digits[base_of(i)], np.ones((3, 3))) * 15  # 24×24
         canvas = np.zeros((28, 28))
         dy, dx = rng.integers(0, 5, 2)
         canvas[dy:dy + 24, dx:dx + 24] = base

@@ -561,14 +561,14 @@ def run(cfg: ProjectConfig, bench: Bench, *, quick: bool, seeds: list[int] | Non
 
 def candidates_check(cfg: ProjectConfig, bench: Bench, names: list[str], *, seeds: list[int] | None = None,
                      candidates: Any = None) -> dict[str, Any]:
-    """Each strategy of `names` with select.candidates: restrict (`candidates`, default 10 × the batch) beside the
-    same strategy scoring the whole pool, and the random baseline, on the reference probe over paired seeds
+    """Each strategy of `names` with the project's select.candidates (`candidates`, default `auto` as `tamis init`
+    writes it; forced to restrict at its size where auto would score the whole pool, and labelled so) beside the same
+    strategy scoring the whole pool, and the random baseline, on the reference probe over paired seeds
     (benchmarks/_efficiency_candidates.py). The first name is the headline row; the others go under `others`."""
     from benchmarks import _efficiency_candidates as ec
-    from pipeline.config import CandidatesConfig
+    from pipeline.strategies.candidates import shares_for
 
     t0 = time.monotonic()
-    cand = candidates or CandidatesConfig(method="restrict")
     missing = [n for n in names if n not in bench.strategies]
     if missing:
         raise ConfigError(f"--candidates-check names {missing}, which benchmark.strategies does not define "
@@ -576,6 +576,8 @@ def candidates_check(cfg: ProjectConfig, bench: Bench, names: list[str], *, seed
     data = prepare_data(cfg, bench)
     work = Work(cfg, data)
     seeds = seeds or bench.seeds
+    cand, resolved = ec.resolve(candidates or cfg.select.candidates, eligible=len(data.pool),
+                                embeddings_source=cfg.select.embeddings.source, batch=bench.batch)
     runs: dict[str, list[dict[str, Any]]] = {bench.baseline: []}
     full, pools = [], []
     for seed in seeds:
@@ -599,8 +601,11 @@ def candidates_check(cfg: ProjectConfig, bench: Bench, names: list[str], *, seed
     summary = summarize(runs, full, bench.baseline, bootstrap=bench.bootstrap)
     rows = [ec.check_row(n, summary, restricted=f"{n}+candidates", baseline=bench.baseline, candidates=cand,
                          batch=bench.batch, scored=[r["scored_per_round"] for r in runs[f"{n}+candidates"]],
-                         pool_sizes=pools, seeds=seeds) for n in names]
-    return {**rows[0], "others": rows[1:],
+                         pool_sizes=pools, seeds=seeds,
+                         shares=shares_for(cand, bench.strategies[n].diversity)) for n in names]
+    for row, n in zip(rows, names, strict=True):
+        row["candidates_vs_all_95"] = ec.paired_ratio(runs, full, f"{n}+candidates", n, 95, bench.bootstrap)
+    return {**rows[0], "others": rows[1:], "pool_size": len(data.pool), "candidates_resolution": resolved,
             "learner": "reference probe: logistic regression (C=10) on the selection embeddings, labels from the "
                        "ground truth (the tiny VLM is too slow for enough seeds on 2 shared cores)",
             "protocol": f"{bench.initial} + {bench.rounds} × {bench.batch} labels; each strategy's own cold start on "

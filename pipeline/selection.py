@@ -395,7 +395,8 @@ def restrict_candidates(select: SelectConfig, *, n_classes: int | None, seed: in
                                space=Space(ids, emb, select.embeddings.source), labeled=labeled_ids,
                                n_classes=n_classes)
     return round_candidates(select, pool_ids=pool_ids, labeled_ids=labeled_ids, space_ids=ids, space_emb=emb,
-                            seed=seed, cache_dir=cache_dir, space_digest=space["digest"], coverage=coverage)
+                            seed=seed, cache_dir=cache_dir, space_digest=space["digest"], coverage=coverage,
+                            diversity=phase.diversity if phase is not None else select.diversity)
 
 
 def labeled_seconds(artifacts: Any, round_dir: Path, labeled_ids: Sequence[str]) -> dict[str, str]:

@@ -98,7 +98,7 @@ def test_random_fills_what_other_sources_cannot_and_small_pools_keep_everything(
 def test_share_sizes_sum_to_the_size_and_the_registry_matches_the_config():
     assert sum(share_sizes(333, {"neighbors": 0.5, "clusters": 0.3, "random": 0.2}).values()) == 333
     shares = CandidatesConfig.model_fields["shares"].annotation
-    assert set(typing.get_args(typing.get_args(shares)[0])) == set(SOURCES)
+    assert set(typing.get_args(typing.get_args(typing.get_args(shares)[0])[0])) == set(SOURCES)
 
 
 def test_all_keeps_the_select_section_as_it_was_and_restrict_needs_a_space(tmp_path):
@@ -250,6 +250,51 @@ def test_the_benchmark_section_keeps_the_files_other_keys_and_has_its_own_proven
     assert {"commit", "dirty", "config_digest", "machine"} <= set(back["candidates_check"]["provenance"])
 
 
+def test_the_benchmark_forces_restriction_where_auto_would_score_all_and_says_so():
+    from benchmarks._efficiency_candidates import resolve
+    from pipeline.config import CandidatesConfig
+
+    # The digits pool (1,346 eligible) is below auto_above: auto would score all, so the check forces restriction at
+    # the size auto restricts to (per_batch × batch) and labels it.
+    cand, note = resolve(CandidatesConfig(), eligible=1346, embeddings_source="pool", batch=20)
+    assert cand.method == "restrict" and cand.size_for(20) == 200
+    assert note["forced"] and note["auto_choice"] == "all" and "200 candidates" in note["forced_why"]
+    # Above auto_above, auto restricts by itself: nothing is forced.
+    cand, note = resolve(CandidatesConfig(), eligible=24_000, embeddings_source="pixels", batch=100)
+    assert cand == CandidatesConfig() and not note["forced"] and note["auto_choice"] == "restrict"
+
+
+def test_the_restricted_arms_cost_in_labels_is_a_paired_ratio_to_the_unrestricted_arm():
+    from benchmarks._efficiency_candidates import paired_ratio
+
+    labels = [10, 20, 30, 40]
+    fast = [[0.5, 0.8, 0.9, 0.95], [0.55, 0.85, 0.9, 0.95], [0.5, 0.75, 0.9, 0.95]]
+    slow = [[0.5, 0.6, 0.8, 0.95], [0.5, 0.65, 0.85, 0.95], [0.45, 0.6, 0.8, 0.95]]
+    runs = {"all": [{"labels": labels, "accuracy": a} for a in fast],
+            "cand": [{"labels": labels, "accuracy": a} for a in slow],
+            "same": [{"labels": labels, "accuracy": a} for a in fast]}
+    full = [0.95, 0.95, 0.95]
+    same = paired_ratio(runs, full, "same", "all", 90, 200)
+    assert same["ratio"] == 1.0 and same["ci"] == [1.0, 1.0]
+    slower = paired_ratio(runs, full, "cand", "all", 90, 200)
+    # 90 % of 0.95 = 0.855: "all" reaches it at 25.5 labels (mean curve 0.8 → 0.9), "cand" at 32.9 (0.817 → 0.95).
+    assert slower["labels"] == {"cand": pytest.approx(32.875, abs=0.01), "all": pytest.approx(25.5, abs=0.01)}
+    assert slower["ratio"] == pytest.approx(32.875 / 25.5, abs=0.002) and slower["ci"][0] > 1.0
+
+
+def test_the_scale_pools_images_can_come_from_chosen_digits(tmp_path):
+    from benchmarks.ingest_scale import write_pool
+
+    # Image i shows digit bases[i % len(bases)] with image i's own jitter: the same bytes as the default pool's
+    # image of that digit at that index.
+    write_pool(tmp_path / "all", 5, 6, 0)
+    write_pool(tmp_path / "chosen", 5, 6, 0, bases=[5])
+    write_pool(tmp_path / "other", 5, 6, 0, bases=[7])
+    one = (tmp_path / "all" / "0000005.png").read_bytes()
+    assert (tmp_path / "chosen" / "0000005.png").read_bytes() == one
+    assert (tmp_path / "other" / "0000005.png").read_bytes() != one
+
+
 def test_a_coverage_phase_takes_its_own_selectors_batch_over_the_whole_pool():
     from pipeline.strategies.candidates import picks_by_space, round_candidates
 
@@ -269,6 +314,30 @@ def test_a_coverage_phase_takes_its_own_selectors_batch_over_the_whole_pool():
     want = sel.select_step(eligible, k=5, strategy="random", diversity="maxherding", seed=got.info["seed"],
                            labeled=labeled, space=space).ids
     assert got.ids == sorted(want) and got.info["sources"] == {"maxherding (coverage phase)": 5}
+
+
+def test_herding_rounds_draw_a_uniform_sample_unless_the_config_sets_the_shares():
+    from pipeline.strategies.candidates import round_candidates
+
+    # Uncertainty Herding's gain averages over its candidates: by default its restricted rounds take a uniform
+    # sample, where a top-k round takes the labeled set's neighbours, uncovered clusters and a random fill.
+    x = blobs(400)
+    ids = [f"p{i:04d}" for i in range(400)]
+    labeled, eligible = ids[:20], ids[20:]
+
+    def round_with(diversity: str, **cand) -> dict:
+        cfg = parse_config({"data": {"answers": DIGITS},
+                            "select": {"candidates": {"method": "restrict", "size": 60, **cand}, "batch_size": 6,
+                                       "embeddings": "pixels", "strategy": "margin", "diversity": diversity}}).select
+        return round_candidates(cfg, pool_ids=eligible, labeled_ids=labeled, space_ids=ids, space_emb=x, seed=0,
+                                cache_dir=None, space_digest="s").info
+
+    herding = round_with("uncertainty_herding")
+    assert herding["sources"] == {"neighbors": 0, "clusters": 0, "random": 60} and herding["shares"] == {"random": 1.0}
+    assert round_with("top_k")["sources"] == {"neighbors": 30, "clusters": 18, "random": 12}
+    # Shares set in the config are kept whatever the selector.
+    mixed = round_with("uncertainty_herding", shares={"neighbors": 0.5, "clusters": 0.3, "random": 0.2})
+    assert mixed["sources"] == {"neighbors": 30, "clusters": 18, "random": 12}
 
 
 def test_auto_candidates_restrict_only_large_pools_with_a_space_and_say_why():

@@ -337,16 +337,19 @@ class CandidatesConfig(Section):
     size: int | None = Field(default=None, ge=1, description="candidates per round; None = per_batch × "
                              "select.batch_size")
     per_batch: int = Field(default=10, ge=1, description="the default size as a multiple of select.batch_size")
-    shares: dict[Literal["neighbors", "clusters", "random"], float] = Field(
-        default_factory=lambda: {"neighbors": 0.5, "clusters": 0.3, "random": 0.2},
-        description="fraction of the candidates from each source; what a source cannot fill goes to the random fill")
+    shares: dict[Literal["neighbors", "clusters", "random"], float] | None = Field(
+        default=None,
+        description="fraction of the candidates from each source; what a source cannot fill goes to the random fill. "
+        "None = the round's selector's own (Selector.candidate_shares): a uniform sample (random 1.0) for MaxHerding "
+        "and Uncertainty Herding, whose gain averages over their candidates; neighbors 0.5, clusters 0.3, random 0.2 "
+        "for the others")
     clusters: int = Field(default=100, ge=2, description="k-means clusters on the selection embeddings (fitted once "
                           "per embeddings, cached)")
 
     @field_validator("shares")
     @classmethod
-    def _shares(cls, v: dict[str, float]) -> dict[str, float]:
-        if any(x < 0 for x in v.values()) or not 0.999 <= sum(v.values()) <= 1.001:
+    def _shares(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and (any(x < 0 for x in v.values()) or not 0.999 <= sum(v.values()) <= 1.001):
             raise ValueError(f"shares must be ≥ 0 and sum to 1, got {v} (sum {sum(v.values()):g}); e.g. "
                              "{neighbors: 0.5, clusters: 0.3, random: 0.2}")
         return v

@@ -84,6 +84,11 @@ def check_embeddings(emb: np.ndarray | None, n: int, who: str, *, keep_float16: 
                                  "rescore or quarantine them")
     return e
 
+# The labeled set's neighbours, uncovered k-means clusters, a random fill (pipeline.strategies.candidates): SEALS's
+# sources for a selector that ranks candidates by their own scores.
+DEFAULT_CANDIDATE_SHARES = {"neighbors": 0.5, "clusters": 0.3, "random": 0.2}
+
+
 class Selector:
     """Picks k candidates; returns indices into the candidate arrays in pick order.
 
@@ -102,6 +107,9 @@ class Selector:
     # distance, a coverage gain), its select() takes costs=[n] and divides its own gain at each greedy step;
     # "none" = it has no gain to divide and stays cost-blind.
     cost_use: ClassVar[str] = "scores"
+    # The select.candidates sources (pipeline.strategies.candidates) a restricted round draws its candidates from
+    # for this selector, when select.candidates.shares is not set.
+    candidate_shares: ClassVar[dict[str, float]] = DEFAULT_CANDIDATE_SHARES
     info: dict[str, Any]
 
     def __init__(self) -> None:

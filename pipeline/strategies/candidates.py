@@ -29,7 +29,7 @@ from pipeline.codeversion import stage_version
 from pipeline.config import CandidatesConfig, SelectConfig
 from pipeline.errors import SelectionError
 from pipeline.idindex import IdIndex
-from pipeline.strategies.base import kmeans_labels
+from pipeline.strategies.base import DEFAULT_CANDIDATE_SHARES, kmeans_labels
 from pipeline.strategies.index import NeighborIndex
 
 # The candidate clusters are reused across rounds by this key: an edit to the clustering (this module and what it
@@ -151,8 +151,9 @@ def pick_candidates(cand_cfg: CandidatesConfig, *, eligible: Sequence[str], elig
     ids = list(eligible)
     if len(eligible_emb) != len(ids):
         raise SelectionError(f"select.candidates: {len(eligible_emb)} embedding rows for {len(ids)} eligible samples")
+    shares = dict(cand_cfg.shares if cand_cfg.shares is not None else DEFAULT_CANDIDATE_SHARES)
     info: dict[str, Any] = {"method": cand_cfg.method, "size": size, "eligible": len(ids), "seed": seed,
-                            "labeled": len(labeled_emb), "shares": dict(cand_cfg.shares)}
+                            "labeled": len(labeled_emb), "shares": shares}
     if len(ids) <= size:
         return CandidateSet(sorted(ids), {**info, "candidates": len(ids), "sources": {"all eligible": len(ids)}})
     if batch_size > size:
@@ -161,7 +162,7 @@ def pick_candidates(cand_cfg: CandidatesConfig, *, eligible: Sequence[str], elig
     pool = Pool(np.ascontiguousarray(eligible_emb, dtype=np.float32),
                 np.ascontiguousarray(labeled_emb, dtype=np.float32).reshape(-1, eligible_emb.shape[1]),
                 clusters, labeled_clusters, np.zeros(len(ids), dtype=bool))
-    want = share_sizes(size, cand_cfg.shares)
+    want = share_sizes(size, shares)
     got: dict[str, int] = {}
     left = size
     for name, source in SOURCES.items():
@@ -218,12 +219,13 @@ def candidates_choice(cand: CandidatesConfig, *, eligible: int, embeddings_sourc
     """`select.candidates.method` resolved for a round with `eligible` pool samples.
 
     auto scores every eligible sample up to `auto_above` (10,000 by default) and restricts above it. Why that size:
-    restriction cost no labels on the label-efficiency benchmark (benchmarks/results/label_efficiency.json,
-    `candidates_check`: MaxHerding + margin needed 34.2 labels to 95 % of full-data accuracy with 200 candidates of
-    1,346 eligible and 34.2 scoring all, within each other's 95 % interval), while scoring everything grows with the
-    pool: benchmarks/results/pool_scale.json scores 10k samples in 8.9 s and 100k in 84 s with the tiny model, a
-    real VLM ~10-100× slower a sample. Up to 10k a full pass costs little and restriction would keep most of the pool
-    anyway at the default 10 × batch candidates; above it the full pass is what a round waits for.
+    scoring everything grows with the pool (benchmarks/results/pool_scale.json scores 10k samples in 8.9 s and 100k
+    in 84 s with the tiny model, a real VLM ~10-100× slower a sample), while the default selector restricted to a
+    uniform sample of 10 × the batch (Selector.candidate_shares) reaches 95 % of full-data accuracy with labels
+    inside the unrestricted intervals, on the digits and on 24,000 generated digits (`candidates_check` in
+    benchmarks/results/label_efficiency.json, benchmarks/results/candidates_scale.json; docs/selection.md "What
+    restriction costs"). Up to 10k a full pass costs little and restriction would keep most of the pool anyway;
+    above it the full pass is what a round waits for.
     """
     if cand.method != "auto":
         return CandidatesChoice(cand.method, f"select.candidates.method is {cand.method}")
@@ -247,11 +249,21 @@ def picks_by_space(strategy: str, diversity: str) -> bool:
     return get_heuristic(strategy).input == "none" and not get_selector(diversity).needs_scores
 
 
+def shares_for(cand: CandidatesConfig, diversity: str) -> dict[str, float]:
+    """select.candidates.shares, or where it is unset the round's selector's own (Selector.candidate_shares)."""
+    from pipeline.strategies.registry import get_selector
+
+    return dict(cand.shares if cand.shares is not None else get_selector(diversity).candidate_shares)
+
+
 def round_candidates(sel_cfg: SelectConfig, *, pool_ids: Sequence[str], labeled_ids: Collection[str], space_ids: Sequence[str],
                      space_emb: np.ndarray, seed: int, cache_dir: Path | None, space_digest: str,
-                     coverage: tuple[str, Callable[[list[str], int, int], list[str]]] | None = None) -> CandidateSet:
+                     coverage: tuple[str, Callable[[list[str], int, int], list[str]]] | None = None,
+                     diversity: str | None = None) -> CandidateSet:
     """A round's candidates from its selection space (`space_ids` → rows of `space_emb`), under `sel_cfg`
-    (SelectConfig). The random fill's seed moves with the labeled set's size, so successive rounds draw afresh.
+    (SelectConfig), in the shares of `diversity`'s selector (the round's phase; select.diversity by default) unless
+    select.candidates.shares sets them. The random fill's seed moves with the labeled set's size, so successive
+    rounds draw afresh.
 
     `coverage` = (selector name, pick(eligible, k, seed) -> IDs) in a coverage phase (`picks_by_space`): its
     candidates are that selector's own batch picked over the whole eligible pool (it needs no forward), so only the
@@ -262,6 +274,7 @@ def round_candidates(sel_cfg: SelectConfig, *, pool_ids: Sequence[str], labeled_
     from pipeline.embeddings import lookup
 
     cand = sel_cfg.candidates
+    cand = cand.model_copy(update={"shares": shares_for(cand, diversity or sel_cfg.diversity)})
     at = IdIndex(space_ids)
     known = sorted(labeled_ids)
     labeled = [s for s, r in zip(known, at.rows(known), strict=True) if r >= 0]

@@ -170,8 +170,9 @@ def run_arm(name: str, cand: CandidatesConfig | None, cfg_s: ProjectConfig, benc
 
 def earlier_arm(folder: Path, seed: int, name: str, rounds: int) -> Path | None:
     """--assemble: the newest file of this seed and arm with this protocol's rounds, whatever data digest keyed it.
-    A re-ingest of the same unchanged files can give the prepared dataset another digest (the rows, IDs and every
-    curve stay the same), which would otherwise re-run every arm."""
+    Arms measured at another commit keyed their prepared data with that commit's ingest and preprocess code versions
+    (an edit to pipeline/config/sections.py moves both: its closure holds the whole config module), so the same unchanged
+    files give another digest with byte-identical rows; without this every arm would re-run."""
     found = []
     for p in folder.glob(f"seed{seed}-{name}-*.json"):
         r = json.loads(p.read_text(encoding="utf-8"))["result"]

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     import albumentations as A
     import datasets
 
+    from pipeline.stage_ref import StageRef
+
 log = logging.getLogger(__name__)
 
 STAGE = "augment"
@@ -327,14 +329,14 @@ def load_augmented(folder: str | os.PathLike[str]) -> datasets.Dataset:
 TRAIN_COLUMNS = ["sample_id", "prepared", "question", "answer"]
 
 
-def training_rows(labeled: Mapping[str, Any], augmented: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+def training_rows(labeled: Mapping[str, Any], augmented: StageRef | None) -> list[dict[str, Any]]:
     """The train stage's rows (pipeline.model.train_stage): the labeled set (its ref, rounds.labeled_set) and, when
     the round augments, the augment stage's copies (its ref), in the columns training reads."""
     import datasets
 
     rows = list(datasets.load_from_disk(labeled["dataset"]).select_columns(TRAIN_COLUMNS))
     if augmented is not None:
-        rows += list(load_augmented(augmented["dir"]).select_columns(TRAIN_COLUMNS))
+        rows += list(load_augmented(augmented.dir).select_columns(TRAIN_COLUMNS))
     return rows
 
 

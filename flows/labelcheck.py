@@ -19,13 +19,14 @@ from pipeline.labelcheck import (
     run_relabel,
 )
 from pipeline.model.identity import with_identity
+from pipeline.round_state import RoundState
 
 # Each task takes its stage's one parameters dataclass (pipeline/labelcheck/stage.py), keyed on its fields.
 labelcheck_task = stage_task("labelcheck", LABELCHECK_VERSION)(run_label_check)
 relabel_task = stage_task("relabel", LABELCHECK_VERSION)(run_relabel)
 
 
-def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: dict[str, Any] | None,
+def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: RoundState | None,
                     round_dir: Path, prepared: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Run (or reuse) the label check of the labeled set; None when labelcheck.method is off or the heldout method
     has no earlier adapter to score with (the first trained round). `prepared` (the prepare stage's ref) gives the

@@ -48,8 +48,7 @@ def train_round(cfg: ProjectConfig, plan: RoundPlan, prep: dict[str, Any], state
         if (stop := stop_set_check(cfg.rounds, plan, pool, seed=cfg.seed, artifacts=art)) is not None:
             state.stability = stop_set_agreement(cfg, prep, adapter, stop)
     with progress.step("label check"):
-        # The label check's stage reads the previous round as its round.json object (its cache key holds it).
-        check = label_check_ref(cfg, labeled=labeled, previous=plan.last and plan.last.to_json(),
+        check = label_check_ref(cfg, labeled=labeled, previous=plan.last,
                                 round_dir=plan.dir, prepared=prep["prepare"])
     state.labelcheck = label_check_record(check)
     return adapter, check

@@ -105,8 +105,19 @@ def library_logs_to_ui(level: int = logging.INFO) -> Iterator[None]:
 def detach(value: Any) -> Any:
     """A plain copy of a run's result. Prefect links a result object to the run that returned it (by `id`), and a
     linked object passed to a task becomes a `flow_run` task input when that run is a subflow; the Prefect UI's
-    Task Runs tab (V1) refuses such an input ("Invalid TaskInputResponse") and lists no task at all."""
-    return json.loads(json.dumps(value))
+    Task Runs tab (V1) refuses such an input ("Invalid TaskInputResponse") and lists no task at all.
+
+    The links of `value` and its items (Prefect links one layer deep) are dropped too: a plain dict or list is linked
+    by its bare `id`, so once the original is freed, any new list a flow builds at its address (the select stage's
+    typed shard refs) would be taken for the subflow's result."""
+    from prefect.context import FlowRunContext
+
+    plain = json.loads(json.dumps(value))
+    if (ctx := FlowRunContext.get()) is not None:
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
+        for obj in (value, *items):
+            ctx.run_results.pop(id(obj), None)
+    return plain
 
 
 def publish_round(artifacts: Any, state: RoundState, up: Any, *, waiting: bool) -> None:

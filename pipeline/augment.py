@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     import albumentations as A
     import datasets
 
+    from pipeline.stage_ref import StageRef
+
 log = logging.getLogger(__name__)
 
 STAGE = "augment"
@@ -344,14 +346,14 @@ def _train_columns(ds: datasets.Dataset) -> datasets.Dataset:
     return ds.select_columns([*TRAIN_COLUMNS, *(c for c in MORE_TRAIN_COLUMNS if c in ds.column_names)])
 
 
-def training_rows(labeled: Mapping[str, Any], augmented: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+def training_rows(labeled: Mapping[str, Any], augmented: StageRef | None) -> list[dict[str, Any]]:
     """The train stage's rows (pipeline.model.train_stage): the labeled set (its ref, rounds.labeled_set) and, when
     the round augments, the augment stage's copies (its ref), in the columns training reads."""
     import datasets
 
     rows = list(_train_columns(datasets.load_from_disk(labeled["dataset"])))
     if augmented is not None:
-        rows += list(_train_columns(load_augmented(augmented["dir"])))
+        rows += list(_train_columns(load_augmented(augmented.dir)))
     return rows
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from pipeline.answer_metrics import row_scores
 from pipeline.codeversion import stage_version
 from pipeline.errors import DataError
+from pipeline.stage_ref import StageRef
 
 
 def predict_answers(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | None, *,
@@ -60,11 +61,12 @@ EVAL_VERSION = stage_version("2", "pipeline.evaluate")  # 2: per-class report, i
 
 @dataclass(frozen=True)
 class EvalParams:
-    """The evaluate stage's parameters, built by pipeline.round.params.evaluate_params; its cache key is their `asdict()`."""
+    """The evaluate stage's parameters, built by pipeline.round.params.evaluate_params; its cache key is their
+    `key_fields()`."""
 
     artifacts: str
-    test: dict[str, Any]  # the labeled test split on disk (pipeline.round.params.test_set)
-    adapter: dict[str, Any]  # the train stage's ref
+    test: dict[str, str]  # the labeled test split on disk, {dataset, digest} (pipeline.round.params.test_set)
+    adapter: StageRef  # the train stage's output (its extra: adapter_dir, adapter_digest)
     model: dict[str, Any]  # the model section with its identity (pipeline.model.identity.keyed_model)
     answers: list[str] | None
     batch_size: int  # select.score_batch_size, the scoring batch
@@ -88,13 +90,13 @@ def evaluate_stage(params: EvalParams) -> dict[str, Any]:
     )
 
     test, adapter, model, answers, out_dir = params.test, params.adapter, params.model, params.answers, params.out_dir
-    inputs = {"test": test["digest"], "adapter": adapter["adapter_digest"]}
+    inputs = {"test": test["digest"], "adapter": adapter.extra["adapter_digest"]}
     config = {"model": model, "answers": answers}
 
     def compute() -> Any:
         rows = list(datasets.load_from_disk(test["dataset"]))
         model_cfg = ModelConfig.model_validate(model)
-        result = evaluate_model(load_model(model_cfg, adapter=adapter["adapter_dir"]), rows, answers,
+        result = evaluate_model(load_model(model_cfg, adapter=adapter.extra["adapter_dir"]), rows, answers,
                                 batch_size=params.batch_size, max_new_tokens=model_cfg.max_new_tokens)
         out = Path(out_dir)
         atomic_write_jsonl(out / "predictions.jsonl", result.pop("predictions"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from pipeline.config import ModelConfig, ProjectConfig, SelectConfig
 from pipeline.errors import DataError
 from pipeline.idindex import IdIndex
 from pipeline.scoring import make_scorer, plan_shards, pool_shard_size, save_scores
+from pipeline.stage_ref import StageRef
 from pipeline.store import Manifest, digest_json, find_valid_manifest, reuse_or_compute, stage_key
 
 # This stage's code closure holds the scorers it runs (pipeline.scoring): an edit to either moves every shard's key.
@@ -43,8 +44,8 @@ def score_config(select: SelectConfig, model: ModelConfig, *, answers: list[str]
     }
 
 
-def shard_inputs(adapter: dict[str, Any] | None, prepared: dict[str, Any], shard_ids: list[str]) -> dict[str, str]:
-    return {"adapter": (adapter or {}).get("digest", "base"), "prepared": prepared["digest"],
+def shard_inputs(adapter: StageRef | None, prepared: StageRef, shard_ids: list[str]) -> dict[str, str]:
+    return {"adapter": adapter.digest if adapter else "base", "prepared": prepared.digest,
             "shard": digest_json(shard_ids)}
 
 
@@ -52,21 +53,21 @@ def shard_manifest_key(inputs: dict[str, str], model: dict[str, Any], scoring: d
     return stage_key("score", SCORE_VERSION, inputs, {"model": model, "scoring": scoring})
 
 
-def shard_dir(artifacts: str | Path, adapter: dict[str, Any] | None, prepared: dict[str, Any], ids: list[str],
+def shard_dir(artifacts: str | Path, adapter: StageRef | None, prepared: StageRef, ids: list[str],
               model: dict[str, Any], scoring: dict[str, Any]) -> str:
-    key = digest_json({"adapter": (adapter or {}).get("digest"), "prepared": prepared["digest"], "ids": ids,
+    key = digest_json({"adapter": adapter.digest if adapter else None, "prepared": prepared.digest, "ids": ids,
                        "model": model, "scoring": scoring})
     return str(Path(artifacts) / "scores" / key[:16])
 
 
 @dataclass(frozen=True)
 class ShardParams:
-    """One score-shard stage's parameters, built by shard_params; its cache key is their `asdict()`."""
+    """One score-shard stage's parameters, built by shard_params; its cache key is their `key_fields()`."""
 
     artifacts: str
     model: dict[str, Any]  # the model section with its identity (pipeline.model.identity.keyed_model)
-    adapter: dict[str, Any] | None  # {dir, digest} of the round's adapter; None for the base model
-    prepared: dict[str, Any]  # the prepared data's ref
+    adapter: StageRef | None  # the round's adapter (its PEFT folder and digest: adapter_ref); None for the base model
+    prepared: StageRef  # the prepared data
     shard_ids: list[str]
     scoring: dict[str, Any]  # score_config
     out_dir: str
@@ -76,11 +77,13 @@ class ShardParams:
 
 
 def shard_params(artifacts: str | Path, *, model: dict[str, Any], scoring: dict[str, Any],
-                 adapter: dict[str, Any] | None, prepared: dict[str, Any], pool_ids: Sequence[str],
+                 adapter: Mapping[str, Any] | None, prepared: Mapping[str, Any], pool_ids: Sequence[str],
                  shard_size: int) -> list[ShardParams]:
-    """One score-shard stage's parameters (its cache key) per shard of the pool, in shard order."""
-    return [ShardParams(artifacts=str(artifacts), model=model, adapter=adapter, prepared=prepared, shard_ids=ids,
-                        scoring=scoring, out_dir=shard_dir(artifacts, adapter, prepared, ids, model, scoring))
+    """One score-shard stage's parameters (its cache key) per shard of the pool, in shard order; `adapter` and
+    `prepared` as the flow passes them (adapter_ref, the prepare stage's result)."""
+    on, data = (StageRef.of(adapter) if adapter else None), StageRef.of(prepared)
+    return [ShardParams(artifacts=str(artifacts), model=model, adapter=on, prepared=data, shard_ids=ids,
+                        scoring=scoring, out_dir=shard_dir(artifacts, on, data, ids, model, scoring))
             for ids in plan_shards(pool_ids, shard_size)]
 
 
@@ -164,17 +167,17 @@ def score_shard(params: ShardParams) -> dict[str, Any]:
     shard_ids, out_dir, inputs = params.shard_ids, params.out_dir, params.inputs()
 
     def compute() -> Manifest:
-        ds, index = _index(prepared["dir"])
+        ds, index = _index(prepared.dir)
         # Only the columns a shard reads (a sample's later pictures and turns where the project has them): the
         # original images' pages are never touched.
         at = index.rows(shard_ids)
         if (at < 0).any():
             raise DataError(f"score shard {out_dir}: {int((at < 0).sum())} of {len(shard_ids)} samples (first: "
                             f"{shard_ids[int(np.flatnonzero(at < 0)[0])]}) are not in the prepared dataset "
-                            f"{prepared['dir']}; run the round again to re-plan its shards")
+                            f"{prepared.dir}; run the round again to re-plan its shards")
         more = [c for c in ("more_prepared", "context") if c in ds.column_names]
         rows = list(ds.select_columns(["sample_id", "prepared", "question", *more]).select(at.tolist()))
-        loaded = _loaded(json.dumps(model, sort_keys=True), adapter and adapter["dir"], adapter and adapter["digest"])
+        loaded = _loaded(json.dumps(model, sort_keys=True), adapter and adapter.dir, adapter and adapter.digest)
         scorer = make_scorer(loaded, scoring["answers"], length_normalize=scoring["length_normalize"],
                              max_new_tokens=scoring["max_new_tokens"])
         result = scorer.score(rows, batch_size=scoring["score_batch_size"], mc_passes=scoring["mc_dropout_passes"],

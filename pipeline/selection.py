@@ -21,6 +21,7 @@ from pipeline.codeversion import stage_version
 from pipeline.config import ProjectConfig, SelectConfig
 from pipeline.errors import SelectionError
 from pipeline.idindex import IdIndex
+from pipeline.stage_ref import StageRef
 from pipeline.store import atomic_write_jsonl, digest_file, digest_json, read_jsonl, write_manifest
 from pipeline.strategies import Candidates, Selection, get_heuristic, get_selector, select_batch
 from pipeline.strategies.schedule import Phase, choose_phase, newest_label_accuracy, strategy_label
@@ -260,7 +261,7 @@ def uncertainty_history(round_dirs: Sequence[Path]) -> list[dict[str, str]]:
 
 @dataclass(frozen=True)
 class SelectParams:
-    """The select stage's parameters, built by plan_selection; its cache key is their `asdict()`. The ID files
+    """The select stage's parameters, built by plan_selection; its cache key is their `key_fields()`. The ID files
     (candidates, exclusions, labeled) are too long to be parameters: their digests key the stage on them."""
 
     artifacts: str
@@ -274,13 +275,13 @@ class SelectParams:
     history: list[dict[str, str]]  # earlier rounds' uncertainty files (uncertainty_history)
     cold_start: bool
     phase: Phase | None
-    space: dict[str, Any] | None  # the selection-embeddings stage's ref; None = the model's own embeddings
+    space: StageRef | None  # the selection-embeddings stage's output; None = the model's own embeddings
     adapter_digest: str | None
     seed: int
     out_dir: str
     candidates: dict[str, Any] | None = None  # how a restricted (or auto) round's candidates were chosen
     seconds: dict[str, str] | None = None  # {path, digest} of the labeled samples' seconds (select.cost: predicted)
-    shard_refs: list[dict[str, Any]] = field(default_factory=list)  # the pool's score shards, added once scored
+    shard_refs: list[StageRef] = field(default_factory=list)  # the pool's score shards, added once scored
 
 
 @dataclass
@@ -292,8 +293,9 @@ class SelectionPlan:
     score: bool  # a cold start in a non-model selection space scores nothing
     params: SelectParams  # all but shard_refs
 
-    def stage_params(self, shard_refs: list[dict[str, Any]]) -> SelectParams:
-        return replace(self.params, shard_refs=shard_refs)
+    def stage_params(self, shard_refs: Sequence[Mapping[str, Any]]) -> SelectParams:
+        """The stage's parameters once the pool is scored (`shard_refs`: the score-shard tasks' results)."""
+        return replace(self.params, shard_refs=[StageRef.of(r) for r in shard_refs])
 
 
 def round_phase_of(select: SelectConfig, answers: list[str] | None, *, labels: Mapping[str, str],
@@ -314,14 +316,14 @@ def planned_strategy(select: SelectConfig, answers: list[str] | None, labels: Ma
 
 
 def plan_selection(cfg: ProjectConfig, *, round_dir: Path, pool_ids: Sequence[str], exclude: Collection[str],
-                   labels: Mapping[str, str], adapter: dict[str, Any] | None, space: dict[str, Any] | None,
+                   labels: Mapping[str, str], adapter: Mapping[str, Any] | None, space: Mapping[str, Any] | None,
                    history_dirs: Sequence[Path], batch_size: int | None = None) -> SelectionPlan:
     """Plan the select stage of the round in `round_dir`: writes its candidate, exclusion and labeled ID files (they
     are too long to be parameters), and decides the round's phase from earlier rounds' selections. `batch_size`:
     the batch the label budget leaves (rounds.budget_batch), when below select.batch_size. A round's planning
     function: it reads the select, data, paths and seed sections, and hands the stage only its SelectParams."""
     labeled_ids = sorted(labels) if adapter is not None else []
-    answers = cfg.data.answers
+    answers, space_ref = cfg.data.answers, StageRef.of(space) if space else None
     phase = round_phase_of(cfg.select, answers, labels=labels, history_dirs=history_dirs) if adapter else None
     from pipeline.strategies.candidates import candidates_choice  # its module imports the embeddings' lookup
 
@@ -333,7 +335,7 @@ def plan_selection(cfg: ProjectConfig, *, round_dir: Path, pool_ids: Sequence[st
         if choice.method == "restrict":
             restricted = restrict_candidates(cfg.select, n_classes=len(answers) if answers else None, seed=cfg.seed,
                                              cache_dir=Path(cfg.artifacts) / "candidates", pool_ids=pool_ids,
-                                             labeled_ids=labeled_ids, space=space, phase=phase)
+                                             labeled_ids=labeled_ids, space=space_ref, phase=phase)
     candidates = sorted(set(restricted.ids if restricted is not None else pool_ids) | set(labeled_ids))
     pool_path, exclude_path, labeled_path = (round_dir / "candidates.jsonl", round_dir / "exclude.jsonl",
                                              round_dir / "labeled_ids.jsonl")
@@ -357,7 +359,7 @@ def plan_selection(cfg: ProjectConfig, *, round_dir: Path, pool_ids: Sequence[st
                           candidates_digest=digest_json(candidates), exclude_digest=digest_json(exclude_rows),
                           exclude_path=str(exclude_path), labeled_path=str(labeled_path), pool_path=str(pool_path),
                           history=uncertainty_history(list(history_dirs)), cold_start=adapter is None, phase=phase,
-                          space=space, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
+                          space=space_ref, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
                           out_dir=str(round_dir / "selection"), candidates=how, seconds=seconds)
     return SelectionPlan(candidates, adapter is not None or space is None, params)
 
@@ -379,7 +381,7 @@ def coverage_picker(strategy: str, diversity: str, *, space: Space, labeled: Col
 
 
 def restrict_candidates(select: SelectConfig, *, n_classes: int | None, seed: int, cache_dir: Path,
-                        pool_ids: Sequence[str], labeled_ids: Sequence[str], space: dict[str, Any] | None,
+                        pool_ids: Sequence[str], labeled_ids: Sequence[str], space: StageRef | None,
                         phase: Phase | None = None) -> CandidateSet:
     """The round's candidates under `select.candidates: restrict`, from the selection-embeddings stage `space`
     (pipeline.strategies.candidates); its k-means labels are cached under `cache_dir` (artifacts/candidates/)."""
@@ -389,13 +391,13 @@ def restrict_candidates(select: SelectConfig, *, n_classes: int | None, seed: in
     if space is None:
         raise SelectionError("select.candidates: restrict needs the selection-embeddings stage; set select.embeddings "
                              "to pool, pixels, vision_tower or file")
-    ids, emb = load_selection_embeddings(space["dir"])
+    ids, emb = load_selection_embeddings(space.dir)
     coverage = coverage_picker(phase.strategy if phase is not None else select.strategy,
                                phase.diversity if phase is not None else select.diversity,
                                space=Space(ids, emb, select.embeddings.source), labeled=labeled_ids,
                                n_classes=n_classes)
     return round_candidates(select, pool_ids=pool_ids, labeled_ids=labeled_ids, space_ids=ids, space_emb=emb,
-                            seed=seed, cache_dir=cache_dir, space_digest=space["digest"], coverage=coverage,
+                            seed=seed, cache_dir=cache_dir, space_digest=space.digest, coverage=coverage,
                             diversity=phase.diversity if phase is not None else select.diversity)
 
 
@@ -421,8 +423,8 @@ def select_stage(params: SelectParams) -> dict[str, Any]:
 
     p = params
     sel_cfg = SelectConfig.model_validate(p.select)
-    scores = concat_scores([load_scores(r["dir"]) for r in p.shard_refs]) if p.shard_refs else None
-    sp = Space(*load_selection_embeddings(p.space["dir"]), source=sel_cfg.embeddings.source) if p.space else None
+    scores = concat_scores([load_scores(r.dir) for r in p.shard_refs]) if p.shard_refs else None
+    sp = Space(*load_selection_embeddings(p.space.dir), source=sel_cfg.embeddings.source) if p.space else None
     labeled = sorted(r["sample_id"] for r in read_jsonl(p.labeled_path))
     result = select_round(
         sel_cfg, candidate_ids=[r["sample_id"] for r in read_jsonl(p.pool_path)], scores=scores, space=sp,
@@ -444,9 +446,9 @@ def select_stage(params: SelectParams) -> dict[str, Any]:
     atomic_write_jsonl(out / SELECTION_FILE, [{**r, "adapter_digest": p.adapter_digest} for r in result.rows])
     phase = p.phase.as_dict() if p.phase is not None else None  # round.json and the manifest hold it as JSON
     m = write_manifest(out, stage="select", stage_version=SELECT_VERSION,
-                       inputs={"scores": digest_json([r["digest"] for r in p.shard_refs]),
+                       inputs={"scores": digest_json([r.digest for r in p.shard_refs]),
                                "exclude": p.exclude_digest, "candidates": p.candidates_digest,
-                               "labeled": digest_json(labeled), "space": (p.space or {}).get("digest", "model"),
+                               "labeled": digest_json(labeled), "space": p.space.digest if p.space else "model",
                                "history": digest_json([h["digest"] for h in p.history]),
                                **({"seconds": p.seconds["digest"]} if p.seconds else {})},
                        config={**p.select, "phase": phase}, outputs=outputs, info={**result.info, "phase": phase})

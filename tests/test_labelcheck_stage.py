@@ -28,12 +28,13 @@ from flows.stages import stage_cache_key
 from pipeline.codeversion import code_digest
 from pipeline.config import ProjectConfig
 from pipeline.labelcheck import LABELCHECK_VERSION, CheckSpec, plan_label_check, plan_relabel
+from pipeline.round_state import RoundState
 from pipeline.stage_ref import key_fields
 from pipeline.store import digest_json
 
 DIGITS = [str(d) for d in range(10)]
 LABELED = {"dir": "art/rounds/002/labeled", "dataset": "art/rounds/002/labeled/dataset", "digest": "d" * 64}
-PREVIOUS = {"round": 0, "adapter": {"adapter_dir": "art/rounds/000/adapter", "adapter_digest": "a" * 64}}
+PREVIOUS = RoundState(round=0, adapter={"adapter_dir": "art/rounds/000/adapter", "adapter_digest": "a" * 64})
 PREPARED = {"dir": "art/prepared/x", "digest": "p" * 64}
 SPACE_REF = {"dir": "art/embeddings/e", "digest": "e" * 64, "extra": 1}
 CHECK = {"dir": "art/labelcheck/abc", "digest": "c" * 64, "checked": 5, "issues": 2}
@@ -48,7 +49,7 @@ CASES = {
     "open-kfold-pixels": ({"data": {"answers": None}, "select": {"embeddings": "pixels"}}, None, PREPARED),
     "off": ({"labelcheck": {"method": "off"}}, PREVIOUS, PREPARED),
     "heldout-first": ({"labelcheck": {"method": "heldout"}}, None, PREPARED),
-    "heldout-no-adapter": ({"labelcheck": {"method": "heldout"}}, {"round": 0, "adapter": None}, PREPARED),
+    "heldout-no-adapter": ({"labelcheck": {"method": "heldout"}}, RoundState(round=0, adapter=None), PREPARED),
 }
 RELABEL_CASES = {"relabel": {}, "relabel-open": {"data": {"answers": None}}}
 TRAINED_IDS = '{"sample_id": "s0"}\n{"sample_id": "s1"}\n{"sample_id": "s2"}\n'
@@ -276,7 +277,7 @@ def test_the_task_runs_the_spec_it_was_planned_with(art, name):
     assert {k: v for k, v in spec.labelcheck.model_dump().items() if k not in QUEUE_KEYS} == \
         {k: v for k, v in cfg.labelcheck.model_dump().items() if k not in QUEUE_KEYS}
     if name.startswith("heldout"):
-        assert spec.held_out.adapter == PREVIOUS["adapter"]["adapter_dir"]
+        assert spec.held_out.adapter == PREVIOUS.adapter["adapter_dir"]
         assert spec.held_out.trained_ids == {"s0", "s1", "s2"}
     else:
         assert spec.held_out is None

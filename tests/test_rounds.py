@@ -299,7 +299,7 @@ def test_train_evaluate_and_score_keys_know_the_models_weights_and_libraries(tmp
     c = cfg(tmp_path, model={"name_or_path": str(model_dir), "family": "idefics3"})
     plan = plan_round(c.artifacts, {"s03": "5"})
     refs = dict(labeled={"dataset": "l", "digest": plan.labeled_digest}, augmented=None)
-    adapter = {"adapter_digest": "a0", "adapter_dir": "x0"}
+    adapter = {"dir": "t0", "digest": "m0", "adapter_digest": "a0", "adapter_dir": "x0"}  # the train stage's result
 
     def keys():
         job = train_params(plan, **_sections(c), **refs)

@@ -57,3 +57,56 @@ def test_the_embeddings_stage_is_keyed_and_placed_as_when_its_ref_was_a_dict(tmp
     assert key_fields(params) == as_dicts
     folder_key = {k: v for k, v in as_dicts.items() if k not in ("artifacts", "out_dir")}
     assert params.out_dir == str(tmp_path / "embeddings" / digest_json(folder_key)[:16])
+
+
+def test_the_score_shards_are_keyed_and_placed_as_when_their_refs_were_dicts():
+    from pipeline.score_stage import shard_params
+    from pipeline.store import digest_json
+
+    adapter = {"dir": "art/train/x/adapter", "digest": "a" * 64}
+    model, scoring = {"name_or_path": "m"}, {"seed": 0}
+    shards = shard_params("art", model=model, scoring=scoring, adapter=adapter, prepared=PREPARED,
+                          pool_ids=["s1", "s2", "s3"], shard_size=2)
+    assert [p.adapter for p in shards] == [StageRef.of(adapter)] * 2
+    for p in shards:
+        assert key_fields(p) == {**dataclasses.asdict(p), "adapter": adapter, "prepared": PREPARED}
+        assert p.inputs() == {"adapter": "a" * 64, "prepared": "p" * 64, "shard": digest_json(p.shard_ids)}
+        folder = digest_json({"adapter": "a" * 64, "prepared": "p" * 64, "ids": p.shard_ids, "model": model,
+                              "scoring": scoring})
+        assert p.out_dir == f"art/scores/{folder[:16]}"
+    base = shard_params("art", model=model, scoring=scoring, adapter=None, prepared=PREPARED, pool_ids=["s1"],
+                        shard_size=2)[0]
+    assert base.adapter is None and base.inputs()["adapter"] == "base"
+
+
+def test_the_select_stage_is_keyed_as_when_its_space_and_shards_were_dicts(tmp_path):
+    from pipeline.config import ProjectConfig
+    from pipeline.selection import plan_selection
+
+    cfg = ProjectConfig.model_validate({"paths": {"artifacts": str(tmp_path)}, "data": {"answers": ["a", "b"]}})
+    space = {"dir": str(tmp_path / "embeddings" / "e"), "digest": "e" * 64}
+    shards = [{"dir": str(tmp_path / "scores" / "s"), "digest": "s" * 64}]
+    plan = plan_selection(cfg, round_dir=tmp_path / "r", pool_ids=["s1", "s2"], exclude=[], labels={},
+                          adapter=None, space=space, history_dirs=[])
+    params = plan.stage_params(shards)
+    assert (params.space, params.shard_refs) == (StageRef.of(space), [StageRef.of(shards[0])])
+    assert key_fields(params) == {**dataclasses.asdict(params), "space": space, "shard_refs": shards}
+
+
+def test_the_train_and_evaluate_stages_are_keyed_as_when_their_refs_were_dicts(tmp_path):
+    from pipeline.config import ProjectConfig
+    from pipeline.round.params import evaluate_params, train_params
+    from pipeline.round.plan import plan_round
+
+    cfg = ProjectConfig.model_validate({"paths": {"artifacts": str(tmp_path)}})
+    augmented = {"dir": str(tmp_path / "augment" / "x"), "digest": "g" * 64, "info": {"copies": 2}}
+    labeled = {"dataset": "l", "digest": "l" * 64}
+    train = train_params(plan_round(tmp_path, {"s1": "a"}), artifacts=tmp_path, model=cfg.model, train=cfg.train,
+                         seed=0, labeled=labeled, augmented=augmented)
+    assert train.augmented == StageRef.of(augmented)
+    assert key_fields(train) == {**dataclasses.asdict(train), "augmented": augmented}
+    adapter = {"dir": "art/train/t", "digest": "t" * 64, "adapter_dir": "art/train/t/adapter", "adapter_digest": "a0"}
+    ev = evaluate_params(artifacts=tmp_path, model=cfg.model, answers=None, batch_size=4,
+                         test={"dataset": "d", "digest": "t"}, adapter=adapter)
+    assert ev.adapter.extra == {"adapter_dir": "art/train/t/adapter", "adapter_digest": "a0"}
+    assert key_fields(ev) == {**dataclasses.asdict(ev), "adapter": adapter}

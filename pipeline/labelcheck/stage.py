@@ -28,6 +28,7 @@ from pipeline.labelcheck.relabel import (
     relabel_dir,
     relabel_queued,
 )
+from pipeline.round_state import RoundState
 from pipeline.stage_ref import StageRef
 from pipeline.store import atomic_write_jsonl, column, digest_file, digest_json, read_jsonl
 
@@ -80,14 +81,15 @@ def plan_label_check(
     *,
     artifacts: str | os.PathLike[str],
     labeled: Mapping[str, Any],
-    previous: Mapping[str, Any] | None,
+    previous: RoundState | None,
     round_dir: str | os.PathLike[str],
     selection_space: Callable[[], Mapping[str, Any] | None] | None = None,
 ) -> LabelCheckParams | None:
     """The labelcheck task's parameters for this round's labeled set (`labeled`, the labeled stage's ref) checked as
     `spec` says (its held_out and hw are not read: the heldout adapter is `previous`'s), or None
     when labelcheck.method is off or the heldout method has no earlier adapter to score with (`previous`, the last
-    round's state, has none: the first trained round).
+    finished round's RoundState, has none: the first trained round); its adapter record is keyed as round.json
+    holds it.
 
     heldout writes the IDs the previous adapter trained on to round_dir/labelcheck_trained_ids.jsonl (the task reads
     them; their digest is in the key). `selection_space` returns the selection-embeddings stage's ref; it is called
@@ -102,15 +104,15 @@ def plan_label_check(
         return None
     heldout_adapter = trained_path = trained_digest = None
     if method == "heldout":
-        if not previous or not previous.get("adapter"):
+        if previous is None or not previous.adapter:
             return None
         import datasets
 
-        prev_set = rounds_layout.round_dir(artifacts, previous["round"], "labeled", "dataset")
+        prev_set = rounds_layout.round_dir(artifacts, previous.round, "labeled", "dataset")
         trained = sorted(column(datasets.load_from_disk(str(prev_set)), "sample_id"))
         trained_path = Path(round_dir) / "labelcheck_trained_ids.jsonl"
         atomic_write_jsonl(trained_path, [{"sample_id": s} for s in trained])
-        heldout_adapter, trained_digest = previous["adapter"], digest_json(trained)
+        heldout_adapter, trained_digest = dict(previous.adapter), digest_json(trained)
     ledger = ledger_path(artifacts)
     # The ledger is in the key for the table's annotator / source columns only; the probabilities are cached by the
     # labeled set below (fold adapters are not retrained when just the ledger changed).

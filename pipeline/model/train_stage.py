@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import ModelConfig, TrainConfig
 from pipeline.model.train import TRAIN_VERSION, StepHook, TrainSpec, train_adapter
 from pipeline.store import read_manifest
+
+if TYPE_CHECKING:
+    from pipeline.round_state import AdapterRecord
+    from pipeline.stage_ref import StageRef
 
 __all__ = ["TRAIN_VERSION", "TrainParams", "train_stage", "trains_in_process"]
 
@@ -27,16 +31,16 @@ def trains_in_process(train: Any) -> bool:
 
 @dataclass(frozen=True)
 class TrainParams:
-    """The train stage's parameters, built by pipeline.round.params.train_params; its cache key is their `asdict()`. The
-    rows are keyed by their stage refs (the labeled set, the augment stage's copies), never listed."""
+    """The train stage's parameters, built by pipeline.round.params.train_params; its cache key is their
+    `key_fields()`. The rows are keyed by their refs (the labeled set, the augment stage's copies), never listed."""
 
     artifacts: str
-    labeled: dict[str, Any]  # the labeled set's ref (pipeline.round.params.labeled_set)
-    augmented: dict[str, Any] | None  # the augment stage's ref; None without augmentation
+    labeled: dict[str, str]  # the labeled set on disk, {dataset, digest} (pipeline.round.params.labeled_set): no stage's
+    augmented: StageRef | None  # the augment stage's output; None without augmentation
     model: dict[str, Any]  # the model section with its identity (pipeline.model.identity.keyed_model)
     train: dict[str, Any]
     seed: int
-    init_adapter: dict[str, Any] | None  # the previous round's adapter when train.init is warm
+    init_adapter: AdapterRecord | None  # the previous round's adapter (round.json) when train.init is warm
     out_dir: str
 
 

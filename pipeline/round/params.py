@@ -13,6 +13,7 @@ from pipeline.config import ModelConfig, SelectConfig, TrainConfig
 from pipeline.errors import DataError
 from pipeline.idindex import IdIndex
 from pipeline.round.plan import PoolData, RoundPlan
+from pipeline.stage_ref import StageRef
 from pipeline.store import atomic_dir, atomic_write_text, digest_json, save_dataset
 
 if TYPE_CHECKING:  # the stages' modules import torch: a round's plan is read without it
@@ -68,18 +69,18 @@ def labeled_set(prepared_ref: Mapping[str, Any], plan: RoundPlan) -> dict[str, s
 
 
 def train_params(plan: RoundPlan, *, artifacts: str | os.PathLike[str], model: ModelConfig, train: TrainConfig,
-                 seed: int, labeled: dict[str, Any], augmented: dict[str, Any] | None) -> TrainParams:
+                 seed: int, labeled: dict[str, str], augmented: Mapping[str, Any] | None) -> TrainParams:
     """The train stage's parameters (its cache key) and output folder for this round: the labeled set's content,
-    never the pool's (labeled_set)."""
+    never the pool's (labeled_set); `augmented` is the augment stage's result."""
     from pipeline.model.identity import keyed_model
     from pipeline.model.train_stage import TrainParams
 
-    init = plan.warm_start(train.init)
+    init, aug = plan.warm_start(train.init), StageRef.of(augmented) if augmented is not None else None
     # The model's content and library versions too: new weights at the same path retrain (pipeline/model/identity.py).
     sections = {"model": keyed_model(model, artifacts), "train": train.model_dump(mode="json")}
-    key = digest_json({"labeled": labeled["digest"], **sections, "aug": augmented and augmented["digest"],
+    key = digest_json({"labeled": labeled["digest"], **sections, "aug": aug and aug.digest,
                        "init": init and init["adapter_digest"], "seed": seed})
-    return TrainParams(artifacts=str(artifacts), labeled=labeled, augmented=augmented, seed=seed,
+    return TrainParams(artifacts=str(artifacts), labeled=labeled, augmented=aug, seed=seed,
                        init_adapter=init, out_dir=str(Path(artifacts) / "train" / key[:16]), **sections)
 
 
@@ -97,15 +98,16 @@ def test_set(artifacts: str | os.PathLike[str], prepared_ref: Mapping[str, Any],
 
 
 def evaluate_params(*, artifacts: str | os.PathLike[str], model: ModelConfig, answers: Sequence[str] | None,
-                    batch_size: int, test: dict[str, str], adapter: dict[str, Any]) -> EvalParams:
-    """The evaluate stage's parameters (its cache key) and output folder for a trained adapter on the test set
-    (`batch_size`: select.score_batch_size, the scoring batch)."""
+                    batch_size: int, test: dict[str, str], adapter: Mapping[str, Any]) -> EvalParams:
+    """The evaluate stage's parameters (its cache key) and output folder for a trained adapter (the train stage's
+    result) on the test set (`batch_size`: select.score_batch_size, the scoring batch)."""
     from pipeline.evaluate import EvalParams
     from pipeline.model.identity import keyed_model
 
     key = digest_json({"test": test["digest"], "adapter": adapter["adapter_digest"]})
-    return EvalParams(artifacts=str(artifacts), test=test, adapter=adapter, model=keyed_model(model, artifacts),
-                      answers=None if answers is None else list(answers), batch_size=batch_size,
+    return EvalParams(artifacts=str(artifacts), test=test, adapter=StageRef.of(adapter),
+                      model=keyed_model(model, artifacts), answers=None if answers is None else list(answers),
+                      batch_size=batch_size,
                       out_dir=str(Path(artifacts) / "eval" / key[:16]))
 
 

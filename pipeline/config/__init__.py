@@ -25,7 +25,7 @@ from pipeline.config.annotate import (  # noqa: F401 (re-exported: callers impor
     StableRule,
 )
 from pipeline.config.base import Section  # noqa: F401 (re-exported)
-from pipeline.config.combinations import OPEN_DEFAULT_STRATEGY, combination_errors
+from pipeline.config.combinations import OPEN_DEFAULT_STRATEGY, boxes_not_wired, combination_errors
 from pipeline.config.secrets import HIDDEN, is_secret_key, redact
 from pipeline.config.sections import (  # noqa: F401 (re-exported: callers import sections from pipeline.config)
     DASK_PROTOCOLS,
@@ -78,10 +78,11 @@ class ProjectConfig(Section):
     def _a_round_can_run_this(self) -> ProjectConfig:
         """Refuse, at load (and so in every command, check-model included), each combination of settings a round
         would refuse later (pipeline/config/combinations.py). Open answers that name no strategy get token_entropy:
-        the default, entropy, reads class probabilities they do not have."""
-        if self.data.answers is None and "strategy" not in self.select.model_fields_set:
+        the default, entropy, reads class probabilities they do not have; so do box answers (data.task: boxes)."""
+        open_or_boxes = self.data.answers is None or self.data.task == "boxes"
+        if open_or_boxes and "strategy" not in self.select.model_fields_set:
             self.select.strategy = OPEN_DEFAULT_STRATEGY
-        errors = combination_errors(self.data, self.select)
+        errors = combination_errors(self.data, self.select) + boxes_not_wired(self.data)
         if errors:
             raise ValueError("\n  ".join(errors))
         return self

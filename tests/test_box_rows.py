@@ -36,7 +36,7 @@ def _rows(pad: str, n: int = 6) -> list[dict]:
 
 def _close(a, b, tol: float = 1.0) -> bool:
     return len(a) == len(b) and all(x.label == y.label and max(abs(x.x - y.x), abs(x.y - y.y), abs(x.x2 - y.x2),
-                                                                 abs(x.y2 - y.y2)) <= tol for x, y in zip(a, b))
+                                                                 abs(x.y2 - y.y2)) <= tol for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize(("family", "pad"), [("smolvlm", "square"), ("qwen2_vl", "none"), ("qwen2_5_vl", "none")])
@@ -50,7 +50,7 @@ def test_a_label_becomes_the_familys_text_and_reads_back_within_a_pixel(family, 
     codec = get_codec(fam.box_codec)
     rows = _rows(pad)
     trained = training_rows(rows, codec, frame)
-    assert all(t["answer"] != r["answer"] and t["box_label"] == r["answer"] for t, r in zip(trained, rows))
+    assert all(t["answer"] != r["answer"] and t["box_label"] == r["answer"] for t, r in zip(trained, rows, strict=True))
     back, dropped = predicted_boxes([t["answer"] for t in trained], rows, codec, frame)
     assert dropped == 0
     for r in rows:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipeline.boxes.answer import parse_box_label
-from pipeline.boxes.box import Box, Geometry
+from pipeline.boxes.box import GEOMETRY_COLUMNS, Box, Geometry
 from pipeline.boxes.codecs import BoxCodec
 from pipeline.boxes.evaluation import box_map
 
@@ -36,13 +36,13 @@ def row_geometry(row: Mapping[str, Any], frame: Frame | None = None) -> Geometry
 
 def training_rows(rows: Sequence[Mapping[str, Any]], codec: BoxCodec, frame: Frame | None = None
                   ) -> list[dict[str, Any]]:
-    """`rows` with each `answer` (a box label) replaced by the codec's answer text for its boxes: the target the
-    model learns. The label's own text stays in `box_label` (what a report or a check reads)."""
+    """`rows` with each `answer` (a box label) replaced by the codec's answer text for its boxes, the target the
+    model learns; the geometry columns (`GEOMETRY_COLUMNS`) it was placed by are left out (training reads none)."""
     out = []
     for row in rows:
         where = f"sample {row.get('sample_id', '?')}: answer"
-        boxes = parse_box_label(row["answer"], where=where)
-        out.append({**row, "box_label": row["answer"], "answer": codec.encode(boxes, row_geometry(row, frame))})
+        text = codec.encode(parse_box_label(row["answer"], where=where), row_geometry(row, frame))
+        out.append({**{k: v for k, v in row.items() if k not in GEOMETRY_COLUMNS}, "answer": text})
     return out
 
 

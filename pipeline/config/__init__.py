@@ -25,7 +25,13 @@ from pipeline.config.annotate import (  # noqa: F401 (re-exported: callers impor
     StableRule,
 )
 from pipeline.config.base import Section  # noqa: F401 (re-exported)
-from pipeline.config.combinations import OPEN_DEFAULT_STRATEGY, boxes_not_wired, combination_errors
+from pipeline.config.combinations import (
+    BOX_MAX_NEW_TOKENS,
+    OPEN_DEFAULT_STRATEGY,
+    box_section_errors,
+    boxes_not_wired,
+    combination_errors,
+)
 from pipeline.config.secrets import HIDDEN, is_secret_key, redact
 from pipeline.config.sections import (  # noqa: F401 (re-exported: callers import sections from pipeline.config)
     DASK_PROTOCOLS,
@@ -79,13 +85,24 @@ class ProjectConfig(Section):
         """Refuse, at load (and so in every command, check-model included), each combination of settings a round
         would refuse later (pipeline/config/combinations.py). Open answers that name no strategy get token_entropy:
         the default, entropy, reads class probabilities they do not have; so do box answers (data.task: boxes)."""
-        open_or_boxes = self.data.answers is None or self.data.task == "boxes"
-        if open_or_boxes and "strategy" not in self.select.model_fields_set:
+        boxes = self.data.task == "boxes"
+        if (self.data.answers is None or boxes) and "strategy" not in self.select.model_fields_set:
             self.select.strategy = OPEN_DEFAULT_STRATEGY
-        errors = combination_errors(self.data, self.select) + boxes_not_wired(self.data)
+        if boxes:
+            self._box_defaults()
+        errors = [*combination_errors(self.data, self.select),
+                  *box_section_errors(self.data, self.augment, self.labelcheck), *boxes_not_wired(self.data)]
         if errors:
             raise ValueError("\n  ".join(errors))
         return self
+
+    def _box_defaults(self) -> None:
+        """A box project's defaults where the one-answer ones cannot work: answers long enough for a few boxes, and
+        no label check (not wired for boxes: pipeline/config/combinations.py)."""
+        if "max_new_tokens" not in self.model.model_fields_set:
+            self.model.max_new_tokens = BOX_MAX_NEW_TOKENS
+        if "method" not in self.labelcheck.model_fields_set:
+            self.labelcheck.method = "off"
 
     def section(self, name: str) -> dict[str, Any]:
         """A section as plain JSON data: what a stage records next to its outputs and keys its cache on."""

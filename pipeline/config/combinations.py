@@ -32,6 +32,7 @@ CLOSED_READS = frozenset({"probs", "mc_probs"})
 OPEN_READS = frozenset({"token_entropy", "agreement", "meanings"})
 SAMPLED_READS = frozenset({"mc_probs", "agreement", "meanings"})  # need select.mc_dropout_passes >= 2
 OPEN_DEFAULT_STRATEGY = "token_entropy"  # the default select.strategy (entropy) reads class probabilities
+BOX_MAX_NEW_TOKENS = 256  # a box answer is ~30 tokens a box: the default 16 cuts off the first one
 CLOSED_ONLY_DIVERSITY = frozenset({"stratified"})
 BOX_READS = frozenset({"none", "token_entropy", "agreement"})  # what a box answer's scoring can give
 BOX_FIX = "token_entropy, or answer_disagreement (box sample agreement) with select.mc_dropout_passes: 4"
@@ -57,6 +58,23 @@ def boxes_not_wired(data: Any) -> list[str]:
     return ["data.task: boxes is not wired into rounds yet; these stages do not handle box labels: "
             + "; ".join(BOXES_NOT_WIRED) + ". The library parts are in pipeline/boxes/ (docs/boxes.md: 'Still to "
             "come: the wiring'); until then use data.task: answer (the default) or remove data.task"]
+
+
+def box_section_errors(data: Any, augment: Any, labelcheck: Any) -> list[str]:
+    """What other sections of a box project cannot do yet: augmented copies (their flips and crops would not move
+    the boxes) and the round's label check (its checks read one answer per image; pipeline/boxes/labelcheck.py's
+    box checks are not wired into it)."""
+    if data.task != "boxes":
+        return []
+    errors = []
+    if augment.copies:
+        errors.append(f"augment.copies: {augment.copies} makes flipped and cropped copies of the labeled images, and "
+                      "the boxes of data.task: boxes would not follow them; set augment.copies: 0")
+    if labelcheck.method != "off":
+        errors.append(f"labelcheck.method: {labelcheck.method!r} checks one answer per image, and data.task: boxes "
+                      "labels boxes (their checks, pipeline/boxes/labelcheck.py, are not in the round yet); set "
+                      "labelcheck.method: off (a box project's default)")
+    return errors
 
 
 def _box_errors(data: Any, select: Any) -> list[str]:

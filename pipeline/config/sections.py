@@ -121,6 +121,17 @@ class DataConfig(Section):
                              "(class, box), not a JSON object of fields; remove data.answer_schema")
         return self
 
+    @property
+    def scored_answers(self) -> list[str] | None:
+        """The closed answer set the model is scored and evaluated against: data.answers, except under data.task:
+        boxes, whose model writes its boxes as generated text (open answers; data.answers is the class list)."""
+        return None if self.task == "boxes" else self.answers
+
+    @property
+    def box_labels(self) -> list[str] | None:
+        """The class list of a box project (data.task: boxes); None for one-answer projects."""
+        return self.answers if self.task == "boxes" else None
+
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> Any:
         # Without aliases the section dumps as before the field existed: the ingest key of a project is unchanged.

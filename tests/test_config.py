@@ -210,12 +210,15 @@ def test_a_one_answer_project_dumps_no_task():
     assert "task" not in parse_config({"data": {"task": "answer"}}).section("data")
 
 
-def test_load_refuses_a_box_project_naming_the_stages_not_wired(tmp_path):
+def test_a_box_project_loads_with_the_defaults_box_answers_need(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  task: boxes\n  answers: [circle, square]\n")
+    cfg = load_config(path)
+    # Generated box text, scored as open answers: token entropy, room for a few boxes, no one-answer label check.
+    assert cfg.select.strategy == "token_entropy" and cfg.model.max_new_tokens == 256
+    assert cfg.labelcheck.method == "off" and cfg.data.scored_answers is None and cfg.data.box_labels == ["circle", "square"]
+    path.write_text("data:\n  task: boxes\n  answers: [circle]\nmodel:\n  max_new_tokens: 64\naugment:\n  copies: 2\n"
+                    "labelcheck:\n  method: kfold\n")
     with pytest.raises(ConfigError) as e:
         load_config(path)
-    msg = str(e.value)
-    for stage in ("train (", "score (", "export (", "label import (", "evaluate ("):
-        assert stage in msg
-    assert "data.task: boxes is not wired into rounds yet" in msg and "docs/boxes.md" in msg
+    assert "augment.copies: 2" in str(e.value) and "labelcheck.method: 'kfold'" in str(e.value)

@@ -29,7 +29,6 @@ from pipeline.config.combinations import (
     BOX_MAX_NEW_TOKENS,
     OPEN_DEFAULT_STRATEGY,
     box_section_errors,
-    boxes_not_wired,
     combination_errors,
 )
 from pipeline.config.secrets import HIDDEN, is_secret_key, redact
@@ -91,7 +90,7 @@ class ProjectConfig(Section):
         if boxes:
             self._box_defaults()
         errors = [*combination_errors(self.data, self.select),
-                  *box_section_errors(self.data, self.augment, self.labelcheck), *boxes_not_wired(self.data)]
+                  *box_section_errors(self.data, self.augment, self.labelcheck)]
         if errors:
             raise ValueError("\n  ".join(errors))
         return self

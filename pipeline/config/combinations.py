@@ -36,28 +36,9 @@ BOX_MAX_NEW_TOKENS = 256  # a box answer is ~30 tokens a box: the default 16 cut
 CLOSED_ONLY_DIVERSITY = frozenset({"stratified"})
 BOX_READS = frozenset({"none", "token_entropy", "agreement"})  # what a box answer's scoring can give
 BOX_FIX = "token_entropy, or answer_disagreement (box sample agreement) with select.mc_dropout_passes: 4"
-# The round's stages that do not yet read or write box labels (docs/boxes.md, "Still to come: the wiring"): while any
-# is listed, a box project is refused at load rather than run a round that breaks half-way. Wiring a stage removes
-# its entry; an empty tuple lets data.task: boxes through.
-BOXES_NOT_WIRED = (
-    "train (targets from the family's box codec)",
-    "score (box uncertainty into the selector)",
-    "export (export_box_batch: Label Studio RectangleLabels + COCO + YOLO)",
-    "label import (COCO / Label Studio rectangles into the ledger)",
-    "evaluate (map50 / map via box_map)",
-)
 
 CLOSED_FIX = "least_confidence, margin or entropy (or bald with select.mc_dropout_passes: 4)"
 OPEN_FIX = "token_entropy, or semantic_entropy / answer_disagreement with select.mc_dropout_passes: 4"
-
-
-def boxes_not_wired(data: Any) -> list[str]:
-    """The sentence refusing data.task: boxes while a round's stage cannot carry box labels; [] otherwise."""
-    if data.task != "boxes" or not BOXES_NOT_WIRED:
-        return []
-    return ["data.task: boxes is not wired into rounds yet; these stages do not handle box labels: "
-            + "; ".join(BOXES_NOT_WIRED) + ". The library parts are in pipeline/boxes/ (docs/boxes.md: 'Still to "
-            "come: the wiring'); until then use data.task: answer (the default) or remove data.task"]
 
 
 def box_section_errors(data: Any, augment: Any, labelcheck: Any) -> list[str]:

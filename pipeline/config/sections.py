@@ -19,7 +19,8 @@ from pipeline.config.answers import ClosedAnswers
 from pipeline.config.base import Section
 
 # trl / sharegpt / swift: conversations with several images and turns (pipeline/data/conversations.py).
-SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio", "trl", "sharegpt", "swift"]
+# coco: a COCO detection file, for box projects (data.task: boxes; pipeline/data/readers.py CocoReader).
+SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio", "trl", "sharegpt", "swift", "coco"]
 Split = Literal["train", "pool", "test"]
 
 

@@ -16,9 +16,10 @@ def export_ref(cfg: ProjectConfig, *, selection: dict[str, Any], prepared: dict[
                round_index: int) -> dict[str, Any]:
     """Run (or reuse) the export of a round's selection; with annotate.label_studio the batch is pushed too (its
     result under "label_studio"). Call it inside a flow."""
-    ref = run_stage(export_task, params=export_params(cfg.annotate, cfg.data.answers, artifacts=cfg.artifacts,
+    ref = run_stage(export_task, params=export_params(cfg.annotate, cfg.data.scored_answers, artifacts=cfg.artifacts,
                                                       selection=selection, prepared=prepared,
-                                                      round_index=round_index))
+                                                      round_index=round_index, box_labels=cfg.data.box_labels,
+                                                      model=cfg.model))
     if cfg.annotate.label_studio is not None:
         ref = {**ref, "label_studio": push_batch(cfg.annotate, cfg.artifacts, ref["dir"])}
     return ref

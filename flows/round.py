@@ -56,12 +56,12 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         pool, start = PoolData.of(load_prepared(prep["prepare"]["dir"])), import_round(art)
         # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
         imports = pull_labels(cfg.annotate, cfg.data, art, known_ids=pool.index, round_index=start) + import_inbox(
-            art, index=pool.index, answers=cfg.data.answers, round_index=start, keys=LabelKeys.from_config(cfg.data),
+            art, index=pool.index, answers=cfg.data.scored_answers, round_index=start, keys=LabelKeys.from_config(cfg.data),
             aliases=cfg.data.answer_aliases)
-        agreed = settle_votes(art, cfg.annotate, answers=cfg.data.answers, round_index=start)
+        agreed = settle_votes(art, cfg.annotate, answers=cfg.data.scored_answers, round_index=start)
         plan = plan_round(art, labels_now(art, prep["prepare"]["dir"], pool, round_index=start))
         state = plan.state(imports, annotation_time=annotation_time(art, next_batch=cfg.select.batch_size),
-                           strategy=planned_strategy(cfg.select, cfg.data.answers, plan.labels, plan.history_dirs(art)),
+                           strategy=planned_strategy(cfg.select, cfg.data.scored_answers, plan.labels, plan.history_dirs(art)),
                            quality_flags=explain_flags(prep["quality"]["info"], cfg.quality))
         name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
                  report.run_tags(plan.index, rerun=plan.rerun is not None))
@@ -86,12 +86,12 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
                 record_relabel(cfg.annotate, art, state, relabel_ref(cfg, check=check, prepared=prep["prepare"],
                                                                      round_index=plan.index,
                                                                      cap=budget_left(cfg.rounds, state)))
-            state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.answers,
+            state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.scored_answers,
                                           prepared_dir=prep["prepare"]["dir"], round_index=plan.index,
                                           cap=redundancy_cap(cfg.rounds, state)))
 
     state.adapter = adapter
-    up = write_up(art, cfg.data.answers, plan, state, check, resolve=lambda: resolve_sources(cfg, state, prep))
+    up = write_up(art, cfg.data.scored_answers, plan, state, check, resolve=lambda: resolve_sources(cfg, state, prep))
     if simulated(cfg.rounds, simulate):
         answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                      seed=cfg.seed, crowd=cfg.rounds)

@@ -26,7 +26,8 @@ evaluate_task = stage_task("evaluate", EVAL_VERSION)(evaluate_stage)
 @stage_task("train", TRAIN_VERSION)
 def train_task(params: TrainParams) -> dict[str, Any]:
     reporter = report.StepReporter(lambda total: progress_sink("training-progress", f"training ({total} steps)"))
-    return train_stage(params, training_rows(params.labeled, params.augmented), on_step=reporter)
+    rows = training_rows(params.labeled, params.augmented, geometry=params.box_labels is not None)
+    return train_stage(params, rows, on_step=reporter)
 
 
 def train_round(cfg: ProjectConfig, plan: RoundPlan, prep: dict[str, Any], state: RoundState,
@@ -39,12 +40,13 @@ def train_round(cfg: ProjectConfig, plan: RoundPlan, prep: dict[str, Any], state
     art = cfg.artifacts
     with progress.step("train"):
         adapter = run_stage(train_task, params=train_params(plan, artifacts=art, model=cfg.model, train=cfg.train,
-                                                            seed=cfg.seed, labeled=labeled, augmented=aug))
+                                                            seed=cfg.seed, labeled=labeled, augmented=aug,
+                                                            box_labels=cfg.data.box_labels))
     with progress.step("evaluate"):
         test = test_set(art, prep["prepare"], pool)
         record_evaluation(art, plan, state, run_stage(evaluate_task, params=evaluate_params(
-            artifacts=art, model=cfg.model, answers=cfg.data.answers, batch_size=cfg.select.score_batch_size,
-            test=test, adapter=adapter)))
+            artifacts=art, model=cfg.model, answers=cfg.data.scored_answers, batch_size=cfg.select.score_batch_size,
+            test=test, adapter=adapter, box_labels=cfg.data.box_labels)))
         if (stop := stop_set_check(cfg.rounds, plan, pool, seed=cfg.seed, artifacts=art)) is not None:
             state.stability = stop_set_agreement(cfg, prep, adapter, stop)
     with progress.step("label check"):
@@ -62,5 +64,5 @@ def stop_set_agreement(cfg: ProjectConfig, prep: dict[str, Any], adapter: dict[s
 
     refs = score_pool(cfg, prepared=prep["prepare"], adapter=adapter_ref(adapter), pool_ids=stop.ids,
                       round_dir=stop.out_dir)
-    return measure_stop_set(refs, ids=stop.ids, answers=cfg.data.answers, round_dir=stop.round_dir,
+    return measure_stop_set(refs, ids=stop.ids, answers=cfg.data.scored_answers, round_dir=stop.round_dir,
                             previous_dir=stop.previous_dir, target=stop.target)

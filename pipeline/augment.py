@@ -14,7 +14,7 @@ import os
 import random
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import cv2
 import numpy as np
 
+from pipeline.boxes.box import GEOMETRY_COLUMNS
 from pipeline.codeversion import stage_version
 from pipeline.config import AugmentConfig, ImageAugmentConfig, TextAugmentConfig
 from pipeline.errors import DataError
@@ -342,18 +343,22 @@ TRAIN_COLUMNS = ["sample_id", "prepared", "question", "answer"]
 MORE_TRAIN_COLUMNS = ["more_prepared", "context"]  # a sample's later pictures and earlier turns, where a project has them
 
 
-def _train_columns(ds: datasets.Dataset) -> datasets.Dataset:
-    return ds.select_columns([*TRAIN_COLUMNS, *(c for c in MORE_TRAIN_COLUMNS if c in ds.column_names)])
+def _train_columns(ds: datasets.Dataset, extra: Sequence[str] = ()) -> datasets.Dataset:
+    more = [c for c in MORE_TRAIN_COLUMNS if c in ds.column_names]
+    return ds.select_columns([*TRAIN_COLUMNS, *more, *extra])
 
 
-def training_rows(labeled: Mapping[str, Any], augmented: StageRef | None) -> list[dict[str, Any]]:
+def training_rows(labeled: Mapping[str, Any], augmented: StageRef | None, *,
+                  geometry: bool = False) -> list[dict[str, Any]]:
     """The train stage's rows (pipeline.model.train_stage): the labeled set (its ref, rounds.labeled_set) and, when
-    the round augments, the augment stage's copies (its ref), in the columns training reads."""
+    the round augments, the augment stage's copies (its ref), in the columns training reads; with `geometry` (a box
+    project) also the columns (pipeline.boxes.box.GEOMETRY_COLUMNS) its labels are placed by."""
     import datasets
 
-    rows = list(_train_columns(datasets.load_from_disk(labeled["dataset"])))
+    extra = GEOMETRY_COLUMNS if geometry else ()  # a box label is placed by them
+    rows = list(_train_columns(datasets.load_from_disk(labeled["dataset"]), extra))
     if augmented is not None:
-        rows += list(_train_columns(load_augmented(augmented.dir)))
+        rows += list(_train_columns(load_augmented(augmented.dir), extra))
     return rows
 
 

@@ -33,6 +33,23 @@ def predict_with_confidence(loaded: Any, rows: Sequence[Mapping[str, Any]], answ
     return [p if p is not None else "" for p in preds], confidence
 
 
+def evaluate_boxes(loaded: Any, rows: Sequence[Mapping[str, Any]], labels: Sequence[str], *, batch_size: int = 16,
+                   max_new_tokens: int = 16) -> dict[str, Any]:
+    """A box project's evaluate_model: the model's generated box text on labeled test rows, read back into each
+    image's pixels by its family's codec and scored by mAP (pipeline/boxes/rows.py: map50, map, per-class AP),
+    each box ranked by its answer's confidence."""
+    from pipeline.boxes.rows import evaluate_box_rows
+    from pipeline.model.box_frames import codec_and_frame
+
+    if not rows:
+        raise DataError("evaluation needs at least one test row with boxes (split: test); add the COCO or YOLO test "
+                        "set to data.sources with `split: test`")
+    texts, confidence = predict_with_confidence(loaded, rows, None, batch_size=batch_size,
+                                                max_new_tokens=max_new_tokens)
+    codec, frame = codec_and_frame(loaded.family, loaded.processor)
+    return evaluate_box_rows(texts, rows, labels, codec, frame, confidence)
+
+
 def evaluate_model(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequence[str] | None, *,
                    batch_size: int = 16, max_new_tokens: int = 16) -> dict[str, Any]:
     """Metrics of `loaded` on labeled rows (`prepared`, `question`, `answer`), each with its 95 % bootstrap interval
@@ -59,6 +76,22 @@ def evaluate_model(loaded: Any, rows: Sequence[Mapping[str, Any]], answers: Sequ
 EVAL_VERSION = stage_version("2", "pipeline.evaluate")  # 2: per-class report, intervals
 
 
+BOX_PER_CLASS_FILE = "box_per_class.json"  # per-class AP@0.5 and AP@[.5:.95] with their intervals (box_map)
+
+
+def _write_box_evaluation(out: Path, result: dict[str, Any], inputs: dict[str, Any], config: dict[str, Any]) -> Any:
+    """A box project's evaluation folder: predictions.jsonl (the model's text per test row), box_per_class.json,
+    metrics.json (map50, map, their intervals, n, unreadable pieces dropped) and the manifest."""
+    from pipeline.store import atomic_write_json, atomic_write_jsonl, write_manifest
+
+    atomic_write_jsonl(out / "predictions.jsonl", result.pop("predictions"))
+    atomic_write_json(out / BOX_PER_CLASS_FILE, result.pop("per_class"))
+    atomic_write_json(out / "metrics.json", result)
+    outputs = {"metrics": "metrics.json", "predictions": "predictions.jsonl", "box_per_class": BOX_PER_CLASS_FILE}
+    return write_manifest(out, stage="evaluate", stage_version=EVAL_VERSION, inputs=inputs, config=config,
+                          outputs=outputs, info=result)
+
+
 @dataclass(frozen=True)
 class EvalParams:
     """The evaluate stage's parameters, built by pipeline.round.params.evaluate_params; its cache key is their
@@ -71,6 +104,7 @@ class EvalParams:
     answers: list[str] | None
     batch_size: int  # select.score_batch_size, the scoring batch
     out_dir: str
+    box_labels: list[str] | None = None  # a box project's class list (data.task: boxes): mAP, not answer accuracy
 
 
 def evaluate_stage(params: EvalParams) -> dict[str, Any]:
@@ -91,14 +125,18 @@ def evaluate_stage(params: EvalParams) -> dict[str, Any]:
 
     test, adapter, model, answers, out_dir = params.test, params.adapter, params.model, params.answers, params.out_dir
     inputs = {"test": test["digest"], "adapter": adapter.extra["adapter_digest"]}
-    config = {"model": model, "answers": answers}
+    config = {"model": model, "answers": answers, **({"box_labels": params.box_labels} if params.box_labels else {})}
 
     def compute() -> Any:
         rows = list(datasets.load_from_disk(test["dataset"]))
         model_cfg = ModelConfig.model_validate(model)
-        result = evaluate_model(load_model(model_cfg, adapter=adapter.extra["adapter_dir"]), rows, answers,
-                                batch_size=params.batch_size, max_new_tokens=model_cfg.max_new_tokens)
+        loaded = load_model(model_cfg, adapter=adapter.extra["adapter_dir"])
         out = Path(out_dir)
+        if params.box_labels is not None:
+            return _write_box_evaluation(out, evaluate_boxes(loaded, rows, params.box_labels, batch_size=params.batch_size,
+                                                             max_new_tokens=model_cfg.max_new_tokens), inputs, config)
+        result = evaluate_model(loaded, rows, answers, batch_size=params.batch_size,
+                                max_new_tokens=model_cfg.max_new_tokens)
         atomic_write_jsonl(out / "predictions.jsonl", result.pop("predictions"))
         report = result.pop("report")
         outputs = {"metrics": "metrics.json", "predictions": "predictions.jsonl"}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.boxes.batch import NAMES_FILE as BOX_NAMES_FILE
 from pipeline.mdtext import escape_md
 from pipeline.metrics import merge_equal_metrics
 from pipeline.round_state import RoundState
@@ -339,12 +340,17 @@ def next_steps(s: RoundState, *, artifacts: str | os.PathLike[str], config: str,
     export = Path(s.export_dir)
     labeled = s.labeled + s.selected_count
     last = s.round + 1 >= max_rounds - 1
-    return [f"batch for annotators ({s.selected_count} images): {export}",
-            f"  Label Studio: {files['tasks']} (+ label_config.xml); spreadsheet: {files['csv']} or {files['jsonl']} "
-            "(fill the label column); the images in images/ (original_image: each one's file name in your data)",
+    boxes = (export / BOX_NAMES_FILE).is_file()  # a box batch (pipeline/boxes/batch.py) has no table to fill
+    where = (f"  Label Studio: {files['tasks']} (+ label_config.xml, RectangleLabels); COCO: predictions_coco.json; "
+             "YOLO: yolo/; the images in images/ under their original file names" if boxes else
+             f"  Label Studio: {files['tasks']} (+ label_config.xml); spreadsheet: {files['csv']} or {files['jsonl']} "
+             "(fill the label column); the images in images/ (original_image: each one's file name in your data)")
+    back = ("a Label Studio JSON export, or a COCO JSON naming the original files" if boxes
+            else "Label Studio JSON, or CSV / JSONL with sample_id,label")
+    return [f"batch for annotators ({s.selected_count} images): {export}", where,
             (f"labels back: the simulated annotator (rounds.simulate_annotator) answered it into {inbox}; `{again}`"
-             if simulated else f"labels back: save the labeled export (Label Studio JSON, or CSV / JSONL with "
-             f"sample_id,label) into {inbox}, or `tamis labels import FILE`; then `{again}`"),
+             if simulated else f"labels back: save the labeled export ({back}) into {inbox}, or "
+             f"`tamis labels import FILE`; then `{again}`"),
             f"next round ({s.round + 1}): imports them, trains the adapter on {labeled} labels, evaluates it"
             + (", and stops there: it is the last (rounds.max_rounds)" if last
                else f" and selects {batch_size} more")]

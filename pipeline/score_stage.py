@@ -108,7 +108,7 @@ def plan_pool_scoring(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: 
     it reads the model, select, data, paths and seed sections and hands each shard its parameters."""
     from pipeline.model.identity import keyed_model
 
-    scoring = score_config(cfg.select, cfg.model, answers=cfg.data.answers, seed=cfg.seed)
+    scoring = score_config(cfg.select, cfg.model, answers=cfg.data.scored_answers, seed=cfg.seed)
     parts = dict(model=keyed_model(cfg.model, cfg.artifacts), scoring=scoring, adapter=adapter,
                  prepared=prepared)
     size = pool_shard_size(len(pool_ids), cfg.select.shard_size, cfg.select.max_tasks)

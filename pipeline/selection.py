@@ -323,7 +323,7 @@ def plan_selection(cfg: ProjectConfig, *, round_dir: Path, pool_ids: Sequence[st
     the batch the label budget leaves (rounds.budget_batch), when below select.batch_size. A round's planning
     function: it reads the select, data, paths and seed sections, and hands the stage only its SelectParams."""
     labeled_ids = sorted(labels) if adapter is not None else []
-    answers, space_ref = cfg.data.answers, StageRef.of(space) if space else None
+    answers, space_ref = cfg.data.scored_answers, StageRef.of(space) if space else None  # a box project's model writes text: scored as open answers
     phase = round_phase_of(cfg.select, answers, labels=labels, history_dirs=history_dirs) if adapter else None
     from pipeline.strategies.candidates import candidates_choice  # its module imports the embeddings' lookup
 

@@ -160,3 +160,65 @@ def test_combination_table_mirrors_the_heuristics():
     from pipeline.strategies import HEURISTICS
 
     assert STRATEGY_READS == {name: h.input for name, h in HEURISTICS.items()}
+
+
+# --- data.task: boxes (issue 50) ---
+BOX_REFUSED = [
+    ({"strategy": "margin"}, "select.strategy: 'margin' reads class probabilities, and data.task: boxes",
+     "use token_entropy, or answer_disagreement"),
+    ({"strategy": "semantic_entropy", "mc_dropout_passes": 4}, "'semantic_entropy' reads meanings", "or random"),
+    ({"strategy": "answer_disagreement"}, "compares box answers sampled under MC dropout, and "
+     "select.mc_dropout_passes is 0", "set select.mc_dropout_passes: 4"),
+    ({"strategy": "token_entropy", "diversity": "stratified"}, "'stratified' spreads a batch over one predicted "
+     "class per image", "use top_k"),
+]
+
+
+@pytest.mark.parametrize(("select", "what", "fix"), BOX_REFUSED, ids=[s["strategy"] for s, *_ in BOX_REFUSED])
+def test_a_box_project_refuses_what_box_answers_cannot_feed(select, what, fix):
+    from pipeline.config import DataConfig, SelectConfig
+    from pipeline.config.combinations import combination_errors
+
+    (msg,) = combination_errors(DataConfig(task="boxes", answers=["cat"]), SelectConfig(**select))
+    assert what in msg and fix in msg
+
+
+def test_box_answers_feed_token_entropy_and_sample_agreement():
+    from pipeline.config import DataConfig, SelectConfig
+    from pipeline.config.combinations import combination_errors
+
+    data = DataConfig(task="boxes", answers=["cat", "dog"])
+    for select in [{"strategy": "token_entropy"}, {"strategy": "random", "diversity": "k_center"},
+                   {"strategy": "answer_disagreement", "mc_dropout_passes": 4}]:
+        assert combination_errors(data, SelectConfig(**select)) == []
+
+
+def test_a_box_project_needs_its_class_list_and_may_have_one_class():
+    from pipeline.config import DataConfig
+
+    with pytest.raises(ValueError, match="data.task: boxes needs its class list in data.answers"):
+        DataConfig(task="boxes")
+    assert DataConfig(task="boxes", answers=["person"]).answers == ["person"]
+    with pytest.raises(ValueError, match="a closed answer set needs at least 2 answers"):
+        DataConfig(answers=["person"])  # one class is a detector's project, not a classifier's
+    assert "task" in DataConfig(task="boxes", answers=["a"]).model_dump()
+
+
+def test_a_one_answer_project_dumps_no_task():
+    # The data section keys ingest's cache: a project that never names a task keeps the key it had before the field.
+    assert "task" not in parse_config({"data": {"answers": CLOSED}}).section("data")
+    assert "task" not in parse_config({"data": {"task": "answer"}}).section("data")
+
+
+def test_a_box_project_loads_with_the_defaults_box_answers_need(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  task: boxes\n  answers: [circle, square]\n")
+    cfg = load_config(path)
+    # Generated box text, scored as open answers: token entropy, room for a few boxes, no one-answer label check.
+    assert cfg.select.strategy == "token_entropy" and cfg.model.max_new_tokens == 256
+    assert cfg.labelcheck.method == "off" and cfg.data.scored_answers is None and cfg.data.box_labels == ["circle", "square"]
+    path.write_text("data:\n  task: boxes\n  answers: [circle]\nmodel:\n  max_new_tokens: 64\naugment:\n  copies: 2\n"
+                    "labelcheck:\n  method: kfold\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "augment.copies: 2" in str(e.value) and "labelcheck.method: 'kfold'" in str(e.value)

@@ -25,7 +25,7 @@ def labels_annotators(
 
     cfg = load_config(config)
     art = cfg.artifacts
-    record, changes = derive_consensus(art, cfg.annotate, answers=cfg.data.answers, round_index=import_round(art),
+    record, changes = derive_consensus(art, cfg.annotate, answers=cfg.data.scored_answers, round_index=import_round(art),
                                        requeued=requeued_ids(art))
     out = out_console(markup=False, highlight=False)
     if record is None:

@@ -49,7 +49,7 @@ def labels_import(
         rep = import_labels(
             file,
             known_ids=index,
-            answers=cfg.data.answers,
+            answers=cfg.data.scored_answers,
             ledger=Ledger(ledger_path(artifacts)),
             round_index=import_round(artifacts) if round_index is None else round_index,
             rejections_dir=artifacts / "rejections",

@@ -66,7 +66,7 @@ def round_cmd(
                                                   inputs=lambda: round_inputs(cfg), simulate=simulate)
     if last is not None:
         out = out_console()
-        out.print(_rounds_table([last], main_metric(cfg.data.answers)))
+        out.print(_rounds_table([last], main_metric(cfg.data.answers, cfg.data.task)))
         out.print(f"round {last.round}: nothing changed since it ran (config, code, data, labels, inbox, model), so "
                   "running it again would only replay it from the cache; no flow started. New labels go in "
                   f"{cfg.artifacts / 'inbox'} or through `tamis labels import`; `tamis round --full` replays it anyway.",
@@ -77,7 +77,7 @@ def round_cmd(
 
     state = RoundState.from_json(labeling_round(str(config) if config else None, simulate=simulate))
     out = out_console()
-    out.print(_rounds_table([state], main_metric(cfg.data.answers)))
+    out.print(_rounds_table([state], main_metric(cfg.data.answers, cfg.data.task)))
     if rejected := rejection_lines(state.imports):
         out.print("\n".join(rejected), highlight=False, soft_wrap=True, markup=False)
     print_next_steps(out, cfg, state, config, simulate)
@@ -127,7 +127,7 @@ def demo_cmd(
         state = RoundState.from_json(flow(str(config) if config else None, simulate=True))
         state.extra["seconds"] = round(time.perf_counter() - t0, 1)
         states.append(state)
-        out.print(_rounds_table(states, main_metric(cfg.data.answers)))
+        out.print(_rounds_table(states, main_metric(cfg.data.answers, cfg.data.task)))
         if state.stopped:
             break
     out.print(f"learning curve: {cfg.artifacts / 'learning_curve.png'}", highlight=False)
@@ -148,7 +148,7 @@ def status_summary_of(cfg: ProjectConfig) -> dict[str, Any]:
     from pipeline.status import annotation_time, status_summary
 
     states = completed_rounds(cfg.artifacts)
-    chance = chance_check(read_metrics(cfg.artifacts), cfg.data.answers, train=cfg.train, model=cfg.model)
+    chance = chance_check(read_metrics(cfg.artifacts), cfg.data.scored_answers, train=cfg.train, model=cfg.model)
     quarantined = 0
     for p in Path(cfg.artifacts).glob("*/*/quarantine.jsonl"):
         with open(p, encoding="utf-8") as f:
@@ -221,7 +221,7 @@ def status_cmd(
     if not states:
         out.print(f"no finished round yet in {cfg.artifacts}; start one with `tamis round`", highlight=False)
     else:
-        out.print(_rounds_table(states, main_metric(cfg.data.answers)))
+        out.print(_rounds_table(states, main_metric(cfg.data.answers, cfg.data.task)))
     metrics = ", ".join(f"{k} {v:.3f}" for k, v in merge_equal_metrics(summary["last_metrics"]).items())
     lines = [
         f"rounds finished: {summary['rounds_done']} (exported for annotation: {len(summary['rounds_exported'])})",

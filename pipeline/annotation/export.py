@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from PIL import Image
 
 from pipeline.codeversion import stage_version
-from pipeline.config import AnnotateConfig
+from pipeline.config import AnnotateConfig, ModelConfig
 from pipeline.csvcells import csv_text
 from pipeline.errors import TamisError
 from pipeline.fields.labelstudio import image_keys, labeling_config
@@ -482,15 +482,21 @@ class ExportParams:
     answers: list[str] | None
     round_index: int
     out_dir: str
+    # A box project (data.task: boxes): its class list, and the model section whose family's codec reads the boxes
+    box_labels: list[str] | None = None
+    model: dict[str, Any] | None = None
 
 
 def export_params(annotate: AnnotateConfig, answers: Sequence[str] | None, *, artifacts: str | os.PathLike[str],
-                  selection: Mapping[str, Any], prepared: Mapping[str, Any], round_index: int) -> ExportParams:
+                  selection: Mapping[str, Any], prepared: Mapping[str, Any], round_index: int,
+                  box_labels: Sequence[str] | None = None, model: ModelConfig | None = None) -> ExportParams:
     """The export stage's parameters for round `round_index`'s selection (the select and prepare stages' results),
-    written into the round's export folder."""
+    written into the round's export folder; a box project passes its class list and model section (ModelConfig)."""
+    boxes = {} if box_labels is None or model is None else {"box_labels": list(box_labels),
+                                                             "model": model.model_dump(mode="json")}
     return ExportParams(artifacts=str(artifacts), selection=StageRef.of(selection), prepared=StageRef.of(prepared),
                         annotate=annotate.model_dump(mode="json"), answers=None if answers is None else list(answers),
-                        round_index=round_index, out_dir=str(export_dir(Path(artifacts), round_index)))
+                        round_index=round_index, out_dir=str(export_dir(Path(artifacts), round_index)), **boxes)
 
 
 def export_stage(params: ExportParams) -> dict[str, Any]:
@@ -500,6 +506,27 @@ def export_stage(params: ExportParams) -> dict[str, Any]:
     from pipeline.store import read_jsonl
 
     rows = read_jsonl(Path(params.selection.dir) / "selection.jsonl")
+    if params.box_labels is not None:
+        m = _export_boxes(params, rows)
+        return {"dir": params.out_dir, "digest": m.key, "count": m.info["count"]}
     m = export_selection(rows, load_prepared(params.prepared.dir), AnnotateConfig.model_validate(params.annotate),
                          params.answers, params.artifacts, params.out_dir, round_index=params.round_index)
     return {"dir": params.out_dir, "digest": m.key, "count": m.info["count"]}
+
+
+def _export_boxes(params: ExportParams, rows: list[dict[str, Any]]) -> Manifest:
+    """A box project's export (pipeline/annotation/box_export.py); the family's codec is resolved only when the
+    selection carries the model's answers (none at the cold start)."""
+    from pipeline.annotation.box_export import export_box_selection
+    from pipeline.model.box_frames import training_codec
+    from pipeline.preprocess import load_prepared
+
+    for i, r in enumerate(rows):
+        check_sample_id(r.get("sample_id"), f"selection row {i}: ")
+    codec, frame = training_codec(ModelConfig.model_validate(params.model)) if any(
+        r.get("prediction") for r in rows) else (None, None)
+    annotate = AnnotateConfig.model_validate(params.annotate)
+    relpath = _document_relpath(Path(params.out_dir), annotate, Path(params.artifacts))
+    return export_box_selection(rows, load_prepared(params.prepared.dir), annotate, params.box_labels or [],
+                                params.out_dir, round_index=params.round_index, codec=codec, frame=frame,
+                                relpath=relpath, stage_version=EXPORT_VERSION)

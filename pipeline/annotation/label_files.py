@@ -1,4 +1,5 @@
-"""Label files as annotators hand them back: Label Studio JSON / JSON_MIN exports, CSV and JSONL.
+"""Label files as annotators hand them back: Label Studio JSON / JSON_MIN exports, CSV, JSONL and, for a box project
+(data.task: boxes), COCO JSON and Label Studio RectangleLabels.
 
 One small reader per format and a name → class dict (LABEL_READERS); `read_label_file` reads and validates a whole
 file before anything is matched or written (pipeline/annotation/labels.py does that). The sources' readers, which
@@ -187,8 +188,22 @@ def _cell(value: Any) -> str | None:
     return None if value in (None, "") else value.strip() or None if isinstance(value, str) else str(value)
 
 
-def _result_label(result: list[Any]) -> tuple[str | None, str | None]:
-    """(label, problem) from an annotation's result list: the choices or text of the answer control."""
+def _box_result_label(result: list[Any], labels: Sequence[str]) -> tuple[str | None, str | None]:
+    """(box label, problem) from a result list of RectangleLabels regions (pipeline/boxes/labelstudio.py)."""
+    from pipeline.boxes.labelstudio import label_from_annotation
+    from pipeline.errors import DataError
+
+    try:
+        return label_from_annotation({"result": result}, labels, where="result"), None
+    except DataError as exc:
+        return None, str(exc)
+
+
+def _result_label(result: list[Any], box_labels: Sequence[str] = ()) -> tuple[str | None, str | None]:
+    """(label, problem) from an annotation's result list: the choices or text of the answer control, or the boxes
+    of RectangleLabels regions in a box project (`box_labels`: its class list)."""
+    if box_labels:
+        return _box_result_label(result, box_labels)
     items = [r for r in result if isinstance(r, dict) and isinstance(r.get("value"), dict)]
     items.sort(key=lambda r: r.get("from_name") != FROM_NAME)  # our control first, then any other
     for r in items:
@@ -212,16 +227,18 @@ class LabelKeys:
     id_columns: tuple[str, ...] = ("id",)
     image_columns: tuple[str, ...] = ("image", "image_path")
     answer_columns: tuple[str, ...] = ()  # the sources' answer columns: a tie-break among candidate answer columns
+    box_labels: tuple[str, ...] = ()  # a box project's class list (data.box_labels): what a box label may name
 
     @classmethod
     def from_config(cls, data: DataConfig) -> LabelKeys:
-        """From the data section: every source's id_column, image column / Label Studio image key, answer column."""
+        """From the data section: every source's id_column, image column / Label Studio image key, answer column,
+        and a box project's class list."""
         ids, images = list(cls.id_columns), list(cls.image_columns)
         for src in data.sources:
             ids.append(src.id_column)
             images += [src.image_column, src.data_image_key]
         answers = tuple(dict.fromkeys(src.answer_column for src in data.sources))
-        return cls(tuple(dict.fromkeys(ids)), tuple(dict.fromkeys(images)), answers)
+        return cls(tuple(dict.fromkeys(ids)), tuple(dict.fromkeys(images)), answers, tuple(data.box_labels or ()))
 
     def answer_candidates(self, header: Sequence[str]) -> list[str]:
         """A table's columns that may hold the answers: not a key, an annotation's metadata or a column tamis's own
@@ -315,7 +332,7 @@ class LabelStudioReader(LabelReader):
                 elif not isinstance(result, list):
                     raise LabelImportError(f"{where}: 'result' must be a list")
                 else:
-                    row.label, row.problem = _result_label(result)
+                    row.label, row.problem = _result_label(result, self.keys.box_labels)
                     _timed(row, ann.get("lead_time"))
                 row.task, row.annotation = _taken_key(task.get("id"), ann.get("id"), row)
                 row.updated = _cell(ann.get("updated_at"))
@@ -444,9 +461,51 @@ class LabelJsonlReader(LabelReader):
         return rows, 0
 
 
+class CocoLabelReader(LabelReader):
+    """A COCO detection file (pipeline/boxes/readers.py read_coco) → one row per image, named by its file name
+    (matched to the sample whose original file it is), labeled with the image's boxes as the ledger's box label.
+    An image with an entry set aside, or a class outside the project's class list, is a problem of its row: a
+    label missing a box would be a wrong label."""
+
+    name = "coco"
+
+    def read(self, text: str, name: str) -> tuple[list[LabelRow], int]:
+        from pipeline.boxes.answer import box_label
+        from pipeline.boxes.readers import read_coco
+        from pipeline.errors import DataError
+
+        try:
+            boxes = read_coco(name)
+        except DataError as exc:
+            raise LabelImportError(str(exc)) from None
+        aside = {q.image: q.reason for q in boxes.quarantine if q.image}
+        rows = []
+        for line, (image, image_boxes) in enumerate(sorted(boxes.images.items()), 1):
+            row = LabelRow(None, None, "coco", line, f"{name} (image {image!r})", image=image)
+            unknown = sorted({b.label for b in image_boxes} - set(self.keys.box_labels))
+            if image in aside:
+                row.problem = f"one of its boxes was set aside ({aside[image]}); fix it and import again"
+            elif unknown:
+                row.problem = (f"classes {unknown} are not in the class list {list(self.keys.box_labels)}; rename "
+                               "them or add them to data.answers")
+            else:
+                row.label = box_label(image_boxes)
+            rows.append(row)
+        return rows, 0
+
+
 LABEL_READERS: dict[str, type[LabelReader]] = {
-    c.name: c for c in (LabelStudioReader, LabelStudioMinReader, LabelCsvReader, LabelJsonlReader)
+    c.name: c for c in (LabelStudioReader, LabelStudioMinReader, LabelCsvReader, LabelJsonlReader, CocoLabelReader)
 }
+
+
+def _is_coco(text: str) -> bool:
+    """Whether a JSON object reads as a COCO detection file (images, annotations and categories lists)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and all(isinstance(data.get(k), list) for k in ("images", "annotations", "categories"))
 
 
 def detect_format(path: Path, text: str) -> str:
@@ -456,6 +515,8 @@ def detect_format(path: Path, text: str) -> str:
     if suffix == ".jsonl":
         return "jsonl"
     if suffix == ".json":
+        if text.lstrip().startswith("{") and _is_coco(text):
+            return "coco"
         items = json_array_items(text, str(path))
         full = any(isinstance(t, dict) and ("annotations" in t or "data" in t) for _, t in items)
         return "label_studio" if full else "label_studio_min"

@@ -247,7 +247,7 @@ def pull_labels(annotate: AnnotateConfig, data: DataConfig, artifacts: str | os.
         path, keys = project.pull()
         if path is None:
             return []
-        rep = import_labels(path, known_ids=known_ids, answers=data.answers,
+        rep = import_labels(path, known_ids=known_ids, answers=data.scored_answers,
                             ledger=Ledger(ledger_path(artifacts)), round_index=round_index,
                             rejections_dir=artifacts / "rejections", keys=LabelKeys.from_config(data),
                             aliases=data.answer_aliases)

@@ -65,3 +65,14 @@ def is_box_label(text: str) -> bool:
     except DataError:
         return False
     return True
+
+
+def label_problem(text: str, labels: Sequence[str], *, where: str = "box label") -> str | None:
+    """Why `text` is not a box label over the class list `labels` (not one, or naming a class outside it); None when
+    it is one."""
+    try:
+        boxes = parse_box_label(text, where=where)
+    except DataError as exc:
+        return str(exc)
+    unknown = sorted({b.label for b in boxes} - set(labels))
+    return f"{where}: classes {unknown} are not in the class list {list(labels)}" if unknown else None

@@ -31,7 +31,7 @@ from pipeline.boxes.labelstudio import FROM_NAME, TO_NAME, box_label_config
 from pipeline.boxes.readers import BoxSet
 from pipeline.boxes.writers import label_studio_prediction, write_coco, write_yolo
 from pipeline.errors import DataError
-from pipeline.store import atomic_write_json, atomic_write_text
+from pipeline.store import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 TASKS_FILE = "label_studio_tasks.json"
 LABEL_CONFIG_FILE = "label_config.xml"
@@ -56,6 +56,7 @@ class BatchImage:
     predicted: tuple[Box, ...] = ()
     confidence: float | None = None
     question: str = ""
+    data: bytes | None = None  # the image's bytes, written instead of copying `path` (a dataset's own copy)
 
 
 def unique_names(images: Sequence[BatchImage]) -> list[BatchImage]:
@@ -95,11 +96,14 @@ def export_box_batch(out_dir: str | Path, images: Sequence[BatchImage], labels: 
     out = Path(out_dir)
     batch = unique_names(images)
     for im in batch:
-        if not Path(im.path).is_file():
+        if im.data is None and not Path(im.path).is_file():
             raise DataError(f"box batch: sample {im.sample_id}: image {im.path} does not exist; prepare the pool again")
         target = out / IMAGES_DIR / im.name
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(im.path, target)
+        if im.data is not None:
+            atomic_write_bytes(target, im.data)
+        else:
+            shutil.copyfile(im.path, target)
     atomic_write_text(out / LABEL_CONFIG_FILE, box_label_config(labels, question=any(im.question for im in batch)))
     atomic_write_json(out / TASKS_FILE, [_task(im, image_url(im.name), model_version, round_index) for im in batch])
     predicted = BoxSet(images={im.name: list(im.predicted) for im in batch},

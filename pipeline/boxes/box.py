@@ -73,6 +73,10 @@ def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_p
     return h_bar, w_bar
 
 
+# A prepared row's columns a Geometry is built from (pipeline/preprocess.py writes them)
+GEOMETRY_COLUMNS = ("width", "height", "prep_box", "prep_width", "prep_height")
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Original image → prepared canvas → the processor's frame, as plain numbers.

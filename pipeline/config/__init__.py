@@ -25,7 +25,12 @@ from pipeline.config.annotate import (  # noqa: F401 (re-exported: callers impor
     StableRule,
 )
 from pipeline.config.base import Section  # noqa: F401 (re-exported)
-from pipeline.config.combinations import OPEN_DEFAULT_STRATEGY, combination_errors
+from pipeline.config.combinations import (
+    BOX_MAX_NEW_TOKENS,
+    OPEN_DEFAULT_STRATEGY,
+    box_section_errors,
+    combination_errors,
+)
 from pipeline.config.secrets import HIDDEN, is_secret_key, redact
 from pipeline.config.sections import (  # noqa: F401 (re-exported: callers import sections from pipeline.config)
     DASK_PROTOCOLS,
@@ -78,13 +83,25 @@ class ProjectConfig(Section):
     def _a_round_can_run_this(self) -> ProjectConfig:
         """Refuse, at load (and so in every command, check-model included), each combination of settings a round
         would refuse later (pipeline/config/combinations.py). Open answers that name no strategy get token_entropy:
-        the default, entropy, reads class probabilities they do not have."""
-        if self.data.answers is None and "strategy" not in self.select.model_fields_set:
+        the default, entropy, reads class probabilities they do not have; so do box answers (data.task: boxes)."""
+        boxes = self.data.task == "boxes"
+        if (self.data.answers is None or boxes) and "strategy" not in self.select.model_fields_set:
             self.select.strategy = OPEN_DEFAULT_STRATEGY
-        errors = combination_errors(self.data, self.select)
+        if boxes:
+            self._box_defaults()
+        errors = [*combination_errors(self.data, self.select),
+                  *box_section_errors(self.data, self.augment, self.labelcheck)]
         if errors:
             raise ValueError("\n  ".join(errors))
         return self
+
+    def _box_defaults(self) -> None:
+        """A box project's defaults where the one-answer ones cannot work: answers long enough for a few boxes, and
+        no label check (not wired for boxes: pipeline/config/combinations.py)."""
+        if "max_new_tokens" not in self.model.model_fields_set:
+            self.model.max_new_tokens = BOX_MAX_NEW_TOKENS
+        if "method" not in self.labelcheck.model_fields_set:
+            self.labelcheck.method = "off"
 
     def section(self, name: str) -> dict[str, Any]:
         """A section as plain JSON data: what a stage records next to its outputs and keys its cache on."""

@@ -8,6 +8,12 @@ round's scoring produces depends on the answers and on select.mc_dropout_passes:
 | closed (data.answers) | class probabilities; their MC-dropout samples | least_confidence, margin, entropy; bald |
 | open (data.answers: null) | per-token entropies; sampled answers | token_entropy; answer_disagreement, semantic_entropy |
 
+| boxes (data.task: boxes) | the answer's per-token entropies; sampled answers | token_entropy; answer_disagreement |
+
+Under data.task: boxes, `answer_disagreement` is box sample agreement (Hungarian-matched IoU × same class among
+sampled answers, `pipeline.boxes.uncertainty.sample_agreement`) and `token_entropy` the answer's mean token entropy;
+box answers have no class probabilities and no one meaning to cluster (semantic_entropy).
+
 `random` reads nothing. The `stratified` selector spreads a batch over predicted classes, which open answers have
 not. Without this check a round found out at its first selection, after preparing, training and scoring
 (`pipeline.selection.round_pair`: "select.strategy … needs …"). `STRATEGY_READS` mirrors each heuristic's `input`
@@ -26,15 +32,57 @@ CLOSED_READS = frozenset({"probs", "mc_probs"})
 OPEN_READS = frozenset({"token_entropy", "agreement", "meanings"})
 SAMPLED_READS = frozenset({"mc_probs", "agreement", "meanings"})  # need select.mc_dropout_passes >= 2
 OPEN_DEFAULT_STRATEGY = "token_entropy"  # the default select.strategy (entropy) reads class probabilities
+BOX_MAX_NEW_TOKENS = 256  # a box answer is ~30 tokens a box: the default 16 cuts off the first one
 CLOSED_ONLY_DIVERSITY = frozenset({"stratified"})
+BOX_READS = frozenset({"none", "token_entropy", "agreement"})  # what a box answer's scoring can give
+BOX_FIX = "token_entropy, or answer_disagreement (box sample agreement) with select.mc_dropout_passes: 4"
 
 CLOSED_FIX = "least_confidence, margin or entropy (or bald with select.mc_dropout_passes: 4)"
 OPEN_FIX = "token_entropy, or semantic_entropy / answer_disagreement with select.mc_dropout_passes: 4"
 
 
+def box_section_errors(data: Any, augment: Any, labelcheck: Any) -> list[str]:
+    """What other sections of a box project cannot do yet: augmented copies (their flips and crops would not move
+    the boxes) and the round's label check (its checks read one answer per image; pipeline/boxes/labelcheck.py's
+    box checks are not wired into it)."""
+    if data.task != "boxes":
+        return []
+    errors = []
+    if augment.copies:
+        errors.append(f"augment.copies: {augment.copies} makes flipped and cropped copies of the labeled images, and "
+                      "the boxes of data.task: boxes would not follow them; set augment.copies: 0")
+    if labelcheck.method != "off":
+        errors.append(f"labelcheck.method: {labelcheck.method!r} checks one answer per image, and data.task: boxes "
+                      "labels boxes (their checks, pipeline/boxes/labelcheck.py, are not in the round yet); set "
+                      "labelcheck.method: off (a box project's default)")
+    return errors
+
+
+def _box_errors(data: Any, select: Any) -> list[str]:
+    """What a box project (data.task: boxes) refuses: strategies that read class probabilities or meanings, and the
+    stratified selector (its classes are an image's one predicted answer; a box image has several)."""
+    errors = []
+    if STRATEGY_READS[select.strategy] not in BOX_READS:
+        errors.append(f"select.strategy: {select.strategy!r} reads "
+                      f"{'meanings of free-text answers' if select.strategy == 'semantic_entropy' else 'class probabilities'}"
+                      f", and data.task: boxes scores box answers (no class probabilities, no one meaning); use "
+                      f"{BOX_FIX}, or random")
+    if select.diversity in CLOSED_ONLY_DIVERSITY:
+        errors.append(f"select.diversity: {select.diversity!r} spreads a batch over one predicted class per image, "
+                      "and data.task: boxes predicts several boxes per image; use top_k, cluster_margin, k_center or "
+                      "uncertainty_herding")
+    if STRATEGY_READS[select.strategy] in SAMPLED_READS and select.mc_dropout_passes < 2:
+        errors.append(f"select.strategy: {select.strategy!r} compares box answers sampled under MC dropout, and "
+                      f"select.mc_dropout_passes is {select.mc_dropout_passes}; set select.mc_dropout_passes: 4 "
+                      "(at least 2), or use token_entropy, which needs none")
+    return errors
+
+
 def combination_errors(data: Any, select: Any) -> list[str]:
     """One sentence per combination of `data` (DataConfig) and `select` (SelectConfig) a round would refuse, each
     naming the fields and the fix; [] when there is none."""
+    if data.task == "boxes":
+        return _box_errors(data, select)
     errors = []
     reads = STRATEGY_READS[select.strategy]
     closed = data.answers is not None

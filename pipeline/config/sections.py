@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     Field,
     PrivateAttr,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -18,7 +19,8 @@ from pipeline.config.answers import ClosedAnswers
 from pipeline.config.base import Section
 
 # trl / sharegpt / swift: conversations with several images and turns (pipeline/data/conversations.py).
-SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio", "trl", "sharegpt", "swift"]
+# coco: a COCO detection file, for box projects (data.task: boxes; pipeline/data/readers.py CocoReader).
+SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio", "trl", "sharegpt", "swift", "coco"]
 Split = Literal["train", "pool", "test"]
 
 
@@ -44,9 +46,18 @@ class SourceConfig(Section):
     hf_split: str | None = None
 
 
+Task = Literal["answer", "boxes"]
+
+
 class DataConfig(Section):
     sources: list[SourceConfig] = Field(default_factory=list)
+    task: Task = Field(
+        default="answer",
+        description="What a label is. 'answer' (default): one answer per image, closed (data.answers) or open. "
+        "'boxes': a list of (class, box) in the image's own pixels, the classes listed in data.answers "
+        "(docs/boxes.md); a box label is stored as canonical JSON text (pipeline/boxes/answer.py).")
     # Closed answer set (classification / multiple-choice VQA). None means open answers (captions, free-form VQA).
+    # Under data.task: boxes, the class list (one class is enough).
     answers: list[str] | None = None
     answer_aliases: dict[str, str] = Field(
         default_factory=dict,
@@ -83,10 +94,12 @@ class DataConfig(Section):
 
     @field_validator("answers")
     @classmethod
-    def _answers_unique(cls, v: list[str] | None) -> list[str] | None:
+    def _answers_unique(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
         if v is not None:
-            if len(v) < 2:
-                raise ValueError("a closed answer set needs at least 2 answers")
+            boxes = info.data.get("task") == "boxes"  # a detector of one class is a real project; a classifier is not
+            if len(v) < (1 if boxes else 2):
+                raise ValueError("a box project's class list needs at least 1 class" if boxes
+                                 else "a closed answer set needs at least 2 answers")
             if len(set(v)) != len(v):
                 raise ValueError("answers must be unique")
         return v
@@ -101,7 +114,24 @@ class DataConfig(Section):
         if self.answer_schema is not None and self.answers is not None:
             raise ValueError("data.answer_schema and data.answers are both set: answers under a schema are JSON "
                              "objects, each enum field its own closed set; remove data.answers (or the schema)")
+        if self.task == "boxes" and self.answers is None:
+            raise ValueError("data.task: boxes needs its class list in data.answers (e.g. answers: [cat, dog]); "
+                             "boxes have no open-answer form")
+        if self.task == "boxes" and self.answer_schema is not None:
+            raise ValueError("data.task: boxes and data.answer_schema are both set: a box label is a list of "
+                             "(class, box), not a JSON object of fields; remove data.answer_schema")
         return self
+
+    @property
+    def scored_answers(self) -> list[str] | None:
+        """The closed answer set the model is scored and evaluated against: data.answers, except under data.task:
+        boxes, whose model writes its boxes as generated text (open answers; data.answers is the class list)."""
+        return None if self.task == "boxes" else self.answers
+
+    @property
+    def box_labels(self) -> list[str] | None:
+        """The class list of a box project (data.task: boxes); None for one-answer projects."""
+        return self.answers if self.task == "boxes" else None
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> Any:
@@ -111,6 +141,8 @@ class DataConfig(Section):
             data.pop("answer_aliases", None)
         if isinstance(data, dict) and self.answer_schema is None:  # the same for the schema (issue 51)
             data.pop("answer_schema", None)
+        if isinstance(data, dict) and self.task == "answer":  # and for the task (issue 50)
+            data.pop("task", None)
         return data
 
 

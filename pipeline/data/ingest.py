@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.boxes.answer import label_problem
 from pipeline.codeversion import stage_version
 from pipeline.config import DataConfig, SourceConfig
 from pipeline.data.file_index import FileIndex, open_index
@@ -107,7 +108,7 @@ def _source_entry(src: SourceConfig, items: Iterable[RawRow | Rejected]) -> dict
     source of 10⁶ images costs 32 MB here, not its rows (~2 KB each) held and sorted as JSON."""
     import numpy as np
 
-    file = digest_path(src.path) if src.kind in ("jsonl", "csv", "label_studio") else None
+    file = digest_path(src.path) if src.kind in ("jsonl", "csv", "label_studio", "coco") else None
     folded = bytearray()  # 32 bytes a row, no object per row: 10⁶ bytes objects in a list were ~70 MB more
     for i in items:
         folded += hashlib.sha256(canonical_json(_row_key(i)).encode("utf-8")).digest()
@@ -213,9 +214,12 @@ def _validate(row: RawRow, cfg: DataConfig, acc: _Accounting) -> dict[str, Any] 
         acc.reject(row.source, f"split {split!r} needs an answer but the row has none; add the answer or use split "
                    "'pool'", row.image_path)
         return None
-    if row.answer is not None and cfg.answers is not None and row.answer not in cfg.answers:
+    if row.answer is not None and cfg.scored_answers is not None and row.answer not in cfg.scored_answers:
         acc.reject(row.source, f"answer {row.answer!r} is not in data.answers {cfg.answers}; fix the label or add it "
                    "to data.answers", row.image_path)
+        return None
+    if row.answer is not None and cfg.box_labels is not None and (why := label_problem(row.answer, cfg.box_labels)):
+        acc.reject(row.source, f"{why}; fix the boxes or add the classes to data.answers", row.image_path)
         return None
     more = more_columns(row, cfg.max_image_pixels) if has_more(cfg) else {}
     if isinstance(more, str):

@@ -585,7 +585,36 @@ class SwiftReader(ConversationReader):
     kind = "swift"
 
 
+class CocoReader(Reader):
+    """A COCO detection file (data.task: boxes): one row per image, its answer the image's boxes as the ledger's box
+    label (pipeline/boxes/answer.py; an image without annotations is the empty label "[]"). An image's file_name is
+    relative to the file's folder, or to an `images/` folder beside it. An image with an entry the box reader set
+    aside is rejected whole: a label missing a box would be a wrong label."""
+
+    def rows(self, source: SourceConfig, cfg: DataConfig, files: FileIndex | None = None) -> Iterator[Item]:
+        from pipeline.boxes.answer import box_label
+        from pipeline.boxes.readers import read_coco
+
+        path = _require_source(source, folder=False)
+        base = path.resolve().parent
+        boxes = read_coco(path)
+        aside = {q.image: q.reason for q in boxes.quarantine if q.image}
+        for q in boxes.quarantine:
+            if not q.image:
+                yield Rejected(q.source, q.reason)
+        for name, image_boxes in sorted(boxes.images.items()):
+            where = f"{path}: image {name!r}"
+            if name in aside:
+                yield Rejected(where, f"{aside[name]}; fix the entry in the COCO file")
+                continue
+            ref = name if (base / name).exists() or not (base / "images" / name).exists() else f"images/{name}"
+            row = read_image_file(ref, base, cfg, where, files)
+            yield _with_text(row, source.question or cfg.question, box_label(image_boxes),
+                             source.default_split or "train")
+
+
 READERS: dict[str, type[Reader]] = {
+    "coco": CocoReader,
     "folder": FolderReader,
     "jsonl": JsonlReader,
     "csv": CsvReader,

@@ -42,6 +42,8 @@ class TrainParams:
     seed: int
     init_adapter: AdapterRecord | None  # the previous round's adapter (round.json) when train.init is warm
     out_dir: str
+    # A box project's class list (data.task: boxes): its labels become the family codec's answer text
+    box_labels: list[str] | None = None
 
 
 def train_stage(params: TrainParams, rows: list[dict[str, Any]], *, on_step: StepHook | None = None) -> dict[str, Any]:
@@ -49,6 +51,11 @@ def train_stage(params: TrainParams, rows: list[dict[str, Any]], *, on_step: Ste
     pipeline.augment.training_rows) into `params.out_dir`, resuming from its last checkpoint. `on_step` (steps done,
     the run's total, loss) is called only when this process trains alone: spawned ranks cannot reach the caller."""
     spec = TrainSpec(ModelConfig.model_validate(params.model), TrainConfig.model_validate(params.train), params.seed)
+    if params.box_labels is not None:
+        from pipeline.boxes.rows import training_rows as box_training_rows
+        from pipeline.model.box_frames import training_codec
+
+        rows = box_training_rows(rows, *training_codec(spec.model))
     init = params.init_adapter
     result = train_adapter(spec, rows, Path(params.out_dir), init_adapter=init and init["adapter_dir"],
                            on_step=on_step if trains_in_process(spec.train) else None)

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError, ModelError, ModelUnreachable
-from pipeline.project_init.answers import AnswerMode, choose_answers, generation_budget, small_classes
+from pipeline.project_init.answers import (
+    AnswerChoice,
+    AnswerMode,
+    choose_answers,
+    generation_budget,
+    small_classes,
+)
 from pipeline.project_init.detect import Found, detect_source, detect_test
 from pipeline.project_init.render import render_config
 from pipeline.project_init.settings import ModelFacts, Settings, choose_settings, model_facts
@@ -80,7 +86,9 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     found = [detect_source(path)]
     if test is not None:
         found.append(detect_test(test.expanduser().resolve(), path))
-    choice = choose_answers(found, answer_mode)
+    boxes = [c for f in found for c in f.box_classes]
+    choice = AnswerChoice(list(dict.fromkeys(boxes)), "the COCO test file's categories: a box project (data.task: "
+                          "boxes, docs/boxes.md)") if boxes else choose_answers(found, answer_mode)
     resolved, note, problem = _resolve(model)
     facts = model_facts(model, resolved)
     _check_files(model, facts)
@@ -95,9 +103,10 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     model_path = str(Path(model).expanduser().resolve()) if resolved is not None and resolved.where == "folder" \
         else model
     artifacts = out.expanduser().resolve().parent / "artifacts"
-    text = render_config(found, answers=choice.answers, question=question or DEFAULT_QUESTION, model=model_path,
+    default_question = f"Find every {', '.join(choice.answers or [])} in the image." if boxes else DEFAULT_QUESTION
+    text = render_config(found, answers=choice.answers, question=question or default_question, model=model_path,
                          facts=facts, settings=settings, pool=pool, artifacts=str(artifacts),
-                         answers_why=choice.why)
+                         answers_why=choice.why, boxes=bool(boxes))
     if problem:
         text = f"# FIRST, before a round: {problem}\n" + text
     import yaml
@@ -109,20 +118,24 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     atomic_write_text(out, text)
     has_test = any(f.test for f in found)
     steps = ([f"fix the model first: {problem}"] if problem else []) + next_steps(out, artifacts, choice.answers,
-                                                                                  has_test)
+                                                                                  has_test, boxes=bool(boxes))
     return InitResult(out, text, found, settings, choice.answers, note, steps, choice.why,
                       small_classes(found, choice.answers), problem)
 
 
-def next_steps(out: Path, artifacts: Path, answers: list[str] | None, has_test: bool) -> list[str]:
+def next_steps(out: Path, artifacts: Path, answers: list[str] | None, has_test: bool, *,
+               boxes: bool = False) -> list[str]:
+    how = ("boxes: its label_config.xml in Label Studio, or the COCO / YOLO files beside it; export a Label Studio "
+           "JSON or a COCO JSON that names the original files; docs/boxes.md" if boxes
+           else "Label Studio JSON, CSV or JSONL; docs/annotation.md")
     steps = [f"tamis check-model -c {out}      # optional: what tamis will do with the model, before a round",
              f"tamis round -c {out}            # round 0: prepares the images, picks the first batch, exports it",
-             f"label the batch in {artifacts / 'rounds' / '000' / 'export'} (Label Studio JSON, CSV or JSONL; "
-             f"docs/annotation.md) and put the labeled file in {artifacts / 'inbox'}",
+             f"label the batch in {artifacts / 'rounds' / '000' / 'export'} ({how}) and put the labeled file in "
+             f"{artifacts / 'inbox'}",
              f"tamis round -c {out}            # imports the labels, trains, evaluates, picks the next batch"]
     if not has_test:
         steps.append("add a labeled test set (tamis init … --test labels.csv) to measure each round")
-    if answers is None:
+    if answers is None and not boxes:
         steps.append("open answers (free text): to classify instead, list data.answers (or rerun tamis init with "
                      "--closed)")
     return steps

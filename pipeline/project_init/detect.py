@@ -8,6 +8,7 @@
 | a `.csv` / `.jsonl` manifest | `csv` / `jsonl` | rows with an answer |
 | a `.json` Label Studio export (a list of tasks with `data`) | `label_studio` | tasks with an annotation |
 | a `.jsonl` / `.json` of conversations, or a folder holding one | `trl` / `sharegpt` / `swift` | rows ending on an assistant turn |
+| a COCO `.json` test file (`--test`; `images`, `annotations`, `categories`) | `coco` | every image: a box project |
 
 A conversation file's kind comes from its records (`conversation_kind`): `conversations` is LLaMA-Factory's sharegpt,
 `messages` with typed content (`{"type": "image"}` items) is TRL's, `messages` with string content ms-swift's. In a
@@ -58,6 +59,7 @@ class Found:
     test: int = 0  # rows in the test split (a split cell saying test, or a --test file)
     test_counts: dict[str, int] = field(default_factory=dict)  # labeled test rows per answer
     free_text: bool = False  # answers typed per row (a manifest's cells), not class folder names
+    box_classes: list[str] = field(default_factory=list)  # a COCO file's categories: the project labels boxes
 
 
 def _is_image(name: str) -> bool:
@@ -340,6 +342,24 @@ def detect_source(path: Path) -> Found:
                     f"export or a saved HF dataset folder, not a {suffix or 'suffix-less'} file")
 
 
+def _coco_test(path: Path) -> Found:
+    """A COCO test file (pipeline/boxes/readers.py read_coco): its images are the test split, its categories the
+    class list of a box project (data.task: boxes)."""
+    from pipeline.boxes.readers import read_coco
+
+    boxes = read_coco(path)
+    if not boxes.images:
+        raise DataError(f"{path}: a COCO file with no images; a test file needs each test image and its boxes")
+    if not boxes.labels:
+        raise DataError(f"{path}: a COCO file with no categories; list the classes in its `categories`")
+    counts = Counter(b.label for bs in boxes.images.values() for b in bs)
+    n, classes = len(boxes.images), list(boxes.labels)
+    return Found(source={"kind": "coco", "path": str(path), "default_split": "test"}, images=n, labeled=n,
+                 answers=classes, sizes=list(boxes.sizes.values())[:SIZE_SAMPLE],
+                 what=f"test set: COCO file of {n:,} images, {sum(counts.values()):,} boxes of {len(classes)} classes",
+                 counts=dict(counts), test=n, test_counts=dict(counts), box_classes=classes)
+
+
 def detect_test(path: Path, pool: Path) -> Found:
     """The labeled test file (CSV / JSONL, e.g. `labels.csv` with `file,category`): its columns, answers and images,
     as a source whose rows all go to the test split. It must hold answers, and must not live inside a pool folder
@@ -347,11 +367,14 @@ def detect_test(path: Path, pool: Path) -> Found:
     if not path.is_file():
         raise DataError(f"{path}: test file not found; pass --test a CSV or JSONL with one row per test image and its "
                         "answer (e.g. labels.csv with file,category)")
-    if path.suffix.lower() not in (".csv", ".jsonl"):
-        raise DataError(f"{path}: a test file is a .csv or .jsonl table (image, answer), not {path.suffix or 'this'}")
+    if path.suffix.lower() not in (".csv", ".jsonl", ".json"):
+        raise DataError(f"{path}: a test file is a .csv or .jsonl table (image, answer) or a COCO .json file of "
+                        f"boxes, not {path.suffix or 'this'}")
     if pool.is_dir() and path.resolve().is_relative_to(pool.resolve()):
         raise DataError(f"{path}: the test set lies inside the pool folder {pool}, whose images would then be read "
                         "as pool samples too; move the test images and their labels file out of it")
+    if path.suffix.lower() == ".json":
+        return _coco_test(path)
     found = _manifest(path)
     if "answer_column" not in found.source:
         cols = ", ".join(read_table(path)[0])

@@ -61,8 +61,28 @@ def _train_lines(facts: ModelFacts) -> list[str]:
             "  init: fresh"]
 
 
+def _answer_lines(found: list[Found], answers: list[str] | None, answers_why: str, boxes: bool) -> list[str]:
+    if boxes:
+        return [f"  # {answers_why}: labels are boxes of these {len(answers or [])} classes.", "  task: boxes",
+                f"  answers: {_v(answers)}"]
+    if answers is None:
+        return [f"  # {answers_why or 'open answers'}; scored by semantic entropy (docs/open-answers.md).",
+                "  answers: null"]
+    return [f"  # {len(answers)} answers, from " + " and ".join(
+            "the class folders" if f.source["kind"] == "folder" else f"{f.source['path']}" for f in found if f.answers)
+            + ": a closed set scores as classification over them.", f"  answers: {_v(answers)}"]
+
+
+def _strategy_lines(answers: list[str] | None, boxes: bool) -> list[str]:
+    if boxes:  # a box answer is generated text: its token entropy is what the scoring gives without extra passes
+        return ["  strategy: token_entropy               # box answers: the answer's mean token entropy",
+                "  diversity: uncertainty_herding"]
+    return ["  strategy: margin" if answers else "  strategy: semantic_entropy", "  diversity: uncertainty_herding",
+            *([] if answers else ["  mc_dropout_passes: 4                 # semantic entropy groups 4 sampled answers"])]
+
+
 def render_config(found: list[Found], *, answers: list[str] | None, question: str, model: str, facts: ModelFacts,
-                  settings: Settings, pool: int, artifacts: str, answers_why: str = "") -> str:
+                  settings: Settings, pool: int, artifacts: str, answers_why: str = "", boxes: bool = False) -> str:
     s = settings
     lines = ["# Written by `tamis init`: every setting below was chosen from your data, model and hardware, with the",
              "# reason beside it. Edit freely; `tamis config show -c THIS_FILE` prints it with every default filled in.",
@@ -72,14 +92,7 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
              "data:", "  sources:"]
     for f in found:
         lines += _source_lines(f)
-    if answers is None:
-        lines.append(f"  # {answers_why or 'open answers'}; scored by semantic entropy (docs/open-answers.md).")
-        lines.append("  answers: null")
-    else:
-        lines.append(f"  # {len(answers)} answers, from " + " and ".join(
-            "the class folders" if f.source["kind"] == "folder" else f"{f.source['path']}" for f in found if f.answers)
-            + ": a closed set scores as classification over them.")
-        lines.append(f"  answers: {_v(answers)}")
+    lines += _answer_lines(found, answers, answers_why, boxes)
     lines += [f"  question: {_v(question)}", "preprocess:", f"  # {s.size.why}", f"  size: {s.size.value}",
               "  pad: square                          # keep the aspect ratio: never stretch",
               f"  num_proc: {s.num_proc.value}                          # {s.num_proc.why}",
@@ -97,16 +110,15 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
               "  # The label-efficiency winner: Uncertainty Herding, coverage weighted by the model's uncertainty; it",
               "  # moves from coverage to uncertainty by itself (benchmarks/README.md). Open answers: semantic entropy.",
               "  cold_start: maxherding",
-              "  strategy: margin" if answers else "  strategy: semantic_entropy",
-              "  diversity: uncertainty_herding",
-              *([] if answers else ["  mc_dropout_passes: 4                 # semantic entropy groups 4 sampled answers"]),
+              *_strategy_lines(answers, boxes),
               f"  # {s.shard_size.why}", f"  shard_size: {s.shard_size.value}",
               f"  score_batch_size: {s.score_batch_size.value}               # {s.score_batch_size.why}",
               f"  # auto: score every eligible sample up to 10,000, restrict above (this pool: {pool:,}); the",
               "  # round summary says which it did and why (docs/selection.md).",
               "  candidates: auto",
               "annotate:", "  export_images: legible", "  formats: [label_studio, csv, jsonl, images]",
-              "labelcheck:", "  method: heldout                      # scores new labels with the last adapter",
+              "labelcheck:", "  method: \"off\"                        # box label checks are not in the round yet"
+              if boxes else "  method: heldout                      # scores new labels with the last adapter",
               "rounds:", "  # Rounds in all, round 0 included; the last one trains and evaluates but selects nothing.",
               "  max_rounds: 10",
               f"  # {s.stop_set.why}", f"  stop_set: {s.stop_set.value}",

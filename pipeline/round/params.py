@@ -69,19 +69,22 @@ def labeled_set(prepared_ref: Mapping[str, Any], plan: RoundPlan) -> dict[str, s
 
 
 def train_params(plan: RoundPlan, *, artifacts: str | os.PathLike[str], model: ModelConfig, train: TrainConfig,
-                 seed: int, labeled: dict[str, str], augmented: Mapping[str, Any] | None) -> TrainParams:
+                 seed: int, labeled: dict[str, str], augmented: Mapping[str, Any] | None,
+                 box_labels: Sequence[str] | None = None) -> TrainParams:
     """The train stage's parameters (its cache key) and output folder for this round: the labeled set's content,
-    never the pool's (labeled_set); `augmented` is the augment stage's result."""
+    never the pool's (labeled_set); `augmented` is the augment stage's result; `box_labels`: a box project's class
+    list (data.box_labels)."""
     from pipeline.model.identity import keyed_model
     from pipeline.model.train_stage import TrainParams
 
     init, aug = plan.warm_start(train.init), StageRef.of(augmented) if augmented is not None else None
     # The model's content and library versions too: new weights at the same path retrain (pipeline/model/identity.py).
     sections = {"model": keyed_model(model, artifacts), "train": train.model_dump(mode="json")}
+    boxes = {} if box_labels is None else {"box_labels": list(box_labels)}  # one-answer folders keep their names
     key = digest_json({"labeled": labeled["digest"], **sections, "aug": aug and aug.digest,
-                       "init": init and init["adapter_digest"], "seed": seed})
+                       "init": init and init["adapter_digest"], "seed": seed, **boxes})
     return TrainParams(artifacts=str(artifacts), labeled=labeled, augmented=aug, seed=seed,
-                       init_adapter=init, out_dir=str(Path(artifacts) / "train" / key[:16]), **sections)
+                       init_adapter=init, out_dir=str(Path(artifacts) / "train" / key[:16]), **sections, **boxes)
 
 
 def test_set(artifacts: str | os.PathLike[str], prepared_ref: Mapping[str, Any], pool: PoolData) -> dict[str, str]:
@@ -98,17 +101,19 @@ def test_set(artifacts: str | os.PathLike[str], prepared_ref: Mapping[str, Any],
 
 
 def evaluate_params(*, artifacts: str | os.PathLike[str], model: ModelConfig, answers: Sequence[str] | None,
-                    batch_size: int, test: dict[str, str], adapter: Mapping[str, Any]) -> EvalParams:
+                    batch_size: int, test: dict[str, str], adapter: Mapping[str, Any],
+                    box_labels: Sequence[str] | None = None) -> EvalParams:
     """The evaluate stage's parameters (its cache key) and output folder for a trained adapter (the train stage's
-    result) on the test set (`batch_size`: select.score_batch_size, the scoring batch)."""
+    result) on the test set (`batch_size`: select.score_batch_size, the scoring batch; `box_labels`: a box
+    project's class list)."""
     from pipeline.evaluate import EvalParams
     from pipeline.model.identity import keyed_model
 
     key = digest_json({"test": test["digest"], "adapter": adapter["adapter_digest"]})
     return EvalParams(artifacts=str(artifacts), test=test, adapter=StageRef.of(adapter),
                       model=keyed_model(model, artifacts), answers=None if answers is None else list(answers),
-                      batch_size=batch_size,
-                      out_dir=str(Path(artifacts) / "eval" / key[:16]))
+                      batch_size=batch_size, out_dir=str(Path(artifacts) / "eval" / key[:16]),
+                      box_labels=None if box_labels is None else list(box_labels))
 
 
 def round_strategy(select: SelectConfig, *, cold: bool, phase: Mapping[str, str] | None = None) -> str:

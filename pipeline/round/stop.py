@@ -15,8 +15,11 @@ from pipeline.round.plan import PoolData, RoundPlan, still_out
 from pipeline.round_state import RoundState
 
 
-def main_metric(answers: Sequence[str] | None) -> str:
-    """The metric the rounds are judged by: accuracy on a closed answer set (data.answers), token F1 on open answers."""
+def main_metric(answers: Sequence[str] | None, task: str = "answer") -> str:
+    """The metric the rounds are judged by: accuracy on a closed answer set (data.answers), token F1 on open answers,
+    mAP@0.5 on boxes (data.task: boxes)."""
+    if task == "boxes":
+        return "map50"
     return "accuracy" if answers else "token_f1"
 
 
@@ -96,9 +99,9 @@ def close_round(cfg: ProjectConfig, plan: RoundPlan, state: RoundState, *, pool_
     state.labels_spent = labels_spent(len(plan.labels), art, before_round=plan.index)
     rows = read_metrics(art)
     state.stopped = stop_reason(rc, plan.index, state.labels_spent, rows, pool_left, state.stability,
-                                main=main_metric(cfg.data.answers), outstanding=state.tasks_out,
+                                main=main_metric(cfg.data.answers, cfg.data.task), outstanding=state.tasks_out,
                                 hours=recorded_hours(art) if rc.budget_hours is not None else 0.0)
-    state.at_chance = chance_check(rows, cfg.data.answers, train=cfg.train, model=cfg.model,
+    state.at_chance = chance_check(rows, cfg.data.scored_answers, train=cfg.train, model=cfg.model,
                                    up_to_round=plan.index).warning
 
 

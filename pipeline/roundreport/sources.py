@@ -114,7 +114,7 @@ def resolve_sources(cfg: ProjectConfig, state: RoundState,
                                  pool_ids=read_pool_file(rd / POOL_FILE))
         shards = [(p.shard_ids[0], p.out_dir) for p in plan.shards]
     return ReportSources(
-        round=state.round, round_dir=str(rd), artifacts=str(cfg.artifacts), answers=cfg.data.answers,
+        round=state.round, round_dir=str(rd), artifacts=str(cfg.artifacts), answers=cfg.data.scored_answers,
         seed=cfg.seed, prepared_dir=prep and prep["dir"], quality_dir=((prepared or {}).get("quality") or {}).get("dir"),
         space_dir=space and space.out_dir, space_source=cfg.select.embeddings.source,
         shards=shards, eval_dir=eval_dir,

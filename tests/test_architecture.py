@@ -190,6 +190,20 @@ def test_every_module_is_on_a_floor():
     assert all(floor_of(m) >= 0 for m in modules())
 
 
+# Issue 48: the round's floor (what reads a finished round) grew files that held several ideas each; split, every one
+# of its files stays within this many lines, with no exceptions.
+MAX_ROUND_FLOOR_LINES = 300
+
+
+def test_round_floor_files_stay_within_300_lines():
+    top = floor_of("pipeline.round")
+    sizes = {str(path.relative_to(ROOT)): len(path.read_text(encoding="utf-8").splitlines())
+             for name, path in modules().items() if name.startswith("pipeline.") and floor_of(name) == top}
+    assert "pipeline/roundreport/gather.py" in sizes and "pipeline/project_init/detect.py" in sizes
+    big = sorted(f"{p} ({n} lines)" for p, n in sizes.items() if n > MAX_ROUND_FLOOR_LINES)
+    assert not big, f"round-floor files over {MAX_ROUND_FLOOR_LINES} lines (split them along their ideas): " + ", ".join(big)
+
+
 # ------------------------------------------------------------------------------------------- narrow signatures
 # The round's planning functions (and the config's own loader) read several sections to build one stage's
 # parameters: they may take the whole ProjectConfig, and at most this many do.

@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 from pipeline.round_state import RoundState
 from pipeline.roundreport import REPORT_FILE, ReportSources, build_report
-from pipeline.roundreport.gather import per_class_metrics, pool_map_points
+from pipeline.roundreport.gather import per_class_metrics
+from pipeline.roundreport.poolmap import pool_map_points
 from pipeline.store import read_jsonl
 
 PHOTOS = {"astronaut": "astronaut", "coffee": "coffee", "cat": "chelsea", "rocket": "rocket"}
@@ -159,7 +160,7 @@ def test_per_class_metrics_agree_with_the_evaluation_and_prefer_its_own_file(pho
 
 
 def test_pool_map_is_seeded_bounded_and_marks_the_batch(photo_rounds, monkeypatch):
-    from pipeline.roundreport import gather
+    from pipeline.roundreport import gather, poolmap
 
     _, art, states = photo_rounds
     sources = ReportSources.load(art / "rounds/001")
@@ -171,7 +172,7 @@ def test_pool_map_is_seeded_bounded_and_marks_the_batch(photo_rounds, monkeypatc
     assert {lab for lab in one.label if lab} <= set(PHOTOS)
     assert one.space.startswith("selection embeddings (pixels)") and one.total == 64
     # A pool larger than the budget is sampled down (every selected sample kept), here with the budget lowered.
-    monkeypatch.setattr(gather, "MAP_POINTS", 10)
+    monkeypatch.setattr(poolmap, "MAP_POINTS", 10)
     small = pool_map_points(sources, states[1], batch, labels)
     assert small.sampled < one.sampled and small.kind.count("selected") == 6
     # Without an embeddings stage the map reads the model's embeddings from the round's score shards.

@@ -154,7 +154,7 @@ def data_lineage(artifacts: Path, labels: CurrentLabels, splits: Mapping[str, li
     """lineage.json: the ledger (entries, digest) and every exported label traced as export-model traces its
     adapter's (export_model.trace_label), with its split and file; paths relative only."""
     from pipeline.annotation.ledger import Ledger, ledger_path
-    from pipeline.export_model import annotators, logged_votes, shareable_path, trace_label
+    from pipeline.export_model.provenance import annotators, logged_votes, shareable_path, trace_label
     from pipeline.round.plan import import_round
     from pipeline.round_state import completed_rounds
     from pipeline.store import digest_file
@@ -187,7 +187,7 @@ def export_data(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[str
                 force: bool = False) -> DataExportResult:
     """Write DIR/images/, the format's files and DIR/lineage.json (module docstring). A DIR that is not empty needs
     `force` (export_model.check_out), one in the project's artifacts is refused."""
-    from pipeline.export_model import check_out
+    from pipeline.export_model.files import check_out
     from pipeline.store import atomic_write_json
 
     artifacts, writer = Path(artifacts), get_writer(fmt)

@@ -1,8 +1,9 @@
 """`tamis init`: a commented project config written from the user's data, model and hardware.
 
-detect.py finds the sources and the test answers, settings.py chooses what depends on the pool, the model and the
-hardware, render.py writes the YAML (which `load_config` then validates before it is kept). `init_project` is the one
-entry point; the CLI only prints what it returns.
+detect.py finds the sources and the test answers (tables.py reads a manifest and finds its image and answer
+columns), settings.py chooses what depends on the pool, the model and the hardware, render.py writes the YAML (which
+`load_config` then validates before it is kept). `init_project` is the one entry point; the CLI only prints what it
+returns.
 """
 
 from __future__ import annotations

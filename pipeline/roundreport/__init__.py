@@ -2,7 +2,8 @@
 sheet, the pool map, what the model gets wrong, the quality flags, the learning curve and the labels.
 
 sources.py says where a round's outputs are, gather.py reads what the page shows (bounded by what it shows, not by
-the pool), pictures.py draws, page.py renders, build.py puts them together."""
+the pool), poolmap.py samples and projects the selection space, pictures.py draws, page.py renders, build.py puts
+them together."""
 
 from pipeline.roundreport.build import (
     BATCH_PNG,

@@ -16,7 +16,7 @@ from pipeline.errors import ArtifactError, DataError
 from pipeline.metrics import merge_equal_metrics
 from pipeline.report import candidates_line
 from pipeline.round_state import RoundState, round_dir
-from pipeline.roundreport import gather, pictures
+from pipeline.roundreport import gather, pictures, poolmap
 from pipeline.roundreport.page import render_page
 from pipeline.roundreport.sources import ReportSources
 from pipeline.store import atomic_write_bytes, atomic_write_text
@@ -73,7 +73,7 @@ def build_report(sources: ReportSources, state: RoundState,
     rd = Path(sources.round_dir)
     labels = gather.labeled_answers(rd)
     batch = gather.read_batch(sources, state)
-    pool_map = gather.pool_map_points(sources, state, [b.sample_id for b in batch], labels)
+    pool_map = poolmap.pool_map_points(sources, state, [b.sample_id for b in batch], labels)
     pc = gather.per_class_metrics(sources.eval_dir, sources.answers) if sources.eval_dir else None
     wrong = gather.confident_errors(sources.eval_dir) if sources.eval_dir else []
     issues, check_message = gather.label_errors(sources.labelcheck_dir)
@@ -98,8 +98,8 @@ def build_report(sources: ReportSources, state: RoundState,
         "pool_map": pool_map and pictures.data_uri(pictures.pool_map_png(pool_map)),
         "map_note": pool_map and (
             f"{pool_map.sampled:,} of {pool_map.total:,} points drawn (seed {sources.seed}): every selected sample, "
-            f"at most {gather.MAP_EXTRA:,} labeled and outliers, {gather.MAP_POINTS:,} at random; projected by a PCA "
-            f"fitted on them. " + ", ".join(f"{pool_map.kind.count(k)} {k}" for k in gather.KINDS)),
+            f"at most {poolmap.MAP_EXTRA:,} labeled and outliers, {poolmap.MAP_POINTS:,} at random; projected by a PCA "
+            f"fitted on them. " + ", ".join(f"{pool_map.kind.count(k)} {k}" for k in poolmap.KINDS)),
         "pc": pc, "confusion": confusion and pictures.data_uri(confusion), "evaluated": bool(sources.eval_dir),
         "wrong": [{"sample_id": w["sample_id"], "name": names[w["sample_id"]], "answer": w["answer"], "prediction": w.get("prediction"),
                    "confidence": w.get("confidence"), "thumb": thumbs.get(w["sample_id"])} for w in wrong],

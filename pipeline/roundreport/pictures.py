@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from pipeline.roundreport.gather import KINDS, BatchItem, PoolMap
+from pipeline.roundreport.gather import BatchItem
+from pipeline.roundreport.poolmap import KINDS, PoolMap
 
 THUMB = 96  # CSS pixels = image pixels: the page shows thumbnails at their own size (sharp, and checkable)
 SHEET_CELL = (150, 208)  # the contact sheet's cell: a 138 px thumbnail and five lines of text

@@ -309,8 +309,9 @@ def _oracle_label_check(ground_truth: str) -> None:
     truth = {r["sample_id"]: r["answer"] for r in map(json.loads, Path(ground_truth).open(encoding="utf-8"))}
     measured = check.out_of_sample_probs
 
-    def oracle(rows: Any, work_dir: Any, *, answers: list[str], **kw: Any) -> Any:
-        oos = measured(rows, work_dir, answers=answers, **kw)
+    def oracle(rows: Any, work_dir: Any, spec: Any, **kw: Any) -> Any:
+        oos = measured(rows, work_dir, spec, **kw)
+        answers = list(spec.answers)
         probs = np.full(oos.probs.shape, 0.1 / (len(answers) - 1), dtype=np.float32)
         probs[np.arange(len(oos.sample_ids)), [answers.index(truth[s]) for s in oos.sample_ids]] = 0.9
         return dataclasses.replace(oos, probs=probs)

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.boxes.codecs import BoxCodec
+from pipeline.boxes.rows import Frame
 from pipeline.config import DataConfig, ModelConfig, PreprocessConfig, SelectConfig
 from pipeline.errors import ConfigError, DataError
 from pipeline.schema import MAX_QUESTION_CHARS
@@ -27,6 +29,7 @@ CSV_COLUMNS = ("file", "question", "answer", "probability", "mean_logprob", "lab
 CHUNK = 256  # images decoded and scored at a time: a 10⁵-image folder is never held in memory at once
 QUESTION_SHOWN = 200  # characters of a refused question kept in the output
 REJECTED_COLUMNS = ("file", "reason")
+BOX_CSV_COLUMNS = ("image", "class", "x", "y", "w", "h", "score")  # a box project's CSV: one row per box
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class NewImage:
     prepared: bytes | None = None
     label: str | None = None  # the input's own answer (a class sub-folder, a manifest's answer), if it has one
     error: str | None = None
+    geometry: dict[str, Any] | None = None  # a box project's: width, height, prep_box, prep_width, prep_height
 
 
 def _name(row: Any, base: Path) -> str:
@@ -124,10 +128,25 @@ def read_new_images(path: str | os.PathLike[str], *, data: DataConfig, preproces
             yield out
             continue
         try:
-            out.prepared = encode_png(prepare(item.image)[0])
+            canvas, content = prepare(item.image)
+            out.prepared = encode_png(canvas)
+            if data.task == "boxes":
+                out.geometry = _geometry(item.image, canvas, content, data.max_image_pixels)
         except (DataError, ValueError, OSError, cv2.error) as exc:
             out.error = exc.reason if isinstance(exc, ImageRejected) else f"cannot decode: {exc.__class__.__name__}: {exc}"
         yield out
+
+
+def _geometry(image: bytes, canvas: np.ndarray, content: tuple[int, int, int, int], max_pixels: int
+              ) -> dict[str, Any]:
+    """Where the original image sits in its prepared canvas, as a prepared row says it (pipeline/boxes/rows.py):
+    the size is the EXIF-oriented one ingest records, so boxes come back in the pixels a viewer shows."""
+    from pipeline.data.images import open_image
+
+    with open_image(image, max_pixels=max_pixels) as img:
+        width, height = img.size
+    return {"width": width, "height": height, "prep_box": list(content), "prep_width": int(canvas.shape[1]),
+            "prep_height": int(canvas.shape[0])}
 
 
 @dataclass
@@ -142,15 +161,27 @@ class Prediction:
     distribution: dict[str, float] | None = None  # closed answers: every answer's probability
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    boxes: list[Any] | None = None  # a box project's answer read into the image's own pixels (pipeline.boxes.Box)
+    size: tuple[int, int] | None = None  # a box project's image size (width, height), the boxes' bounds
 
     def csv_row(self) -> dict[str, Any]:
         row = {c: getattr(self, c) for c in CSV_COLUMNS}
         return {k: "" if v is None else (f"{v:.6f}" if isinstance(v, float) else v) for k, v in row.items()}
 
+    def box_rows(self) -> list[dict[str, Any]]:
+        """One CSV row per box, in the image's own pixels (0.1 px)."""
+        return [{"image": self.file, "class": b.label, "x": f"{b.x:.1f}", "y": f"{b.y:.1f}", "w": f"{b.w:.1f}",
+                 "h": f"{b.h:.1f}", "score": f"{b.score:.6f}"} for b in self.boxes or ()]
+
     def json_row(self) -> dict[str, Any]:
         row = {c: getattr(self, c) for c in CSV_COLUMNS}
         if self.distribution is not None:
             row["distribution"] = self.distribution
+        if self.size is not None:
+            row["width"], row["height"] = self.size
+        if self.boxes is not None:
+            row["boxes"] = [{"class": b.label, "box": [round(v, 1) for v in (b.x, b.y, b.w, b.h)],
+                             "score": round(b.score, 6)} for b in self.boxes]
         return {k: v for k, v in row.items() if v is not None}
 
 
@@ -182,11 +213,31 @@ def score_images(loaded: Any, images: Sequence[NewImage], answers: Sequence[str]
     return [out[id(im)] for im in images]
 
 
+def read_boxes(preds: Sequence[Prediction], images: Sequence[NewImage], codec: BoxCodec, frame: Frame | None
+               ) -> None:
+    """A box project's answers read by the family's codec through each image's preparation geometry into boxes in
+    its own pixels, clamped inside it (pipeline/boxes/rows.py, as evaluation reads them); each box is scored with
+    its answer's probability (the geometric mean of its tokens')."""
+    from pipeline.boxes.rows import predicted_boxes
+
+    done = [(p, im) for p, im in zip(preds, images, strict=True) if p.answer is not None and im.geometry]
+    if not done:
+        return
+    rows = [{"sample_id": str(i), **im.geometry} for i, (_, im) in enumerate(done)]  # type: ignore[dict-item]
+    found, _ = predicted_boxes([p.answer or "" for p, _ in done], rows, codec, frame,
+                               [p.probability for p, _ in done])
+    for i, (p, im) in enumerate(done):
+        p.boxes, p.size = found[str(i)], (im.geometry["width"], im.geometry["height"])  # type: ignore[index]
+
+
 def predict_path(path: str | os.PathLike[str], loaded: Any, *, choice: AdapterChoice, data: DataConfig,
                  preprocess: PreprocessConfig, model: ModelConfig, select: SelectConfig,
                  question: str | None = None) -> list[Prediction]:
     """Every row of `path` predicted with `loaded` (the model with `choice`'s adapter), in the input's order."""
+    from pipeline.model.box_frames import codec_and_frame
+
     name = str(choice.dir) if choice.round is None else f"round {choice.round}: {choice.dir}"
+    codec, frame = codec_and_frame(loaded.family, loaded.processor) if data.task == "boxes" else (None, None)
     out: list[Prediction] = []
     chunk: list[NewImage] = []
     images = read_new_images(path, data=data, preprocess=preprocess, model=model, question=question)
@@ -194,8 +245,11 @@ def predict_path(path: str | os.PathLike[str], loaded: Any, *, choice: AdapterCh
         if im is not None:
             chunk.append(im)
         if chunk and (im is None or len(chunk) >= CHUNK):
-            out += score_images(loaded, chunk, data.answers, adapter=name, batch_size=select.score_batch_size,
-                                length_normalize=select.length_normalize, max_new_tokens=model.max_new_tokens)
+            preds = score_images(loaded, chunk, data.scored_answers, adapter=name, batch_size=select.score_batch_size,
+                                 length_normalize=select.length_normalize, max_new_tokens=model.max_new_tokens)
+            if codec is not None:
+                read_boxes(preds, chunk, codec, frame)
+            out += preds
             chunk = []
     if not out:
         raise DataError(f"{path}: no images found; put image files in the folder or rows in the manifest")
@@ -209,15 +263,22 @@ class PredictionFiles:
     rejected: Path  # `<out>.rejected.csv`: the rows predicted nothing and why (header only when none)
 
 
-def write_predictions(preds: Sequence[Prediction], out_csv: str | os.PathLike[str]) -> PredictionFiles:
+def write_predictions(preds: Sequence[Prediction], out_csv: str | os.PathLike[str], *, boxes: bool = False
+                      ) -> PredictionFiles:
     """The CSV (one row per input), the JSONL beside it (same rows, plus the closed answers' distributions) and the
-    rejections list (file, reason) of the rows that got no answer, so a skipped row is found without a filter."""
+    rejections list (file, reason) of the rows that got no answer, so a skipped row is found without a filter.
+
+    `boxes` (a box project): the CSV has one row per box (image, class, x, y, w, h in the image's pixels, score)
+    and each JSONL row its image's `boxes` list (empty: the model found none), `width` and `height`."""
     from pipeline.csvcells import csv_text
     from pipeline.store import atomic_write_jsonl, atomic_write_text
 
     out_csv = Path(out_csv)
     # csv_text: a file name or answer like =HYPERLINK(…) must not run as a formula when the CSV is opened.
-    atomic_write_text(out_csv, csv_text(CSV_COLUMNS, (p.csv_row() for p in preds)))
+    if boxes:
+        atomic_write_text(out_csv, csv_text(BOX_CSV_COLUMNS, (r for p in preds for r in p.box_rows())))
+    else:
+        atomic_write_text(out_csv, csv_text(CSV_COLUMNS, (p.csv_row() for p in preds)))
     jsonl = out_csv.with_suffix(".jsonl")
     atomic_write_jsonl(jsonl, [p.json_row() for p in preds])
     rejected = out_csv.with_suffix(".rejected.csv")

@@ -89,6 +89,21 @@ def test_cli_a_box_project_runs_from_init_to_round_1_without_hand_edits(tmp_path
         assert p["model_version"].startswith("adapter-") and 0 <= p["score"] <= 1
         assert all(r["type"] == "rectanglelabels" and r["value"]["rectanglelabels"][0] in SHAPES
                    and 0 <= r["score"] <= 1 and r["original_width"] > 0 for r in p["result"])
+    # The round report draws a box project's boxes: its sources name the family's codec; its pictures exist.
+    sources = json.loads((art / "rounds" / "001" / "report_sources.json").read_text())
+    assert sources["box_codec"] == "json_1000" and (art / "rounds" / "001" / "report.html").is_file()
+    # `tamis predict` with round 1's adapter: boxes in each new image's own pixels (mixed aspect ratios).
+    new = [make_scene(f"new_{i}.png", 900 + i, canvases=[c]) for i, c in enumerate([(480, 240), (200, 400)])]
+    write_scenes(tmp_path / "new", new)
+    pred = _run(project, "predict", str(tmp_path / "new"), "--out", str(tmp_path / "boxes.csv"))
+    assert pred.returncode == 0, pred.stdout + pred.stderr
+    sizes = {s.name: (s.width, s.height) for s in new}
+    lines = [json.loads(x) for x in (tmp_path / "boxes.jsonl").read_text().splitlines()]
+    assert sorted(x["file"] for x in lines) == sorted(sizes)
+    for x in lines:
+        w, h = sizes[x["file"]]
+        assert all(0 <= b["box"][0] and 0 <= b["box"][1] and b["box"][0] + b["box"][2] <= w + 0.1
+                   and b["box"][1] + b["box"][3] <= h + 0.1 for b in x["boxes"])
 
 
 def test_init_detects_a_box_project(tmp_path, tiny_models):

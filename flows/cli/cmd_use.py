@@ -40,12 +40,13 @@ def predict_cmd(
     loaded = load_model(cfg.model, adapter=choice.dir)
     preds = predict_path(path, loaded, choice=choice, data=cfg.data, preprocess=cfg.preprocess, model=cfg.model,
                          select=cfg.select, question=question)
-    files = write_predictions(preds, out)
+    files = write_predictions(preds, out, boxes=cfg.data.task == "boxes")
     err = Console(stderr=True)
     bad = [p for p in preds if p.error]
     for p in bad:
         err.print(f"skipped {p.file}: {p.error}", highlight=False, markup=False)
-    out_console().print(f"{len(preds) - len(bad)} images answered, {len(bad)} skipped (reason in the `error` column "
+    boxes = "" if cfg.data.task != "boxes" else f" ({sum(len(p.boxes or ()) for p in preds)} boxes)"
+    out_console().print(f"{len(preds) - len(bad)} images answered{boxes}, {len(bad)} skipped (reason in the `error` column "
                         f"and in {files.rejected}) with {choice.why} ({choice.dir}): {files.csv} and {files.jsonl}",
                         highlight=False)
 

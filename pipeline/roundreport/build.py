@@ -39,9 +39,13 @@ class RoundReport:
     seconds: float
 
 
-def _thumbs(ids: Sequence[str], images: gather.Images) -> dict[str, dict[str, Any]]:
+Draw = Callable[[dict[str, bytes]], dict[str, bytes]]  # pictures → the same pictures with a box project's boxes
+
+
+def _thumbs(ids: Sequence[str], images: gather.Images, draw: Draw | None = None) -> dict[str, dict[str, Any]]:
+    pngs = images.png(list(dict.fromkeys(ids)))
     out = {}
-    for sid, png in images.png(list(dict.fromkeys(ids))).items():
+    for sid, png in (draw(pngs) if draw else pngs).items():
         data, mime, (w, h) = pictures.thumbnail(png)
         out[sid] = {"uri": pictures.data_uri(data, mime), "w": w, "h": h}
     return out
@@ -66,6 +70,19 @@ def _header(state: RoundState, sources: ReportSources) -> dict[str, Any]:
             "metrics": metrics, "stopped": state.stopped, "at_chance": state.at_chance, "round_dir": sources.round_dir}
 
 
+def _box_drawer(sources: ReportSources, images: gather.Images, labels: Mapping[str, str],
+                batch: Sequence[gather.BatchItem], wrong: Sequence[Mapping[str, Any]]) -> Draw | None:
+    """A box project's pictures get their labeled boxes and the model's boxes drawn (None: one-answer projects)."""
+    if not sources.box_codec:
+        return None
+    from pipeline.roundreport.box_pictures import overlay
+
+    codec = sources.box_codec
+    answers = {**{b.sample_id: b.answer for b in batch}, **{w["sample_id"]: w.get("prediction") for w in wrong}}
+    truth = {**labels, **{w["sample_id"]: w["answer"] for w in wrong}}
+    return lambda pngs: overlay(pngs, images.geometry(list(pngs)), truth, answers, codec)
+
+
 def build_report(sources: ReportSources, state: RoundState,
                  metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport:
     """Write report.html (and batch.png, confusion.png) for the round `state` from `sources`."""
@@ -79,9 +96,11 @@ def build_report(sources: ReportSources, state: RoundState,
     issues, check_message = gather.label_errors(sources.labelcheck_dir)
     flags, checked = gather.quality_flags(sources.quality_dir)
     images = gather.Images(sources.prepared_dir)
+    draw = _box_drawer(sources, images, labels, batch, wrong)
     batch_png = images.png([b.sample_id for b in batch[:pictures.SHEET_MAX]])
+    batch_png = draw(batch_png) if draw else batch_png
     shown = [b.sample_id for b in batch] + [w["sample_id"] for w in wrong] + [i["sample_id"] for i in issues]
-    thumbs = _thumbs(shown + [f.example for f in flags if f.example], images)
+    thumbs = _thumbs(shown + [f.example for f in flags if f.example], images, draw)
     # The user's file names: what the cards are headed by.
     names = images.names(list(dict.fromkeys(shown + [f.example for f in flags if f.example])))
     for b in batch:

@@ -78,6 +78,15 @@ class Images:
         return {sid: side_by_side([png, *m]) if m else png
                 for sid, png, m in zip(sub.get("sample_id", []), sub.get("prepared", []), more, strict=True)}
 
+    def geometry(self, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """Where each sample's original image sits in its prepared picture (width, height, prep_box, prep_width,
+        prep_height: pipeline.boxes.rows.row_geometry's row), for drawing a box project's boxes on it."""
+        from pipeline.boxes.box import GEOMETRY_COLUMNS
+
+        sub = self._rows(ids, ["sample_id", *GEOMETRY_COLUMNS]) if self._dir and ids else {}
+        return {sid: {c: sub[c][k] for c in GEOMETRY_COLUMNS if c in sub}
+                for k, sid in enumerate(sub.get("sample_id", []))}
+
     def names(self, ids: Sequence[str]) -> dict[str, str]:
         """The user's file name of each sample (schema.display_name; the sample ID where the dataset has none)."""
         from pipeline.schema import display_name

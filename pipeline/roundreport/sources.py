@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ProjectConfig
+from pipeline.config import DataConfig, ModelConfig, ProjectConfig
 from pipeline.errors import ArtifactError
 from pipeline.round_state import RoundState, adapter_ref, round_dir
 from pipeline.store import MANIFEST_NAME, atomic_write_json
@@ -43,6 +43,7 @@ class ReportSources:
     shards: list[tuple[str, str]] = field(default_factory=list)  # (first sample ID, folder) of each score shard
     eval_dir: str | None = None  # the evaluate stage of the round's adapter
     labelcheck_dir: str | None = None
+    box_codec: str | None = None  # a box project's family codec (Family.box_codec): its answers are drawn as boxes
 
     def save(self) -> Path:
         return atomic_write_json(Path(self.round_dir) / SOURCES_FILE, asdict(self))
@@ -118,4 +119,13 @@ def resolve_sources(cfg: ProjectConfig, state: RoundState,
         seed=cfg.seed, prepared_dir=prep and prep["dir"], quality_dir=((prepared or {}).get("quality") or {}).get("dir"),
         space_dir=space and space.out_dir, space_source=cfg.select.embeddings.source,
         shards=shards, eval_dir=eval_dir,
-        labelcheck_dir=(state.labelcheck or {}).get("dir"))
+        labelcheck_dir=(state.labelcheck or {}).get("dir"), box_codec=_box_codec(cfg.data, cfg.model))
+
+
+def _box_codec(data: DataConfig, model: ModelConfig) -> str | None:
+    """The family's box codec of a box project (data.task: boxes); None for one-answer projects."""
+    if data.task != "boxes":
+        return None
+    from pipeline.model.loading import resolve_family
+
+    return resolve_family(model).box_codec

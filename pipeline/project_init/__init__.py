@@ -20,7 +20,8 @@ from pipeline.project_init.answers import (
     generation_budget,
     small_classes,
 )
-from pipeline.project_init.detect import Found, detect_source, detect_test
+from pipeline.project_init.detect import detect_source, detect_test
+from pipeline.project_init.found import Found
 from pipeline.project_init.render import render_config
 from pipeline.project_init.settings import ModelFacts, Settings, choose_settings, model_facts
 

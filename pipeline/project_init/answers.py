@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeline.errors import ConfigError
-from pipeline.project_init.detect import Found
+from pipeline.project_init.found import Found
 
 AnswerMode = Literal["auto", "open", "closed"]
 SENTENCE_WORDS = 4  # a median answer this long or longer is a sentence, not a class name

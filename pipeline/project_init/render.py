@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipeline.project_init.detect import Found
+from pipeline.project_init.found import Found
 from pipeline.project_init.settings import ModelFacts, Settings
 
 # The tiny stand-in's settings from configs/demo.yaml, where the comments say why each is needed.

@@ -245,4 +245,8 @@ def test_llama_cpp_built_from_the_pinned_source_answers_as_transformers_on_merge
     print(f"{name}: agreement with transformers on merged/ {agreement}; top answers "
           f"{ {a: list(reference.values()).count(a) for a in sorted(set(reference.values()))} }, "
           f"{len(set(free_ref.values()))} distinct free generations")
-    assert agreement["f16"] >= 0.95 and agreement["f16 free"] >= 0.95, agreement
+    # The bar is on top answers. Free text is looser: the tiny random model's logits are nearly tied, so f16
+    # rounding flips a greedy token now and then (27-30 of 30 across runs); an image the projector did not carry
+    # would give one text for every image: agreement no higher than the commonest free text's share.
+    common = max(list(free_ref.values()).count(t) for t in set(free_ref.values())) / len(free_ref)
+    assert agreement["f16"] >= 0.95 and agreement["f16 free"] >= 0.8 and agreement["f16 free"] > common, (agreement, common)

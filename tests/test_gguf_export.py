@@ -126,11 +126,17 @@ def mtmd_answer(cli: Path, model: Path, mmproj: Path, image: Path, prompt: str, 
            # the image at its own size: Qwen-VL's default floor (8 tokens) would upscale the 32-px
            # tiny images that rounds trained on at 4 tokens
            "--image-min-tokens", "1"]
-    # llama-mtmd-cli prints through an asynchronous log that may lose its tail at exit (llama.cpp #22142: here about
-    # 1 run in 8 lost all or part of stdout). Decoding is greedy, so every run prints a prefix of the same text:
-    # runs repeat until two agree, and the longest is the answer.
+    # llama-mtmd-cli prints through an asynchronous log that may lose its tail at exit (llama.cpp #22142: on a quiet
+    # machine here up to 1 run in 4 printed nothing). Decoding is greedy, so every run prints a prefix of the same
+    # text: under a grammar a run is done when it printed a whole answer; free text when two runs agree.
     outs: list[bytes] = []
-    while len(outs) < 4 and not (len(outs) >= 2 and outs[-1] == outs[-2] and outs[-1]):
+
+    def done() -> bool:
+        if continuations:
+            return bool(outs) and outs[-1].decode("utf-8", "replace") in continuations
+        return len(outs) >= 2 and outs[-1] == outs[-2] and bool(outs[-1])
+
+    while len(outs) < 12 and not done():
         proc = subprocess.run(cmd, capture_output=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:].decode(errors="replace")
         outs.append(proc.stdout.strip(b"\n"))

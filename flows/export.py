@@ -19,7 +19,7 @@ def export_ref(cfg: ProjectConfig, *, selection: dict[str, Any], prepared: dict[
     ref = run_stage(export_task, params=export_params(cfg.annotate, cfg.data.scored_answers, artifacts=cfg.artifacts,
                                                       selection=selection, prepared=prepared,
                                                       round_index=round_index, box_labels=cfg.data.box_labels,
-                                                      model=cfg.model))
+                                                      model=cfg.model, schema=cfg.data.schema))
     if cfg.annotate.label_studio is not None:
         ref = {**ref, "label_studio": push_batch(cfg.annotate, cfg.artifacts, ref["dir"])}
     return ref

@@ -46,7 +46,8 @@ def train_round(cfg: ProjectConfig, plan: RoundPlan, prep: dict[str, Any], state
         test = test_set(art, prep["prepare"], pool)
         record_evaluation(art, plan, state, run_stage(evaluate_task, params=evaluate_params(
             artifacts=art, model=cfg.model, answers=cfg.data.scored_answers, batch_size=cfg.select.score_batch_size,
-            test=test, adapter=adapter, box_labels=cfg.data.box_labels)))
+            test=test, adapter=adapter, box_labels=cfg.data.box_labels,
+            schema=cfg.data.schema)))
         if (stop := stop_set_check(cfg.rounds, plan, pool, seed=cfg.seed, artifacts=art)) is not None:
             state.stability = stop_set_agreement(cfg, prep, adapter, stop)
     with progress.step("label check"):

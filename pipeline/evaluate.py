@@ -92,6 +92,25 @@ def _write_box_evaluation(out: Path, result: dict[str, Any], inputs: dict[str, A
                           outputs=outputs, info=result)
 
 
+def with_field_metrics(result: dict[str, Any], raw_schema: dict[str, Any]) -> dict[str, Any]:
+    """Structured answers (data.answer_schema): per_class.json's `fields` (pipeline/fields/metrics.py) of an
+    evaluate_model result, each field's score added to its metrics as `<field>.<metric>` (so metrics.jsonl, the
+    curve and the summary carry them) with its interval, and the share of predictions valid under the schema."""
+    from pipeline.fields.metrics import fields_report
+    from pipeline.fields.schema import schema_of
+
+    rows = result["predictions"]
+    fields = fields_report([r["prediction"] for r in rows], [r["answer"] for r in rows], schema_of(raw_schema))
+    for f in fields["fields"]:
+        if f["score"] is not None:
+            result["metrics"][f"{f['field']}.{f['metric']}"] = f["score"]
+            result["intervals"][f"{f['field']}.{f['metric']}"] = f["score_ci95"]
+        if f.get("normalized_match") is not None:
+            result["metrics"][f"{f['field']}.normalized_match"] = f["normalized_match"]
+    result["metrics"]["schema_valid_rate"] = fields["invalid"]["valid_rate"]
+    return fields
+
+
 @dataclass(frozen=True)
 class EvalParams:
     """The evaluate stage's parameters, built by pipeline.round.params.evaluate_params; its cache key is their
@@ -105,6 +124,7 @@ class EvalParams:
     batch_size: int  # select.score_batch_size, the scoring batch
     out_dir: str
     box_labels: list[str] | None = None  # a box project's class list (data.task: boxes): mAP, not answer accuracy
+    answer_schema: dict[str, Any] | None = None  # data.answer_schema as written: per-field metrics (per_class.json)
 
 
 def evaluate_stage(params: EvalParams) -> dict[str, Any]:
@@ -125,7 +145,8 @@ def evaluate_stage(params: EvalParams) -> dict[str, Any]:
 
     test, adapter, model, answers, out_dir = params.test, params.adapter, params.model, params.answers, params.out_dir
     inputs = {"test": test["digest"], "adapter": adapter.extra["adapter_digest"]}
-    config = {"model": model, "answers": answers, **({"box_labels": params.box_labels} if params.box_labels else {})}
+    config = {"model": model, "answers": answers, **({"box_labels": params.box_labels} if params.box_labels else {}),
+              **({"answer_schema": params.answer_schema} if params.answer_schema else {})}
 
     def compute() -> Any:
         rows = list(datasets.load_from_disk(test["dataset"]))
@@ -137,9 +158,12 @@ def evaluate_stage(params: EvalParams) -> dict[str, Any]:
                                                              max_new_tokens=model_cfg.max_new_tokens), inputs, config)
         result = evaluate_model(loaded, rows, answers, batch_size=params.batch_size,
                                 max_new_tokens=model_cfg.max_new_tokens)
+        outputs = {"metrics": "metrics.json", "predictions": "predictions.jsonl"}
+        if params.answer_schema is not None:
+            atomic_write_json(out / PER_CLASS_FILE, with_field_metrics(result, params.answer_schema))
+            outputs["per_class"] = PER_CLASS_FILE
         atomic_write_jsonl(out / "predictions.jsonl", result.pop("predictions"))
         report = result.pop("report")
-        outputs = {"metrics": "metrics.json", "predictions": "predictions.jsonl"}
         if answers:
             atomic_write_json(out / PER_CLASS_FILE, report)
             plot_confusion(report, out / CONFUSION_FILE)

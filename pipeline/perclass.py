@@ -261,6 +261,7 @@ class EvalReport:
     dir: Path
     per_class: dict[str, Any] | None
     per_group: dict[str, Any] | None
+    fields: dict[str, Any] | None = None  # per_class.json of structured answers: its `fields` (pipeline/fields/metrics.py)
 
     @property
     def confusion_png(self) -> Path | None:
@@ -279,5 +280,7 @@ def load_eval_report(eval_dir: str | os.PathLike[str] | None) -> EvalReport | No
         path = folder / name
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
-    report = EvalReport(folder, read(PER_CLASS_FILE), read(PER_GROUP_FILE))
-    return report if report.per_class or report.per_group else None
+    per_class = read(PER_CLASS_FILE)
+    fields = per_class if per_class is not None and "fields" in per_class else None
+    report = EvalReport(folder, None if fields else per_class, read(PER_GROUP_FILE), fields)
+    return report if report.per_class or report.per_group or report.fields else None

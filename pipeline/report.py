@@ -179,8 +179,24 @@ def evaluation_markdown(evaluation: Any, confusion_uri: str | None = None) -> li
             lines += ["", f"![confusion matrix]({confusion_uri})"]
         if evaluation.confusion_png:
             lines += ["", f"Confusion matrix PNG: `{evaluation.confusion_png}`"]
+    if evaluation.fields:
+        lines += ["", "### Per field", ""] + fields_markdown(evaluation.fields)
     if evaluation.per_group:
         lines += per_group_markdown(evaluation.per_group)
+    return lines
+
+
+def fields_markdown(fields: Mapping[str, Any]) -> list[str]:
+    """per_class.json's `fields` of structured answers as a table: each field's metric, score and interval."""
+    lines = ["| field | kind | metric | score | 95% CI | n |", "|---|---|---|---:|---|---:|"]
+    for f in fields["fields"]:
+        score, ci = f.get("score"), f.get("score_ci95")
+        lines.append(f"| {escape_md(f['field'])} | {f['kind']} | {f['metric']} | "
+                     f"{'—' if score is None else f'{score:.3f}'} | {'' if not ci else f'{ci[0]:.3f}–{ci[1]:.3f}'} | "
+                     f"{f['n']} |")
+    inv = fields.get("invalid") or {}
+    if inv.get("invalid"):
+        lines += ["", f"{inv['invalid']} of {inv['n']} predictions break the answer schema (examples in per_class.json)"]
     return lines
 
 

@@ -146,7 +146,9 @@ FLOORS = (
      "pipeline.schema", "pipeline.lock", "pipeline.metrics", "pipeline.chance", "pipeline.perclass", "pipeline.report",
      "pipeline.meaning", "pipeline.answer_metrics", "pipeline.stage_ref", "pipeline.faiss_threads", "pipeline.round_state", "pipeline.boxes",
      "pipeline.mdtext", "pipeline.csvcells",  # user text made inert in markdown and in CSVs for spreadsheets
-     "pipeline.fields.schema"),  # the answer schema the config checks (the rest of pipeline.fields is a stage floor)
+     # the answer schema the config checks, and an answer checked against it (ingest and the label import read it);
+     # the rest of pipeline.fields is a stage floor
+     "pipeline.fields.schema", "pipeline.fields.answers"),
     ("pipeline.data",),  # sources → the ingested table
     ("pipeline.scoring",),  # scorers of rows with a loaded model (the shard stage that loads it is above)
     ("pipeline.model",),  # families, loading, planning, training on given rows
@@ -160,7 +162,8 @@ FLOORS = (
      "pipeline.fields"),  # structured answers: per-field metrics use pipeline.evaluate's token F1
     # the round: its plan, its report, what reads a finished round
     ("pipeline.round", "pipeline.unchanged", "pipeline.status", "pipeline.roundreport", "pipeline.predict",
-     "pipeline.export_model", "pipeline.dataexport", "pipeline.project_init", "pipeline.serving"),
+     "pipeline.export_model", "pipeline.dataexport", "pipeline.project_init", "pipeline.serving",
+     "pipeline.predict_inputs"),
     ("flows",),
 )
 

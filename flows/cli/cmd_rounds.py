@@ -183,6 +183,14 @@ def per_class_output(states: list[RoundState]) -> tuple[Any, str]:
             table.add_row(r["answer"], f"{r['precision']:.3f}", f"{r['recall']:.3f}", f"{r['f1']:.3f}",
                           str(r["support"]))
         return table, per_class_markdown(pc)[0].replace("**", "") + f"\nevaluation folder: {ev.dir}"
+    if ev.fields:  # structured answers (data.answer_schema): one row per field
+        table = Table(title=f"per-field results ({where})")
+        for col in ("field", "kind", "metric", "score", "n"):
+            table.add_column(col, justify="left" if col in ("field", "kind", "metric") else "right")
+        for f in ev.fields["fields"]:
+            table.add_row(f["field"], f["kind"], f["metric"], "—" if f["score"] is None else f"{f['score']:.3f}",
+                          str(f["n"]))
+        return table, f"{ev.fields['n']} test samples; evaluation folder: {ev.dir}"
     pg = ev.per_group
     table = Table(title=f"results by {pg['by'].replace('_', ' ')} ({where})")
     for col in ("group", "n", *pg["metrics"]):
@@ -212,7 +220,7 @@ def status_cmd(
 
         state = next((s for s in reversed(completed_rounds(cfg.artifacts)) if s.eval_dir), None)
         ev = load_eval_report(state and state.eval_dir)
-        summary["per_class"] = ev and (ev.per_class or ev.per_group)
+        summary["per_class"] = ev and (ev.per_class or ev.fields or ev.per_group)
     if as_json:
         typer.echo(json.dumps(summary, default=str, indent=2))
         return

@@ -23,7 +23,9 @@ from pipeline.codeversion import stage_version
 from pipeline.config import AnnotateConfig, ModelConfig
 from pipeline.csvcells import csv_text
 from pipeline.errors import TamisError
-from pipeline.fields.labelstudio import image_keys, labeling_config
+from pipeline.fields.answers import label_columns
+from pipeline.fields.labelstudio import image_keys, labeling_config, prediction_results
+from pipeline.fields.schema import AnswerSchema, schema_of
 from pipeline.idindex import IdIndex
 from pipeline.round_state import ROUNDS_DIR, round_dir
 from pipeline.stage_ref import StageRef
@@ -109,6 +111,7 @@ class ExportContext:
     # Relative path from Label Studio's document root to the export folder (posix).
     export_relpath: str
     model_version: str = "tamis"
+    schema: AnswerSchema | None = None  # data.answer_schema: one Label Studio control and one table column per field
 
 
 class Exporter:
@@ -153,6 +156,10 @@ class LabelStudioExporter(Exporter):
         if item.prediction is None:
             return []
         answers = self.ctx.answers
+        if self.ctx.schema is not None:
+            fields = prediction_results(item.prediction, self.ctx.schema, TO_NAME)
+            return [{"model_version": self.ctx.model_version, "result": fields,
+                     **({"score": float(item.confidence)} if item.confidence is not None else {})}] if fields else []
         if answers:
             # Label Studio rejects a pre-annotation that is not one of the interface's choices.
             if item.prediction not in answers:
@@ -196,8 +203,8 @@ class LabelStudioExporter(Exporter):
         context = any(it.context for it in items)
         # One <Image> per picture where some sample has several (or earlier turns): pipeline/fields/labelstudio.py,
         # whose answer control keeps the names the label import reads; a one-image project's config is unchanged.
-        xml = label_config_xml(self.ctx.answers) if n_images == 1 and not context else labeling_config(
-            n_images, answers=self.ctx.answers, context=context)
+        xml = label_config_xml(self.ctx.answers) if n_images == 1 and not context and self.ctx.schema is None else \
+            labeling_config(n_images, self.ctx.schema, answers=self.ctx.answers, context=context)
         atomic_write_text(out_dir / LABEL_CONFIG_FILE, xml)
         return [TASKS_FILE, LABEL_CONFIG_FILE]
 
@@ -215,7 +222,18 @@ def _more_task_data(it: ExportItem, url: str) -> dict[str, Any]:
     return data
 
 
-def _table_rows(items: Sequence[ExportItem]) -> list[dict[str, Any]]:
+def _table_rows(items: Sequence[ExportItem], schema: AnswerSchema | None = None) -> list[dict[str, Any]]:
+    """One row per sample; under an answer schema one empty column per field instead of `label` (the label import
+    rebuilds the answer from them)."""
+    rows = _plain_rows(items)
+    if schema is not None:
+        for r in rows:
+            del r["label"]
+            r.update(dict.fromkeys(label_columns(schema), ""))
+    return rows
+
+
+def _plain_rows(items: Sequence[ExportItem]) -> list[dict[str, Any]]:
     return [
         {
             "sample_id": it.sample_id,
@@ -241,13 +259,14 @@ def _more_cells(it: ExportItem) -> dict[str, Any]:
     return cells
 
 
-def table_columns(items: Sequence[ExportItem]) -> list[str]:
+def table_columns(items: Sequence[ExportItem], schema: AnswerSchema | None = None) -> list[str]:
     """TABLE_COLUMNS, then one image and original_image column per later picture and a context column where some
-    sample has them (before `label`, which stays last: the column a person fills)."""
+    sample has them (before `label`, which stays last: the column a person fills; under an answer schema, one
+    column per field in its place)."""
     n = max((1 + len(it.more) for it in items), default=1)
     more = [c for k in image_keys(n)[1:] for c in (k, f"original_{k}")]
     more += ["context"] if any(it.context for it in items) else []
-    return [*TABLE_COLUMNS[:-1], *more, TABLE_COLUMNS[-1]]
+    return [*TABLE_COLUMNS[:-1], *more, *(label_columns(schema) if schema is not None else TABLE_COLUMNS[-1:])]
 
 
 class CsvExporter(Exporter):
@@ -256,7 +275,8 @@ class CsvExporter(Exporter):
     def write(self, items: Sequence[ExportItem], out_dir: Path) -> list[str]:
         # Formula-like cells (a file named =HYPERLINK(…), an open answer starting with -) get a leading ' so a
         # spreadsheet shows them as text; the label import takes it off again (pipeline/csvcells.py).
-        atomic_write_text(out_dir / CSV_FILE, csv_text(table_columns(items), _table_rows(items)))
+        atomic_write_text(out_dir / CSV_FILE, csv_text(table_columns(items, self.ctx.schema),
+                                                      _table_rows(items, self.ctx.schema)))
         return [CSV_FILE]
 
 
@@ -264,7 +284,7 @@ class JsonlExporter(Exporter):
     name = "jsonl"
 
     def write(self, items: Sequence[ExportItem], out_dir: Path) -> list[str]:
-        text = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in _table_rows(items))
+        text = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in _table_rows(items, self.ctx.schema))
         atomic_write_text(out_dir / JSONL_FILE, text)
         return [JSONL_FILE]
 
@@ -413,9 +433,11 @@ def export_selection(
     out_dir: str | os.PathLike[str],
     *,
     round_index: int,
+    schema: AnswerSchema | None = None,
 ) -> Manifest:
     """Write every format in annotate.formats into out_dir, then the manifest (last, so it marks completion).
-    `answers`: data.answers (None for open answers); `artifacts`: where the document root defaults to."""
+    `answers`: data.answers (None for open answers); `artifacts`: where the document root defaults to; `schema`:
+    data.answer_schema's (one control and one column per field)."""
     out_dir = Path(out_dir)
     answers = list(answers) if answers is not None else None
     formats = list(dict.fromkeys(annotate.formats))
@@ -429,13 +451,15 @@ def export_selection(
         image_url_prefix=annotate.image_url_prefix,
         export_relpath=_document_relpath(out_dir, annotate, Path(artifacts)),
         model_version=f"adapter-{sorted(adapters)[0][:12]}" if len(adapters) == 1 else "tamis",
+        schema=schema,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, str] = {}
     for name in formats:
         for rel in EXPORTERS[name](ctx).write(items, out_dir):
             outputs[rel] = rel
-    config = {"annotate": annotate.model_dump(mode="json"), "answers": answers}
+    config = {"annotate": annotate.model_dump(mode="json"), "answers": answers,
+              **({"answer_schema": schema.raw} if schema is not None else {})}
     strategies = sorted({str(r.get("strategy")) for r in selection_rows if r.get("strategy")})
     log.info("Exported %d samples of round %d to %s (%s)", len(items), round_index, out_dir, ", ".join(formats))
     return write_manifest(
@@ -485,18 +509,22 @@ class ExportParams:
     # A box project (data.task: boxes): its class list, and the model section whose family's codec reads the boxes
     box_labels: list[str] | None = None
     model: dict[str, Any] | None = None
+    answer_schema: dict[str, Any] | None = None  # data.answer_schema as written (its content keys the export)
 
 
 def export_params(annotate: AnnotateConfig, answers: Sequence[str] | None, *, artifacts: str | os.PathLike[str],
                   selection: Mapping[str, Any], prepared: Mapping[str, Any], round_index: int,
-                  box_labels: Sequence[str] | None = None, model: ModelConfig | None = None) -> ExportParams:
+                  box_labels: Sequence[str] | None = None, model: ModelConfig | None = None,
+                  schema: AnswerSchema | None = None) -> ExportParams:
     """The export stage's parameters for round `round_index`'s selection (the select and prepare stages' results),
-    written into the round's export folder; a box project passes its class list and model section (ModelConfig)."""
+    written into the round's export folder; a box project passes its class list and model section (ModelConfig), a
+    project of structured answers its schema (data.schema)."""
     boxes = {} if box_labels is None or model is None else {"box_labels": list(box_labels),
                                                              "model": model.model_dump(mode="json")}
     return ExportParams(artifacts=str(artifacts), selection=StageRef.of(selection), prepared=StageRef.of(prepared),
                         annotate=annotate.model_dump(mode="json"), answers=None if answers is None else list(answers),
-                        round_index=round_index, out_dir=str(export_dir(Path(artifacts), round_index)), **boxes)
+                        round_index=round_index, out_dir=str(export_dir(Path(artifacts), round_index)), **boxes,
+                        answer_schema=None if schema is None else schema.raw)
 
 
 def export_stage(params: ExportParams) -> dict[str, Any]:
@@ -510,7 +538,8 @@ def export_stage(params: ExportParams) -> dict[str, Any]:
         m = _export_boxes(params, rows)
         return {"dir": params.out_dir, "digest": m.key, "count": m.info["count"]}
     m = export_selection(rows, load_prepared(params.prepared.dir), AnnotateConfig.model_validate(params.annotate),
-                         params.answers, params.artifacts, params.out_dir, round_index=params.round_index)
+                         params.answers, params.artifacts, params.out_dir, round_index=params.round_index,
+                         schema=None if params.answer_schema is None else schema_of(params.answer_schema))
     return {"dir": params.out_dir, "digest": m.key, "count": m.info["count"]}
 
 

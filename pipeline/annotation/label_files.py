@@ -23,9 +23,12 @@ from pipeline.annotation.export import FROM_NAME, TABLE_COLUMNS
 from pipeline.config import DataConfig
 from pipeline.csvcells import unescape_cell
 from pipeline.errors import LabelImportError
+from pipeline.fields.schema import AnswerSchema
 from pipeline.schema import answer_column
 from pipeline.store import digest_bytes
 
+# LabelKeys.answer_column's answer for a table with one column per field of the answer schema (no `label` column).
+FIELD_COLUMNS = "\0fields"
 # A table's columns about an annotation, not its answer (a `seconds` / `lead_time` cell: read_seconds).
 META_COLUMNS = ("annotator", "seconds", "lead_time")
 
@@ -199,11 +202,25 @@ def _box_result_label(result: list[Any], labels: Sequence[str]) -> tuple[str | N
         return None, str(exc)
 
 
-def _result_label(result: list[Any], box_labels: Sequence[str] = ()) -> tuple[str | None, str | None]:
-    """(label, problem) from an annotation's result list: the choices or text of the answer control, or the boxes
-    of RectangleLabels regions in a box project (`box_labels`: its class list)."""
+def _fields_result_label(result: list[Any], schema: AnswerSchema) -> tuple[str | None, str | None]:
+    """(canonical answer, problem) from the results of one control per field (pipeline/fields/labelstudio.py)."""
+    from pipeline.fields.labelstudio import answer_from_results
+
+    try:
+        return answer_from_results([r for r in result if isinstance(r, dict)], schema), None
+    except ValueError as exc:
+        return None, f"{exc} ({schema.path})"
+
+
+def _result_label(result: list[Any], box_labels: Sequence[str] = (),
+                  schema: AnswerSchema | None = None) -> tuple[str | None, str | None]:
+    """(label, problem) from an annotation's result list: the choices or text of the answer control, the boxes
+    of RectangleLabels regions in a box project (`box_labels`: its class list), or the answer rebuilt from one
+    control per field under an answer schema (when the result holds any of its fields)."""
     if box_labels:
         return _box_result_label(result, box_labels)
+    if schema is not None and any(isinstance(r, dict) and r.get("from_name") in schema.names for r in result):
+        return _fields_result_label(result, schema)
     items = [r for r in result if isinstance(r, dict) and isinstance(r.get("value"), dict)]
     items.sort(key=lambda r: r.get("from_name") != FROM_NAME)  # our control first, then any other
     for r in items:
@@ -228,6 +245,7 @@ class LabelKeys:
     image_columns: tuple[str, ...] = ("image", "image_path")
     answer_columns: tuple[str, ...] = ()  # the sources' answer columns: a tie-break among candidate answer columns
     box_labels: tuple[str, ...] = ()  # a box project's class list (data.box_labels): what a box label may name
+    schema: AnswerSchema | None = None  # data.answer_schema: labels checked and written canonically, or per field
 
     @classmethod
     def from_config(cls, data: DataConfig) -> LabelKeys:
@@ -238,7 +256,8 @@ class LabelKeys:
             ids.append(src.id_column)
             images += [src.image_column, src.data_image_key]
         answers = tuple(dict.fromkeys(src.answer_column for src in data.sources))
-        return cls(tuple(dict.fromkeys(ids)), tuple(dict.fromkeys(images)), answers, tuple(data.box_labels or ()))
+        return cls(tuple(dict.fromkeys(ids)), tuple(dict.fromkeys(images)), answers, tuple(data.box_labels or ()),
+                   data.schema)
 
     def answer_candidates(self, header: Sequence[str]) -> list[str]:
         """A table's columns that may hold the answers: not a key, an annotation's metadata or a column tamis's own
@@ -253,6 +272,8 @@ class LabelKeys:
         its answer_column. None when that leaves none or several."""
         if "label" in header:
             return "label"
+        if self.schema is not None and {f.name for f in self.schema.fields if f.required} <= set(header):
+            return FIELD_COLUMNS  # one column per field (pipeline/fields/answers.py label_columns)
         candidates = self.answer_candidates(header)
         named = [c for c in candidates if c.lower() in {a.lower() for a in self.answer_columns}]
         return answer_column(candidates) or (named[0] if len(named) == 1 else None)
@@ -332,12 +353,24 @@ class LabelStudioReader(LabelReader):
                 elif not isinstance(result, list):
                     raise LabelImportError(f"{where}: 'result' must be a list")
                 else:
-                    row.label, row.problem = _result_label(result, self.keys.box_labels)
+                    row.label, row.problem = _result_label(result, self.keys.box_labels, self.keys.schema)
                     _timed(row, ann.get("lead_time"))
                 row.task, row.annotation = _taken_key(task.get("id"), ann.get("id"), row)
                 row.updated = _cell(ann.get("updated_at"))
                 rows.append(row)
         return rows, unlabeled
+
+
+def _min_fields(task: dict[str, Any], keys: LabelKeys) -> tuple[str | None, str | None]:
+    """(answer, problem) of a JSON_MIN task labeled with one control per field: each field's value under its name
+    (a choice as a string or {"choices": [...]}, a text area's text, a number)."""
+    cells: dict[str, Any] = {}
+    for n in keys.schema.names if keys.schema is not None else ():
+        v = task.get(n)
+        v = v.get("choices") if isinstance(v, dict) else v
+        v = v[0] if isinstance(v, list) and len(v) == 1 else v
+        cells[n] = None if v is None else str(v)
+    return _table_label(cells, keys, FIELD_COLUMNS)
 
 
 class LabelStudioMinReader(LabelReader):
@@ -352,10 +385,11 @@ class LabelStudioMinReader(LabelReader):
             if not isinstance(task, dict):
                 raise LabelImportError(f"{name}:{line}: task #{t + 1} is a {type(task).__name__}, not an object")
             key = next((k for k in self.label_keys if k in task), None)
-            if key is None:
+            fields = self.keys.schema is not None and any(n in task for n in self.keys.schema.names)
+            if key is None and not fields:
                 unlabeled += 1
                 continue
-            value, problem = task[key], None
+            value, problem = _min_fields(task, self.keys) if fields and key is None else (task[key], None)
             if isinstance(value, dict) and "choices" in value:
                 value = value["choices"]
             if isinstance(value, list):
@@ -378,14 +412,34 @@ class LabelStudioMinReader(LabelReader):
         return rows, unlabeled
 
 
-def _table_row(d: dict[str, Any], line: int, name: str, keys: LabelKeys, answer: str = "label") -> LabelRow:
+def _table_label(d: dict[str, Any], keys: LabelKeys, answer: str) -> tuple[str | None, str | None]:
+    """(label, problem) of a table row: its answer cell (a JSON object as its JSON text), or under an answer schema
+    the answer its field columns give."""
+    if answer == FIELD_COLUMNS and keys.schema is not None:
+        from pipeline.fields.answers import answer_from_cells
+
+        cells = {n: None if d.get(n) is None else str(d[n]) for n in keys.schema.names}
+        if not any((c or "").strip() for c in cells.values()):
+            return None, None
+        try:
+            return answer_from_cells(cells, keys.schema), None
+        except ValueError as exc:
+            return None, f"{exc} ({keys.schema.path})"
     label = d.get(answer)
+    if isinstance(label, (dict, list)):
+        return json.dumps(label, ensure_ascii=False), None
+    return None if label is None else str(label), None
+
+
+def _table_row(d: dict[str, Any], line: int, name: str, keys: LabelKeys, answer: str = "label") -> LabelRow:
+    label, problem = _table_label(d, keys, answer)
     return _timed(LabelRow(
         _cell(d.get("sample_id")),
-        None if label is None else str(label),
+        label,
         _annotator(d.get("annotator"), "unknown"),
         line,
         f"{name}:{line}",
+        problem=problem,
         external_id=keys.first(d, keys.id_columns),
         image=keys.first(d, keys.image_columns),
     ), d.get("seconds", d.get("lead_time")))
@@ -525,6 +579,18 @@ def detect_format(path: Path, text: str) -> str:
     )
 
 
+def _check_schema(rows: list[LabelRow], schema: AnswerSchema) -> None:
+    """Each label as its canonical answer under the schema, or a problem of its row (rejected with its file:line,
+    the fields at fault and the fix)."""
+    from pipeline.fields.answers import check_label
+
+    for r in rows:
+        if r.problem or r.cancelled or not (r.label or "").strip():
+            continue
+        checked = check_label(r.label, schema)
+        r.label, r.problem = (checked.canonical, None) if checked.canonical is not None else (r.label, checked.problem)
+
+
 @dataclass
 class LabelFile:
     path: Path
@@ -549,6 +615,8 @@ def read_label_file(path: str | os.PathLike[str], keys: LabelKeys | None = None)
     reader = LABEL_READERS[fmt](keys)
     reader.check_complete(text, str(path))
     rows, unlabeled = reader.read(text, str(path))
+    if keys is not None and keys.schema is not None:
+        _check_schema(rows, keys.schema)
     # No tasks at all (Label Studio exports `[]` for an empty project, a CSV may hold only its header) is zero labels,
     # nothing to do; tasks without a single label row is more likely the wrong export.
     if not rows and unlabeled:

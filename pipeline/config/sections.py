@@ -3,6 +3,7 @@ embeddings and select."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,6 +18,7 @@ from pydantic import (
 
 from pipeline.config.answers import ClosedAnswers
 from pipeline.config.base import Section
+from pipeline.fields.schema import AnswerSchema, load_answer_schema
 
 # trl / sharegpt / swift: conversations with several images and turns (pipeline/data/conversations.py).
 # coco: a COCO detection file, for box projects (data.task: boxes; pipeline/data/readers.py CocoReader).
@@ -47,6 +49,12 @@ class SourceConfig(Section):
 
 
 Task = Literal["answer", "boxes"]
+
+
+@functools.lru_cache(maxsize=8)
+def _schema_at(path: str, stamp: int) -> AnswerSchema:
+    """load_answer_schema, read once per file version (`stamp`: its mtime): ingest asks for every row."""
+    return load_answer_schema(path)
 
 
 class DataConfig(Section):
@@ -127,6 +135,18 @@ class DataConfig(Section):
         """The closed answer set the model is scored and evaluated against: data.answers, except under data.task:
         boxes, whose model writes its boxes as generated text (open answers; data.answers is the class list)."""
         return None if self.task == "boxes" else self.answers
+
+    @property
+    def schema(self) -> AnswerSchema | None:
+        """The answer schema of data.answer_schema, read and checked (pipeline/fields/schema.py); None without one."""
+        if self.answer_schema is None:
+            return None
+        p = Path(self.answer_schema)
+        try:
+            stamp = p.stat().st_mtime_ns
+        except OSError:
+            stamp = 0
+        return _schema_at(str(p), stamp)
 
     @property
     def box_labels(self) -> list[str] | None:

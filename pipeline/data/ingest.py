@@ -27,6 +27,7 @@ from pipeline.data.multi import add_more_features, has_more, more_columns, row_k
 from pipeline.data.readers import READERS, RawRow, Rejected
 from pipeline.data.shards import SHARDS_FILE, Shard, ShardWriter, assemble, reusable_shards, save_lineage
 from pipeline.errors import DataError
+from pipeline.fields.answers import check_label
 from pipeline.schema import INGEST_COLUMNS, MAX_QUESTION_CHARS, MORE_COLUMNS, SPLITS, sample_id_of
 from pipeline.store import (
     Manifest,
@@ -221,6 +222,13 @@ def _validate(row: RawRow, cfg: DataConfig, acc: _Accounting) -> dict[str, Any] 
     if row.answer is not None and cfg.box_labels is not None and (why := label_problem(row.answer, cfg.box_labels)):
         acc.reject(row.source, f"{why}; fix the boxes or add the classes to data.answers", row.image_path)
         return None
+    answer = row.answer
+    if answer is not None and (schema := cfg.schema) is not None:
+        checked = check_label(answer, schema)  # stored as its canonical text: the training target
+        if checked.canonical is None:
+            acc.reject(row.source, str(checked.problem), row.image_path, fields=list(checked.fields))
+            return None
+        answer = checked.canonical
     more = more_columns(row, cfg.max_image_pixels) if has_more(cfg) else {}
     if isinstance(more, str):
         acc.reject(row.source, more, row.image_path)
@@ -228,7 +236,7 @@ def _validate(row: RawRow, cfg: DataConfig, acc: _Accounting) -> dict[str, Any] 
     sid = sample_id_of([row.image, *(m.image for m in row.more)], row.question, row.context)
     return {
         "sample_id": sid, "image": row.image, "image_path": row.image_path,
-        "question": row.question, "answer": row.answer, "split": split, "source": row.source,
+        "question": row.question, "answer": answer, "split": split, "source": row.source,
         "width": width, "height": height, "mode": mode, "external_id": row.external_id, **more,
     }
 

@@ -64,10 +64,11 @@ Item = RawRow | Rejected
 
 
 def _text(value: Any) -> str | None:
-    """Text cell → stripped str; missing / empty → None (numbers in JSON answers become their text)."""
+    """Text cell → stripped str; missing / empty → None (numbers in JSON answers become their text, a JSON object its
+    JSON text: a structured answer, data.answer_schema)."""
     if value is None:
         return None
-    s = str(value).strip()
+    s = (json.dumps(value, ensure_ascii=False) if isinstance(value, (dict, list)) else str(value)).strip()
     return s or None
 
 

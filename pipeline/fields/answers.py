@@ -62,7 +62,9 @@ def _jsonschema_problems(value: Mapping[str, Any], schema: AnswerSchema) -> list
         import jsonschema
     except ImportError:
         return None
-    validator = jsonschema.validators.validator_for(schema.raw)(schema.raw)
+    # `required` left out means every field (pipeline/fields/schema.py), which plain JSON Schema reads as none.
+    raw = {**schema.raw, "required": [f.name for f in schema.fields if f.required]}
+    validator = jsonschema.validators.validator_for(raw)(raw)
     return [(f"field {'.'.join(map(str, e.absolute_path))!r}: " if e.absolute_path else "") + e.message
             for e in validator.iter_errors(dict(value))]
 
@@ -87,6 +89,39 @@ def canonical(value: Mapping[str, Any], schema: AnswerSchema) -> str:
     ordered = {**{n: value[n] for n in schema.names if n in value},
                **{k: value[k] for k in sorted(value) if k not in schema.names}}
     return json.dumps(ordered, ensure_ascii=False, separators=(",", ":"))
+
+
+def fields_at_fault(value: Mapping[str, Any] | None, schema: AnswerSchema) -> list[str]:
+    """The fields an answer gets wrong (missing, wrong type or value, not in a closed schema); every field when it is
+    not an object."""
+    if value is None:
+        return schema.names
+    bad = [f.name for f in schema.fields if (f.required and f.name not in value) or
+           (f.name in value and not _type_ok(f, value[f.name]))]
+    if schema.raw.get("additionalProperties") is False:
+        bad += [k for k in value if k not in schema.names]
+    return bad
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A label checked against the schema: its canonical text when valid, else why not and the fields at fault."""
+
+    canonical: str | None
+    problem: str | None = None
+    fields: tuple[str, ...] = ()
+
+
+def check_label(text: str | None, schema: AnswerSchema) -> Checked:
+    """A label (a source's answer, an imported label) as its canonical text, or the reason it breaks the schema,
+    naming the fields and the fix."""
+    parsed = parse_answer(text, schema)
+    if parsed.valid:
+        return Checked(canonical(parsed.value or {}, schema))
+    where = schema.path or "data.answer_schema"
+    fields = fields_at_fault(parsed.value, schema)
+    return Checked(None, f"answer {str(text)[:80]!r} breaks {where}: {'; '.join(parsed.problems)}; fix field(s) "
+                         f"{fields} (an object with fields {schema.names}, each as the schema declares)", tuple(fields))
 
 
 @dataclass(frozen=True)

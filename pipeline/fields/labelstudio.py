@@ -1,6 +1,7 @@
 """Label Studio labeling configs for samples of several images and structured answers.
 
-One `<Image>` per picture of a sample (`$image`, `$image_2`, …: the task's data keys, `task_images`), the question as
+One `<Image>` per picture of a sample (`$image`, `$image_2`, …: the task's data keys, `task_images`; several side by
+side in one row), the question as
 `<Text>`, then one control per field of the answer schema: `<Choices>` for an enum field (one `<Choice>` per value),
 `<TextArea>` for a string field, `<Number>` for a number field, each under a `<Header>` naming the field. Each
 control is named as its field, so an annotation's results map back to the answer's fields (`answer_from_results`);
@@ -56,8 +57,12 @@ def labeling_config(n_images: int, schema: AnswerSchema | None = None, *, answer
         raise DataError(f"{schema.path if schema is not None else 'the answer schema'}: field(s) {taken} have the "
                         "names of the Label Studio task's images or question; rename the field(s) in the schema")
     view = ET.Element("View")
+    # Several pictures side by side, each as wide as its share of the row: one under the other at full width pushed
+    # the question and the controls below the screen (seen in a real Label Studio, docs/formats.md's screenshot).
+    row = ET.SubElement(view, "View", style="display: flex; gap: 8px") if len(keys) > 1 else view
     for k in keys:
-        ET.SubElement(view, "Image", name=k, value=f"${k}")
+        parent = ET.SubElement(row, "View", style="flex: 1; min-width: 0") if len(keys) > 1 else view
+        ET.SubElement(parent, "Image", name=k, value=f"${k}")
     if context:
         ET.SubElement(view, "Text", name="context", value="$context")
     ET.SubElement(view, "Text", name="question", value="$text")
@@ -94,3 +99,26 @@ def answer_from_results(results: Sequence[Mapping[str, Any]], schema: AnswerSche
         elif r.get("type") == "number" and value.get("number") is not None:
             cells[name] = str(value["number"])
     return answer_from_cells(cells, schema)
+
+
+def prediction_results(answer: str | None, schema: AnswerSchema, to: str = "image") -> list[dict[str, Any]]:
+    """A model's answer as pre-annotation results, one per field it gives validly (an enum value among the choices,
+    a string, a number): Label Studio refuses a choice outside its control, and a field left out starts blank."""
+    from pipeline.fields.answers import parse_answer
+
+    value = parse_answer(answer, schema, use_jsonschema=False).value or {}
+    out = []
+    for f in schema.fields:
+        v = value.get(f.name)
+        if v is None or isinstance(v, bool):
+            continue
+        if f.kind == "enum" and any(v == c and isinstance(v, str) == isinstance(c, str) for c in f.choices):
+            out.append({"type": "choices", "value": {"choices": [str(v)]}})
+        elif f.kind == "string" and isinstance(v, str) and v.strip():
+            out.append({"type": "textarea", "value": {"text": [v]}})
+        elif f.kind == "number" and isinstance(v, (int, float)):
+            out.append({"type": "number", "value": {"number": v}})
+        else:
+            continue
+        out[-1] |= {"from_name": f.name, "to_name": to}
+    return out

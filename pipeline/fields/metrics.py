@@ -1,7 +1,8 @@
 """Per-field evaluation of structured answers: the `fields` section of per_class.json (pipeline/perclass.py).
 
 Each field is scored on the test rows whose reference holds it: exact match for enum and number fields (numbers
-compared as numbers: 3 = 3.0), token F1 (SQuAD's, pipeline/evaluate.py) for string fields, each with a 95 %
+compared as numbers: 3 = 3.0), token F1 (SQuAD's, pipeline/evaluate.py) for string fields (with `normalized_match`: the share whose whole value
+matches after normalisation), each with a 95 %
 bootstrap interval of its mean. A prediction that is not a valid answer still scores on the fields it holds (a
 field it lacks scores 0), and is counted under `invalid` with the first few and why. An enum field also gets the
 per-class report of its values (precision / recall / F1, the confusion matrix), as a closed answer set does.
@@ -60,6 +61,12 @@ def _one_field(f: FieldSpec, preds: list[dict[str, Any]], refs: list[dict[str, A
     if not at:
         return {**entry, "score": None, "score_ci95": None}
     entry.update(score=round(sum(scores) / len(scores), 6), score_ci95=mean_interval(scores))
+    if f.kind == "string":  # the whole value right, ignoring case, punctuation and articles (SQuAD's normalisation)
+        from pipeline.meaning import normalize_answer
+
+        same = [preds[i].get(f.name) is not None and normalize_answer(str(preds[i][f.name])) ==
+                normalize_answer(str(refs[i][f.name])) for i in at]
+        entry["normalized_match"] = round(sum(same) / len(same), 6)
     if f.kind == "enum":
         choices = [str(c) for c in f.choices]
         got = [None if preds[i].get(f.name) is None else str(preds[i][f.name]) for i in at]

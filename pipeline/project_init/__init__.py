@@ -23,6 +23,7 @@ from pipeline.project_init.answers import (
 from pipeline.project_init.detect import detect_source, detect_test
 from pipeline.project_init.found import Found
 from pipeline.project_init.render import render_config
+from pipeline.project_init.schema import SCHEMA_FILE, SchemaProposal, propose_schema
 from pipeline.project_init.settings import ModelFacts, Settings, choose_settings, model_facts
 
 DEFAULT_QUESTION = "What is shown in the image?"
@@ -89,8 +90,11 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     if test is not None:
         found.append(detect_test(test.expanduser().resolve(), path))
     boxes = [c for f in found for c in f.box_classes]
+    proposal = propose_schema({a: n for f in found for a, n in (f.counts or {}).items()}) if not boxes and \
+        answer_mode == "auto" else SchemaProposal(None, "")
     choice = AnswerChoice(list(dict.fromkeys(boxes)), "the COCO test file's categories: a box project (data.task: "
-                          "boxes, docs/boxes.md)") if boxes else choose_answers(found, answer_mode)
+                          "boxes, docs/boxes.md)") if boxes else AnswerChoice(None, proposal.why) if proposal.schema \
+        else choose_answers(found, answer_mode)
     resolved, note, problem = _resolve(model)
     facts = model_facts(model, resolved)
     _check_files(model, facts)
@@ -102,21 +106,27 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     settings = choose_settings(pool, [s for f in found for s in f.sizes], facts, hw)
     if choice.answers is None and choice.max_words:
         settings.max_new_tokens = generation_budget(choice.max_words)
+    if proposal.schema:  # a JSON object's tokens: about one per 2 characters, 8 to spare
+        settings.max_new_tokens = max(16, min(256, proposal.longest // 2 + 8))
     model_path = str(Path(model).expanduser().resolve()) if resolved is not None and resolved.where == "folder" \
         else model
     artifacts = out.expanduser().resolve().parent / "artifacts"
     default_question = f"Find every {', '.join(choice.answers or [])} in the image." if boxes else DEFAULT_QUESTION
     text = render_config(found, answers=choice.answers, question=question or default_question, model=model_path,
                          facts=facts, settings=settings, pool=pool, artifacts=str(artifacts),
-                         answers_why=choice.why, boxes=bool(boxes))
+                         answers_why=choice.why, boxes=bool(boxes),
+                         schema_file=str(out.expanduser().resolve().parent / SCHEMA_FILE) if proposal.schema else None)
     if problem:
         text = f"# FIRST, before a round: {problem}\n" + text
     import yaml
 
-    parse_config(yaml.safe_load(text), origin=str(out), root=root)  # what `load_config` will accept, checked first
     out.parent.mkdir(parents=True, exist_ok=True)
-    from pipeline.store import atomic_write_text
+    from pipeline.store import atomic_write_json, atomic_write_text
 
+    if proposal.schema:  # beside the config, as data.answer_schema names it (written before the config's check)
+        atomic_write_json(out.expanduser().resolve().parent / SCHEMA_FILE, proposal.schema)
+
+    parse_config(yaml.safe_load(text), origin=str(out), root=root)  # what `load_config` will accept
     atomic_write_text(out, text)
     has_test = any(f.test for f in found)
     steps = ([f"fix the model first: {problem}"] if problem else []) + next_steps(out, artifacts, choice.answers,

@@ -61,7 +61,11 @@ def _train_lines(facts: ModelFacts) -> list[str]:
             "  init: fresh"]
 
 
-def _answer_lines(found: list[Found], answers: list[str] | None, answers_why: str, boxes: bool) -> list[str]:
+def _answer_lines(found: list[Found], answers: list[str] | None, answers_why: str, boxes: bool,
+                  schema_file: str | None = None) -> list[str]:
+    if schema_file:
+        return [f"  # {answers_why}.", "  # The schema below was proposed from them: check its enums and required fields "
+                "(docs/structured.md).", f"  answer_schema: {_v(schema_file)}", "  answers: null"]
     if boxes:
         return [f"  # {answers_why}: labels are boxes of these {len(answers or [])} classes.", "  task: boxes",
                 f"  answers: {_v(answers)}"]
@@ -73,7 +77,10 @@ def _answer_lines(found: list[Found], answers: list[str] | None, answers_why: st
             + ": a closed set scores as classification over them.", f"  answers: {_v(answers)}"]
 
 
-def _strategy_lines(answers: list[str] | None, boxes: bool) -> list[str]:
+def _strategy_lines(answers: list[str] | None, boxes: bool, schema: bool = False) -> list[str]:
+    if schema:  # docs/structured.md: why token entropy rather than per-field uncertainty over sampled answers
+        return ["  strategy: token_entropy               # JSON answers: the mean token entropy of the generated answer",
+                "  diversity: uncertainty_herding"]
     if boxes:  # a box answer is generated text: its token entropy is what the scoring gives without extra passes
         return ["  strategy: token_entropy               # box answers: the answer's mean token entropy",
                 "  diversity: uncertainty_herding"]
@@ -82,7 +89,8 @@ def _strategy_lines(answers: list[str] | None, boxes: bool) -> list[str]:
 
 
 def render_config(found: list[Found], *, answers: list[str] | None, question: str, model: str, facts: ModelFacts,
-                  settings: Settings, pool: int, artifacts: str, answers_why: str = "", boxes: bool = False) -> str:
+                  settings: Settings, pool: int, artifacts: str, answers_why: str = "", boxes: bool = False,
+                  schema_file: str | None = None) -> str:
     s = settings
     lines = ["# Written by `tamis init`: every setting below was chosen from your data, model and hardware, with the",
              "# reason beside it. Edit freely; `tamis config show -c THIS_FILE` prints it with every default filled in.",
@@ -92,7 +100,7 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
              "data:", "  sources:"]
     for f in found:
         lines += _source_lines(f)
-    lines += _answer_lines(found, answers, answers_why, boxes)
+    lines += _answer_lines(found, answers, answers_why, boxes, schema_file)
     lines += [f"  question: {_v(question)}", "preprocess:", f"  # {s.size.why}", f"  size: {s.size.value}",
               "  pad: square                          # keep the aspect ratio: never stretch",
               f"  num_proc: {s.num_proc.value}                          # {s.num_proc.why}",
@@ -110,7 +118,7 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
               "  # The label-efficiency winner: Uncertainty Herding, coverage weighted by the model's uncertainty; it",
               "  # moves from coverage to uncertainty by itself (benchmarks/README.md). Open answers: semantic entropy.",
               "  cold_start: maxherding",
-              *_strategy_lines(answers, boxes),
+              *_strategy_lines(answers, boxes, bool(schema_file)),
               f"  # {s.shard_size.why}", f"  shard_size: {s.shard_size.value}",
               f"  score_batch_size: {s.score_batch_size.value}               # {s.score_batch_size.why}",
               f"  # auto: score every eligible sample up to 10,000, restrict above (this pool: {pool:,}); the",

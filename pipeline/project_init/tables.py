@@ -26,6 +26,9 @@ def _by_name(columns: list[str], names: tuple[str, ...]) -> str | None:
 
 
 def _cell(v: Any) -> str:
+    """A cell as text; a JSON object (a structured answer) as its JSON text."""
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, ensure_ascii=False)
     return "" if v is None else str(v).strip()
 
 

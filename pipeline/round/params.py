@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.config import ModelConfig, SelectConfig, TrainConfig
 from pipeline.errors import DataError
+from pipeline.fields.schema import AnswerSchema
 from pipeline.idindex import IdIndex
 from pipeline.round.plan import PoolData, RoundPlan
 from pipeline.stage_ref import StageRef
@@ -102,10 +103,10 @@ def test_set(artifacts: str | os.PathLike[str], prepared_ref: Mapping[str, Any],
 
 def evaluate_params(*, artifacts: str | os.PathLike[str], model: ModelConfig, answers: Sequence[str] | None,
                     batch_size: int, test: dict[str, str], adapter: Mapping[str, Any],
-                    box_labels: Sequence[str] | None = None) -> EvalParams:
+                    box_labels: Sequence[str] | None = None, schema: AnswerSchema | None = None) -> EvalParams:
     """The evaluate stage's parameters (its cache key) and output folder for a trained adapter (the train stage's
     result) on the test set (`batch_size`: select.score_batch_size, the scoring batch; `box_labels`: a box
-    project's class list)."""
+    project's class list; `schema`: data.answer_schema's, for per-field metrics)."""
     from pipeline.evaluate import EvalParams
     from pipeline.model.identity import keyed_model
 
@@ -113,7 +114,8 @@ def evaluate_params(*, artifacts: str | os.PathLike[str], model: ModelConfig, an
     return EvalParams(artifacts=str(artifacts), test=test, adapter=StageRef.of(adapter),
                       model=keyed_model(model, artifacts), answers=None if answers is None else list(answers),
                       batch_size=batch_size, out_dir=str(Path(artifacts) / "eval" / key[:16]),
-                      box_labels=None if box_labels is None else list(box_labels))
+                      box_labels=None if box_labels is None else list(box_labels),
+                      answer_schema=None if schema is None else schema.raw)
 
 
 def round_strategy(select: SelectConfig, *, cold: bool, phase: Mapping[str, str] | None = None) -> str:

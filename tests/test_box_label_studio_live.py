@@ -199,6 +199,15 @@ class Page:
             assert time.monotonic() < deadline, f"the page never satisfied {expr}"
             time.sleep(0.5)
 
+    def log_in(self, url: str) -> None:
+        """Log in to the Label Studio at `url` as the test user."""
+        self.call("Page.navigate", url=f"{url}/user/login")
+        self.wait("!!document.querySelector('input[name=email]')")
+        self.js(f"document.querySelector('input[name=email]').value = {json.dumps(USER)};"
+                f"document.querySelector('input[name=password]').value = {json.dumps(PASSWORD)};"
+                "document.querySelector('form').submit()")
+        self.wait("!location.pathname.startsWith('/user/login')")
+
     def close(self) -> None:
         self.ws.close()
         self.proc.terminate()
@@ -210,12 +219,7 @@ def test_the_labeling_page_draws_the_predicted_boxes(box_project, tmp_path):
     [task] = [t for t in _tasks(server, pid) if t["data"]["original_image"] == images[4].name]  # 720×405, 3 boxes
     page = Page(tmp_path / "profile", 1500, 900)
     try:
-        page.call("Page.navigate", url=f"{server.url}/user/login")
-        page.wait("!!document.querySelector('input[name=email]')")
-        page.js(f"document.querySelector('input[name=email]').value = {json.dumps(USER)};"
-                f"document.querySelector('input[name=password]').value = {json.dumps(PASSWORD)};"
-                "document.querySelector('form').submit()")
-        page.wait("!location.pathname.startsWith('/user/login')")
+        page.log_in(server.url)
         page.call("Page.navigate", url=f"{server.url}/projects/{pid}/data?task={task['id']}")
         page.wait("!!(window.Htx && Htx.annotationStore.selected && Htx.annotationStore.selected.regions.length) "
                   "&& document.querySelectorAll('canvas').length > 0")

@@ -1,10 +1,10 @@
 """`tamis predict`: a round's adapter on new images, batched through the scorer pool scoring and evaluation use.
 
-New images come from a folder, a JSONL / CSV manifest or a saved dataset, read by the ingest readers
-(pipeline/data/readers.py) and prepared by the preprocess stage's ImagePreparer, so the model sees what it saw in
-training and evaluation: the same preparation, the same prompt (the family's chat template around the question).
-A file that cannot be read or decoded, or a row whose question is too long to ask, becomes a row with its reason and
-no answer (and a line of `<out>.rejected.csv`), never an exception.
+New images come from a folder, a JSONL / CSV manifest, a saved dataset or (a project of several images) a file in
+its conversation format, read and prepared by pipeline/predict_inputs.py, so the model sees what it saw in training
+and evaluation: the same preparation, the same prompt (the family's chat template around the question). A file that
+cannot be read or decoded, or a row whose question is too long to ask, becomes a row with its reason and no answer
+(and a line of `<out>.rejected.csv`), never an exception.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,11 +23,10 @@ from pipeline.boxes.codecs import BoxCodec
 from pipeline.boxes.rows import Frame
 from pipeline.config import DataConfig, ModelConfig, PreprocessConfig, SelectConfig
 from pipeline.errors import ConfigError, DataError
-from pipeline.schema import MAX_QUESTION_CHARS
+from pipeline.predict_inputs import NewImage, read_new_images
 
 CSV_COLUMNS = ("file", "question", "answer", "probability", "mean_logprob", "label", "adapter", "error")
 CHUNK = 256  # images decoded and scored at a time: a 10⁵-image folder is never held in memory at once
-QUESTION_SHOWN = 200  # characters of a refused question kept in the output
 REJECTED_COLUMNS = ("file", "reason")
 BOX_CSV_COLUMNS = ("image", "class", "x", "y", "w", "h", "score")  # a box project's CSV: one row per box
 
@@ -65,89 +64,6 @@ def find_adapter(artifacts: str | os.PathLike[str], *, round_index: int | None =
     return AdapterChoice(Path(ref["adapter_dir"]), state.round, ref.get("adapter_digest"), why)
 
 
-def source_for(path: str | os.PathLike[str], question: str | None) -> Any:
-    """The ingest source that reads `path`: a saved dataset (a folder with dataset_info.json or dataset_dict.json),
-    an image folder, a .jsonl or .csv manifest."""
-    from pipeline.config import SourceConfig
-
-    p = Path(path)
-    if p.is_dir():
-        saved = any((p / n).is_file() for n in ("dataset_info.json", "dataset_dict.json", "state.json"))
-        return SourceConfig(kind="hf" if saved else "folder", path=p, question=question)
-    if p.suffix.lower() in (".jsonl", ".csv") and p.is_file():
-        return SourceConfig(kind=p.suffix.lower().lstrip("."), path=p, question=question)
-    what = "does not exist" if not p.exists() else "is neither a folder nor a .jsonl / .csv manifest"
-    raise DataError(f"{p} {what}; give a folder of images, a JSONL or CSV manifest (an `image` path per row, "
-                    "optionally a `question`) or a dataset saved with save_to_disk")
-
-
-@dataclass
-class NewImage:
-    """One input row: its name in the output, its question, the prepared PNG, or why it has none."""
-
-    file: str
-    question: str
-    prepared: bytes | None = None
-    label: str | None = None  # the input's own answer (a class sub-folder, a manifest's answer), if it has one
-    error: str | None = None
-    geometry: dict[str, Any] | None = None  # a box project's: width, height, prep_box, prep_width, prep_height
-
-
-def _name(row: Any, base: Path) -> str:
-    """The input's own name for a row: its path relative to the input folder (or manifest's folder), else where the
-    reader found it (a saved dataset's row)."""
-    path = getattr(row, "image_path", "") or getattr(row, "path", "")
-    if path:
-        p = Path(path)
-        return str(p.relative_to(base)) if p.is_relative_to(base) else str(p)
-    return row.source
-
-
-def read_new_images(path: str | os.PathLike[str], *, data: DataConfig, preprocess: PreprocessConfig, model: ModelConfig,
-                    question: str | None = None) -> Iterator[NewImage]:
-    """Every input row of `path`, prepared as the preprocess stage prepares training images (or with its error)."""
-    import cv2
-
-    from pipeline.data.images import ImageRejected
-    from pipeline.data.readers import READERS, Rejected
-    from pipeline.preprocess import ImagePreparer, encode_png, resolve_size
-
-    default_q = question or next((s.question for s in data.sources if s.question), None)
-    source = source_for(path, default_q)
-    base = (source.path if source.kind in ("folder", "hf") else source.path.parent).resolve()
-    prepare = ImagePreparer(preprocess, size=resolve_size(preprocess, model), max_pixels=data.max_image_pixels)
-    for item in READERS[source.kind]().rows(source, data):
-        if isinstance(item, Rejected):
-            yield NewImage(_name(item, base), default_q or data.question, error=item.reason)
-            continue
-        out = NewImage(_name(item, base), question or item.question, label=item.answer)
-        if len(out.question) > MAX_QUESTION_CHARS:
-            out.error = (f"question is {len(out.question):,} characters, over the {MAX_QUESTION_CHARS:,} predict "
-                         "asks; shorten it in the manifest or give --question")
-            out.question = out.question[:QUESTION_SHOWN] + "…"
-            yield out
-            continue
-        try:
-            canvas, content = prepare(item.image)
-            out.prepared = encode_png(canvas)
-            if data.task == "boxes":
-                out.geometry = _geometry(item.image, canvas, content, data.max_image_pixels)
-        except (DataError, ValueError, OSError, cv2.error) as exc:
-            out.error = exc.reason if isinstance(exc, ImageRejected) else f"cannot decode: {exc.__class__.__name__}: {exc}"
-        yield out
-
-
-def _geometry(image: bytes, canvas: np.ndarray, content: tuple[int, int, int, int], max_pixels: int
-              ) -> dict[str, Any]:
-    """Where the original image sits in its prepared canvas, as a prepared row says it (pipeline/boxes/rows.py):
-    the size is the EXIF-oriented one ingest records, so boxes come back in the pixels a viewer shows."""
-    from pipeline.data.images import open_image
-
-    with open_image(image, max_pixels=max_pixels) as img:
-        width, height = img.size
-    return {"width": width, "height": height, "prep_box": list(content), "prep_width": int(canvas.shape[1]),
-            "prep_height": int(canvas.shape[0])}
-
 
 @dataclass
 class Prediction:
@@ -163,6 +79,7 @@ class Prediction:
     extra: dict[str, Any] = field(default_factory=dict)
     boxes: list[Any] | None = None  # a box project's answer read into the image's own pixels (pipeline.boxes.Box)
     size: tuple[int, int] | None = None  # a box project's image size (width, height), the boxes' bounds
+    files: list[str] | None = None  # a sample of several images: every image's name (`file` is the first's)
 
     def csv_row(self) -> dict[str, Any]:
         row = {c: getattr(self, c) for c in CSV_COLUMNS}
@@ -179,6 +96,8 @@ class Prediction:
             row["distribution"] = self.distribution
         if self.size is not None:
             row["width"], row["height"] = self.size
+        if self.files is not None:
+            row["files"] = self.files
         if self.boxes is not None:
             row["boxes"] = [{"class": b.label, "box": [round(v, 1) for v in (b.x, b.y, b.w, b.h)],
                              "score": round(b.score, 6)} for b in self.boxes]
@@ -193,10 +112,11 @@ def score_images(loaded: Any, images: Sequence[NewImage], answers: Sequence[str]
     from pipeline.scoring import make_scorer
 
     good = [im for im in images if im.error is None]
-    out = {id(im): Prediction(im.file, im.question, None, None, adapter, im.label, error=im.error) for im in images}
+    out = {id(im): Prediction(im.file, im.question, None, None, adapter, im.label, error=im.error,
+                              files=[im.file, *im.more_files] if im.more_files else None) for im in images}
     if good:
         scorer = make_scorer(loaded, answers, length_normalize=length_normalize, max_new_tokens=max_new_tokens)
-        rows = [{"sample_id": im.file, "prepared": im.prepared, "question": im.question} for im in good]
+        rows = [im.scored_row() for im in good]
         res = scorer.score(rows, batch_size=batch_size)
         for i, im in enumerate(good):
             p = out[id(im)]

@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -71,6 +72,25 @@ def check_round0_export(export: Path) -> list[dict]:
     return rows
 
 
+def check_predict_and_export_model(project: Path, tmp_path: Path) -> None:
+    """`tamis predict` answers new pairs (a TRL file as the project's) on both pictures; `tamis export-model`
+    writes the adapter and its card, and the export's standalone predict.py, which asks about one image at a time,
+    refuses with the reason and the fix instead of answering."""
+    new = pairs(tmp_path / "new", pool=3, test=0)
+    tamis(project, "predict", str(new), "--out", str(tmp_path / "pred.csv"))
+    rows = [json.loads(x) for x in (tmp_path / "pred.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r.get("error") is None and isinstance(r.get("answer"), str) for r in rows), rows
+    assert [[Path(f).name for f in r["files"]] for r in rows] == [[f"before{i:03d}.png", f"after{i:03d}.png"]
+                                                                for i in range(3)]
+    out = tmp_path / "exported"
+    tamis(project, "export-model", "--out", str(out))
+    assert (out / "adapter" / "adapter_config.json").is_file() and (out / "README.md").is_file()
+    assert json.loads((out / "predict_config.json").read_text())["images_per_sample"] == 2
+    res = subprocess.run([sys.executable, str(out / "predict.py"), str(tmp_path / "new" / "images")],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 2 and "samples of 2 images" in res.stderr and "tamis predict" in res.stderr, res
+
+
 @pytest.mark.slow
 def test_two_image_trl_samples_go_from_init_through_two_rounds_to_export_data_in_four_formats(tmp_path,
                                                                                              tiny_models):
@@ -95,6 +115,8 @@ def test_two_image_trl_samples_go_from_init_through_two_rounds_to_export_data_in
     tamis(project, "round")
     state = json.loads((artifacts / "rounds" / "001" / "round.json").read_text())
     assert state["labeled"] == len(rows) and "accuracy" in state["metrics"], state
+
+    check_predict_and_export_model(project, tmp_path)
 
     from datasets import load_dataset, load_from_disk
 

@@ -17,7 +17,8 @@ RoundOpt = Annotated[int | None, typer.Option("--round", min=0, help="Use this r
 
 def predict_cmd(
     path: Annotated[Path, typer.Argument(help="A folder of images, a JSONL / CSV manifest (`image`, optionally "
-                                         "`question`) or a dataset saved with save_to_disk.")],
+                                         "`question`), a dataset saved with save_to_disk, or in a project of "
+                                         "several images a file in its trl / sharegpt / swift format.")],
     config: ConfigOpt = None,
     out: Annotated[Path, typer.Option("--out", help="The CSV to write; the JSONL (with every answer's probability) "
                                       "goes beside it.")] = Path("predictions.csv"),

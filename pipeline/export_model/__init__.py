@@ -40,6 +40,7 @@ from pipeline.export_model.provenance import (
     Provenance,
     annotators,
     entry_votes,
+    images_per_sample,
     lineage,
     logged_votes,
     provenance,
@@ -50,7 +51,7 @@ from pipeline.export_model.provenance import (
 from pipeline.export_model.spec import ExportResult, ExportSpec
 
 __all__ = ["ADAPTER_FILES", "EXPORT_NAMES", "FORMATS", "ExportResult", "ExportSpec", "Provenance", "annotators",
-           "check_out", "entry_votes", "export_model", "lineage", "load_processor", "logged_votes", "merge_adapter",
+           "check_out", "entry_votes", "export_model", "images_per_sample", "lineage", "load_processor", "logged_votes", "merge_adapter",
            "metrics_markdown", "model_card", "processor_for_export", "provenance", "serve_with_gguf",
            "serve_with_vllm", "shareable_path", "storage_dtype", "trace_label", "training_labels", "write_adapter",
            "write_predict_script"]
@@ -111,7 +112,8 @@ def export_model(out: str | os.PathLike[str], *, artifacts: str | os.PathLike[st
                       answers=data.answers, evaluation=load_eval_report(prov.state.eval_dir), base=base,
                       preprocess_note=note, merged_dtype=merged_dtype)
     atomic_write_text(out / "README.md", card)
-    write_predict_script(out, loaded=loaded, processor=processor, spec=spec, size=size)
+    write_predict_script(out, loaded=loaded, processor=processor, spec=spec, size=size,
+                         images_per_sample=images_per_sample(artifacts, prov.state))
     if adapter_out.is_dir():
         atomic_write_text(adapter_out / "README.md", card)  # in place of PEFT's empty template
     # An earlier export's (--force): they would not match this adapter.

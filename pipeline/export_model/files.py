@@ -136,14 +136,18 @@ def check_out(out: str | os.PathLike[str], artifacts: str | os.PathLike[str], *,
     return out
 
 
-def write_predict_script(out: Path, *, loaded: Any, processor: Any, spec: ExportSpec, size: int) -> None:
-    """DIR/predict.py (tamis's standalone predictor, copied) and DIR/predict_config.json (what it asks and how)."""
+def write_predict_script(out: Path, *, loaded: Any, processor: Any, spec: ExportSpec, size: int,
+                         images_per_sample: int = 1) -> None:
+    """DIR/predict.py (tamis's standalone predictor, copied) and DIR/predict_config.json (what it asks and how);
+    `images_per_sample` > 1 (samples of several images) is recorded, and predict.py then refuses with the fix: it
+    asks about one image at a time."""
     from pipeline.serving.predict_config import CONFIG_NAME, SCRIPT, SCRIPT_NAME, predict_config
     from pipeline.store import atomic_write_json, atomic_write_text
 
-    atomic_write_json(out / CONFIG_NAME, predict_config(
-        loaded=loaded, processor=processor, data=spec.data, preprocess=spec.preprocess, model=spec.model,
-        select=spec.select, size=size))
+    cfg = predict_config(loaded=loaded, processor=processor, data=spec.data, preprocess=spec.preprocess,
+                         model=spec.model, select=spec.select, size=size)
+    atomic_write_json(out / CONFIG_NAME, {**cfg, "images_per_sample": images_per_sample} if images_per_sample > 1
+                      else cfg)
     atomic_write_text(out / SCRIPT_NAME, SCRIPT.read_text(encoding="utf-8"))
 
 

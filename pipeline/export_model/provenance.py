@@ -46,6 +46,18 @@ def training_labels(artifacts: str | os.PathLike[str], state: RoundState) -> lis
             for sid, answer in zip(ds["sample_id"], ds["answer"], strict=True)]
 
 
+def images_per_sample(artifacts: str | os.PathLike[str], state: RoundState) -> int:
+    """The most images a sample of the round's labeled set holds (1 for a one-image project)."""
+    import datasets
+
+    from pipeline.round_state import round_dir
+
+    ds = datasets.load_from_disk(str(round_dir(artifacts, state.round) / "labeled" / "dataset"))
+    if "more_prepared" not in ds.column_names:
+        return 1
+    return 1 + max((len(m or []) for m in ds["more_prepared"]), default=0)
+
+
 def trace_label(sid: str, answer: str, entry: Mapping[str, Any] | None, logged: Mapping[str, list[dict[str, str]]],
                 artifacts: str | os.PathLike[str]) -> dict[str, Any]:
     """One label as lineage.json lists it: its ledger entry (id, annotators and their votes, round, the imported

@@ -164,6 +164,15 @@ def check_spec(params: LabelCheckParams) -> CheckSpec:
                      p.seed, held_out)
 
 
+def check_columns(columns: Sequence[str]) -> list[str]:
+    """The labeled set's columns a label check reads: each sample's pictures and question as the round trained on
+    them (a sample of several images or turns: `more_prepared` and `context` too, so its fold adapters train and its
+    labels are scored on every picture, not the first alone) and `image_path`: the likely errors are listed by the
+    user's file name (sets saved before it had one list IDs)."""
+    return ["sample_id", "prepared", "question", "answer",
+            *[c for c in ("more_prepared", "context", "image_path") if c in columns]]
+
+
 def run_label_check(params: LabelCheckParams) -> dict[str, Any]:
     """The labelcheck task's body, on the parameters plan_label_check made: check_labels on the labeled set, its
     ref."""
@@ -174,9 +183,7 @@ def run_label_check(params: LabelCheckParams) -> dict[str, Any]:
 
     p = params
     labeled = datasets.load_from_disk(p.labeled["dataset"])
-    # image_path: the likely errors are listed by the user's file name (sets saved before it had one list IDs)
-    rows = list(labeled.select_columns(["sample_id", "prepared", "question", "answer",
-                                        *(["image_path"] if "image_path" in labeled.column_names else [])]))
+    rows = list(labeled.select_columns(check_columns(labeled.column_names)))
     m = check_labels(rows, p.out_dir, Ledger(ledger_path(p.artifacts)), check_spec(p), oos_dir=p.oos_dir,
                      selection_embeddings=load_selection_embeddings(p.space.dir) if p.space else None)
     return {"dir": p.out_dir, "digest": m.key, **m.info}

@@ -219,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=str(HERE / "predict_config.json"))
     args = ap.parse_args(argv)
     cfg = json.loads(Path(args.config).read_text(encoding="utf-8"))
+    if cfg.get("images_per_sample", 1) > 1:  # before loading anything: its answers would not be the model's
+        print(f"predict.py: this model was trained on samples of {cfg['images_per_sample']} images each (and their "
+              "question); predict.py asks about one image at a time, so its answers would not be what the model "
+              "learned. Use `tamis predict -c CONFIG samples.jsonl` (a file in the project's trl / sharegpt / swift "
+              "format, one sample of several images per record) on a machine with tamis.", file=sys.stderr)
+        return 2
     export = Path(args.config).resolve().parent
     args.model = args.model or ("merged" if (export / "merged" / "config.json").is_file() else "adapter")
     model, processor = load(export, cfg, args)

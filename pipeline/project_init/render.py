@@ -110,8 +110,8 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
               "augment:", "  copies: 0"]
     lines += _model_lines(model, facts, s)
     if s.max_new_tokens is not None:
-        lines.append(f"  max_new_tokens: {s.max_new_tokens}                   # the generation budget: about 2 tokens "
-                     "a word of your longest answer, 8 to spare")
+        per = "one per 2 characters of your longest JSON answer" if schema_file else "about 2 tokens a word of your longest answer"
+        lines.append(f"  max_new_tokens: {s.max_new_tokens}                   # the generation budget: {per}, 8 to spare")
     lines += _train_lines(facts)
     lines += ["select:", f"  # {s.batch_size.why}", f"  batch_size: {s.batch_size.value}",
               f"  # {s.embeddings.why}", f"  embeddings: {s.embeddings.value}",

@@ -27,7 +27,6 @@ from pipeline.annotation.redundancy import queue_redundancy, settle_votes
 from pipeline.config import ProjectConfig, load_config
 from pipeline.lock import ProjectLock
 from pipeline.model.resolve import resolve_configured
-from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids, explain_flags
 from pipeline.round.plan import PoolData, eligible_pool, import_round, labels_now, plan_round
 from pipeline.round.records import record_relabel, record_selection, relabels
@@ -53,13 +52,13 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     with progress.step("prepare"):
         prep = prepare_refs(cfg, ing)
     with progress.step("import labels"):
-        pool, start = PoolData.of(load_prepared(prep["prepare"]["dir"])), import_round(art)
+        pool, start = PoolData.load(prep["prepare"]["dir"]), import_round(art)
         # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
         imports = pull_labels(cfg.annotate, cfg.data, art, known_ids=pool.index, round_index=start) + import_inbox(
             art, index=pool.index, answers=cfg.data.scored_answers, round_index=start, keys=LabelKeys.from_config(cfg.data),
             aliases=cfg.data.answer_aliases)
         agreed = settle_votes(art, cfg.annotate, answers=cfg.data.scored_answers, round_index=start)
-        plan = plan_round(art, labels_now(art, prep["prepare"]["dir"], pool, round_index=start))
+        plan = plan_round(art, labels_now(art, pool, round_index=start))
         state = plan.state(imports, annotation_time=annotation_time(art, next_batch=cfg.select.batch_size),
                            strategy=planned_strategy(cfg.select, cfg.data.scored_answers, plan.labels, plan.history_dirs(art)),
                            quality_flags=explain_flags(prep["quality"]["info"], cfg.quality))

@@ -35,7 +35,7 @@ def train_round(cfg: ProjectConfig, plan: RoundPlan, prep: dict[str, Any], state
     """(the adapter's ref, the label check's ref or None) of a round that has labels; records its metrics, the
     stop set's agreement with the previous adapter (rounds.stop_set) and the label check in `state`."""
     pool.check_evaluable()
-    labeled = labeled_set(prep["prepare"], plan)
+    labeled = labeled_set(pool, plan)
     aug = augment_ref(cfg, labeled) if cfg.augment.copies else None
     art = cfg.artifacts
     with progress.step("train"):
@@ -43,7 +43,7 @@ def train_round(cfg: ProjectConfig, plan: RoundPlan, prep: dict[str, Any], state
                                                             seed=cfg.seed, labeled=labeled, augmented=aug,
                                                             box_labels=cfg.data.box_labels))
     with progress.step("evaluate"):
-        test = test_set(art, prep["prepare"], pool)
+        test = test_set(art, pool)
         record_evaluation(art, plan, state, run_stage(evaluate_task, params=evaluate_params(
             artifacts=art, model=cfg.model, answers=cfg.data.scored_answers, batch_size=cfg.select.score_batch_size,
             test=test, adapter=adapter, box_labels=cfg.data.box_labels)))

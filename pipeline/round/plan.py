@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import DataError
 from pipeline.round_state import AdapterRecord, RoundState, completed_rounds, round_dir
-from pipeline.store import arrow_column, digest_json
+from pipeline.store import arrow_column, digest_json, read_manifest
 
 
 def next_round_index(artifacts: str | os.PathLike[str], labeled_digest: str | None) -> int:
@@ -65,13 +65,23 @@ class PoolData:
     splits: Any
     answers: Any
     index: Any  # pipeline.annotation.labels.SampleIndex: matches labels by ID, the user's own ID or image path
+    dataset: Any = None  # the prepared dataset itself (memory-mapped): the round's steps read its rows from here
+    recipe: tuple[str, str] | None = None  # how it was prepared (stage version, config digest): sets made of it key on it
 
     @classmethod
     def of(cls, prepared: Any) -> PoolData:
         from pipeline.annotation.labels import SampleIndex
 
         return cls(*(arrow_column(prepared, c) for c in ("sample_id", "split", "answer")),
-                   index=SampleIndex.from_dataset(prepared))
+                   index=SampleIndex.from_dataset(prepared), dataset=prepared)
+
+    @classmethod
+    def load(cls, prepared_dir: str | os.PathLike[str]) -> PoolData:
+        """The prepare stage's dataset in `prepared_dir` and how it was prepared, read once for the whole round."""
+        from pipeline.preprocess import load_prepared
+
+        ds, m = load_prepared(prepared_dir), read_manifest(Path(prepared_dir))
+        return replace(cls.of(ds), recipe=(m.stage_version, m.config_digest))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -129,13 +139,12 @@ def round_labels(pool: PoolData, ledger_labels: Mapping[str, str]) -> dict[str, 
     return {**pool.seed_labels(), **{s: ledger_labels[s] for s, k in zip(ids, known, strict=True) if k}}
 
 
-def labels_now(artifacts: str | os.PathLike[str], prepared_dir: str | os.PathLike[str], pool: PoolData, *,
-               round_index: int) -> dict[str, str]:
+def labels_now(artifacts: str | os.PathLike[str], pool: PoolData, *, round_index: int) -> dict[str, str]:
     """The round's labels once labels have followed their re-saved or moved images to their new sample IDs
     (pipeline/annotation/carry.py: a carry entry each, logged)."""
     from pipeline.annotation.carry import follow_images
 
-    return round_labels(pool, follow_images(artifacts, prepared_dir, pool.index, round_index=round_index))
+    return round_labels(pool, follow_images(artifacts, pool.dataset, pool.index, round_index=round_index))
 
 
 @dataclass

@@ -28,11 +28,12 @@ from pipeline.config import ProjectConfig, load_config
 from pipeline.lock import ProjectLock
 from pipeline.model.resolve import resolve_configured
 from pipeline.quality import excluded_ids, explain_flags
+from pipeline.round.params import adapter_ref
 from pipeline.round.plan import PoolData, eligible_pool, import_round, labels_now, plan_round
 from pipeline.round.records import record_relabel, record_selection, relabels
 from pipeline.round.simulate import answer_round, simulated
 from pipeline.round.stop import batch_for, budget_left, close_round, redundancy_cap
-from pipeline.round_state import RoundState, adapter_ref
+from pipeline.round_state import RoundState
 from pipeline.roundreport.sources import resolve_sources
 from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy
@@ -60,7 +61,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         agreed = settle_votes(art, cfg.annotate, answers=cfg.data.scored_answers, round_index=start)
         plan = plan_round(art, labels_now(art, pool, round_index=start))
         state = plan.state(imports, annotation_time=annotation_time(art, next_batch=cfg.select.batch_size),
-                           strategy=planned_strategy(cfg.select, cfg.data.scored_answers, plan.labels, plan.history_dirs(art)),
+                           strategy=planned_strategy(cfg.select, cfg.data.scored_answers, plan.labels, plan.history),
                            quality_flags=explain_flags(prep["quality"]["info"], cfg.quality))
         name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
                  report.run_tags(plan.index, rerun=plan.rerun is not None))
@@ -69,13 +70,13 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     if not plan.labels:
         progress.skip("train", "evaluate", "label check")
 
-    pool_ids, exclude = eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
-                                      stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
-    close_round(cfg, plan, state, pool_left=len(pool_ids), agreed=agreed)
+    eligible = eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
+                             stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
+    close_round(cfg, plan, state, eligible, agreed=agreed)
     if not state.stopped:
         with progress.step("score pool", "select"):
-            sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=pool_ids, exclude=sorted(exclude),
-                             round_dir=plan.dir, labels=plan.labels, history_dirs=plan.history_dirs(art),
+            sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=eligible.ids, exclude=sorted(eligible.exclude),
+                             round_dir=plan.dir, labels=plan.labels, history_dirs=plan.history,
                              adapter=adapter_ref(adapter),
                              batch_size=batch_for(cfg.rounds, cfg.select.batch_size, state))
         with progress.step("export"):

@@ -13,11 +13,11 @@ from pipeline.augment import training_rows
 from pipeline.config import ProjectConfig
 from pipeline.evaluate import EVAL_VERSION, evaluate_stage
 from pipeline.model.train_stage import TRAIN_VERSION, TrainParams, train_stage
-from pipeline.round.params import evaluate_params, labeled_set, test_set, train_params
+from pipeline.round.params import adapter_ref, evaluate_params, labeled_set, test_set, train_params
 from pipeline.round.plan import PoolData, RoundPlan
 from pipeline.round.records import label_check_record, record_evaluation
 from pipeline.round.stop import StopSetCheck, stop_set_check
-from pipeline.round_state import RoundState, adapter_ref
+from pipeline.round_state import RoundState
 from pipeline.stopping import measure_stop_set
 
 evaluate_task = stage_task("evaluate", EVAL_VERSION)(evaluate_stage)
@@ -47,7 +47,7 @@ def train_round(cfg: ProjectConfig, plan: RoundPlan, prep: dict[str, Any], state
         record_evaluation(art, plan, state, run_stage(evaluate_task, params=evaluate_params(
             artifacts=art, model=cfg.model, answers=cfg.data.scored_answers, batch_size=cfg.select.score_batch_size,
             test=test, adapter=adapter, box_labels=cfg.data.box_labels)))
-        if (stop := stop_set_check(cfg.rounds, plan, pool, seed=cfg.seed, artifacts=art)) is not None:
+        if (stop := stop_set_check(cfg.rounds, plan, pool, seed=cfg.seed)) is not None:
             state.stability = stop_set_agreement(cfg, prep, adapter, stop)
     with progress.step("label check"):
         check = label_check_ref(cfg, labeled=labeled, previous=plan.last,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline.errors import DataError
 from pipeline.round_state import AdapterRecord, RoundState, completed_rounds, round_dir
@@ -157,6 +157,7 @@ class RoundPlan:
     labeled_digest: str
     rerun: RoundState | None  # the finished round this run repeats (its labeled set is unchanged)
     previous: list[RoundState]  # finished rounds before this one, oldest first
+    history: list[Path] = field(default_factory=list)  # their folders, in the same order
 
     def warm_start(self, init: str) -> AdapterRecord | None:
         """The adapter training starts from: the last earlier round's with train.init = warm, never this round's
@@ -167,9 +168,6 @@ class RoundPlan:
     def last(self) -> RoundState | None:
         """The finished round before this one, None for the first."""
         return self.previous[-1] if self.previous else None
-
-    def history_dirs(self, artifacts: str | os.PathLike[str]) -> list[Path]:
-        return [round_dir(artifacts, p.round) for p in self.previous]
 
     def state(self, imports: list[dict[str, Any]], **fields: Any) -> RoundState:
         """The round's state as round.json records it, before any stage ran (`fields`: what the caller knows)."""
@@ -184,14 +182,26 @@ def plan_round(artifacts: str | os.PathLike[str], labels: dict[str, str]) -> Rou
     digest = digest_json(sorted(labels.items()))
     r = next_round_index(artifacts, digest)
     done = completed_rounds(artifacts)
+    previous = [s for s in done if s.round < r]
     return RoundPlan(index=r, dir=round_dir(artifacts, r), labels=labels, labeled_digest=digest,
-                     rerun=next((s for s in done if s.round == r), None),
-                     previous=[s for s in done if s.round < r])
+                     rerun=next((s for s in done if s.round == r), None), previous=previous,
+                     history=[round_dir(artifacts, s.round) for s in previous])
+
+
+class Eligible(NamedTuple):
+    """What a round may select from: `ids`, the pool samples it may select (dataset order); `exclude`, every ID it
+    must not; `out`, the samples exported in earlier rounds and still with the annotators (still_out), which the
+    label budget has promised already."""
+
+    ids: list[str]
+    exclude: set[str]
+    out: set[str]
 
 
 def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: RoundPlan,
-                  quality_excluded: set[str], *, stop: Sequence[str] = ()) -> tuple[list[str], set[str]]:
-    """(pool samples the round may select, every ID it must not): labeled, flagged by quality, exported in an
-    earlier round and still with the annotators (still_out), or in the stop set."""
-    exclude = set(plan.labels) | quality_excluded | still_out(artifacts, plan) | set(stop)
-    return pool.pool_ids(exclude), exclude
+                  quality_excluded: set[str], *, stop: Sequence[str] = ()) -> Eligible:
+    """The pool samples the round may select: not labeled, flagged by quality, exported in an earlier round and
+    still with the annotators (still_out), or in the stop set."""
+    out = still_out(artifacts, plan)
+    exclude = set(plan.labels) | quality_excluded | out | set(stop)
+    return Eligible(pool.pool_ids(exclude), exclude, out)

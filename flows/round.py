@@ -28,12 +28,11 @@ from pipeline.config import ProjectConfig, load_config
 from pipeline.lock import ProjectLock
 from pipeline.model.resolve import resolve_configured
 from pipeline.quality import excluded_ids, explain_flags
-from pipeline.round.params import adapter_ref
 from pipeline.round.plan import PoolData, eligible_pool, import_round, labels_now, plan_round
 from pipeline.round.records import record_relabel, record_selection, relabels
 from pipeline.round.simulate import answer_round, simulated
 from pipeline.round.stop import batch_for, budget_left, close_round, redundancy_cap
-from pipeline.round_state import RoundState
+from pipeline.round_state import RoundState, adapter_ref
 from pipeline.roundreport.sources import resolve_sources
 from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy

@@ -13,11 +13,11 @@ from pipeline.augment import training_rows
 from pipeline.config import ProjectConfig
 from pipeline.evaluate import EVAL_VERSION, evaluate_stage
 from pipeline.model.train_stage import TRAIN_VERSION, TrainParams, train_stage
-from pipeline.round.params import adapter_ref, evaluate_params, labeled_set, test_set, train_params
+from pipeline.round.params import evaluate_params, labeled_set, test_set, train_params
 from pipeline.round.plan import PoolData, RoundPlan
 from pipeline.round.records import label_check_record, record_evaluation
 from pipeline.round.stop import StopSetCheck, stop_set_check
-from pipeline.round_state import RoundState
+from pipeline.round_state import RoundState, adapter_ref
 from pipeline.stopping import measure_stop_set
 
 evaluate_task = stage_task("evaluate", EVAL_VERSION)(evaluate_stage)

@@ -30,6 +30,12 @@ def round_dir(artifacts: str | os.PathLike[str], round_index: int, *parts: str) 
     return Path(artifacts, ROUNDS_DIR, f"{round_index:03d}", *parts)
 
 
+def adapter_ref(adapter: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """The train stage's reference ({adapter_dir, adapter_digest, …}) as the score and select stages take an
+    adapter: {"dir", "digest"}; None for the base model (no adapter yet)."""
+    return None if not adapter else {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]}
+
+
 class ImportRecord(TypedDict, total=False):
     """One label file or pull a round imported (pipeline/annotation/labels.py: ImportReport), or the error that
     refused it; a pull that did not reach Label Studio also carries "pull_failed"."""

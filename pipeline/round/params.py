@@ -65,12 +65,6 @@ def labeled_set(pool: PoolData, plan: RoundPlan) -> dict[str, str]:
                             digest=digest_json([*pool.recipe, plan.labeled_digest]))
 
 
-def adapter_ref(adapter: Mapping[str, Any] | None) -> dict[str, str] | None:
-    """The train stage's reference ({adapter_dir, adapter_digest, …}) as the score and select stages take an
-    adapter: {"dir", "digest"}; None for the base model (no adapter yet)."""
-    return None if not adapter else {"dir": adapter["adapter_dir"], "digest": adapter["adapter_digest"]}
-
-
 def train_params(plan: RoundPlan, *, artifacts: str | os.PathLike[str], model: ModelConfig, train: TrainConfig,
                  seed: int, labeled: dict[str, str], augmented: Mapping[str, Any] | None,
                  box_labels: Sequence[str] | None = None) -> TrainParams:

@@ -12,8 +12,7 @@ from typing import Any
 
 from pipeline.config import DataConfig, ModelConfig, ProjectConfig
 from pipeline.errors import ArtifactError
-from pipeline.round.params import adapter_ref
-from pipeline.round_state import RoundState, round_dir
+from pipeline.round_state import RoundState, adapter_ref, round_dir
 from pipeline.store import MANIFEST_NAME, atomic_write_json
 
 SOURCES_FILE = "report_sources.json"

@@ -18,9 +18,9 @@ from pipeline.round_state import AdapterRecord, RoundState, completed_rounds, ro
 from pipeline.store import arrow_column, digest_json, read_manifest
 
 
-def next_round_index(artifacts: str | os.PathLike[str], labeled_digest: str | None) -> int:
-    """The last round again when the labeled set is unchanged (a re-run), else the round after it."""
-    done = completed_rounds(artifacts)
+def next_round_index(done: Sequence[RoundState], labeled_digest: str | None) -> int:
+    """After the finished rounds `done` (oldest first): the last round again when the labeled set is unchanged (a
+    re-run), else the round after it."""
     if not done:
         return 0
     last = done[-1]
@@ -30,7 +30,7 @@ def next_round_index(artifacts: str | os.PathLike[str], labeled_digest: str | No
 def import_round(artifacts: str | os.PathLike[str]) -> int:
     """The round labels imported now belong to, the same for the inbox and `tamis labels import`: the next round,
     the first whose labeled set holds them (0 before any round finished)."""
-    return next_round_index(artifacts, None)
+    return next_round_index(completed_rounds(artifacts), None)
 
 
 def exported_before(artifacts: str | os.PathLike[str], round_index: int) -> set[str]:
@@ -179,9 +179,8 @@ class RoundPlan:
 
 def plan_round(artifacts: str | os.PathLike[str], labels: dict[str, str]) -> RoundPlan:
     """The round for this labeled set: the last one again when it is unchanged (a re-run), else the next."""
-    digest = digest_json(sorted(labels.items()))
-    r = next_round_index(artifacts, digest)
-    done = completed_rounds(artifacts)
+    digest, done = digest_json(sorted(labels.items())), completed_rounds(artifacts)
+    r = next_round_index(done, digest)
     previous = [s for s in done if s.round < r]
     return RoundPlan(index=r, dir=round_dir(artifacts, r), labels=labels, labeled_digest=digest,
                      rerun=next((s for s in done if s.round == r), None), previous=previous,

@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 
 
 def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
-              progress: report.RoundProgress | None = None) -> RoundState:
-    """The body of a round; ordering only, every step is a library call or a cached stage task."""
+              progress: report.RoundProgress | None = None) -> tuple[RoundState, bool]:
+    """The body of a round; ordering only, every step is a library call or a cached stage task. Returns the round's
+    state and whether the run now waits for its annotators (a resumed run has spent its one wait)."""
     art, progress = cfg.artifacts, progress or report.RoundProgress(lambda percent, text: None)
     log.info(resolve_configured(cfg.model).note)  # first: a model this machine cannot have fails in seconds
     inputs = unchanged.round_inputs(cfg)  # what this round reads, for `tamis round` to know a replay in advance
@@ -94,15 +95,16 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     if simulated(cfg.rounds, simulate):
         answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                      seed=cfg.seed, crowd=cfg.rounds)
-    publish_round(cfg.artifacts, state, up, waiting=waiting.waits_for_labels(cfg, state))
+    waits = not waiting.resumed() and waiting.waits_for_labels(cfg, state)
+    publish_round(cfg.artifacts, state, up, waiting=waits)
     unchanged.record_round_inputs(art, state, inputs, unchanged.round_inputs(cfg, sources=inputs.sources))
     progress.complete(report.state_message(state))
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
-             report.run_tags(plan.index, rerun=plan.rerun is not None, stopped=state.stopped))
-    return state
+             report.run_tags(plan.index, rerun=plan.rerun is not None, stopped=state.stopped, waiting=waits))
+    return state, waits
 
 
-def _locked_round(cfg: ProjectConfig, simulate: bool | None) -> RoundState:
+def _locked_round(cfg: ProjectConfig, simulate: bool | None) -> tuple[RoundState, bool]:
     with ProjectLock(cfg.artifacts / "round.lock"):
         return run_round(cfg, simulate=simulate,
                          progress=report.RoundProgress(progress_sink("round-progress", "labeling round")))
@@ -122,13 +124,12 @@ def labeling_round(config_path: str | None = None, simulate: bool | None = None)
     logger.info("labeling round for %s (artifacts in %s)", config_path or "the demo config", cfg.artifacts)
     with library_logs_to_ui():
         if not waiting.resumed():
-            state = _locked_round(cfg, simulate)
-            if not waiting.waits_for_labels(cfg, state):
+            state, waits = _locked_round(cfg, simulate)
+            if not waits:
                 if cfg.rounds.wait_for_labels and not waiting.deployed():
                     logger.info("rounds.wait_for_labels: only a deployment's run can wait (its worker restarts it "
                                 "when resumed); this run ends now, the next one imports the labels")
                 return waiting.final(state)
-            name_run(report.run_name(state.round), report.run_tags(state.round, waiting=True))
             logger.info("round %d exported %d samples to %s; suspending until the labels are in (resume from the "
                         "UI or `tamis resume`; gives up after %d s, rounds.wait_timeout_s)", state.round,
                         state.selected_count, state.export_dir, cfg.rounds.wait_timeout_s)
@@ -140,4 +141,4 @@ def labeling_round(config_path: str | None = None, simulate: bool | None = None)
         if answer.labels_file.strip():
             logger.info("labels file copied to %s", receive_labels(cfg.artifacts, answer.labels_file.strip(),
                                                                    labels_from=cfg.rounds.labels_from))
-        return waiting.final(_locked_round(cfg, simulate))
+        return waiting.final(_locked_round(cfg, simulate)[0])

@@ -27,7 +27,7 @@ def _export(art, round_index, sids):
 
 def _plan(art, index):
     return RoundPlan(index=index, dir=art / "rounds" / f"{index:03d}", labels=Ledger(ledger_path(art)).labels(),
-                     labeled_digest="-", rerun=None, previous=[])
+                     labeled_digest="-", rerun=None, previous=[], history=[])
 
 
 def test_rejected_rows_are_named_counted_and_their_samples_return_to_the_candidates(tmp_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -157,7 +157,7 @@ class RoundPlan:
     labeled_digest: str
     rerun: RoundState | None  # the finished round this run repeats (its labeled set is unchanged)
     previous: list[RoundState]  # finished rounds before this one, oldest first
-    history: list[Path] = field(default_factory=list)  # their folders, in the same order
+    history: list[Path]  # their folders, in the same order
 
     def warm_start(self, init: str) -> AdapterRecord | None:
         """The adapter training starts from: the last earlier round's with train.init = warm, never this round's

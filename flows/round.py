@@ -32,7 +32,7 @@ from pipeline.round.plan import PoolData, eligible_pool, import_round, labels_no
 from pipeline.round.records import record_relabel, record_selection, relabels
 from pipeline.round.simulate import answer_round, simulated
 from pipeline.round.stop import batch_for, budget_left, close_round, redundancy_cap
-from pipeline.round_state import RoundState, adapter_ref
+from pipeline.round_state import RoundState
 from pipeline.roundreport.sources import resolve_sources
 from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy
@@ -66,7 +66,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
                  report.run_tags(plan.index, rerun=plan.rerun is not None))
 
-    adapter, check = train_round(cfg, plan, prep, state, progress, pool) if plan.labels else (None, None)
+    adapter, scorer, check = train_round(cfg, plan, prep, state, progress, pool) if plan.labels else (None,) * 3
     if not plan.labels:
         progress.skip("train", "evaluate", "label check")
 
@@ -77,7 +77,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         with progress.step("score pool", "select"):
             sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=eligible.ids, exclude=sorted(eligible.exclude),
                              round_dir=plan.dir, labels=plan.labels, history_dirs=plan.history,
-                             adapter=adapter_ref(adapter),
+                             adapter=scorer,
                              batch_size=batch_for(cfg.rounds, cfg.select.batch_size, state))
         with progress.step("export"):
             record_selection(state, sel, export_ref(cfg, selection=sel, prepared=prep["prepare"],

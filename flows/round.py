@@ -27,13 +27,12 @@ from pipeline.annotation.redundancy import queue_redundancy, settle_votes
 from pipeline.config import ProjectConfig, load_config
 from pipeline.lock import ProjectLock
 from pipeline.model.resolve import resolve_configured
-from pipeline.preprocess import load_prepared
 from pipeline.quality import excluded_ids, explain_flags
 from pipeline.round.plan import PoolData, eligible_pool, import_round, labels_now, plan_round
 from pipeline.round.records import record_relabel, record_selection, relabels
 from pipeline.round.simulate import answer_round, simulated
 from pipeline.round.stop import batch_for, budget_left, close_round, redundancy_cap
-from pipeline.round_state import RoundState, adapter_ref
+from pipeline.round_state import RoundState
 from pipeline.roundreport.sources import resolve_sources
 from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy
@@ -43,8 +42,9 @@ log = logging.getLogger(__name__)
 
 
 def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
-              progress: report.RoundProgress | None = None) -> RoundState:
-    """The body of a round; ordering only, every step is a library call or a cached stage task."""
+              progress: report.RoundProgress | None = None) -> tuple[RoundState, bool]:
+    """The body of a round; ordering only, every step is a library call or a cached stage task. Returns the round's
+    state and whether the run now waits for its annotators (a resumed run has spent its one wait)."""
     art, progress = cfg.artifacts, progress or report.RoundProgress(lambda percent, text: None)
     log.info(resolve_configured(cfg.model).note)  # first: a model this machine cannot have fails in seconds
     inputs = unchanged.round_inputs(cfg)  # what this round reads, for `tamis round` to know a replay in advance
@@ -53,31 +53,31 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     with progress.step("prepare"):
         prep = prepare_refs(cfg, ing)
     with progress.step("import labels"):
-        pool, start = PoolData.of(load_prepared(prep["prepare"]["dir"])), import_round(art)
+        pool, start = PoolData.load(prep["prepare"]["dir"]), import_round(art)
         # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
         imports = pull_labels(cfg.annotate, cfg.data, art, known_ids=pool.index, round_index=start) + import_inbox(
             art, index=pool.index, answers=cfg.data.scored_answers, round_index=start, keys=LabelKeys.from_config(cfg.data),
             aliases=cfg.data.answer_aliases)
         agreed = settle_votes(art, cfg.annotate, answers=cfg.data.scored_answers, round_index=start)
-        plan = plan_round(art, labels_now(art, prep["prepare"]["dir"], pool, round_index=start))
+        plan = plan_round(art, labels_now(art, pool, round_index=start))
         state = plan.state(imports, annotation_time=annotation_time(art, next_batch=cfg.select.batch_size),
-                           strategy=planned_strategy(cfg.select, cfg.data.scored_answers, plan.labels, plan.history_dirs(art)),
+                           strategy=planned_strategy(cfg.select, cfg.data.scored_answers, plan.labels, plan.history),
                            quality_flags=explain_flags(prep["quality"]["info"], cfg.quality))
         name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
                  report.run_tags(plan.index, rerun=plan.rerun is not None))
 
-    adapter, check = train_round(cfg, plan, prep, state, progress, pool) if plan.labels else (None, None)
+    adapter, scorer, check = train_round(cfg, plan, prep, state, progress, pool) if plan.labels else (None,) * 3
     if not plan.labels:
         progress.skip("train", "evaluate", "label check")
 
-    pool_ids, exclude = eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
-                                      stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
-    close_round(cfg, plan, state, pool_left=len(pool_ids), agreed=agreed)
+    eligible = eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
+                             stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
+    close_round(cfg, plan, state, eligible, agreed=agreed)
     if not state.stopped:
         with progress.step("score pool", "select"):
-            sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=pool_ids, exclude=sorted(exclude),
-                             round_dir=plan.dir, labels=plan.labels, history_dirs=plan.history_dirs(art),
-                             adapter=adapter_ref(adapter),
+            sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=eligible.ids, exclude=sorted(eligible.exclude),
+                             round_dir=plan.dir, labels=plan.labels, history_dirs=plan.history,
+                             adapter=scorer,
                              batch_size=batch_for(cfg.rounds, cfg.select.batch_size, state))
         with progress.step("export"):
             record_selection(state, sel, export_ref(cfg, selection=sel, prepared=prep["prepare"],
@@ -95,15 +95,16 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     if simulated(cfg.rounds, simulate):
         answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                      seed=cfg.seed, crowd=cfg.rounds)
-    publish_round(cfg.artifacts, state, up, waiting=waiting.waits_for_labels(cfg, state))
+    waits = not waiting.resumed() and waiting.waits_for_labels(cfg, state)
+    publish_round(cfg.artifacts, state, up, waiting=waits)
     unchanged.record_round_inputs(art, state, inputs, unchanged.round_inputs(cfg, sources=inputs.sources))
     progress.complete(report.state_message(state))
     name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
-             report.run_tags(plan.index, rerun=plan.rerun is not None, stopped=state.stopped))
-    return state
+             report.run_tags(plan.index, rerun=plan.rerun is not None, stopped=state.stopped, waiting=waits))
+    return state, waits
 
 
-def _locked_round(cfg: ProjectConfig, simulate: bool | None) -> RoundState:
+def _locked_round(cfg: ProjectConfig, simulate: bool | None) -> tuple[RoundState, bool]:
     with ProjectLock(cfg.artifacts / "round.lock"):
         return run_round(cfg, simulate=simulate,
                          progress=report.RoundProgress(progress_sink("round-progress", "labeling round")))
@@ -123,13 +124,12 @@ def labeling_round(config_path: str | None = None, simulate: bool | None = None)
     logger.info("labeling round for %s (artifacts in %s)", config_path or "the demo config", cfg.artifacts)
     with library_logs_to_ui():
         if not waiting.resumed():
-            state = _locked_round(cfg, simulate)
-            if not waiting.waits_for_labels(cfg, state):
+            state, waits = _locked_round(cfg, simulate)
+            if not waits:
                 if cfg.rounds.wait_for_labels and not waiting.deployed():
                     logger.info("rounds.wait_for_labels: only a deployment's run can wait (its worker restarts it "
                                 "when resumed); this run ends now, the next one imports the labels")
                 return waiting.final(state)
-            name_run(report.run_name(state.round), report.run_tags(state.round, waiting=True))
             logger.info("round %d exported %d samples to %s; suspending until the labels are in (resume from the "
                         "UI or `tamis resume`; gives up after %d s, rounds.wait_timeout_s)", state.round,
                         state.selected_count, state.export_dir, cfg.rounds.wait_timeout_s)
@@ -141,4 +141,4 @@ def labeling_round(config_path: str | None = None, simulate: bool | None = None)
         if answer.labels_file.strip():
             logger.info("labels file copied to %s", receive_labels(cfg.artifacts, answer.labels_file.strip(),
                                                                    labels_from=cfg.rounds.labels_from))
-        return waiting.final(_locked_round(cfg, simulate))
+        return waiting.final(_locked_round(cfg, simulate)[0])

@@ -367,3 +367,45 @@ def test_evaluations_code_version_holds_no_selection_code():
     assert EVAL_VERSION.endswith(code_digest("pipeline.evaluate"))
     bad = [m for m in closure if m.startswith("pipeline.strategies") or m == "pipeline.selection"]
     assert not bad, f"EVAL_VERSION's closure ({len(closure)} modules) holds selection code: {bad}"
+
+
+# ------------------------------------------------------------------------------------------- one read per round
+# Issue 48: the round's import step, its training sets and its label carrying each re-read the prepare stage's folder
+# (its manifest, then the dataset), so a round went down to the store and back once per reader. The round reads it
+# once (`PoolData.load`) and hands the pool, dataset included, down; these files may open it nowhere else.
+ROUND_READERS = ("flows/round.py", "flows/train.py", "pipeline/round", "pipeline/annotation/carry.py")
+PREPARED_READS = ("load_prepared", "load_stage_dataset", "read_manifest")
+
+
+def prepared_reads(path: Path, source: str) -> list[str]:
+    """`file:line function` of each call of a PREPARED_READS name outside `PoolData.load`."""
+    out = []
+
+    def visit(node: ast.AST, owner: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+                visit(child, f"{owner}.{child.name}".lstrip("."))
+                continue
+            if isinstance(child, ast.Call):
+                f = child.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if name in PREPARED_READS and owner != "PoolData.load":
+                    out.append(f"{path}:{child.lineno} {owner} calls {name}")
+            visit(child, owner)
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def test_the_round_reads_the_prepared_dataset_once():
+    files = sorted(p for r in ROUND_READERS for p in ([ROOT / r] if r.endswith(".py") else (ROOT / r).rglob("*.py")))
+    bad = [b for p in files for b in prepared_reads(p.relative_to(ROOT), p.read_text(encoding="utf-8"))]
+    assert not bad, ("the round reads the prepare stage's folder once (PoolData.load) and hands the pool down; "
+                     "take a PoolData instead: " + "; ".join(bad))
+
+
+def test_the_prepared_read_check_finds_a_second_read():
+    source = ("class PoolData:\n    def load(cls, d):\n        return load_prepared(d)\n"
+              "def labeled_set(ref, plan):\n    m = store.read_manifest(ref['dir'])\n    return load_prepared(ref['dir'])\n")
+    assert prepared_reads(Path("m.py"), source) == ["m.py:5 labeled_set calls read_manifest",
+                                                    "m.py:6 labeled_set calls load_prepared"]

@@ -67,17 +67,17 @@ def test_a_re_saved_or_moved_photo_keeps_its_label_and_a_removed_one_is_an_orpha
     (photos / "coffee.png").unlink()
     (photos / "rocket.png").unlink()
     prep = _prepared(config)
-    pool = PoolData.of(load_prepared(prep))
+    pool = PoolData.load(prep)
     assert not any(pool.index.knows(sorted(old)))  # every labeled sample has a new ID (or none) now
 
-    labels_after = labels_now(art, prep, pool, round_index=1)  # the round's import step
+    labels_after = labels_now(art, pool, round_index=1)  # the round's import step
     by_path = dict(zip(pool.ids.to_pylist(), load_prepared(prep)["image_path"], strict=True))
     carried = {by_path[s].replace(str(tmp_path) + "/", ""): label for s, label in labels_after.items()}
     assert carried == {"photos/chelsea.png": "cat", "more/coffee.png": "cup"}
     entries = [e for e in Ledger(ledger_path(art)).entries() if e["kind"] == "carry"]
     assert sorted(e["reason"].split(" (")[0] for e in entries) == ["same pixels at the same path", "same pixels moved"]
     assert {e["carried_from"] for e in entries} == {s for s, label in old.items() if label in ("cat", "cup")}
-    assert labels_now(art, prep, pool, round_index=1) == labels_after  # a re-run carries nothing twice
+    assert labels_now(art, pool, round_index=1) == labels_after  # a re-run carries nothing twice
     assert sum(e["kind"] == "carry" for e in Ledger(ledger_path(art)).entries()) == 2
 
     # The removed photo's label is an orphan: counted by `tamis status`, listed by `tamis labels orphans`.
@@ -100,7 +100,7 @@ def test_other_pixels_at_the_same_path_do_not_take_the_label(project, tmp_path, 
     assert runner.invoke(app, ["labels", "import", str(tmp_path / "l.csv"), "--config", str(config)]).exit_code == 0
     _photo("coffee").save(photos / "chelsea.png")
     prep = _prepared(config)
-    assert labels_now(art, prep, PoolData.of(load_prepared(prep)), round_index=1) == {}
+    assert labels_now(art, PoolData.load(prep), round_index=1) == {}
     assert [o["label"] for o in json.loads(runner.invoke(
         app, ["labels", "orphans", "--json", "--config", str(config)]).output)] == ["cat"]
 
@@ -123,11 +123,11 @@ def test_a_photo_re_encoded_with_loss_renamed_or_not_keeps_its_label_a_changed_o
     old = Ledger(ledger_path(art)).labels()
     # A project whose labeled images were recorded before looks were: the next round records them while it can.
     prep = _prepared(config)
-    labels_now(art, prep, PoolData.of(load_prepared(prep)), round_index=0)
+    labels_now(art, PoolData.load(prep), round_index=0)
     record = art / "labeled_images.jsonl"
     record.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "look"}) + "\n"
                               for line in record.read_text().splitlines()))
-    labels_now(art, prep, PoolData.of(load_prepared(prep)), round_index=0)
+    labels_now(art, PoolData.load(prep), round_index=0)
     assert {json.loads(line)["sample_id"] for line in record.read_text().splitlines() if json.loads(line).get("look")
             } == set(old)
 
@@ -139,14 +139,14 @@ def test_a_photo_re_encoded_with_loss_renamed_or_not_keeps_its_label_a_changed_o
     for name in ("chelsea", "coffee", "astronaut"):
         (photos / f"{name}.png").unlink()
     prep = _prepared(config)
-    pool = PoolData.of(load_prepared(prep))
-    labels_after = labels_now(art, prep, pool, round_index=1)
+    pool = PoolData.load(prep)
+    labels_after = labels_now(art, pool, round_index=1)
     by_path = dict(zip(pool.ids.to_pylist(), load_prepared(prep)["image_path"], strict=True))
     carried = {by_path[s].replace(str(tmp_path) + "/", ""): label for s, label in labels_after.items()}
     assert carried == {"photos/chelsea.jpg": "cat", "more/mug-0001.jpg": "cup"}
     entries = [e for e in Ledger(ledger_path(art)).entries() if e["kind"] == "carry"]
     assert all(e["reason"].startswith("same picture re-encoded") for e in entries) and len(entries) == 2
-    assert labels_now(art, prep, pool, round_index=1) == labels_after  # a re-run carries nothing twice
+    assert labels_now(art, pool, round_index=1) == labels_after  # a re-run carries nothing twice
     res = runner.invoke(app, ["labels", "orphans", "--json", "--config", str(config)])
     assert [o["sample_id"] for o in json.loads(res.output)] == [s for s, lab in old.items() if lab == "person"]
 
@@ -163,4 +163,4 @@ def test_a_re_encoded_photo_with_a_look_alike_in_the_pool_stays_an_orphan(projec
     _jpeg_smaller(photos / "chelsea.png", more / "chelsea-copy.jpg", quality=80)
     (photos / "chelsea.png").unlink()
     prep = _prepared(config)
-    assert labels_now(art, prep, PoolData.of(load_prepared(prep)), round_index=1) == {}
+    assert labels_now(art, PoolData.load(prep), round_index=1) == {}

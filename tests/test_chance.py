@@ -78,7 +78,7 @@ def test_tamis_status_prints_the_warning(tmp_path):
 def test_the_round_records_it_and_summary_report_and_card_show_it(tmp_path):
     from pipeline.chance import card_lines
     from pipeline.report import summary_markdown
-    from pipeline.round.plan import plan_round
+    from pipeline.round.plan import Eligible, plan_round
     from pipeline.round.stop import close_round
     from pipeline.round_state import RoundState
     from pipeline.roundreport.build import build_report
@@ -88,7 +88,7 @@ def test_the_round_records_it_and_summary_report_and_card_show_it(tmp_path):
     cfg = load_config(config)
     plan = plan_round(art, {f"s{i:03d}": LETTERS[i % 8] for i in range(72)})
     state = plan.state([], annotation_time=None, strategy="margin", quality_flags=None)
-    close_round(cfg, plan, state, pool_left=100, agreed={})
+    close_round(cfg, plan, state, Eligible([f"p{i:03d}" for i in range(100)], set(), set()), agreed={})
     assert state.at_chance and state.at_chance.startswith("The model is still at chance")
     assert RoundState.from_json(json.loads(json.dumps(state.to_json()))).at_chance == state.at_chance
     md = summary_markdown(state, [])

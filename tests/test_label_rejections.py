@@ -11,7 +11,6 @@ from pipeline.annotation.ledger import Ledger, ledger_path
 from pipeline.annotation.matching import SampleIndex
 from pipeline.report import rejection_lines, summary_markdown
 from pipeline.round.plan import PoolData, RoundPlan, eligible_pool
-from pipeline.round.stop import outstanding_tasks
 from pipeline.round_state import RoundState
 from pipeline.status import status_summary
 
@@ -28,7 +27,7 @@ def _export(art, round_index, sids):
 
 def _plan(art, index):
     return RoundPlan(index=index, dir=art / "rounds" / f"{index:03d}", labels=Ledger(ledger_path(art)).labels(),
-                     labeled_digest="-", rerun=None, previous=[])
+                     labeled_digest="-", rerun=None, previous=[], history=[])
 
 
 def test_rejected_rows_are_named_counted_and_their_samples_return_to_the_candidates(tmp_path):
@@ -51,17 +50,17 @@ def test_rejected_rows_are_named_counted_and_their_samples_return_to_the_candida
     # Their samples are not "still with the annotators": they are candidates again, and no promised task.
     pool = PoolData(ids=pa.array(IDS), splits=pa.array(["pool"] * len(IDS)), answers=pa.nulls(len(IDS), pa.string()),
                     index=SampleIndex(IDS))
-    pool_ids, _ = eligible_pool(art, pool, _plan(art, 1), set())
+    pool_ids, _, out = eligible_pool(art, pool, _plan(art, 1), set())
     assert {"s001", "s002"} <= set(pool_ids) and not {"s000", "s003"} & set(pool_ids)
-    assert outstanding_tasks(art, _plan(art, 1)) == 0
+    assert not out
 
     # Exported again (round 1), they are out again, also when a later round reads a rejection of them again.
     _export(art, 1, ["s001", "s002"])
     import_inbox(art, index=set(IDS), answers=DIGITS, round_index=2)
     import_inbox(art, index=set(IDS), answers=DIGITS, round_index=3)
-    pool_ids, _ = eligible_pool(art, pool, _plan(art, 3), set())
+    pool_ids, _, out = eligible_pool(art, pool, _plan(art, 3), set())
     assert not {"s001", "s002"} & set(pool_ids)
-    assert outstanding_tasks(art, _plan(art, 3)) == 2
+    assert len(out) == 2
 
     status = status_summary(art)
     assert status["rejected_rows"] == 3 and status["rejected_unlabeled"] == 2

@@ -95,9 +95,9 @@ def test_the_pool_leaves_out_labeled_flagged_and_still_exported_samples(tmp_path
     assert plan.index == 0  # no round finished: the export's round is still "before" only from round 1 on
     finish(art, plan)
     plan = plan_round(art, {"s00": "1", "s03": "5", "s09": "2"})
-    ids, exclude = eligible_pool(art, pool, plan, quality_excluded={"s05"})
+    ids, exclude, out = eligible_pool(art, pool, plan, quality_excluded={"s05"})
     assert ids == ["s06", "s07", "s08"]
-    assert exclude == {"s00", "s03", "s09", "s05", "s04"}
+    assert exclude == {"s00", "s03", "s09", "s05", "s04"} and out == {"s04"}  # s04: exported, not labeled yet
 
 
 def test_an_unreadable_earlier_export_is_named_with_the_fix(tmp_path, pool):
@@ -207,7 +207,7 @@ def test_the_last_round_trains_on_its_new_labels_and_selects_nothing(tmp_path, p
     refs = dict(labeled={"dataset": "l", "digest": "l"}, augmented=None)
     job = train_params(last, **_sections(c), **refs)
     assert job.out_dir.startswith(str(art / "train")) and job.init_adapter["adapter_digest"] == "a0"
-    ids, _ = eligible_pool(art, pool, last, set())
+    ids = eligible_pool(art, pool, last, set()).ids
     reason = stop_reason(c.rounds, last.index, len(last.labels), [{"round": 1, "metric": "accuracy", "value": 0.4}], len(ids))
     assert ids and reason == "rounds.max_rounds = 2: round 1 is the last (0–1); trained, selects nothing"  # the pool is not what stops it
     finish(art, last, adapter={"adapter_digest": "a1", "adapter_dir": "x1"}, stopped=reason)
@@ -230,7 +230,8 @@ def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_pat
     """rounds.label_budget 90 with batches of 40: 40, 40, then 10, and nothing after; a round run before all of the
     last batch came back counts what is still with the annotators, so the budget is never exceeded."""
     from pipeline.labelcheck import labels_spent
-    from pipeline.round.stop import budget_batch, outstanding_tasks
+    from pipeline.round.plan import still_out
+    from pipeline.round.stop import budget_batch
     from pipeline.selection import plan_selection
 
     c = cfg(tmp_path, rounds={"max_rounds": 10, "label_budget": 90}, select={"batch_size": 40, "cold_start": "random"})
@@ -239,7 +240,7 @@ def test_the_label_budget_is_a_cap_the_last_batch_is_cut_to_what_is_left(tmp_pat
     labels, batches = {}, []
     for _ in range(5):
         plan = plan_round(art, labels)
-        out = outstanding_tasks(art, plan)
+        out = len(still_out(art, plan))
         spent = labels_spent(len(plan.labels), art, before_round=plan.index)
         if stop_reason(c.rounds, plan.index, spent, [], len(pool), outstanding=out):
             break

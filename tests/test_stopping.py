@@ -58,7 +58,7 @@ def test_the_stop_set_is_seeded_stable_and_never_selected(tmp_path):
                                                    "answer": [None] * 50}))
     stop = pool.stop_set(10, 0)
     assert "s049" not in pool.stop_set(49, 0)  # test split samples never join it
-    eligible, exclude = eligible_pool(tmp_path, pool, plan_round(tmp_path, {}), set(), stop=stop)
+    eligible, exclude, _ = eligible_pool(tmp_path, pool, plan_round(tmp_path, {}), set(), stop=stop)
     assert not set(eligible) & set(stop) and set(stop) <= exclude and len(eligible) == 39
 
 

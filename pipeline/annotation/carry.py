@@ -30,6 +30,7 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -44,6 +45,7 @@ from pipeline.annotation.perceptual import (
     same_picture,
     thumb_diff,
 )
+from pipeline.idindex import IdIndex
 from pipeline.store import append_jsonl, arrow_column, digest_json, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -80,24 +82,76 @@ def recorded(artifacts: str | os.PathLike[str]) -> dict[str, ImageFacts]:
     return {r["sample_id"]: ImageFacts(**r) for r in read_jsonl(record_path(artifacts))}
 
 
-def _facts(ds: Any, ids: list[str]) -> list[ImageFacts]:
-    """The facts of `ids` in dataset `ds` (the rows it has)."""
-    from pipeline.idindex import IdIndex
+class _Rows:
+    """The prepared dataset (or an ingest shard) as the matching reads it, each part read once and only when first
+    asked: the ID index, and the columns a successor is looked up by."""
 
-    at = [int(i) for i in IdIndex.of_dataset(ds).rows(ids) if i >= 0]
-    if not at:
-        return []
-    rows = ds.select(sorted(at)).select_columns([c for c in FACT_COLUMNS if c in ds.column_names])
-    return [ImageFacts(r["sample_id"], r.get("image_path") or "", r.get("question") or "", pixel_digest(r["image"]),
-                       None if (look := look_of(r["image"])) is None else look.encode())
-            for r in rows]
+    def __init__(self, ds: Any):
+        self.ds = ds
+
+    @cached_property
+    def index(self) -> IdIndex:
+        return IdIndex.of_dataset(self.ds)
+
+    @cached_property
+    def columns(self) -> dict[str, list[Any]]:
+        """sample_id, image_path and question of every row ("" where the dataset has no such column)."""
+        names, sids = self.ds.column_names, arrow_column(self.ds, "sample_id").to_pylist()
+        return {"sample_id": sids, **{c: arrow_column(self.ds, c).to_pylist() if c in names else [""] * len(sids)
+                                      for c in ("image_path", "question")}}
+
+    def facts(self, ids: list[str]) -> list[ImageFacts]:
+        """The facts of `ids` (the rows it has)."""
+        at = [int(i) for i in self.index.rows(ids) if i >= 0]
+        if not at:
+            return []
+        rows = self.ds.select(sorted(at)).select_columns([c for c in FACT_COLUMNS if c in self.ds.column_names])
+        return [ImageFacts(r["sample_id"], r.get("image_path") or "", r.get("question") or "",
+                           pixel_digest(r["image"]), None if (look := look_of(r["image"])) is None else look.encode())
+                for r in rows]
+
+    def images(self, ids: list[str]) -> Iterable[tuple[str, Any]]:
+        """(sample_id, image bytes) of the rows of `ids` it has."""
+        at = sorted(int(i) for i in self.index.rows(ids) if i >= 0)
+        return ((r["sample_id"], r["image"]) for r in (self.ds.select(at).select_columns(["sample_id", "image"])
+                                                        if at else []))
 
 
-def _record(artifacts: Path, facts: Iterable[ImageFacts], known: dict[str, ImageFacts]) -> None:
-    new = [f for f in facts if known.get(f.sample_id) != f]  # a newer record (with its look) supersedes an older
-    if new:
-        append_jsonl(record_path(artifacts), [asdict(f) for f in new])
-        known.update((f.sample_id, f) for f in new)
+class _Known:
+    """What the matching reads from beside the ledger, and what it learns to record there: the image facts of
+    labeled samples (RECORD_NAME) and the pool's perceptual hashes (HASHES_NAME, read only when a look is matched),
+    each written once at the end."""
+
+    def __init__(self, artifacts: Path):
+        self.artifacts, self.facts = artifacts, recorded(artifacts)
+        self.new_facts: list[ImageFacts] = []
+        self.new_hashes: list[dict[str, Any]] = []
+
+    @cached_property
+    def hashes(self) -> dict[str, tuple[int, int, int] | None]:
+        return {r["sample_id"]: None if r["phash"] is None else (int(r["phash"], 16), r["width"], r["height"])
+                for r in read_jsonl(self.artifacts / HASHES_NAME)}
+
+    def record(self, facts: Iterable[ImageFacts]) -> None:
+        new = [f for f in facts if self.facts.get(f.sample_id) != f]  # a newer record (with its look) supersedes
+        self.new_facts += new
+        self.facts.update((f.sample_id, f) for f in new)
+
+    def pool_hashes(self, rows: _Rows, ids: list[str]) -> dict[str, tuple[int, int, int] | None]:
+        """sample_id → (pHash, width, height) of `ids` (None: no decodable image), the missing ones computed (a
+        sample ID names its image's bytes: a cached entry never goes stale)."""
+        for sid, image in rows.images([s for s in ids if s not in self.hashes]):
+            look = look_of(image)
+            self.new_hashes.append({"sample_id": sid, "phash": None if look is None else f"{look.phash:016x}",
+                                    "width": look and look.width, "height": look and look.height})
+            self.hashes[sid] = None if look is None else (look.phash, look.width, look.height)
+        return {s: self.hashes.get(s) for s in ids}
+
+    def write(self) -> None:
+        if self.new_facts:
+            append_jsonl(record_path(self.artifacts), [asdict(f) for f in self.new_facts])
+        if self.new_hashes:
+            append_jsonl(self.artifacts / HASHES_NAME, self.new_hashes)
 
 
 def _from_shards(artifacts: Path, ids: list[str]) -> list[ImageFacts]:
@@ -115,7 +169,7 @@ def _from_shards(artifacts: Path, ids: list[str]) -> list[ImageFacts]:
             ds = datasets.load_from_disk(str(folder))
         except (FileNotFoundError, ValueError):
             continue
-        found.update((f.sample_id, f) for f in _facts(ds, wanted))
+        found.update((f.sample_id, f) for f in _Rows(ds).facts(wanted))
     return [found.get(s) or ImageFacts(s, "", "", None) for s in ids]
 
 
@@ -126,25 +180,23 @@ class Carry:
     why: str
 
 
-def successors(orphans: Iterable[ImageFacts], ds: Any, taken: set[str]) -> list[Carry]:
-    """Each orphan's successor in dataset `ds` (pure but for decoding candidates): same question and pixels, at the
+def successors(orphans: Iterable[ImageFacts], rows: _Rows, taken: set[str]) -> list[Carry]:
+    """Each orphan's successor among `rows` (pure but for decoding candidates): same question and pixels, at the
     same path, else under the same file name elsewhere; a sample already labeled (`taken`) never is one."""
     orphans = [f for f in orphans if f.pixels is not None]
     if not orphans:
         return []
-    paths = arrow_column(ds, "image_path").to_pylist()
-    sids = arrow_column(ds, "sample_id").to_pylist()
     by_path: dict[str, list[str]] = {}
     by_name: dict[str, list[str]] = {}
     wanted = {f.path for f in orphans} | {PurePath(f.path).stem for f in orphans}
-    for sid, path in zip(sids, paths, strict=True):
+    for sid, path in zip(rows.columns["sample_id"], rows.columns["image_path"], strict=True):
         if path and sid not in taken:
             if path in wanted:
                 by_path.setdefault(path, []).append(sid)
             if (stem := PurePath(path).stem) in wanted:
                 by_name.setdefault(stem, []).append(sid)
     candidates = {s for f in orphans for s in by_path.get(f.path, []) + by_name.get(PurePath(f.path).stem, [])}
-    facts = {f.sample_id: f for f in _facts(ds, sorted(candidates))}
+    facts = {f.sample_id: f for f in rows.facts(sorted(candidates))}
     out = []
     for f in orphans:
         for where, pool in (("at the same path", by_path.get(f.path, [])),
@@ -159,44 +211,22 @@ def successors(orphans: Iterable[ImageFacts], ds: Any, taken: set[str]) -> list[
     return out
 
 
-def _pool_hashes(artifacts: Path, ds: Any, ids: list[str]) -> dict[str, tuple[int, int, int] | None]:
-    """sample_id → (pHash, width, height) of `ids` in `ds` (None: no decodable image), from the cache beside the
-    ledger, the missing ones computed and cached (a sample ID names its image's bytes: an entry never goes stale)."""
-    from pipeline.idindex import IdIndex
-
-    path = Path(artifacts) / HASHES_NAME
-    cached = {r["sample_id"]: (None if r["phash"] is None else (int(r["phash"], 16), r["width"], r["height"]))
-              for r in read_jsonl(path)}
-    missing = [s for s in ids if s not in cached]
-    at = sorted(int(i) for i in IdIndex.of_dataset(ds).rows(missing) if i >= 0)
-    new = []
-    for r in ds.select(at).select_columns(["sample_id", "image"]) if at else []:
-        look = look_of(r["image"])
-        new.append({"sample_id": r["sample_id"], "phash": None if look is None else f"{look.phash:016x}",
-                    "width": look and look.width, "height": look and look.height})
-        cached[r["sample_id"]] = None if look is None else (look.phash, look.width, look.height)
-    if new:
-        append_jsonl(path, new)
-    return {s: cached.get(s) for s in ids}
-
-
-def look_alikes(orphans: Iterable[ImageFacts], ds: Any, taken: set[str], artifacts: Path) -> list[Carry]:
+def look_alikes(orphans: Iterable[ImageFacts], rows: _Rows, taken: set[str], known: _Known) -> list[Carry]:
     """Each orphan's successor by its look (pipeline/annotation/perceptual.py), for orphans the same pixels did not
     find: a pool sample with the same question showing the same picture, the match unique and mutual; a sample already
     labeled (`taken`) never is one, and still makes a match ambiguous."""
     orphans = [f for f in orphans if f.look]
     if not orphans:
         return []
-    sids = arrow_column(ds, "sample_id").to_pylist()
-    questions = arrow_column(ds, "question").to_pylist() if "question" in ds.column_names else [""] * len(sids)
     asked = {f.question for f in orphans}
-    pool = [(s, q or "") for s, q in zip(sids, questions, strict=True) if (q or "") in asked]
-    hashes = _pool_hashes(artifacts, ds, [s for s, _ in pool])
+    pool = [(s, q or "") for s, q in zip(rows.columns["sample_id"], rows.columns["question"], strict=True)
+            if (q or "") in asked]
+    hashes = known.pool_hashes(rows, [s for s, _ in pool])
     pool = [(s, q) for s, q in pool if hashes[s] is not None]
     looks = {f.sample_id: Look.decode(f.look) for f in orphans}
     close = {f.sample_id: near(looks[f.sample_id], [hashes[s] for s, q in pool if q == f.question],
                                [s for s, q in pool if q == f.question]) for f in orphans}
-    cands = {f.sample_id: f for f in _facts(ds, sorted({s for c in close.values() for s in c})) if f.look}
+    cands = {f.sample_id: f for f in rows.facts(sorted({s for c in close.values() for s in c})) if f.look}
     found = {s: Look.decode(f.look) for s, f in cands.items()}
     matches = {o: {s for s in c if s in found and same_picture(looks[o], found[s])} for o, c in close.items()}
     out, paths = [], {f.sample_id: f.path for f in orphans}
@@ -208,15 +238,15 @@ def look_alikes(orphans: Iterable[ImageFacts], ds: Any, taken: set[str], artifac
     return out
 
 
-def _add_looks(artifacts: Path, facts: dict[str, ImageFacts], orphans: list[str]) -> None:
+def _add_looks(artifacts: Path, known: _Known, orphans: list[str]) -> None:
     """Orphans recorded before looks were recorded: their look from the ingest shards, looked for once."""
-    old = [s for s in orphans if s in facts and facts[s].look is None and facts[s].pixels is not None]
+    old = [s for s in orphans if s in known.facts and known.facts[s].look is None and known.facts[s].pixels is not None]
     if not old:
         return
     found = {f.sample_id: f for f in _from_shards(artifacts, old) if f.look}
-    rows = [found.get(s) or replace(facts[s], look="") for s in old]  # "": looked for, not found
-    append_jsonl(record_path(artifacts), [asdict(f) for f in rows])
-    facts.update((f.sample_id, f) for f in rows)
+    rows = [found.get(s) or replace(known.facts[s], look="") for s in old]  # "": looked for, not found
+    known.new_facts += rows  # written even where unchanged: the "" marks the look as looked for
+    known.facts.update((f.sample_id, f) for f in rows)
 
 
 def carry_entry(c: Carry, label_entry: Mapping[str, Any], *, round_index: int) -> dict[str, Any]:
@@ -235,47 +265,45 @@ def orphans_of(current: Mapping[str, Mapping[str, Any]], known: Iterable[bool], 
     return [s for s, k in zip(ids, known, strict=True) if not k and s not in carried]
 
 
-def follow_images(artifacts: str | os.PathLike[str], prepared_dir: str | os.PathLike[str], index: Any, *,
-                  round_index: int) -> dict[str, str]:
+def _carries(artifacts: Path, known: _Known, rows: _Rows, orphans: list[str], taken: set[str]) -> list[Carry]:
+    """The orphans' successors: by the same pixels first, then (a lossy re-encode, maybe renamed) by their look."""
+    carries = successors([known.facts[s] for s in orphans], rows, taken)
+    done = {c.orphan for c in carries}
+    if len(done) < len(orphans):
+        _add_looks(artifacts, known, [s for s in orphans if s not in done])
+        carries += look_alikes([known.facts[s] for s in orphans if s not in done], rows, taken, known)
+    for c in carries:
+        log.info("label of %s carried over to %s: %s", c.orphan, c.successor, c.why)
+    if left := len(orphans) - len(carries):
+        log.warning("%d labels match no sample of the dataset any more (their images changed or were removed); "
+                    "`tamis labels orphans` lists them", left)
+    return carries
+
+
+def follow_images(artifacts: str | os.PathLike[str], prepared: Any, index: Any, *, round_index: int) -> dict[str, str]:
     """Carry labels over to the samples their images became (module docstring), then the ledger's labels.
 
-    `index`: the pool's SampleIndex (pipeline.annotation.matching); `prepared_dir`: the prepare stage's folder."""
-    from pipeline.preprocess import load_prepared
-
+    `prepared`: the prepared dataset, loaded (its rows are read only when a record or an orphan asks);
+    `index`: the pool's SampleIndex (pipeline.annotation.matching). Reads first, writes once at the end."""
     artifacts = Path(artifacts)
-    ledger = Ledger(ledger_path(artifacts))
+    ledger, known, rows = Ledger(ledger_path(artifacts)), _Known(artifacts), _Rows(prepared)
     current = ledger.current()
     ids = list(current)
     known_rows = index.knows(ids)
-    facts = recorded(artifacts)
-    ds = None
     # Records written before looks were get theirs while the sample is still in the pool (once: undecodable
     # images have neither pixels nor a look).
-    missing = [s for s, k in zip(ids, known_rows, strict=True)
-               if k and (s not in facts or (facts[s].look is None and facts[s].pixels is not None))]
+    missing = [s for s, k in zip(ids, known_rows, strict=True) if k and (
+        s not in known.facts or (known.facts[s].look is None and known.facts[s].pixels is not None))]
     if missing:
-        ds = load_prepared(prepared_dir)
-        _record(artifacts, _facts(ds, missing), facts)
+        known.record(rows.facts(missing))
     orphans = orphans_of(current, known_rows, ids)
-    unrecorded = [s for s in orphans if s not in facts]
-    if unrecorded:
-        _record(artifacts, _from_shards(artifacts, unrecorded), facts)
-    if orphans:
-        ds = ds if ds is not None else load_prepared(prepared_dir)
-        taken = {s for s, k in zip(ids, known_rows, strict=True) if k}
-        carries = successors([facts[s] for s in orphans], ds, taken)
-        done = {c.orphan for c in carries}
-        if len(done) < len(orphans):  # the same picture under other pixels: a lossy re-encode, maybe renamed
-            _add_looks(artifacts, facts, [s for s in orphans if s not in done])
-            carries += look_alikes([facts[s] for s in orphans if s not in done], ds, taken, artifacts)
-        if carries:
-            ledger.append([carry_entry(c, current[c.orphan], round_index=round_index) for c in carries])
-            for c in carries:
-                log.info("label of %s carried over to %s: %s", c.orphan, c.successor, c.why)
-        left = len(orphans) - len(carries)
-        if left:
-            log.warning("%d labels match no sample of the dataset any more (their images changed or were removed); "
-                        "`tamis labels orphans` lists them", left)
+    if unrecorded := [s for s in orphans if s not in known.facts]:
+        known.record(_from_shards(artifacts, unrecorded))
+    taken = {s for s, k in zip(ids, known_rows, strict=True) if k}
+    carries = _carries(artifacts, known, rows, orphans, taken) if orphans else []
+    known.write()
+    if carries:
+        ledger.append([carry_entry(c, current[c.orphan], round_index=round_index) for c in carries])
     return ledger.labels()
 
 

@@ -57,16 +57,13 @@ def save_rows(prepared: Any, ids: Sequence[str], out_dir: str | os.PathLike[str]
     return {"dataset": str(out_dir / "dataset"), "digest": digest}
 
 
-def labeled_set(prepared_ref: Mapping[str, Any], plan: RoundPlan) -> dict[str, str]:
+def labeled_set(pool: PoolData, plan: RoundPlan) -> dict[str, str]:
     """The round's labeled training set on disk (round_dir/labeled/), keyed by its content: the labels (sample IDs,
     which are content digests, and answers) and how the rows were prepared (the prepare stage's code version and
     config), not the whole prepared pool's digest, so new pool images leave the training set and its adapter alone."""
-    from pipeline.preprocess import load_prepared
-    from pipeline.store import read_manifest
-
-    m = read_manifest(Path(prepared_ref["dir"]))
-    return save_labeled_set(load_prepared(prepared_ref["dir"]), plan.labels, plan.dir / "labeled",
-                            digest=digest_json([m.stage_version, m.config_digest, plan.labeled_digest]))
+    assert pool.recipe is not None, "a round's pool is loaded with its prepare stage's manifest: PoolData.load"
+    return save_labeled_set(pool.dataset, plan.labels, plan.dir / "labeled",
+                            digest=digest_json([*pool.recipe, plan.labeled_digest]))
 
 
 def train_params(plan: RoundPlan, *, artifacts: str | os.PathLike[str], model: ModelConfig, train: TrainConfig,
@@ -88,17 +85,14 @@ def train_params(plan: RoundPlan, *, artifacts: str | os.PathLike[str], model: M
                        init_adapter=init, out_dir=str(Path(artifacts) / "train" / key[:16]), **sections, **boxes)
 
 
-def test_set(artifacts: str | os.PathLike[str], prepared_ref: Mapping[str, Any], pool: PoolData) -> dict[str, str]:
+def test_set(artifacts: str | os.PathLike[str], pool: PoolData) -> dict[str, str]:
     """The labeled test split on disk (artifacts/eval/test/<digest>/), keyed like the labeled set by its rows (IDs
     and answers) and how they were prepared, so new pool images leave the evaluation of an adapter alone."""
-    from pipeline.preprocess import load_prepared
-    from pipeline.store import read_manifest
-
-    m = read_manifest(Path(prepared_ref["dir"]))
+    assert pool.recipe is not None, "a round's pool is loaded with its prepare stage's manifest: PoolData.load"
     rows = pool.test_rows()
-    digest = digest_json([m.stage_version, m.config_digest, rows])
-    return save_rows(load_prepared(prepared_ref["dir"]), [s for s, _ in rows],
-                     Path(artifacts) / "eval" / "test" / digest[:16], digest=digest)
+    digest = digest_json([*pool.recipe, rows])
+    return save_rows(pool.dataset, [s for s, _ in rows], Path(artifacts) / "eval" / "test" / digest[:16],
+                     digest=digest)
 
 
 def evaluate_params(*, artifacts: str | os.PathLike[str], model: ModelConfig, answers: Sequence[str] | None,

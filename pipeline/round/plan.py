@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline.errors import DataError
 from pipeline.round_state import AdapterRecord, RoundState, completed_rounds, round_dir
-from pipeline.store import arrow_column, digest_json
+from pipeline.store import arrow_column, digest_json, read_manifest
 
 
-def next_round_index(artifacts: str | os.PathLike[str], labeled_digest: str | None) -> int:
-    """The last round again when the labeled set is unchanged (a re-run), else the round after it."""
-    done = completed_rounds(artifacts)
+def next_round_index(done: Sequence[RoundState], labeled_digest: str | None) -> int:
+    """After the finished rounds `done` (oldest first): the last round again when the labeled set is unchanged (a
+    re-run), else the round after it."""
     if not done:
         return 0
     last = done[-1]
@@ -30,7 +30,7 @@ def next_round_index(artifacts: str | os.PathLike[str], labeled_digest: str | No
 def import_round(artifacts: str | os.PathLike[str]) -> int:
     """The round labels imported now belong to, the same for the inbox and `tamis labels import`: the next round,
     the first whose labeled set holds them (0 before any round finished)."""
-    return next_round_index(artifacts, None)
+    return next_round_index(completed_rounds(artifacts), None)
 
 
 def exported_before(artifacts: str | os.PathLike[str], round_index: int) -> set[str]:
@@ -65,13 +65,23 @@ class PoolData:
     splits: Any
     answers: Any
     index: Any  # pipeline.annotation.labels.SampleIndex: matches labels by ID, the user's own ID or image path
+    dataset: Any = None  # the prepared dataset itself (memory-mapped): the round's steps read its rows from here
+    recipe: tuple[str, str] | None = None  # how it was prepared (stage version, config digest): sets made of it key on it
 
     @classmethod
     def of(cls, prepared: Any) -> PoolData:
         from pipeline.annotation.labels import SampleIndex
 
         return cls(*(arrow_column(prepared, c) for c in ("sample_id", "split", "answer")),
-                   index=SampleIndex.from_dataset(prepared))
+                   index=SampleIndex.from_dataset(prepared), dataset=prepared)
+
+    @classmethod
+    def load(cls, prepared_dir: str | os.PathLike[str]) -> PoolData:
+        """The prepare stage's dataset in `prepared_dir` and how it was prepared, read once for the whole round."""
+        from pipeline.preprocess import load_prepared
+
+        ds, m = load_prepared(prepared_dir), read_manifest(Path(prepared_dir))
+        return replace(cls.of(ds), recipe=(m.stage_version, m.config_digest))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -129,13 +139,12 @@ def round_labels(pool: PoolData, ledger_labels: Mapping[str, str]) -> dict[str, 
     return {**pool.seed_labels(), **{s: ledger_labels[s] for s, k in zip(ids, known, strict=True) if k}}
 
 
-def labels_now(artifacts: str | os.PathLike[str], prepared_dir: str | os.PathLike[str], pool: PoolData, *,
-               round_index: int) -> dict[str, str]:
+def labels_now(artifacts: str | os.PathLike[str], pool: PoolData, *, round_index: int) -> dict[str, str]:
     """The round's labels once labels have followed their re-saved or moved images to their new sample IDs
     (pipeline/annotation/carry.py: a carry entry each, logged)."""
     from pipeline.annotation.carry import follow_images
 
-    return round_labels(pool, follow_images(artifacts, prepared_dir, pool.index, round_index=round_index))
+    return round_labels(pool, follow_images(artifacts, pool.dataset, pool.index, round_index=round_index))
 
 
 @dataclass
@@ -148,6 +157,7 @@ class RoundPlan:
     labeled_digest: str
     rerun: RoundState | None  # the finished round this run repeats (its labeled set is unchanged)
     previous: list[RoundState]  # finished rounds before this one, oldest first
+    history: list[Path]  # their folders, in the same order
 
     def warm_start(self, init: str) -> AdapterRecord | None:
         """The adapter training starts from: the last earlier round's with train.init = warm, never this round's
@@ -159,9 +169,6 @@ class RoundPlan:
         """The finished round before this one, None for the first."""
         return self.previous[-1] if self.previous else None
 
-    def history_dirs(self, artifacts: str | os.PathLike[str]) -> list[Path]:
-        return [round_dir(artifacts, p.round) for p in self.previous]
-
     def state(self, imports: list[dict[str, Any]], **fields: Any) -> RoundState:
         """The round's state as round.json records it, before any stage ran (`fields`: what the caller knows)."""
         from pipeline.report import import_record
@@ -172,17 +179,28 @@ class RoundPlan:
 
 def plan_round(artifacts: str | os.PathLike[str], labels: dict[str, str]) -> RoundPlan:
     """The round for this labeled set: the last one again when it is unchanged (a re-run), else the next."""
-    digest = digest_json(sorted(labels.items()))
-    r = next_round_index(artifacts, digest)
-    done = completed_rounds(artifacts)
+    digest, done = digest_json(sorted(labels.items())), completed_rounds(artifacts)
+    r = next_round_index(done, digest)
+    previous = [s for s in done if s.round < r]
     return RoundPlan(index=r, dir=round_dir(artifacts, r), labels=labels, labeled_digest=digest,
-                     rerun=next((s for s in done if s.round == r), None),
-                     previous=[s for s in done if s.round < r])
+                     rerun=next((s for s in done if s.round == r), None), previous=previous,
+                     history=[round_dir(artifacts, s.round) for s in previous])
+
+
+class Eligible(NamedTuple):
+    """What a round may select from: `ids`, the pool samples it may select (dataset order); `exclude`, every ID it
+    must not; `out`, the samples exported in earlier rounds and still with the annotators (still_out), which the
+    label budget has promised already."""
+
+    ids: list[str]
+    exclude: set[str]
+    out: set[str]
 
 
 def eligible_pool(artifacts: str | os.PathLike[str], pool: PoolData, plan: RoundPlan,
-                  quality_excluded: set[str], *, stop: Sequence[str] = ()) -> tuple[list[str], set[str]]:
-    """(pool samples the round may select, every ID it must not): labeled, flagged by quality, exported in an
-    earlier round and still with the annotators (still_out), or in the stop set."""
-    exclude = set(plan.labels) | quality_excluded | still_out(artifacts, plan) | set(stop)
-    return pool.pool_ids(exclude), exclude
+                  quality_excluded: set[str], *, stop: Sequence[str] = ()) -> Eligible:
+    """The pool samples the round may select: not labeled, flagged by quality, exported in an earlier round and
+    still with the annotators (still_out), or in the stop set."""
+    out = still_out(artifacts, plan)
+    exclude = set(plan.labels) | quality_excluded | out | set(stop)
+    return Eligible(pool.pool_ids(exclude), exclude, out)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ProjectConfig, RoundsConfig
-from pipeline.round.plan import PoolData, RoundPlan, still_out
+from pipeline.round.plan import Eligible, PoolData, RoundPlan
 from pipeline.round_state import RoundState
 
 
@@ -84,25 +84,25 @@ def _pool_empty(pool_left: int) -> str | None:
     return "pool exhausted: no unlabeled samples left to select" if pool_left == 0 else None
 
 
-def close_round(cfg: ProjectConfig, plan: RoundPlan, state: RoundState, *, pool_left: int,
+def close_round(cfg: ProjectConfig, plan: RoundPlan, state: RoundState, eligible: Eligible, *,
                 agreed: Mapping[str, Any]) -> None:
-    """The round's counts once its pool is known (eligible samples, labels spent, tasks still out, the consensus
-    `agreed`), then whether it stops (stop_reason, on every rule of the rounds section) and whether its model is
-    still at chance (pipeline.chance)."""
+    """The round's counts once its pool is known (`eligible`: the samples it may select and the tasks still out;
+    labels spent; the consensus `agreed`), then whether it stops (stop_reason, on every rule of the rounds section)
+    and whether its model is still at chance (pipeline.chance)."""
     from pipeline.chance import chance_check
     from pipeline.labelcheck import labels_spent
     from pipeline.metrics import read_metrics
 
-    art, rc = cfg.artifacts, cfg.rounds
+    art, rc, main = cfg.artifacts, cfg.rounds, main_metric(cfg.data.answers, cfg.data.task)
+    hours = recorded_hours(art) if rc.budget_hours is not None else 0.0
+    rows, spent = read_metrics(art), labels_spent(len(plan.labels), art, before_round=plan.index)
+    stopped = stop_reason(rc, plan.index, spent, rows, len(eligible.ids), state.stability, hours=hours, main=main,
+                          outstanding=len(eligible.out))
+    at_chance = chance_check(rows, cfg.data.scored_answers, train=cfg.train, model=cfg.model,
+                             up_to_round=plan.index).warning
     state.update(agreed)
-    state.pool, state.tasks_out = pool_left, outstanding_tasks(art, plan)  # tasks: exported earlier, not labeled yet
-    state.labels_spent = labels_spent(len(plan.labels), art, before_round=plan.index)
-    rows = read_metrics(art)
-    state.stopped = stop_reason(rc, plan.index, state.labels_spent, rows, pool_left, state.stability,
-                                main=main_metric(cfg.data.answers, cfg.data.task), outstanding=state.tasks_out,
-                                hours=recorded_hours(art) if rc.budget_hours is not None else 0.0)
-    state.at_chance = chance_check(rows, cfg.data.scored_answers, train=cfg.train, model=cfg.model,
-                                   up_to_round=plan.index).warning
+    state.pool, state.tasks_out, state.labels_spent = len(eligible.ids), len(eligible.out), spent
+    state.stopped, state.at_chance = stopped, at_chance
 
 
 def budget_batch(rounds_cfg: RoundsConfig, batch_size: int, spent: int, outstanding: int = 0) -> int:
@@ -134,11 +134,6 @@ def redundancy_cap(rounds_cfg: RoundsConfig, state: RoundState) -> int | None:
     return None if left is None else max(0, left - (state.relabel or 0))
 
 
-def outstanding_tasks(artifacts: str | os.PathLike[str], plan: RoundPlan) -> int:
-    """Samples exported in earlier rounds and still out (still_out): the label budget has promised them already."""
-    return len(still_out(artifacts, plan))
-
-
 def recorded_hours(artifacts: str | os.PathLike[str]) -> float:
     """Annotator-hours recorded in the ledger's times (every timed annotation, re-labels included)."""
     from pipeline.annotation.ledger import Ledger, ledger_path
@@ -163,8 +158,7 @@ class StopSetCheck:
     target: float  # the agreement rounds.stop_when_stable asks for
 
 
-def stop_set_check(rc: RoundsConfig, plan: RoundPlan, pool: PoolData, *, seed: int,
-                   artifacts: str | os.PathLike[str]) -> StopSetCheck | None:
+def stop_set_check(rc: RoundsConfig, plan: RoundPlan, pool: PoolData, *, seed: int) -> StopSetCheck | None:
     """The round's stop-set measurement, or None without rounds.stop_set."""
     from pipeline.stopping import STOPSET
 
@@ -172,5 +166,5 @@ def stop_set_check(rc: RoundsConfig, plan: RoundPlan, pool: PoolData, *, seed: i
         return None
     rule = rc.stop_when_stable
     return StopSetCheck(pool.stop_set(rc.stop_set, seed), plan.dir, plan.dir / STOPSET,
-                        plan.history_dirs(artifacts)[-1] if plan.previous else None,
+                        plan.history[-1] if plan.history else None,
                         rule.agreement if rule else 0.99)

@@ -90,7 +90,7 @@ class ProjectConfig(Section):
         if boxes:
             self._box_defaults()
         errors = [*combination_errors(self.data, self.select),
-                  *box_section_errors(self.data, self.augment, self.labelcheck)]
+                  *box_section_errors(self.data, self.augment, self.labelcheck, self.annotate)]
         if errors:
             raise ValueError("\n  ".join(errors))
         return self
@@ -102,6 +102,8 @@ class ProjectConfig(Section):
             self.model.max_new_tokens = BOX_MAX_NEW_TOKENS
         if "method" not in self.labelcheck.model_fields_set:
             self.labelcheck.method = "off"
+        if "consensus" not in self.annotate.model_fields_set:
+            self.annotate.consensus = "box_iou"  # boxes are matched by IoU, never compared as text
 
     def section(self, name: str) -> dict[str, Any]:
         """A section as plain JSON data: what a stage records next to its outputs and keys its cache on."""

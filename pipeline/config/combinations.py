@@ -41,13 +41,21 @@ CLOSED_FIX = "least_confidence, margin or entropy (or bald with select.mc_dropou
 OPEN_FIX = "token_entropy, or semantic_entropy / answer_disagreement with select.mc_dropout_passes: 4"
 
 
-def box_section_errors(data: Any, augment: Any, labelcheck: Any) -> list[str]:
+def box_section_errors(data: Any, augment: Any, labelcheck: Any, annotate: Any = None) -> list[str]:
     """What other sections of a box project cannot do yet: augmented copies (their flips and crops would not move
     the boxes) and the round's label check (its checks read one answer per image; pipeline/boxes/labelcheck.py's
-    box checks are not wired into it)."""
+    box checks are not wired into it); and a consensus that compares votes as text (box_iou matches boxes), or
+    box_iou on one-answer labels."""
+    consensus = getattr(annotate, "consensus", None)
     if data.task != "boxes":
-        return []
+        return [] if consensus != "box_iou" else [
+            "annotate.consensus: 'box_iou' matches boxes across annotators, and this project's labels are one "
+            "answer per image (data.task is not boxes); use majority, dawid_skene or one_coin"]
     errors = []
+    if consensus not in (None, "box_iou"):
+        errors.append(f"annotate.consensus: {consensus!r} compares annotators' labels as whole answers, and two "
+                      "annotators never draw the same box pixels (data.task: boxes); use box_iou (the default "
+                      "there: boxes matched by IoU, kept where most annotators drew one)")
     if augment.copies:
         errors.append(f"augment.copies: {augment.copies} makes flipped and cropped copies of the labeled images, and "
                       "the boxes of data.task: boxes would not follow them; set augment.copies: 0")

@@ -1,0 +1,72 @@
+"""What a box project's round uses of pipeline/boxes beyond training and evaluation: box_iou consensus when several
+annotators label the same image (at import and as annotate.consensus), and the config's defaults and refusals for
+it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.boxes.answer import parse_box_label
+from pipeline.boxes.box import Box
+from pipeline.boxes.scenes import SHAPES
+
+
+def _region(b: Box, w: int, h: int) -> dict:
+    return {"type": "rectanglelabels", "from_name": "answer", "to_name": "image", "original_width": w,
+            "original_height": h, "value": {"x": b.x / w * 100, "y": b.y / h * 100, "width": b.w / w * 100,
+                                            "height": b.h / h * 100, "rotation": 0, "rectanglelabels": [b.label]}}
+
+
+def _two_annotators(path: Path, sid: str, boxes_a: list[Box], boxes_b: list[Box], w: int = 400, h: int = 300) -> Path:
+    """A Label Studio JSON export: one task, annotated by two people who drew the same objects a few pixels apart."""
+    anns = [{"id": 10 + i, "completed_by": {"email": who}, "result": [_region(b, w, h) for b in boxes]}
+            for i, (who, boxes) in enumerate([("ann@x.org", boxes_a), ("bob@x.org", boxes_b)])]
+    path.write_text(json.dumps([{"id": 1, "data": {"image": "/data/x.png", "sample_id": sid}, "annotations": anns}]))
+    return path
+
+
+def test_two_annotators_boxes_a_few_pixels_apart_agree_by_iou_at_import(tmp_path):
+    from pipeline.annotation.label_files import LabelKeys
+    from pipeline.annotation.labels import import_labels
+    from pipeline.annotation.ledger import Ledger
+
+    a = [Box("disc", 40, 50, 100, 80), Box("square", 200, 100, 60, 60)]
+    b = [Box("disc", 43, 48, 98, 83), Box("square", 202, 101, 59, 58)]
+    ledger = Ledger(tmp_path / "labels.jsonl")
+    rep = import_labels(_two_annotators(tmp_path / "ls.json", "s1", a, b), known_ids={"s1"}, answers=None,
+                        ledger=ledger, round_index=1, rejections_dir=tmp_path / "rej",
+                        keys=LabelKeys(box_labels=SHAPES))
+    # As text the two labels differ (a tie, rejected); as boxes they agree: one label, each box the median.
+    assert not rep.rejected, rep.rejected
+    (entry,) = rep.accepted
+    got = parse_box_label(entry["label"])
+    assert [g.label for g in got] == ["disc", "square"]
+    assert got[0].x == pytest.approx(41.5, abs=0.01) and got[0].h == pytest.approx(81.5, abs=0.01)
+    assert entry["annotator"] == "ann@x.org,bob@x.org" and len(entry["votes"]) == 2
+    # A class dispute between the two is a tie: no label, sent to a third annotator.
+    c = [Box("triangle", 40, 50, 100, 80), Box("square", 200, 100, 60, 60)]
+    rep = import_labels(_two_annotators(tmp_path / "ls2.json", "s2", a, c), known_ids={"s2"}, answers=None,
+                        ledger=ledger, round_index=1, rejections_dir=tmp_path / "rej",
+                        keys=LabelKeys(box_labels=SHAPES))
+    assert not rep.accepted and len(rep.rejected) == 2 and "tie" in rep.rejected[0].reason
+
+
+def _config(tmp_path: Path, **annotate) -> dict:
+    return {"paths": {"artifacts": str(tmp_path / "art")},
+            "data": {"sources": [{"kind": "folder", "path": str(tmp_path)}], "task": "boxes", "answers": list(SHAPES)},
+            "model": {"name_or_path": "x", "family": "idefics3"}, **({"annotate": annotate} if annotate else {})}
+
+
+def test_a_box_project_uses_box_iou_consensus_and_refuses_text_consensus(tmp_path):
+    from pipeline.config import ProjectConfig
+
+    assert ProjectConfig.model_validate(_config(tmp_path)).annotate.consensus == "box_iou"
+    with pytest.raises(ValueError, match="annotate.consensus: 'dawid_skene' compares annotators' labels as whole"):
+        ProjectConfig.model_validate(_config(tmp_path, consensus="dawid_skene"))
+    one_answer = _config(tmp_path, consensus="box_iou")
+    one_answer["data"].pop("task")
+    with pytest.raises(ValueError, match="annotate.consensus: 'box_iou' matches boxes"):
+        ProjectConfig.model_validate(one_answer)

@@ -70,3 +70,71 @@ def test_a_box_project_uses_box_iou_consensus_and_refuses_text_consensus(tmp_pat
     one_answer["data"].pop("task")
     with pytest.raises(ValueError, match="annotate.consensus: 'box_iou' matches boxes"):
         ProjectConfig.model_validate(one_answer)
+
+
+# --------------------------------------------------------------------------------------------- YOLO folders
+def _yolo_folder(root: Path, scenes, *, unlabeled: int = 0) -> Path:
+    """A YOLO folder of `scenes` (write_yolo), the label files of the last `unlabeled` removed (not labeled yet)."""
+    from pipeline.boxes.readers import BoxSet
+    from pipeline.boxes.scenes import write_scenes
+    from pipeline.boxes.writers import write_yolo
+
+    src = write_scenes(root.parent / f"{root.name}-src", scenes)
+    write_yolo(root, BoxSet(labels=SHAPES, images=src.images, sizes=src.sizes), root.parent / f"{root.name}-src")
+    for s in scenes[len(scenes) - unlabeled:]:
+        (root / "labels" / Path(s.name).with_suffix(".txt")).unlink()
+    return root
+
+
+def test_a_yolo_folder_is_a_source_of_box_labels(tmp_path):
+    from pipeline.boxes.answer import box_label
+    from pipeline.boxes.scenes import make_scenes
+    from pipeline.config import DataConfig, SourceConfig
+    from pipeline.data.readers import READERS, RawRow, Rejected
+
+    scenes = make_scenes(5, seed=3)
+    root = _yolo_folder(tmp_path / "yolo", scenes, unlabeled=2)
+    source = SourceConfig(kind="yolo", path=root)
+    data = DataConfig(task="boxes", answers=list(SHAPES), sources=[source])
+    rows = sorted(READERS["yolo"]().rows(source, data), key=lambda r: r.image_path)
+    assert len(rows) == 5 and all(isinstance(r, RawRow) for r in rows)
+    by_name = {Path(r.image_path).name: r for r in rows}
+    for s in scenes[:3]:  # labeled: the boxes within YOLO's six decimals of the scene's
+        got, want = parse_box_label(by_name[s.name].answer), parse_box_label(box_label(s.boxes))  # canonical order
+        assert [b.label for b in got] == [b.label for b in want] and by_name[s.name].split == "train"
+        assert all(abs(g.x - b.x) < 0.01 * s.width and abs(g.w - b.w) < 0.01 * s.width
+                   for g, b in zip(got, want, strict=True))
+    assert all(by_name[s.name].answer is None for s in scenes[3:])  # no label file: the pool
+    # As a test set every image is labeled (a missing label file is YOLO's background image: no boxes).
+    test = SourceConfig(kind="yolo", path=root, default_split="test")
+    rows = list(READERS["yolo"]().rows(test, data))
+    assert {r.answer for r in rows if Path(r.image_path).name in {s.name for s in scenes[3:]}} == {box_label([])}
+    # A box outside its image rejects that image, whole, naming the line.
+    label = root / "labels" / Path(scenes[0].name).with_suffix(".txt")
+    label.write_text(label.read_text() + "0 3.5 0.5 0.2 0.2\n")
+    rows = list(READERS["yolo"]().rows(source, data))
+    (bad,) = [r for r in rows if isinstance(r, Rejected)]
+    assert scenes[0].name in bad.source and len(rows) == 5
+
+
+def test_tamis_init_detects_yolo_folders(tmp_path, tiny_models):
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.boxes.scenes import make_scenes
+    from pipeline.config import load_config
+
+    pool = _yolo_folder(tmp_path / "pool", make_scenes(6, seed=4), unlabeled=4)
+    test = _yolo_folder(tmp_path / "test", make_scenes(4, seed=5))
+    project = tmp_path / "project"
+    project.mkdir()
+    res = subprocess.run([str(Path(sys.executable).parent / "tamis"), "init", str(pool), "--test", str(test),
+                          "--model", str(tiny_models["idefics3"])], cwd=project, capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "2000"}, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "YOLO folder of 6 images, 2 labeled" in res.stdout and "4 without a label file" in res.stdout
+    assert "test set: YOLO folder of 4 images" in res.stdout and "the YOLO folder's classes" in res.stdout
+    cfg = load_config(project / "tamis.yaml")
+    assert cfg.data.task == "boxes" and cfg.data.answers == list(SHAPES)
+    assert [(s.kind, s.default_split) for s in cfg.data.sources] == [("yolo", None), ("yolo", "test")]

@@ -20,7 +20,7 @@ from pipeline.config.base import Section
 
 # trl / sharegpt / swift: conversations with several images and turns (pipeline/data/conversations.py).
 # coco: a COCO detection file, for box projects (data.task: boxes; pipeline/data/readers.py CocoReader).
-SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio", "trl", "sharegpt", "swift", "coco"]
+SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio", "trl", "sharegpt", "swift", "coco", "yolo"]
 Split = Literal["train", "pool", "test"]
 
 

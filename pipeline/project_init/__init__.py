@@ -89,8 +89,10 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     if test is not None:
         found.append(detect_test(test.expanduser().resolve(), path))
     boxes = [c for f in found for c in f.box_classes]
-    choice = AnswerChoice(list(dict.fromkeys(boxes)), "the COCO test file's categories: a box project (data.task: "
-                          "boxes, docs/boxes.md)") if boxes else choose_answers(found, answer_mode)
+    box_file = "the COCO test file's categories" if any(f.source["kind"] == "coco" for f in found) else \
+        "the YOLO folder's classes"
+    choice = AnswerChoice(list(dict.fromkeys(boxes)), f"{box_file}: a box project (data.task: boxes, "
+                          "docs/boxes.md)") if boxes else choose_answers(found, answer_mode)
     resolved, note, problem = _resolve(model)
     facts = model_facts(model, resolved)
     _check_files(model, facts)

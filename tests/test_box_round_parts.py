@@ -63,12 +63,18 @@ def _config(tmp_path: Path, **annotate) -> dict:
 def test_a_box_project_uses_box_iou_consensus_and_refuses_text_consensus(tmp_path):
     from pipeline.config import ProjectConfig
 
-    assert ProjectConfig.model_validate(_config(tmp_path)).annotate.consensus == "box_iou"
+    box = ProjectConfig.model_validate(_config(tmp_path))
+    assert box.annotate.consensus == "box_iou" and box.select.diversity == "class_balanced"
     with pytest.raises(ValueError, match="annotate.consensus: 'dawid_skene' compares annotators' labels as whole"):
         ProjectConfig.model_validate(_config(tmp_path, consensus="dawid_skene"))
     one_answer = _config(tmp_path, consensus="box_iou")
     one_answer["data"].pop("task")
     with pytest.raises(ValueError, match="annotate.consensus: 'box_iou' matches boxes"):
+        ProjectConfig.model_validate(one_answer)
+    one_answer = _config(tmp_path)
+    one_answer["data"].pop("task")
+    one_answer["select"] = {"diversity": "class_balanced"}
+    with pytest.raises(ValueError, match="select.diversity: 'class_balanced' balances a batch over the classes of"):
         ProjectConfig.model_validate(one_answer)
 
 
@@ -138,3 +144,37 @@ def test_tamis_init_detects_yolo_folders(tmp_path, tiny_models):
     cfg = load_config(project / "tamis.yaml")
     assert cfg.data.task == "boxes" and cfg.data.answers == list(SHAPES)
     assert [(s.kind, s.default_split) for s in cfg.data.sources] == [("yolo", None), ("yolo", "test")]
+
+
+# ------------------------------------------------------------------------------------ class-balanced selection
+def test_a_box_rounds_selection_balances_the_batch_over_predicted_classes():
+    """The most uncertain answers hold discs (or nothing): top_k takes them; class_balanced (a box project's default)
+    takes the most uncertain disc image, then the most uncertain square and triangle images."""
+    import numpy as np
+
+    from pipeline.config import SelectConfig
+    from pipeline.scoring import ScoreResult
+    from pipeline.selection import box_class_counts, select_round
+
+    def answer(*labels: str) -> str:
+        return json.dumps([{"bbox_2d": [10 + 50 * i, 10, 40 + 50 * i, 40], "label": lab} for i, lab in enumerate(labels)])
+
+    texts = [answer("disc"), answer("disc", "disc"), answer("disc"), answer("square"), answer("triangle", "disc"),
+             answer("square", "square"), "no boxes at all"]
+    entropy = np.array([0.9, 0.8, 0.7, 0.5, 0.4, 0.3, 0.95])[:, None]  # one token each: its entropy is the score
+    ids = [f"s{i}" for i in range(len(texts))]
+    scores = ScoreResult(ids, np.eye(len(ids), 4, dtype=np.float32), token_logprobs=-entropy, token_entropy=entropy,
+                         answers=texts)
+    assert box_class_counts(texts, SHAPES).tolist() == [[1, 0, 0], [2, 0, 0], [1, 0, 0], [0, 1, 0], [1, 0, 1],
+                                                        [0, 2, 0], [0, 0, 0]]  # SHAPES: disc, square, triangle
+
+    def pick(diversity: str) -> list[str]:
+        cfg = SelectConfig(strategy="token_entropy", diversity=diversity, batch_size=3)
+        sel = select_round(cfg, candidate_ids=ids, scores=scores, space=None, labeled=set(), exclude=set(),
+                           answers=None, history=[], cold_start=False, seed=0, box_labels=SHAPES)
+        return [r["sample_id"] for r in sel.rows]
+
+    assert pick("top_k") == ["s6", "s0", "s1"]
+    # each pick to the class with the fewest boxes so far (ties: the class list's order); s6 predicts no box, so it
+    # waits until no class has an image left
+    assert pick("class_balanced") == ["s0", "s3", "s4"]

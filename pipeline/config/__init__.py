@@ -102,6 +102,9 @@ class ProjectConfig(Section):
             self.model.max_new_tokens = BOX_MAX_NEW_TOKENS
         if "method" not in self.labelcheck.model_fields_set:
             self.labelcheck.method = "off"
+        if "diversity" not in self.select.model_fields_set:
+            # the recipe benchmarks/results/box_selection.json measured ahead of random (docs/boxes.md)
+            self.select.diversity = "class_balanced"
         if "consensus" not in self.annotate.model_fields_set:
             self.annotate.consensus = "box_iou"  # boxes are matched by IoU, never compared as text
 

@@ -34,6 +34,7 @@ SAMPLED_READS = frozenset({"mc_probs", "agreement", "meanings"})  # need select.
 OPEN_DEFAULT_STRATEGY = "token_entropy"  # the default select.strategy (entropy) reads class probabilities
 BOX_MAX_NEW_TOKENS = 256  # a box answer is ~30 tokens a box: the default 16 cuts off the first one
 CLOSED_ONLY_DIVERSITY = frozenset({"stratified"})
+BOX_ONLY_DIVERSITY = "class_balanced"  # reads the classes of each answer's boxes
 BOX_READS = frozenset({"none", "token_entropy", "agreement"})  # what a box answer's scoring can give
 BOX_FIX = "token_entropy, or answer_disagreement (box sample agreement) with select.mc_dropout_passes: 4"
 
@@ -92,6 +93,10 @@ def combination_errors(data: Any, select: Any) -> list[str]:
     if data.task == "boxes":
         return _box_errors(data, select)
     errors = []
+    if select.diversity == BOX_ONLY_DIVERSITY:
+        errors.append(f"select.diversity: {BOX_ONLY_DIVERSITY!r} balances a batch over the classes of predicted boxes, "
+                      "and this project's answers are one per image (data.task is not boxes); use stratified for "
+                      "class balance over closed answers")
     reads = STRATEGY_READS[select.strategy]
     closed = data.answers is not None
     if closed and reads in OPEN_READS:

@@ -347,7 +347,7 @@ class ScheduleConfig(Section):
 DASK_PROTOCOLS = ("tcp", "tls", "ws", "wss", "ucx", "inproc")
 
 Diversity = Literal["top_k", "k_center", "cluster_margin", "stratified", "typiclust", "probcover", "maxherding",
-                    "uncertainty_herding"]
+                    "uncertainty_herding", "class_balanced"]
 
 
 class CandidatesConfig(Section):

@@ -76,7 +76,8 @@ def _answer_lines(found: list[Found], answers: list[str] | None, answers_why: st
 def _strategy_lines(answers: list[str] | None, boxes: bool) -> list[str]:
     if boxes:  # a box answer is generated text: its token entropy is what the scoring gives without extra passes
         return ["  strategy: token_entropy               # box answers: the answer's mean token entropy",
-                "  diversity: uncertainty_herding"]
+                "  diversity: class_balanced             # each pick to the class with fewest predicted boxes "
+                "(docs/boxes.md)"]
     return ["  strategy: margin" if answers else "  strategy: semantic_entropy", "  diversity: uncertainty_herding",
             *([] if answers else ["  mc_dropout_passes: 4                 # semantic entropy groups 4 sampled answers"])]
 

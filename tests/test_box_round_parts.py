@@ -178,3 +178,95 @@ def test_a_box_rounds_selection_balances_the_batch_over_predicted_classes():
     # each pick to the class with the fewest boxes so far (ties: the class list's order); s6 predicts no box, so it
     # waits until no class has an image left
     assert pick("class_balanced") == ["s0", "s3", "s4"]
+
+
+# ---------------------------------------------------------------------------------------------- label check
+def test_the_box_label_check_finds_the_images_with_wrong_boxes():
+    from pipeline.boxes.answer import box_label
+    from pipeline.boxes.scenes import make_scenes
+    from pipeline.labelcheck.boxes import detect_box_label_issues
+
+    scenes = [s for s in make_scenes(12, seed=8) if len(s.boxes) >= 2][:8]
+    truth = {s.name: list(s.boxes) for s in scenes}
+    labels = dict(truth)
+    a, b = scenes[0].name, scenes[1].name
+    first = truth[a][0]
+    other = next(c for c in SHAPES if c != first.label)
+    labels[a] = [Box(other, first.x, first.y, first.w, first.h), *truth[a][1:]]  # a swapped class
+    labels[b] = truth[b][1:]  # a box nobody drew
+    predicted = {n: [Box(x.label, x.x, x.y, x.w, x.h, 0.9) for x in bs] for n, bs in truth.items()}
+    ids = [s.name for s in scenes]
+    det, cols, reasons = detect_box_label_issues(labels, predicted, texts={n: "model" for n in ids},
+                                                 given={n: box_label(labels[n]) for n in ids}, sample_ids=ids,
+                                                 min_oos_accuracy=0.5)
+    assert det.abstained is None and {i.sample_id for i in det.issues} == {a, b}
+    assert any("the model sees a" in r and "no labeled box covers" in r for r in reasons[b])
+    assert any(f"is labeled {other!r}" in r for r in reasons[a])
+    assert all(0 < i.confidence <= 1 for i in det.issues) and cols.shape == (len(ids), 2)
+    # A model that finds nothing cannot judge: the check abstains and says why, with the numbers.
+    det, _, _ = detect_box_label_issues(labels, {n: [] for n in ids}, texts={}, given={n: "" for n in ids},
+                                        sample_ids=ids, min_oos_accuracy=0.5)
+    assert not det.issues and "mean box agreement with the labels" in det.abstained
+
+
+def test_the_round_label_check_of_a_box_project_carries_its_class_list(tmp_path):
+    from pipeline.config import ProjectConfig
+    from pipeline.labelcheck import CheckSpec, plan_label_check
+    from pipeline.labelcheck.stage import check_spec
+    from pipeline.round_state import RoundState
+
+    cfg = ProjectConfig.model_validate(_config(tmp_path))
+    assert cfg.labelcheck.method == "heldout"
+    spec = CheckSpec.of(model=cfg.model, train=cfg.train, select=cfg.select, labelcheck=cfg.labelcheck,
+                        answers=cfg.data.scored_answers, seed=0, box_labels=cfg.data.box_labels)
+    (tmp_path / "art").mkdir()
+    # heldout needs the previous round's adapter and the IDs it trained on
+    import datasets
+
+    prev = tmp_path / "art" / "rounds" / "001" / "labeled" / "dataset"
+    datasets.Dataset.from_dict({"sample_id": ["s1"]}).save_to_disk(str(prev))
+    params = plan_label_check(spec, artifacts=tmp_path / "art", labeled={"dataset": "x", "digest": "d"},
+                              previous=RoundState(round=1, adapter={"adapter_dir": "a", "adapter_digest": "b"}),
+                              round_dir=tmp_path / "art" / "rounds" / "002")
+    assert params.data == {"answers": None, "box_labels": list(SHAPES)}
+    assert check_spec(params).box_labels == SHAPES and check_spec(params).answers is None
+    kfold = _config(tmp_path)
+    kfold["labelcheck"] = {"method": "kfold"}
+    with pytest.raises(ValueError, match="labelcheck.method: 'kfold' trains fold adapters on the labels as they are"):
+        ProjectConfig.model_validate(kfold)
+
+
+def test_a_box_projects_relabel_queue_goes_out_as_a_box_batch_with_the_current_boxes(tmp_path):
+    import io
+
+    import datasets
+
+    from pipeline.boxes.answer import box_label
+    from pipeline.boxes.readers import read_label_studio
+    from pipeline.boxes.scenes import make_scenes, render
+    from pipeline.config import AnnotateConfig
+    from pipeline.labelcheck.boxes import export_box_relabel
+    from pipeline.labelcheck.detection import Issue
+
+    scenes = make_scenes(3, seed=9)
+    rows = []
+    for i, s in enumerate(scenes):
+        buf = io.BytesIO()
+        render(s).save(buf, format="PNG")
+        rows.append({"sample_id": f"s{i}", "question": "Find every shape.", "image": buf.getvalue(),
+                     "image_path": f"/data/{s.name}", "width": s.width, "height": s.height, "prep_box": [0, 0, 32, 32],
+                     "prep_width": 32, "prep_height": 32})
+    ds = datasets.Dataset.from_list(rows)
+    issue = Issue(0, "s1", box_label(scenes[1].boxes), "[]", 0.2, 1.0, 0.9, 0.5, 0.9)
+    m = export_box_relabel([issue], ds, tmp_path / "relabel", annotate=AnnotateConfig(), box_labels=SHAPES,
+                           artifacts=tmp_path, round_index=2)
+    assert m is not None and m.info["count"] == 1
+    tasks = json.loads((tmp_path / "relabel" / "label_studio_tasks.json").read_text())
+    assert [t["data"]["sample_id"] for t in tasks] == ["s1"] and tasks[0]["predictions"][0]["model_version"] == "labelcheck"
+    # the annotator starts from the boxes the image is labeled with now
+    back = read_label_studio(tmp_path / "relabel" / "label_studio_tasks.json", kind="predictions")
+    (got,) = back.images.values()
+    assert box_label(got) == box_label(scenes[1].boxes)
+    assert (tmp_path / "relabel" / "images" / scenes[1].name).is_file()
+    assert export_box_relabel([], ds, tmp_path / "none", annotate=AnnotateConfig(), box_labels=SHAPES,
+                              artifacts=tmp_path, round_index=2) is None

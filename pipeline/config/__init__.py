@@ -96,12 +96,12 @@ class ProjectConfig(Section):
         return self
 
     def _box_defaults(self) -> None:
-        """A box project's defaults where the one-answer ones cannot work: answers long enough for a few boxes, and
-        no label check (not wired for boxes: pipeline/config/combinations.py)."""
+        """A box project's defaults where the one-answer ones cannot work: answers long enough for a few boxes, the
+        heldout label check (kfold cannot train on box labels), class-balanced selection and box_iou consensus."""
         if "max_new_tokens" not in self.model.model_fields_set:
             self.model.max_new_tokens = BOX_MAX_NEW_TOKENS
         if "method" not in self.labelcheck.model_fields_set:
-            self.labelcheck.method = "off"
+            self.labelcheck.method = "heldout"  # box checks (pipeline/labelcheck/boxes.py) with no extra training
         if "diversity" not in self.select.model_fields_set:
             # the recipe benchmarks/results/box_selection.json measured ahead of random (docs/boxes.md)
             self.select.diversity = "class_balanced"

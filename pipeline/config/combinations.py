@@ -44,9 +44,8 @@ OPEN_FIX = "token_entropy, or semantic_entropy / answer_disagreement with select
 
 def box_section_errors(data: Any, augment: Any, labelcheck: Any, annotate: Any = None) -> list[str]:
     """What other sections of a box project cannot do yet: augmented copies (their flips and crops would not move
-    the boxes) and the round's label check (its checks read one answer per image; pipeline/boxes/labelcheck.py's
-    box checks are not wired into it); and a consensus that compares votes as text (box_iou matches boxes), or
-    box_iou on one-answer labels."""
+    the boxes) and the k-fold label check (its fold adapters would train on the label JSON, not the codec's text);
+    and a consensus that compares votes as text (box_iou matches boxes), or box_iou on one-answer labels."""
     consensus = getattr(annotate, "consensus", None)
     if data.task != "boxes":
         return [] if consensus != "box_iou" else [
@@ -60,10 +59,11 @@ def box_section_errors(data: Any, augment: Any, labelcheck: Any, annotate: Any =
     if augment.copies:
         errors.append(f"augment.copies: {augment.copies} makes flipped and cropped copies of the labeled images, and "
                       "the boxes of data.task: boxes would not follow them; set augment.copies: 0")
-    if labelcheck.method != "off":
-        errors.append(f"labelcheck.method: {labelcheck.method!r} checks one answer per image, and data.task: boxes "
-                      "labels boxes (their checks, pipeline/boxes/labelcheck.py, are not in the round yet); set "
-                      "labelcheck.method: off (a box project's default)")
+    if labelcheck.method == "kfold":
+        errors.append("labelcheck.method: 'kfold' trains fold adapters on the labels as they are, and data.task: "
+                      "boxes trains on the family codec's text of each label's boxes, which only the train stage "
+                      "writes; use heldout (a box project's default: the previous round's adapter judges the labels "
+                      "it did not train on) or off")
     return errors
 
 

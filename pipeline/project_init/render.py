@@ -118,7 +118,7 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
               "  # round summary says which it did and why (docs/selection.md).",
               "  candidates: auto",
               "annotate:", "  export_images: legible", "  formats: [label_studio, csv, jsonl, images]",
-              "labelcheck:", "  method: \"off\"                        # box label checks are not in the round yet"
+              "labelcheck:", "  method: heldout                      # the last adapter's boxes against new labels"
               if boxes else "  method: heldout                      # scores new labels with the last adapter",
               "rounds:", "  # Rounds in all, round 0 included; the last one trains and evaluates but selects nothing.",
               "  max_rounds: 10",

@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.boxes.answer import box_label, parse_box_label
 from pipeline.boxes.readers import BoxSet
-from pipeline.boxes.scenes import SHAPES, make_scene, make_scenes, write_scenes
+from pipeline.boxes.scenes import SHAPES, make_scene, make_scenes, scene_labels, write_scenes
 from pipeline.boxes.writers import write_coco
 
 TAMIS = Path(sys.executable).parent / "tamis"
@@ -40,9 +40,7 @@ def _label_batch(artifacts: Path, round_index: int) -> int:
     """What an annotator hands back: a COCO JSON of the exported images' boxes under their original file names
     (names.json lists them), dropped into the inbox."""
     names = json.loads((artifacts / "rounds" / f"{round_index:03d}" / "export" / "names.json").read_text())
-    truth = {s.name: s for s in POOL}
-    labels = BoxSet(labels=SHAPES, images={n: list(truth[n].boxes) for n in names},
-                    sizes={n: (truth[n].width, truth[n].height) for n in names})
+    labels = scene_labels(POOL, names)
     (artifacts / "inbox").mkdir(exist_ok=True)
     write_coco(artifacts / "inbox" / f"labels-{round_index:03d}.json", labels)
     return len(names)

@@ -36,7 +36,8 @@ def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: Ro
         return embeddings_ref(cfg, prepared)
 
     spec = CheckSpec.of(model=with_identity(cfg.model, cfg.artifacts), train=cfg.train, select=cfg.select,
-                        labelcheck=cfg.labelcheck, answers=cfg.data.answers, seed=cfg.seed)
+                        labelcheck=cfg.labelcheck, answers=cfg.data.scored_answers, seed=cfg.seed,
+                        box_labels=cfg.data.box_labels)
     params = plan_label_check(spec, artifacts=cfg.artifacts, labeled=labeled, previous=previous, round_dir=round_dir,
                               selection_space=None if prepared is None else selection_space)
     return None if params is None else run_stage(labelcheck_task, params=params)
@@ -50,4 +51,4 @@ def relabel_ref(cfg: ProjectConfig, *, check: dict[str, Any], prepared: dict[str
     return run_stage(relabel_task, params=plan_relabel(artifacts=cfg.artifacts, annotate=cfg.annotate,
                                                        labelcheck=cfg.labelcheck, answers=cfg.data.answers,
                                                        check=check, prepared=prepared, round_index=round_index,
-                                                       cap=cap))
+                                                       cap=cap, box_labels=cfg.data.box_labels))

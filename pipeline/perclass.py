@@ -23,6 +23,7 @@ from pipeline.errors import DataError
 
 PER_CLASS_FILE = "per_class.json"
 PER_GROUP_FILE = "per_group.json"
+BOX_PER_CLASS_FILE = "box_per_class.json"  # a box project's per-class AP (pipeline.evaluate writes it; box_map's rows)
 CONFUSION_FILE = "confusion.png"
 OTHER = "(other)"  # the confusion column of predictions outside the answer set
 RESAMPLES = 1000
@@ -262,6 +263,7 @@ class EvalReport:
     per_class: dict[str, Any] | None
     per_group: dict[str, Any] | None
     fields: dict[str, Any] | None = None  # per_class.json of structured answers: its `fields` (pipeline/fields/metrics.py)
+    per_box_class: list[dict[str, Any]] | None = None  # box projects: [{label, ap50, ap, their ci95, support}]
 
     @property
     def confusion_png(self) -> Path | None:
@@ -270,8 +272,8 @@ class EvalReport:
 
 
 def load_eval_report(eval_dir: str | os.PathLike[str] | None) -> EvalReport | None:
-    """The per-class (closed) or per-group (open) report of an evaluation folder; None when it has neither (an
-    evaluation of older code, or no folder)."""
+    """The per-class (closed answers), per-group (open answers) or per-class AP (boxes) report of an evaluation
+    folder; None when it has none (an evaluation of older code, or no folder)."""
     if not eval_dir:
         return None
     folder = Path(eval_dir)
@@ -282,5 +284,6 @@ def load_eval_report(eval_dir: str | os.PathLike[str] | None) -> EvalReport | No
 
     per_class = read(PER_CLASS_FILE)
     fields = per_class if per_class is not None and "fields" in per_class else None
-    report = EvalReport(folder, None if fields else per_class, read(PER_GROUP_FILE), fields)
-    return report if report.per_class or report.per_group or report.fields else None
+    report = EvalReport(folder, None if fields else per_class, read(PER_GROUP_FILE), fields,
+                        read(BOX_PER_CLASS_FILE))
+    return report if report.per_class or report.per_group or report.fields or report.per_box_class else None

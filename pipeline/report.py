@@ -160,6 +160,23 @@ def per_class_markdown(pc: Mapping[str, Any], *, limit: int = PER_CLASS_ROWS) ->
     return lines
 
 
+def _ci(interval: Sequence[float] | None) -> str:
+    return f"{interval[0]:.3f}–{interval[1]:.3f}" if interval else "—"
+
+
+def box_per_class_markdown(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A box project's per-class AP (box_per_class.json, pipeline.boxes.evaluation.box_map's rows): AP@0.5 and
+    AP@[.5:.95] with their 95 % bootstrap intervals and the labeled-box count; a class without labeled test boxes
+    has no AP (—), as in COCO."""
+    def ap(v: float | None) -> str:
+        return "—" if v is None else f"{v:.3f}"
+
+    lines = ["| class | AP@0.5 | 95% CI | AP@[.5:.95] | 95% CI | labeled boxes |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {escape_md(r['label'])} | {ap(r['ap50'])} | {_ci(r['ap50_ci95'])} | {ap(r['ap'])} | "
+              f"{_ci(r['ap_ci95'])} | {r['support']} |" for r in rows]
+    return lines
+
+
 def per_group_markdown(pg: Mapping[str, Any]) -> list[str]:
     """Open answers: each metric per question or per answer-length bucket (pipeline.perclass's per_group.json)."""
     names = list(pg["metrics"])
@@ -172,7 +189,9 @@ def evaluation_markdown(evaluation: Any, confusion_uri: str | None = None) -> li
     """The summary's section from an evaluation folder's report (pipeline.perclass.EvalReport)."""
     if evaluation is None:
         return []
-    lines = ["", "## Per-class results" if evaluation.per_class else "## Results by group", ""]
+    lines = ["", "## Results by group" if evaluation.per_group else "## Per-class results", ""]
+    if evaluation.per_box_class:
+        lines += box_per_class_markdown(evaluation.per_box_class)
     if evaluation.per_class:
         lines += per_class_markdown(evaluation.per_class)
         if confusion_uri:

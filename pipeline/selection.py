@@ -123,6 +123,7 @@ def select_round(
     seed: int,
     phase: Phase | None = None,
     seconds: Mapping[str, float] | None = None,
+    box_labels: Sequence[str] | None = None,
 ) -> RoundSelection:
     """Pick the round's batch.
 
@@ -130,7 +131,8 @@ def select_round(
     giving the embeddings; then `candidate_ids` are the candidates. Embeddings for diversity, coverage and outliers
     come from `space` when given, else from the scores. `phase` (the schedule's choice) overrides the configured
     strategy × diversity after the cold start. `seconds` (recorded seconds per labeled sample) feed the cost model
-    when `select.cost` is predicted (`round_cost`).
+    when `select.cost` is predicted (`round_cost`). `box_labels`: a box project's class list (data.box_labels);
+    a selector that wants it (class_balanced) reads each candidate's predicted boxes per class from its answer.
     """
     from pipeline.scoring import predictions  # the scorers' module imports torch; a cold start need not
 
@@ -150,18 +152,21 @@ def select_round(
     strategy, diversity, probs = round_pair(sel_cfg, scores, cold_start=cold_start, phase=phase)
     costs, cost_x, cost_model = (None, None, None) if cold_start else round_cost(
         sel_cfg, ids=ids, emb=emb, scores=scores, labeled=labeled, seconds=seconds, seed=seed)
+    predicted_answer, confidence = predictions(scores, answers) if scores is not None else ([None] * len(ids),) * 2
+    predicted = scores.probs.argmax(1) if scores is not None and scores.probs is not None else None
+    if box_labels and get_selector(diversity).reads_predicted == "box_counts":
+        predicted = box_class_counts(predicted_answer, box_labels)
     cands = Candidates(ids, probs=probs, embeddings=emb, labeled_embeddings=labeled_rows(labeled, ids, emb, space),
-                       predicted=scores.probs.argmax(1) if scores is not None and scores.probs is not None else None,
-                       exclude=exclude | labeled, costs=costs)
+                       predicted=predicted, exclude=exclude | labeled, costs=costs)
     selection = select_batch(cands, k=sel_cfg.batch_size, strategy=strategy, diversity=diversity, seed=seed,
-                             options=selector_options(diversity, len(answers) if answers else None),
+                             options=selector_options(diversity, len(answers) if answers else None,
+                                                      box_labels=box_labels),
                              downweight=downweight, downweight_weight=sel_cfg.outlier_weight)
     if cost_model is not None:
         from pipeline.strategies.cost import forecast_hours
 
         out.info["cost"] = {**cost_model.report, "next_batch": len(selection.positions),
                             "next_batch_hours": round(forecast_hours(cost_model, cost_x[selection.positions]), 4)}
-    predicted_answer, confidence = predictions(scores, answers) if scores is not None else ([None] * len(ids),) * 2
     # `strategy` / `diversity` are the heuristic and selector that ran; `round_strategy` the round's one name.
     label = strategy_label(sel_cfg.cold_start, sel_cfg.strategy, sel_cfg.diversity, cold=cold_start,
                            phase=phase.as_dict() if phase is not None else None)
@@ -175,6 +180,20 @@ def select_round(
     if getattr(selection, "info", None):
         out.info["selector"] = selection.info
     return out
+
+def box_class_counts(answers: Sequence[str | None], box_labels: Sequence[str]) -> np.ndarray:
+    """[n, classes]: how many boxes of each class (box_labels' order) each answer text holds; a class outside the
+    list is not counted."""
+    from pipeline.boxes.codecs import answer_classes
+
+    at = {label: c for c, label in enumerate(box_labels)}
+    out = np.zeros((len(answers), len(box_labels)), dtype=np.int64)
+    for i, text in enumerate(answers):
+        for label in answer_classes(text):
+            if label in at:
+                out[i, at[label]] += 1
+    return out
+
 
 def _pool_uncertainty(scores: Any, ids: list[str], labeled: set[str]) -> tuple[list[str], np.ndarray] | None:
     """The unlabeled samples' uncertainty (pool_uncertainty), for later rounds' outlier history."""
@@ -228,10 +247,11 @@ def labeled_rows(labeled: Collection[str], ids: Sequence[str], emb: np.ndarray |
     return emb[rows] if rows else None
 
 
-def selector_options(diversity: str, n_classes: int | None, options: Mapping[str, Any] | None = None) -> dict:
-    """The round's facts a selector asks for (`Selector.wants`, e.g. n_classes), unless `options` sets them;
-    unknown facts are left out."""
-    facts = {"n_classes": n_classes}
+def selector_options(diversity: str, n_classes: int | None, options: Mapping[str, Any] | None = None, *,
+                     box_labels: Sequence[str] | None = None) -> dict:
+    """The round's facts a selector asks for (`Selector.wants`, e.g. n_classes, a box project's box_labels), unless
+    `options` sets them; unknown facts are left out."""
+    facts = {"n_classes": n_classes, "box_labels": None if box_labels is None else list(box_labels)}
     return {**{f: facts[f] for f in get_selector(diversity).wants if facts.get(f) is not None}, **(options or {})}
 
 
@@ -282,6 +302,7 @@ class SelectParams:
     candidates: dict[str, Any] | None = None  # how a restricted (or auto) round's candidates were chosen
     seconds: dict[str, str] | None = None  # {path, digest} of the labeled samples' seconds (select.cost: predicted)
     shard_refs: list[StageRef] = field(default_factory=list)  # the pool's score shards, added once scored
+    box_labels: list[str] | None = None  # a box project's class list (class_balanced reads it)
 
 
 @dataclass
@@ -360,7 +381,8 @@ def plan_selection(cfg: ProjectConfig, *, round_dir: Path, pool_ids: Sequence[st
                           exclude_path=str(exclude_path), labeled_path=str(labeled_path), pool_path=str(pool_path),
                           history=uncertainty_history(list(history_dirs)), cold_start=adapter is None, phase=phase,
                           space=space_ref, adapter_digest=(adapter or {}).get("digest"), seed=cfg.seed,
-                          out_dir=str(round_dir / "selection"), candidates=how, seconds=seconds)
+                          out_dir=str(round_dir / "selection"), candidates=how, seconds=seconds,
+                          box_labels=cfg.data.box_labels)
     return SelectionPlan(candidates, adapter is not None or space is None, params)
 
 
@@ -431,7 +453,7 @@ def select_stage(params: SelectParams) -> dict[str, Any]:
         labeled=set(labeled), exclude={r["sample_id"] for r in read_jsonl(p.exclude_path)}, answers=p.answers,
         history=read_uncertainty_history([h["path"] for h in p.history]), cold_start=p.cold_start, seed=p.seed,
         phase=p.phase, seconds={r["sample_id"]: float(r["seconds"]) for r in read_jsonl(p.seconds["path"])}
-        if p.seconds else None,
+        if p.seconds else None, box_labels=p.box_labels,
     )
     if p.candidates is not None:
         result.info["candidates"] = p.candidates

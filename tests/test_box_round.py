@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.boxes.answer import box_label, parse_box_label
 from pipeline.boxes.readers import BoxSet
-from pipeline.boxes.scenes import SHAPES, make_scene, make_scenes, write_scenes
+from pipeline.boxes.scenes import SHAPES, make_scene, make_scenes, scene_labels, write_scenes
 from pipeline.boxes.writers import write_coco
 
 TAMIS = Path(sys.executable).parent / "tamis"
@@ -40,9 +40,7 @@ def _label_batch(artifacts: Path, round_index: int) -> int:
     """What an annotator hands back: a COCO JSON of the exported images' boxes under their original file names
     (names.json lists them), dropped into the inbox."""
     names = json.loads((artifacts / "rounds" / f"{round_index:03d}" / "export" / "names.json").read_text())
-    truth = {s.name: s for s in POOL}
-    labels = BoxSet(labels=SHAPES, images={n: list(truth[n].boxes) for n in names},
-                    sizes={n: (truth[n].width, truth[n].height) for n in names})
+    labels = scene_labels(POOL, names)
     (artifacts / "inbox").mkdir(exist_ok=True)
     write_coco(artifacts / "inbox" / f"labels-{round_index:03d}.json", labels)
     return len(names)
@@ -92,6 +90,17 @@ def test_cli_a_box_project_runs_from_init_to_round_1_without_hand_edits(tmp_path
     # The round report draws a box project's boxes: its sources name the family's codec; its pictures exist.
     sources = json.loads((art / "rounds" / "001" / "report_sources.json").read_text())
     assert sources["box_codec"] == "json_1000" and (art / "rounds" / "001" / "report.html").is_file()
+    report = (art / "rounds" / "001" / "report.html").read_text()
+    assert "Test images with the most box errors" in report and "AP@0.5" in report  # by boxes, not by text
+    export = art / "rounds" / "001" / "export"
+    assert {p.name for p in (export / "yolo" / "images").iterdir()} == {p.name for p in (export / "images").iterdir()}
+    # The per-class AP of round 1's evaluation, in `tamis status --per-class` and the exported model's card.
+    status = _run(project, "status", "--per-class")
+    assert status.returncode == 0 and "per-class AP (round 1)" in status.stdout, status.stdout + status.stderr
+    card = _run(project, "export-model", "--out", str(tmp_path / "exported"))
+    assert card.returncode == 0, card.stdout + card.stderr
+    readme = (tmp_path / "exported" / "README.md").read_text()
+    assert "map50 = " in readme and "| class | AP@0.5 | 95% CI | AP@[.5:.95] | 95% CI | labeled boxes |" in readme
     # `tamis predict` with round 1's adapter: boxes in each new image's own pixels (mixed aspect ratios).
     new = [make_scene(f"new_{i}.png", 900 + i, canvases=[c]) for i, c in enumerate([(480, 240), (200, 400)])]
     write_scenes(tmp_path / "new", new)
@@ -117,7 +126,7 @@ def test_init_detects_a_box_project(tmp_path, tiny_models):
     res = init_project(pool, test=test, model=str(tiny_models["idefics3"]), out=out, hw=hw)
     cfg = load_config(out)
     assert cfg.data.task == "boxes" and cfg.data.answers == list(SHAPES) and res.answers == list(SHAPES)
-    assert [s.kind for s in cfg.data.sources] == ["folder", "coco"] and cfg.labelcheck.method == "off"
+    assert [s.kind for s in cfg.data.sources] == ["folder", "coco"] and cfg.labelcheck.method == "heldout"
     assert cfg.select.strategy == "token_entropy" and "disc" in cfg.data.question
     assert any("COCO JSON that names the original files" in s for s in res.next_steps)
 

@@ -214,9 +214,11 @@ def test_a_box_project_loads_with_the_defaults_box_answers_need(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  task: boxes\n  answers: [circle, square]\n")
     cfg = load_config(path)
-    # Generated box text, scored as open answers: token entropy, room for a few boxes, no one-answer label check.
+    # Generated box text, scored as open answers: token entropy, room for a few boxes, the box label check (heldout),
+    # class-balanced batches and box_iou consensus.
     assert cfg.select.strategy == "token_entropy" and cfg.model.max_new_tokens == 256
-    assert cfg.labelcheck.method == "off" and cfg.data.scored_answers is None and cfg.data.box_labels == ["circle", "square"]
+    assert cfg.select.diversity == "class_balanced" and cfg.annotate.consensus == "box_iou"
+    assert cfg.labelcheck.method == "heldout" and cfg.data.scored_answers is None and cfg.data.box_labels == ["circle", "square"]
     path.write_text("data:\n  task: boxes\n  answers: [circle]\nmodel:\n  max_new_tokens: 64\naugment:\n  copies: 2\n"
                     "labelcheck:\n  method: kfold\n")
     with pytest.raises(ConfigError) as e:

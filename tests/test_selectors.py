@@ -47,41 +47,50 @@ def test_names_cover_config_choices():
 
 
 # -------------------------------------------------------------------------------- contract of every selector
+def _make(name: str):
+    """A selector with the round's facts it asks for (`wants`)."""
+    facts = {"n_classes": 3, "box_labels": ["a", "b", "c"]}
+    return SELECTORS[name](**{f: facts[f] for f in SELECTORS[name].wants})
+
+
 @pytest.mark.parametrize("name", sorted(SELECTORS))
 class TestSelectorContract:
     """What select_batch relies on, for every registered selector: one class, so a new selector is checked too."""
 
     N = 120
 
-    def _args(self, labeled: bool = False, seed: int = 0) -> dict:
+    def _args(self, labeled: bool = False, seed: int = 0, name: str = "") -> dict:
         x, blob, _ = blobs([30] * 4)
         rng = np.random.default_rng(seed)
-        return dict(scores=rng.random(self.N), embeddings=x, predicted=blob % 3, seed=3,
+        predicted = blob % 3
+        if name and SELECTORS[name].reads_predicted == "box_counts":  # [n, 3]: boxes per class in each answer
+            predicted = np.stack([(blob % 3 == c) + (blob == c) for c in range(3)], axis=1).astype(int)
+        return dict(scores=rng.random(self.N), embeddings=x, predicted=predicted, seed=3,
                     labeled_embeddings=x[::17] + 0.01 if labeled else None)
 
     @pytest.mark.parametrize("labeled", [False, True])
     def test_k_unique_indices_in_range(self, name, labeled):
-        sel = SELECTORS[name]()
+        sel = _make(name)
         assert sel.info == {}
-        picks = sel.select(10, **self._args(labeled))
+        picks = sel.select(10, **self._args(labeled, name=name))
         assert picks.dtype.kind == "i" and picks.shape == (10,)
         assert len(set(picks.tolist())) == 10 and 0 <= picks.min() and picks.max() < self.N
         assert isinstance(sel.info, dict)
 
     def test_deterministic_for_a_seed(self, name):
-        a = SELECTORS[name]().select(12, **self._args(True))
-        b = SELECTORS[name]().select(12, **self._args(True))
+        a = _make(name).select(12, **self._args(True, name=name))
+        b = _make(name).select(12, **self._args(True, name=name))
         np.testing.assert_array_equal(a, b)
 
     def test_k_equals_n_returns_every_candidate(self, name):
-        picks = SELECTORS[name]().select(self.N, **self._args())
+        picks = _make(name).select(self.N, **self._args(name=name))
         assert sorted(picks.tolist()) == list(range(self.N))
 
     def test_k_beyond_n_names_the_numbers(self, name):
         with pytest.raises(SelectionError, match=rf"cannot pick {self.N + 1} of {self.N}"):
-            SELECTORS[name]().select(self.N + 1, **self._args())
+            _make(name).select(self.N + 1, **self._args(name=name))
         with pytest.raises(SelectionError, match="cannot pick 0 of"):
-            SELECTORS[name]().select(0, **self._args())
+            _make(name).select(0, **self._args(name=name))
 
 
 
@@ -232,6 +241,9 @@ def _pool(n=100, c=3, seed=0):
 def test_select_batch_is_deterministic_and_order_free(diversity):
     ids, probs, emb, pred = _pool()
     kw = dict(k=10, strategy="margin", diversity=diversity, seed=5)
+    if SELECTORS[diversity].reads_predicted == "box_counts":  # boxes per class in each answer, and the class list
+        pred = np.stack([pred == c for c in range(probs.shape[1])], axis=1).astype(int) * 2
+        kw["options"] = {"box_labels": [str(c) for c in range(probs.shape[1])]}
     out = {"s0003", "s0050"}
     a = select_batch(Candidates(ids, probs=probs, embeddings=emb, predicted=pred, exclude=out), **kw)
     b = select_batch(Candidates(ids, probs=probs, embeddings=emb, predicted=pred, exclude=out), **kw)

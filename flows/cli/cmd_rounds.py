@@ -161,8 +161,27 @@ def status_summary_of(cfg: ProjectConfig) -> dict[str, Any]:
                                                    "export_dir", "eval_dir")} for s in states]}
 
 
+def _box_per_class_table(rows: list[dict[str, Any]], where: str) -> Any:
+    """A box project's per-class AP (box_per_class.json) as a rich table; — where a class has no labeled box."""
+    from rich.table import Table
+
+    def num(v: float | None) -> str:
+        return "—" if v is None else f"{v:.3f}"
+
+    def ci(v: list[float] | None) -> str:
+        return "—" if not v else f"{v[0]:.3f}–{v[1]:.3f}"
+
+    table = Table(title=f"per-class AP ({where})")
+    for col in ("class", "AP@0.5", "95% CI", "AP@[.5:.95]", "95% CI ", "labeled boxes"):
+        table.add_column(col, justify="left" if col == "class" else "right")
+    for r in rows:
+        table.add_row(r["label"], num(r["ap50"]), ci(r["ap50_ci95"]), num(r["ap"]), ci(r["ap_ci95"]), str(r["support"]))
+    return table
+
+
 def per_class_output(states: list[RoundState]) -> tuple[Any, str]:
-    """(a rich table, a line above it) of the latest evaluation's per-class (closed) or per-group (open) results."""
+    """(a rich table, a line above it) of the latest evaluation's per-class (closed), per-group (open) or per-class
+    AP (boxes) results."""
     from rich.table import Table
 
     from pipeline.perclass import load_eval_report
@@ -174,6 +193,8 @@ def per_class_output(states: list[RoundState]) -> tuple[Any, str]:
         return None, ("no per-class evaluation yet: the first round that trains an adapter writes one (rounds "
                       "evaluated by an older tamis have none; `tamis round --full` re-evaluates)")
     where = f"round {state.round}"
+    if ev.per_box_class:
+        return _box_per_class_table(ev.per_box_class, where), f"evaluation folder: {ev.dir}"
     if ev.per_class:
         pc = ev.per_class
         table = Table(title=f"per-class results ({where})")
@@ -204,7 +225,8 @@ def status_cmd(
     config: ConfigOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print everything as one JSON object (for scripts).")] = False,
     per_class: Annotated[bool, typer.Option("--per-class", help="Also print the latest evaluation's per-class "
-                                            "precision / recall / F1 / support (per group for open answers).")] = False,
+                                            "precision / recall / F1 / support (per group for open answers; AP per class "
+                                            "for boxes).")] = False,
 ) -> None:
     """Rounds so far, labeled / pool / quarantined counts, last metrics."""
     config = config_file(config)
@@ -220,7 +242,7 @@ def status_cmd(
 
         state = next((s for s in reversed(completed_rounds(cfg.artifacts)) if s.eval_dir), None)
         ev = load_eval_report(state and state.eval_dir)
-        summary["per_class"] = ev and (ev.per_class or ev.fields or ev.per_group)
+        summary["per_class"] = ev and (ev.per_class or ev.fields or ev.per_group or ev.per_box_class)
     if as_json:
         typer.echo(json.dumps(summary, default=str, indent=2))
         return

@@ -212,6 +212,10 @@ class BoxIoU(Consensus):
     name = "box_iou"
     per_file = True
 
+    def decide_one(self, labels: Sequence[str]) -> Decision:
+        """One image's decision from its labels (the importer's per-file rule, as Majority.decide_one)."""
+        return self.decide({"": [Vote("", f"annotator-{i}", label) for i, label in enumerate(labels)]})[""]
+
     def decide(self, votes: Mapping[str, Sequence[Vote]]) -> dict[str, Decision]:
         out = {}
         for sid, vs in votes.items():
@@ -230,7 +234,7 @@ class BoxIoU(Consensus):
         return agreement(parse_box_label(vote), parse_box_label(decided))
 
 
-# box_iou is not an `annotate.consensus` choice: a box project (data.task: boxes, once rounds take boxes) uses it.
+# box_iou is a box project's annotate.consensus (its default; pipeline/config/combinations.py refuses the others there).
 CONSENSUS: dict[str, type[Consensus]] = {"majority": Majority, "dawid_skene": DawidSkene,
                                           "one_coin": OneCoinDawidSkene, "box_iou": BoxIoU}
 

@@ -23,12 +23,12 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.annotation.consensus import Majority, votes_path
+from pipeline.annotation.consensus import BoxIoU, Decision, Majority, votes_path
 from pipeline.annotation.counted import new_rows
 from pipeline.annotation.label_files import LabelFile, LabelKeys, LabelRow, read_label_file
 from pipeline.annotation.ledger import Ledger, make_entry
@@ -212,9 +212,11 @@ def _reject(rep: ImportReport, r: LabelRow, reason: str) -> None:
 
 
 def _decide(votes: dict[tuple[str, str], list[LabelRow]], rep: ImportReport, *, current: dict[str, Any],
-            open_answers: bool, round_index: int) -> None:
-    """Decide each sample's label from its votes (pure: the outcome goes to `rep`). A sample's round votes come
-    first, then each re-label set's in order, each a correction of the decision before it."""
+            open_answers: bool, round_index: int, rule: Callable[[Sequence[str]], Decision] = Majority.decide_one
+            ) -> None:
+    """Decide each sample's label from its votes by `rule` (pure: the outcome goes to `rep`). A sample's round votes
+    come first, then each re-label set's in order, each a correction of the decision before it. A box project's
+    rule (BoxIoU) may decide a label no annotator drew verbatim (the median of matched boxes)."""
     now = None
     current = dict(current)
     # Open answers are compared normalised ("Seven." and "seven" agree) and stored verbatim: the winning answer as
@@ -225,15 +227,15 @@ def _decide(votes: dict[tuple[str, str], list[LabelRow]], rep: ImportReport, *, 
             spelled = Counter(r.label for r in rows)
             for r in rows:
                 r.label = max((a for a in spelled if same(a) == same(r.label)), key=lambda a: (spelled[a], a))
-        winner = _settle(sid, rows, rep, round_index)
+        winner = _settle(sid, rows, rep, round_index, rule)
         if winner is None:
             continue
         prev = current.get(sid)
         if prev is not None and same(prev["label"]) == same(winner):
             rep.unchanged.append(sid)
             continue
-        who = sorted({r.annotator for r in rows if r.label == winner})
-        first = next(r for r in rows if r.label == winner)
+        who = sorted({r.annotator for r in rows if r.label == winner}) or sorted({r.annotator for r in rows})
+        first = next((r for r in rows if r.label == winner), rows[0])
         entry = make_entry(
             sid, winner,
             annotator=",".join(who),
@@ -251,11 +253,13 @@ def _decide(votes: dict[tuple[str, str], list[LabelRow]], rep: ImportReport, *, 
         current[sid] = entry  # a later re-label set of this file corrects this entry
 
 
-def _settle(sid: str, rows: list[LabelRow], rep: ImportReport, round_index: int) -> str | None:
-    """The majority of one decision's votes (consensus.py), its votes and times booked in `rep`; None on a tie."""
-    # The file's own decision is the majority part's (consensus.py): a fitted method, when configured, is
-    # derived afterwards from every raw vote (apply_consensus), and these votes go to its log either way.
-    decision = Majority.decide_one([r.label for r in rows])
+def _settle(sid: str, rows: list[LabelRow], rep: ImportReport, round_index: int,
+            rule: Callable[[Sequence[str]], Decision] = Majority.decide_one) -> str | None:
+    """The decision of one sample's votes by `rule` (consensus.py), its votes and times booked in `rep`; None on a
+    tie."""
+    # The file's own decision is the per-file part's (majority; box_iou for boxes): a fitted method, when
+    # configured, is derived afterwards from every raw vote (apply_consensus), and these votes go to its log.
+    decision = rule([r.label for r in rows])
     one_annotator = len({r.annotator for r in rows}) == 1
     times = [{"sample_id": sid, "annotator": r.annotator, "seconds": r.seconds, "round": round_index,
               "source_digest": rep.digest, **_counted(sid, r)} for r in rows if r.seconds is not None]
@@ -294,14 +298,19 @@ def _apply(
     dry_run: bool = False,
     skip: Collection[int] = (),
     aliases: Mapping[str, str] | None = None,
+    boxes: bool = False,
 ) -> ImportReport:
-    """Validate the rows → decide each sample's label (no I/O: the outcome is `rep`) → commit it (unless dry_run)."""
+    """Validate the rows → decide each sample's label (no I/O: the outcome is `rep`) → commit it (unless dry_run).
+    `boxes`: the labels are box labels (LabelKeys.box_labels)."""
     name = str(lf.path)
     rep = ImportReport(file=name, digest=lf.digest, format=lf.format, rows_read=len(lf.rows),
                        unlabeled_tasks=lf.unlabeled_tasks, dry_run=dry_run, answer_column=lf.answer_column)
     closed = ClosedAnswers.of(answers, aliases) if answers else None
     votes = _validate(lf, rep, index=index, closed=closed, skip=set(skip))
-    _decide(votes, rep, current=ledger.current(), open_answers=closed is None, round_index=round_index)
+    # Box labels are decided by boxes matched on IoU, not by equal text: two
+    # annotators never draw the same pixels.
+    _decide(votes, rep, current=ledger.current(), open_answers=closed is None, round_index=round_index,
+            rule=BoxIoU().decide_one if boxes else Majority.decide_one)
     # Times and votes an earlier file already booked (the same CSV half-written, an earlier cumulative export) are
     # not booked again: they are facts of the annotation, not of the file (pipeline/annotation/counted.py).
     rep.times = new_rows(rep.times, read_jsonl(ledger.times_path))
@@ -363,7 +372,7 @@ def import_labels(
     known = taken(ledger.path)
     rep = _apply(lf, index=index, answers=answers, ledger=ledger, round_index=round_index,
                  rejections_dir=Path(rejections_dir), strict=strict, dry_run=dry_run,
-                 skip=already_taken(lf.rows, known), aliases=aliases)
+                 skip=already_taken(lf.rows, known), aliases=aliases, boxes=bool(keys and keys.box_labels))
     if not dry_run:  # after the ledger's write: a crash in between re-reads these tasks, never loses one
         # A rejected annotation is not taken: the next export of the task (fixed, or judged by a fixed config: an
         # answer alias) is read again, its sample back among the candidates meanwhile (rejections.py).

@@ -234,3 +234,17 @@ def get_codec(name: str) -> BoxCodec:
     if name not in CODECS:
         raise DataError(f"unknown box codec {name!r}; known: {', '.join(CODECS)}")
     return CODECS[name]()
+
+
+def answer_classes(text: str | None) -> list[str]:
+    """The classes a box answer names, one per box it can read, whichever codec's format the text is in: the formats
+    differ in their markup (JSON, Qwen2-VL's tokens, InternVL's tags), and a class is read the same way whatever the
+    coordinates' unit, so no geometry is needed. What class-balanced selection counts."""
+    if not text:
+        return []
+    best: list[str] = []
+    for codec in CODECS.values():
+        raw, _ = codec()._parse(text)
+        if len(raw) > len(best):
+            best = [label for label, _ in raw]
+    return best

@@ -100,3 +100,11 @@ def write_scenes(folder: str | Path, scenes: Sequence[Scene]) -> BoxSet:
         out.images[s.name] = list(s.boxes)
         out.sizes[s.name] = (s.width, s.height)
     return out
+
+
+def scene_labels(scenes: Sequence[Scene], names: Sequence[str]) -> BoxSet:
+    """What an annotator would hand back for a batch of scenes: the true boxes of the scenes named `names` (the
+    batch's original file names, names.json), the class list in SHAPES' order, ready for write_coco."""
+    truth = {s.name: s for s in scenes}
+    return BoxSet(labels=SHAPES, images={n: list(truth[n].boxes) for n in names},
+                  sizes={n: (truth[n].width, truth[n].height) for n in names})

@@ -99,11 +99,13 @@ class AnnotateConfig(Section):
     )
     # Optional live connection (pip install 'tamis[labelstudio]'); None = files only.
     label_studio: LabelStudioConfig | None = None
-    consensus: Literal["majority", "dawid_skene", "one_coin"] = Field(
+    consensus: Literal["majority", "dawid_skene", "one_coin", "box_iou"] = Field(
         default="majority",
         description="How several annotators' votes become one label (pipeline/annotation/consensus.py): majority "
                     "(a tie is rejected), dawid_skene (each annotator's confusion matrix estimated, refit over every "
-                    "vote) or one_coin (Dawid–Skene with one accuracy per annotator: better with few votes).")
+                    "vote) or one_coin (Dawid–Skene with one accuracy per annotator: better with few votes); "
+                    "box_iou for box labels (data.task: boxes, its default there): boxes matched by IoU across "
+                    "annotators, kept where most drew one.")
     consensus_model_rater: bool = Field(
         default=False, description="Count each round's exported predictions as one more rater named 'model'.")
     redundancy: RedundancyRule | None = Field(

@@ -34,6 +34,7 @@ SAMPLED_READS = frozenset({"mc_probs", "agreement", "meanings"})  # need select.
 OPEN_DEFAULT_STRATEGY = "token_entropy"  # the default select.strategy (entropy) reads class probabilities
 BOX_MAX_NEW_TOKENS = 256  # a box answer is ~30 tokens a box: the default 16 cuts off the first one
 CLOSED_ONLY_DIVERSITY = frozenset({"stratified"})
+BOX_ONLY_DIVERSITY = "class_balanced"  # reads the classes of each answer's boxes
 BOX_READS = frozenset({"none", "token_entropy", "agreement"})  # what a box answer's scoring can give
 BOX_FIX = "token_entropy, or answer_disagreement (box sample agreement) with select.mc_dropout_passes: 4"
 
@@ -41,20 +42,28 @@ CLOSED_FIX = "least_confidence, margin or entropy (or bald with select.mc_dropou
 OPEN_FIX = "token_entropy, or semantic_entropy / answer_disagreement with select.mc_dropout_passes: 4"
 
 
-def box_section_errors(data: Any, augment: Any, labelcheck: Any) -> list[str]:
+def box_section_errors(data: Any, augment: Any, labelcheck: Any, annotate: Any = None) -> list[str]:
     """What other sections of a box project cannot do yet: augmented copies (their flips and crops would not move
-    the boxes) and the round's label check (its checks read one answer per image; pipeline/boxes/labelcheck.py's
-    box checks are not wired into it)."""
+    the boxes) and the k-fold label check (its fold adapters would train on the label JSON, not the codec's text);
+    and a consensus that compares votes as text (box_iou matches boxes), or box_iou on one-answer labels."""
+    consensus = getattr(annotate, "consensus", None)
     if data.task != "boxes":
-        return []
+        return [] if consensus != "box_iou" else [
+            "annotate.consensus: 'box_iou' matches boxes across annotators, and this project's labels are one "
+            "answer per image (data.task is not boxes); use majority, dawid_skene or one_coin"]
     errors = []
+    if consensus not in (None, "box_iou"):
+        errors.append(f"annotate.consensus: {consensus!r} compares annotators' labels as whole answers, and two "
+                      "annotators never draw the same box pixels (data.task: boxes); use box_iou (the default "
+                      "there: boxes matched by IoU, kept where most annotators drew one)")
     if augment.copies:
         errors.append(f"augment.copies: {augment.copies} makes flipped and cropped copies of the labeled images, and "
                       "the boxes of data.task: boxes would not follow them; set augment.copies: 0")
-    if labelcheck.method != "off":
-        errors.append(f"labelcheck.method: {labelcheck.method!r} checks one answer per image, and data.task: boxes "
-                      "labels boxes (their checks, pipeline/boxes/labelcheck.py, are not in the round yet); set "
-                      "labelcheck.method: off (a box project's default)")
+    if labelcheck.method == "kfold":
+        errors.append("labelcheck.method: 'kfold' trains fold adapters on the labels as they are, and data.task: "
+                      "boxes trains on the family codec's text of each label's boxes, which only the train stage "
+                      "writes; use heldout (a box project's default: the previous round's adapter judges the labels "
+                      "it did not train on) or off")
     return errors
 
 
@@ -84,6 +93,10 @@ def combination_errors(data: Any, select: Any) -> list[str]:
     if data.task == "boxes":
         return _box_errors(data, select)
     errors = []
+    if select.diversity == BOX_ONLY_DIVERSITY:
+        errors.append(f"select.diversity: {BOX_ONLY_DIVERSITY!r} balances a batch over the classes of predicted boxes, "
+                      "and this project's answers are one per image (data.task is not boxes); use stratified for "
+                      "class balance over closed answers")
     reads = STRATEGY_READS[select.strategy]
     closed = data.answers is not None
     if closed and reads in OPEN_READS:

@@ -22,7 +22,7 @@ from pipeline.fields.schema import AnswerSchema, load_answer_schema
 
 # trl / sharegpt / swift: conversations with several images and turns (pipeline/data/conversations.py).
 # coco: a COCO detection file, for box projects (data.task: boxes; pipeline/data/readers.py CocoReader).
-SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio", "trl", "sharegpt", "swift", "coco"]
+SourceKind = Literal["folder", "jsonl", "csv", "hf", "label_studio", "trl", "sharegpt", "swift", "coco", "yolo"]
 Split = Literal["train", "pool", "test"]
 
 
@@ -367,7 +367,7 @@ class ScheduleConfig(Section):
 DASK_PROTOCOLS = ("tcp", "tls", "ws", "wss", "ucx", "inproc")
 
 Diversity = Literal["top_k", "k_center", "cluster_margin", "stratified", "typiclust", "probcover", "maxherding",
-                    "uncertainty_herding"]
+                    "uncertainty_herding", "class_balanced"]
 
 
 class CandidatesConfig(Section):

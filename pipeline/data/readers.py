@@ -614,8 +614,46 @@ class CocoReader(Reader):
                              source.default_split or "train")
 
 
+YOLO_SPLITS = {"train": "train", "val": "test", "valid": "test", "test": "test"}  # Ultralytics' images/<split>/
+
+
+class YoloReader(Reader):
+    """A YOLO folder (data.task: boxes; pipeline/boxes/readers.py read_yolo): images/ and labels/ side by side, the
+    classes in data.yaml or classes.txt. An image with a label file is labeled with its boxes (an empty file: no
+    boxes, "[]"); outside a test split an image without one is not labeled yet (a pool image: YOLO trainers read it
+    as background, but an active-learning pool is mostly such images; write an empty .txt for an image with nothing
+    in it). The split is source.default_split, else Ultralytics' layout names it (images/train/…: train;
+    images/val/… or test/…: test), else train. An image with an entry the reader set aside is rejected whole, as in
+    a COCO file."""
+
+    def rows(self, source: SourceConfig, cfg: DataConfig, files: FileIndex | None = None) -> Iterator[Item]:
+        from pipeline.boxes.answer import box_label
+        from pipeline.boxes.readers import read_yolo
+
+        root = _require_source(source, folder=True)
+        boxes = read_yolo(root)
+        labeled = {p.relative_to(root / "labels").with_suffix("").as_posix() for p in (root / "labels").rglob("*.txt")}
+        aside = {q.image: q.reason for q in boxes.quarantine if q.image}
+        for q in boxes.quarantine:
+            if not q.image or q.image not in boxes.images:
+                yield Rejected(q.source, q.reason)
+        for name, image_boxes in sorted(boxes.images.items()):
+            where = f"{root}: images/{name}"
+            if name in aside:
+                yield Rejected(where, f"{aside[name]}; fix the label file")
+                continue
+            row = read_image_file(f"images/{name}", root, cfg, where, files)
+            split = source.default_split or YOLO_SPLITS.get(Path(name).parts[0] if "/" in name else "", "train")
+            # A test set is wholly labeled: there a missing label file is YOLO's background image.
+            if Path(name).with_suffix("").as_posix() in labeled or split == "test":
+                yield _with_text(row, source.question or cfg.question, box_label(image_boxes), split)
+            else:
+                yield _with_text(row, source.question or cfg.question, None, source.default_split)
+
+
 READERS: dict[str, type[Reader]] = {
     "coco": CocoReader,
+    "yolo": YoloReader,
     "folder": FolderReader,
     "jsonl": JsonlReader,
     "csv": CsvReader,

@@ -13,11 +13,13 @@ from pipeline.mdtext import code_span, escape_md, fenced
 
 
 def _intervals(evaluation: Any) -> dict[str, list[float]]:
-    """The evaluation's metric intervals (metrics.json's `intervals`), empty when it has none."""
+    """The evaluation's metric intervals (metrics.json's `intervals`; a box evaluation's `map50_ci95`, `map_ci95`),
+    empty when it has none."""
     path = evaluation.dir / "metrics.json" if evaluation is not None else None
     if path is None or not path.is_file():
         return {}
-    return json.loads(path.read_text(encoding="utf-8")).get("intervals") or {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data.get("intervals") or {k.removesuffix("_ci95"): v for k, v in data.items() if k.endswith("_ci95") and v}
 
 
 def _prompt_example(loaded: Any, question: str) -> str:
@@ -73,7 +75,7 @@ def _provenance_lines(prov: Provenance, *, model_cfg: ModelConfig, family: str, 
 
 def metrics_markdown(metrics: Mapping[str, float] | None, evaluation: Any) -> list[str]:
     """The card's test metrics: the per-class table (pipeline.report escapes the names), else each metric with its interval."""
-    from pipeline.report import per_class_markdown, per_group_markdown
+    from pipeline.report import box_per_class_markdown, per_class_markdown, per_group_markdown
 
     pc = evaluation.per_class if evaluation is not None else None
     if pc:
@@ -86,6 +88,8 @@ def metrics_markdown(metrics: Mapping[str, float] | None, evaluation: Any) -> li
     if evaluation is not None and evaluation.per_group:
         pg = evaluation.per_group
         lines += [""] + per_group_markdown(pg)
+    if evaluation is not None and evaluation.per_box_class:  # a box project: mAP above, AP per class below
+        lines += ["", "Per class:", ""] + box_per_class_markdown(evaluation.per_box_class)
     return lines
 
 

@@ -62,9 +62,11 @@ class CheckSpec:
     seed: int
     held_out: HeldOut | None = None
     hw: Any = None
+    box_labels: tuple[str, ...] | None = None  # a box project's class list: its labels are boxes (answers is None)
 
     @classmethod
     def of(cls, *, model: ModelConfig, train: TrainConfig, select: SelectConfig, labelcheck: LabelCheckConfig,
-           answers: Sequence[str] | None, seed: int, held_out: HeldOut | None = None, hw: Any = None) -> CheckSpec:
+           answers: Sequence[str] | None, seed: int, held_out: HeldOut | None = None, hw: Any = None,
+           box_labels: Sequence[str] | None = None) -> CheckSpec:
         return cls(model, train, CheckScoring.of(select), labelcheck, None if answers is None else tuple(answers),
-                   seed, held_out, hw)
+                   seed, held_out, hw, None if box_labels is None else tuple(box_labels))

@@ -98,7 +98,12 @@ def check_labels(
     """One round's label check: out-of-sample probabilities (labelcheck.method; fold adapters and scores under
     `oos_dir`, default out_dir/oos), detect_label_issues with the kNN signal (knn_space), the issues with who gave
     each label, annotator agreement, written by write_label_report to out_dir. `spec.held_out` is for the heldout
-    method (see out_of_sample_probs). Open answers (`spec.answers` None) go to check_open_labels."""
+    method (see out_of_sample_probs). Box labels (`spec.box_labels`) go to check_box_labels, open answers
+    (`spec.answers` None) to check_open_labels."""
+    if spec.box_labels:
+        from pipeline.labelcheck.boxes import check_box_labels
+
+        return check_box_labels(labeled_rows, out_dir, ledger, spec, oos_dir=oos_dir)
     if not spec.answers:
         return check_open_labels(labeled_rows, out_dir, ledger, spec, oos_dir=oos_dir)
     answers, labelcheck = _answers(spec.answers), spec.labelcheck

@@ -140,7 +140,8 @@ def plan_label_check(
                               "embeddings": embeddings})
     labelcheck_dir = Path(artifacts) / "labelcheck"
     return LabelCheckParams(
-        artifacts=str(artifacts), labeled=dict(labeled), data={"answers": answers}, seed=seed,
+        artifacts=str(artifacts), labeled=dict(labeled), seed=seed,
+        data={"answers": answers, **({"box_labels": list(spec.box_labels)} if spec.box_labels else {})},
         heldout_adapter=heldout_adapter, trained_ids_digest=trained_digest,
         trained_ids_path=trained_path and str(trained_path), ledger_digest=ledger_digest, space=space,
         oos_dir=str(labelcheck_dir / "oos" / oos_key[:16]), out_dir=str(labelcheck_dir / report_key[:16]),
@@ -159,9 +160,10 @@ def check_spec(params: LabelCheckParams) -> CheckSpec:
     scoring = CheckScoring(select["length_normalize"], select["score_batch_size"], select.get("mc_dropout_passes"),
                            EmbeddingsConfig.model_validate(select["embeddings"]))
     answers = p.data["answers"]
+    box_labels = p.data.get("box_labels")
     return CheckSpec(ModelConfig.model_validate(p.model), TrainConfig.model_validate(p.train), scoring,
                      LabelCheckConfig.model_validate(p.labelcheck), None if answers is None else tuple(answers),
-                     p.seed, held_out)
+                     p.seed, held_out, box_labels=None if box_labels is None else tuple(box_labels))
 
 
 def check_columns(columns: Sequence[str]) -> list[str]:
@@ -169,8 +171,10 @@ def check_columns(columns: Sequence[str]) -> list[str]:
     them (a sample of several images or turns: `more_prepared` and `context` too, so its fold adapters train and its
     labels are scored on every picture, not the first alone) and `image_path`: the likely errors are listed by the
     user's file name (sets saved before it had one list IDs)."""
+    from pipeline.boxes.box import GEOMETRY_COLUMNS  # a box label's geometry places the model's boxes
+
     return ["sample_id", "prepared", "question", "answer",
-            *[c for c in ("more_prepared", "context", "image_path") if c in columns]]
+            *[c for c in ("more_prepared", "context", "image_path", *GEOMETRY_COLUMNS) if c in columns]]
 
 
 def run_label_check(params: LabelCheckParams) -> dict[str, Any]:
@@ -191,13 +195,16 @@ def run_label_check(params: LabelCheckParams) -> dict[str, Any]:
 
 def plan_relabel(*, artifacts: str | os.PathLike[str], annotate: AnnotateConfig, labelcheck: LabelCheckConfig,
                  answers: Sequence[str] | None, check: Mapping[str, Any], prepared: Mapping[str, Any],
-                 round_index: int, cap: int | None = None) -> RelabelParams:
+                 round_index: int, cap: int | None = None, box_labels: Sequence[str] | None = None) -> RelabelParams:
     """The relabel task's parameters: the likely errors of `check` (the labelcheck stage's ref) at least
     labelcheck.min_confidence likely wrong that no earlier round sent back, at most labelcheck.relabel_top_n (and at
     most `cap`, what rounds.label_budget has left: pipeline.round.stop.budget_left), go to rounds/NNN/relabel/."""
     queued = sorted({s for ids in relabel_queued(artifacts, round_index).values() for s in ids})
+    # A box project's check carries its class list (its queue goes out as a box batch); a one-answer check's ref is
+    # its dir and digest only, as its key always held.
+    boxes = {"box_labels": list(box_labels)} if box_labels else {}
     return RelabelParams(
-        artifacts=str(artifacts), check=StageRef(check["dir"], check["digest"]), prepared=StageRef.of(prepared),
+        artifacts=str(artifacts), check=StageRef(check["dir"], check["digest"], boxes), prepared=StageRef.of(prepared),
         annotate=annotate.model_dump(mode="json"), answers=None if answers is None else list(answers),
         top_n=labelcheck.relabel_top_n if cap is None else min(labelcheck.relabel_top_n, cap),
         min_confidence=labelcheck.min_confidence, already_queued=queued, round_index=round_index,
@@ -212,6 +219,13 @@ def run_relabel(params: RelabelParams) -> dict[str, Any]:
     p = params
     issues = relabel_candidates(issues_from_report(p.check.dir), min_confidence=p.min_confidence, top_n=p.top_n,
                                 skip=p.already_queued)
+    if box_labels := p.check.extra.get("box_labels"):
+        from pipeline.labelcheck.boxes import export_box_relabel
+
+        m = export_box_relabel(issues, load_prepared(p.prepared.dir), p.out_dir,
+                               annotate=AnnotateConfig.model_validate(p.annotate), box_labels=box_labels,
+                               artifacts=p.artifacts, round_index=p.round_index)
+        return {"dir": p.out_dir, "digest": m.key, "count": m.info["count"]} if m else {"count": 0}
     m = export_relabel(issues, load_prepared(p.prepared.dir), p.out_dir,
                        annotate=AnnotateConfig.model_validate(p.annotate), answers=p.answers, artifacts=p.artifacts,
                        round_index=p.round_index)

@@ -92,8 +92,10 @@ def init_project(path: Path, *, test: Path | None, model: str, out: Path, force:
     boxes = [c for f in found for c in f.box_classes]
     proposal = propose_schema({a: n for f in found for a, n in (f.counts or {}).items()}) if not boxes and \
         answer_mode == "auto" else SchemaProposal(None, "")
-    choice = AnswerChoice(list(dict.fromkeys(boxes)), "the COCO test file's categories: a box project (data.task: "
-                          "boxes, docs/boxes.md)") if boxes else AnswerChoice(None, proposal.why) if proposal.schema \
+    box_file = "the COCO test file's categories" if any(f.source["kind"] == "coco" for f in found) else \
+        "the YOLO folder's classes"
+    choice = AnswerChoice(list(dict.fromkeys(boxes)), f"{box_file}: a box project (data.task: boxes, "
+                          "docs/boxes.md)") if boxes else AnswerChoice(None, proposal.why) if proposal.schema \
         else choose_answers(found, answer_mode)
     resolved, note, problem = _resolve(model)
     facts = model_facts(model, resolved)

@@ -9,6 +9,7 @@
 | a `.json` Label Studio export (a list of tasks with `data`) | `label_studio` | tasks with an annotation |
 | a `.jsonl` / `.json` of conversations, or a folder holding one | `trl` / `sharegpt` / `swift` | rows ending on an assistant turn |
 | a COCO `.json` test file (`--test`; `images`, `annotations`, `categories`) | `coco` | every image: a box project |
+| a YOLO folder (`images/` + `labels/` + `data.yaml` or `classes.txt`), as the path or `--test` | `yolo` | images with a label file (a test set: every image): a box project |
 
 A conversation file's kind comes from its records (`conversation_kind`): `conversations` is LLaMA-Factory's sharegpt,
 `messages` with typed content (`{"type": "image"}` items) is TRL's, `messages` with string content ms-swift's. In a
@@ -45,10 +46,13 @@ from pipeline.project_init.tables import (
     manifest_columns,
     read_table,
 )
+from pipeline.project_init.yolo import is_yolo, yolo_found
 from pipeline.schema import ANSWER_NAMES  # label files read their answers by the same rule
 
 
 def _folder(path: Path) -> Found:
+    if is_yolo(path):
+        return yolo_found(path, test=False)
     chats = None if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file() else \
         _conversation_file(path)
     if chats is not None:
@@ -191,7 +195,11 @@ def _coco_test(path: Path) -> Found:
 def detect_test(path: Path, pool: Path) -> Found:
     """The labeled test file (CSV / JSONL, e.g. `labels.csv` with `file,category`): its columns, answers and images,
     as a source whose rows all go to the test split. It must hold answers, and must not live inside a pool folder
-    (the folder reader would read its images again as samples)."""
+    (the folder reader would read its images again as samples). A YOLO folder or a COCO file makes a box project."""
+    if is_yolo(path):
+        if pool.is_dir() and path.resolve().is_relative_to(pool.resolve()):
+            raise DataError(f"{path}: the YOLO test folder lies inside the pool folder {pool}; move it out")
+        return yolo_found(path, test=True)
     if not path.is_file():
         raise DataError(f"{path}: test file not found; pass --test a CSV or JSONL with one row per test image and its "
                         "answer (e.g. labels.csv with file,category)")

@@ -83,7 +83,8 @@ def _strategy_lines(answers: list[str] | None, boxes: bool, schema: bool = False
                 "  diversity: uncertainty_herding"]
     if boxes:  # a box answer is generated text: its token entropy is what the scoring gives without extra passes
         return ["  strategy: token_entropy               # box answers: the answer's mean token entropy",
-                "  diversity: uncertainty_herding"]
+                "  diversity: class_balanced             # each pick to the class with fewest predicted boxes "
+                "(docs/boxes.md)"]
     return ["  strategy: margin" if answers else "  strategy: semantic_entropy", "  diversity: uncertainty_herding",
             *([] if answers else ["  mc_dropout_passes: 4                 # semantic entropy groups 4 sampled answers"])]
 
@@ -125,7 +126,7 @@ def render_config(found: list[Found], *, answers: list[str] | None, question: st
               "  # round summary says which it did and why (docs/selection.md).",
               "  candidates: auto",
               "annotate:", "  export_images: legible", "  formats: [label_studio, csv, jsonl, images]",
-              "labelcheck:", "  method: \"off\"                        # box label checks are not in the round yet"
+              "labelcheck:", "  method: heldout                      # the last adapter's boxes against new labels"
               if boxes else "  method: heldout                      # scores new labels with the last adapter",
               "rounds:", "  # Rounds in all, round 0 included; the last one trains and evaluates but selects nothing.",
               "  max_rounds: 10",

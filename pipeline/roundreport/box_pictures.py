@@ -75,3 +75,28 @@ def overlay(pngs: Mapping[str, bytes], geometries: Mapping[str, Mapping[str, Any
         if labeled or predicted:
             out[sid] = draw_boxes(png, g, labeled, predicted)
     return out
+
+
+def box_errors(rows: Sequence[Mapping[str, Any]], geometries: Mapping[str, Mapping[str, Any]], codec_name: str,
+               top: int) -> list[dict[str, Any]] | None:
+    """A box project's error gallery: the test rows (the evaluation's predictions.jsonl) whose boxes the model got
+    wrong (pipeline/boxes/mistakes.py: missed, wrong class, misplaced, extra), the most errors first, then the most
+    confident; each row gains `errors` (the sentence) and `error_counts`. None when the codec's boxes cannot be read
+    here (a codec counting the processor's pixels): the caller falls back to comparing the text."""
+    from pipeline.boxes.mistakes import box_mistakes
+
+    codec = get_codec(codec_name)
+    if not codec.relative:
+        return None
+    out = []
+    for r in rows:
+        row = geometries.get(str(r["sample_id"])) or {}
+        if not all(row.get(c) is not None for c in GEOMETRY_COLUMNS):
+            continue
+        g = row_geometry(row)
+        m = box_mistakes(_boxes(parse_box_label, r.get("answer")),
+                         _boxes(lambda t, g=g: codec.decode(t, g), r.get("prediction")))
+        if m.count:
+            out.append({**r, "errors": m.sentence(), "error_counts": m.counts(), "error_total": m.count})
+    conf = lambda r: r.get("confidence") if r.get("confidence") is not None else -1.0  # noqa: E731
+    return sorted(out, key=lambda r: (-r["error_total"], -conf(r), str(r["sample_id"])))[:top]

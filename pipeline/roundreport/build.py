@@ -83,6 +83,23 @@ def _box_drawer(sources: ReportSources, images: gather.Images, labels: Mapping[s
     return lambda pngs: overlay(pngs, images.geometry(list(pngs)), truth, answers, codec)
 
 
+def _test_errors(sources: ReportSources, images: gather.Images) -> list[dict[str, Any]]:
+    """The error gallery's test rows: a box project's by box errors (box_pictures.box_errors), else the most
+    confident answers that differ from the label."""
+    if not sources.eval_dir:
+        return []
+    if sources.box_codec:
+        from pipeline.roundreport.box_pictures import box_errors
+        from pipeline.store import read_jsonl
+
+        rows = read_jsonl(Path(sources.eval_dir) / "predictions.jsonl")
+        found = box_errors(rows, images.geometry([str(r["sample_id"]) for r in rows]), sources.box_codec,
+                           gather.EXAMPLES)
+        if found is not None:
+            return found
+    return gather.confident_errors(sources.eval_dir)
+
+
 def build_report(sources: ReportSources, state: RoundState,
                  metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport:
     """Write report.html (and batch.png, confusion.png) for the round `state` from `sources`."""
@@ -92,10 +109,10 @@ def build_report(sources: ReportSources, state: RoundState,
     batch = gather.read_batch(sources, state)
     pool_map = poolmap.pool_map_points(sources, state, [b.sample_id for b in batch], labels)
     pc = gather.per_class_metrics(sources.eval_dir, sources.answers) if sources.eval_dir else None
-    wrong = gather.confident_errors(sources.eval_dir) if sources.eval_dir else []
+    images = gather.Images(sources.prepared_dir)
+    wrong = _test_errors(sources, images)
     issues, check_message = gather.label_errors(sources.labelcheck_dir)
     flags, checked = gather.quality_flags(sources.quality_dir)
-    images = gather.Images(sources.prepared_dir)
     draw = _box_drawer(sources, images, labels, batch, wrong)
     batch_png = images.png([b.sample_id for b in batch[:pictures.SHEET_MAX]])
     batch_png = draw(batch_png) if draw else batch_png
@@ -121,7 +138,9 @@ def build_report(sources: ReportSources, state: RoundState,
             f"fitted on them. " + ", ".join(f"{pool_map.kind.count(k)} {k}" for k in poolmap.KINDS)),
         "pc": pc, "confusion": confusion and pictures.data_uri(confusion), "evaluated": bool(sources.eval_dir),
         "wrong": [{"sample_id": w["sample_id"], "name": names[w["sample_id"]], "answer": w["answer"], "prediction": w.get("prediction"),
-                   "confidence": w.get("confidence"), "thumb": thumbs.get(w["sample_id"])} for w in wrong],
+                   "confidence": w.get("confidence"), "thumb": thumbs.get(w["sample_id"]), "errors": w.get("errors")}
+                  for w in wrong],
+        "boxes": bool(sources.box_codec), "box_pc": gather.box_per_class(sources.eval_dir),
         "issues": [{"sample_id": i["sample_id"], "name": names[i["sample_id"]], "given_label": i.get("given_label"),
                     "suggested_label": i.get("suggested_label"), "confidence": i.get("confidence"),
                     "annotators": i.get("annotators") or [], "thumb": thumbs.get(i["sample_id"])} for i in issues],

@@ -202,6 +202,15 @@ def per_class_metrics(eval_dir: str | Path, answers: Sequence[str] | None) -> di
     return per_class_report([r["prediction"] for r in rows], [r["answer"] for r in rows], list(answers))
 
 
+def box_per_class(eval_dir: str | Path | None) -> list[dict[str, Any]] | None:
+    """A box evaluation's per-class AP (box_per_class.json: pipeline.boxes.evaluation.box_map's rows); None
+    elsewhere."""
+    from pipeline.perclass import BOX_PER_CLASS_FILE
+
+    path = Path(eval_dir) / BOX_PER_CLASS_FILE if eval_dir else None
+    return json.loads(path.read_text(encoding="utf-8")) if path is not None and path.is_file() else None
+
+
 def confident_errors(eval_dir: str | Path, top: int = EXAMPLES) -> list[dict[str, Any]]:
     """Test rows the model got wrong, most confident first (rows without a recorded confidence last)."""
     rows = read_jsonl(Path(eval_dir) / "predictions.jsonl")

@@ -55,13 +55,22 @@ alt="{{ b.name }}">{% endif %}<figcaption><b class="name" title="sample {{ b.sam
 <table><tr><th>answer</th><th>precision</th><th>recall</th><th>F1</th><th>support</th></tr>
 {% for c in pc.per_class %}<tr><td>{{ c.answer }}</td><td>{{ '%.3f'|format(c.precision) }}</td><td>{{
 '%.3f'|format(c.recall) }}</td><td>{{ '%.3f'|format(c.f1) }}</td><td>{{ c.support }}</td></tr>{% endfor %}</table></div>
+{% elif box_pc %}<table><tr><th>class</th><th>AP@0.5</th><th>95 % CI</th><th>AP@[.5:.95]</th><th>labeled boxes</th>
+</tr>{% for c in box_pc %}<tr><td>{{ c.label }}</td><td>{{ '—' if c.ap50 is none else '%.3f'|format(c.ap50) }}</td>
+<td>{{ '%.3f–%.3f'|format(c.ap50_ci95[0], c.ap50_ci95[1]) if c.ap50_ci95 else '—' }}</td><td>{{ '—' if c.ap is none
+else '%.3f'|format(c.ap) }}</td><td>{{ c.support }}</td></tr>{% endfor %}</table>
+<p class="muted">Boxes: the test images below have the most box errors (labeled boxes green, the model's orange):
+missed (no predicted box overlaps it), wrong class (IoU ≥ 0.5, another class), misplaced (IoU 0.1–0.5), extra
+(a predicted box over nothing labeled).</p>
 {% elif evaluated %}<p class="muted">Open answers: no confusion matrix; the errors below are exact-match misses.</p>
 {% else %}<p class="muted">Not evaluated this round (no labels yet, no adapter).</p>{% endif %}
-{% if wrong %}<h3>Test images most confidently wrong</h3><div class="sheet">{% for w in wrong %}
+{% if wrong %}<h3>{{ 'Test images with the most box errors' if boxes else 'Test images most confidently wrong' }}</h3><div class="sheet">{% for w in wrong %}
 <figure class="card">{% if w.thumb %}<img src="{{ w.thumb.uri }}" width="{{ w.thumb.w }}" height="{{ w.thumb.h }}"
 alt="{{ w.name }}">{% endif %}<figcaption><b class="name" title="sample {{ w.sample_id }}">{{ w.name }}</b><br>
-true <b>{{ w.answer }}</b><br>model <b class="bad">{{ w.prediction }}</b>
-{% if w.confidence is not none %}{{ '%.2f'|format(w.confidence) }}{% endif %}</figcaption></figure>{% endfor %}</div>{% endif %}
+{% if w.errors %}<b class="bad">{{ w.errors }}</b>{% if w.confidence is not none %}<br>answer confidence {{
+'%.2f'|format(w.confidence) }}{% endif %}{% else %}true <b>{{ w.answer }}</b><br>model <b class="bad">{{ w.prediction
+}}</b>
+{% if w.confidence is not none %}{{ '%.2f'|format(w.confidence) }}{% endif %}{% endif %}</figcaption></figure>{% endfor %}</div>{% endif %}
 <h3>Likely label errors</h3><p class="muted">{{ check_message }}</p>
 {% if issues %}<div class="sheet">{% for i in issues %}<figure class="card">{% if i.thumb %}<img src="{{ i.thumb.uri }}"
 width="{{ i.thumb.w }}" height="{{ i.thumb.h }}" alt="{{ i.name }}">{% endif %}<figcaption><b class="name"

@@ -107,6 +107,9 @@ class Selector:
     # distance, a coverage gain), its select() takes costs=[n] and divides its own gain at each greedy step;
     # "none" = it has no gain to divide and stays cost-blind.
     cost_use: ClassVar[str] = "scores"
+    # What `predicted` holds when it reads it: "classes" = [n] one predicted class per candidate (stratified);
+    # "box_counts" = [n, classes] how many boxes of each class the candidate's answer holds (class_balanced).
+    reads_predicted: ClassVar[str] = "classes"
     # The select.candidates sources (pipeline.strategies.candidates) a restricted round draws its candidates from
     # for this selector, when select.candidates.shares is not set.
     candidate_shares: ClassVar[dict[str, float]] = DEFAULT_CANDIDATE_SHARES

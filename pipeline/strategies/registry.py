@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pipeline.errors import SelectionError
 from pipeline.strategies.base import Selector
+from pipeline.strategies.box_balance import ClassBalanced
 from pipeline.strategies.coverage import MaxHerding, ProbCover, TypiClust, UncertaintyHerding
 from pipeline.strategies.heuristics import (
     BALD,
@@ -43,6 +44,7 @@ SELECTORS: dict[str, type[Selector]] = {
     "probcover": ProbCover,
     "maxherding": MaxHerding,
     "uncertainty_herding": UncertaintyHerding,
+    "class_balanced": ClassBalanced,
 }
 
 

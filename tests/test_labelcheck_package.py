@@ -9,7 +9,7 @@ import pipeline.labelcheck
 PKG = Path(pipeline.labelcheck.__file__).parent
 # Lowest first: a module may import only modules before it.
 LAYERS = ["base", "detection", "calibration", "confident_learning", "knn", "out_of_sample", "relabel", "report",
-          "open_answers", "check", "stage"]
+          "open_answers", "boxes", "check", "stage"]
 # What flows/, tests/ and benchmarks/ import from pipeline.labelcheck (the package keeps every one of them).
 USED = {
     "LABELCHECK_VERSION", "VERDICT_FILE", "Issue", "KnnSpace", "LabelCheckError", "OOSResult", "annotator_agreement",

@@ -36,16 +36,19 @@ from pipeline.serving.predict_script import answer_tokens, render
 from tests.test_round_flow import write_project
 from tests.test_use_model import photo_folder, said, tamis_cli
 
-# The tiny families the pinned converter takes. Of the others: tiny qwen2_vl / qwen2_5_vl have 2 vision blocks and the
-# converter names merger tensors by block index (`visual.merger.mlp.2` needs depth >= 3: every real one has 32);
-# tiny gemma3's SigLIP keeps its pooling head (vision_use_head, false in real Gemma 3), which has no GGUF name.
-CONVERTIBLE = ("idefics3", "smolvlm", "qwen3_vl")
+# The tiny families the pinned converter takes. Tiny qwen2_vl / qwen2_5_vl have 2 vision blocks and the converter names
+# merger tensors by block index (`visual.merger.mlp.2` needs depth >= 3: every real one has 32), so qwen2_vl is built
+# here with 3 (VISION_DEPTH); tiny gemma3's SigLIP keeps its pooling head (vision_use_head, false in real Gemma 3),
+# which has no GGUF name.
+CONVERTIBLE = ("idefics3", "smolvlm", "qwen2_vl", "qwen3_vl")
+VISION_DEPTH = {"qwen2_vl": 3}
 # Of those, what llama.cpp's mtmd at the pin runs: its Idefics3 path looks up "<global-img>" and "\n\n" as single
 # tokens, which the tiny byte-level vocabulary does not have (the real SmolVLM one does), and aborts
 # (GGML_ASSERT(idx >= 0), mtmd-helper.cpp:226).
-ANSWERS_IN_LLAMA_CPP = ("qwen3_vl",)
+ANSWERS_IN_LLAMA_CPP = ("qwen2_vl", "qwen3_vl")
 # Where each family's chat template puts the image (llama.cpp's mtmd adds the family's own image markup around it).
-IMAGE_TEXT = {"qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+IMAGE_TEXT = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+              "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 
 
 @pytest.mark.parametrize("name", ["llava_onevision", "internvl"])
@@ -209,8 +212,11 @@ def two_rounds_then_export(tmp_path: Path, tiny_models, name: str) -> tuple[Path
     """(export folder, the stem's f16 text model, the projector) after two rounds and `tamis export-model --format
     gguf` run as a user runs it."""
     from flows.round import labeling_round
+    from pipeline.model.tiny import make_tiny_model
 
-    config = write_project(tmp_path, tiny_models, model={"name_or_path": str(tiny_models[name]), "family": name})
+    model = (make_tiny_model(name, tmp_path / f"tiny-{name}", vision_depth=VISION_DEPTH[name])
+             if name in VISION_DEPTH else tiny_models[name])
+    config = write_project(tmp_path, tiny_models, model={"name_or_path": str(model), "family": name})
     labeling_round(str(config))
     assert labeling_round(str(config), simulate=False)["adapter"]
     out, start = tmp_path / "export", time.monotonic()

@@ -115,7 +115,7 @@ def build_commands(root: Path | None = None, *, jobs: int = 2) -> list[list[str]
 def build_hint() -> str:
     """How a user builds llama-quantize (and llama-mtmd-cli) from the pinned source, for messages."""
     return (f"build it from the same pinned source with `python -m pipeline.serving.llama_cpp` (cmake and g++; "
-            f"~30 min on 2 cores, cached in {cache_root()})")
+            f"13.5 min CPU: ~10 min on 2 free cores, 48 min on 2 busy ones; cached in {cache_root()})")
 
 
 def build_tools(root: Path | None = None, *, jobs: int = 2) -> dict[str, Path]:

@@ -41,14 +41,17 @@ test: $(STAMP)
 # reading a torn ledger, rounds started by Label Studio's webhooks, the listener resuming a deployed round that waits
 # for its labels (worker, Prefect server and Label Studio all real), a ten-minute soak of the webhook receiver, new
 # users' projects from init to round 2 unedited (test rows last, open answers, lower-case labels), the export's
-# predict.py agreeing with tamis predict where tamis cannot be imported, a schema project's two rounds with per-field
-# metrics (test_fields_round.py), a two-image task with per-field controls in the live Label Studio.
+# predict.py agreeing with tamis predict where tamis cannot be imported, the GGUF export read back and a tiny
+# Qwen3-VL's answering in llama.cpp's llama-server (built once from the pinned source into
+# ~/.cache/tamis-llama-cpp-<commit>/), a schema project's two rounds with per-field metrics (test_fields_round.py), a
+# two-image task with per-field controls in the live Label Studio.
 CLAIMS := tests/test_demo.py tests/test_fault_injection.py tests/test_deployment.py tests/test_dask_scoring.py \
 	tests/test_dask_cluster.py tests/test_distributed_train.py tests/test_open_round.py tests/test_label_studio_live.py \
 	tests/test_round_labelcheck.py tests/test_code_keys.py tests/test_cache_stability.py tests/test_consensus.py \
 	tests/test_ledger_readers.py tests/test_webhooks_live.py tests/test_listen_resume_live.py \
 	tests/test_webhook_soak.py tests/test_second_hour.py tests/test_serve_export.py \
 	tests/test_gguf_export.py::test_an_idefics3_export_writes_gguf_files_that_read_back_as_text_model_and_projector \
+	'tests/test_gguf_export.py::test_llama_cpp_built_from_the_pinned_source_answers_as_transformers_on_merged[qwen3_vl]' \
 	tests/test_box_label_studio_live.py tests/test_box_round.py::test_cli_a_box_project_runs_from_init_to_round_1_without_hand_edits \
 	tests/test_init.py::test_cli_a_new_users_manifest_runs_from_init_to_round_2_without_hand_edits \
 	tests/test_several_images_round.py tests/test_fields_round.py tests/test_several_images_label_studio_live.py

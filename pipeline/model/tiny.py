@@ -354,8 +354,11 @@ def make_tiny_model(
     image_size: int = DEFAULT_IMAGE_SIZE,
     vocab_words: Sequence[str] = VOCAB_WORDS,
     seed: int = 0,
+    vision_depth: int | None = None,
 ) -> Path:
-    """Build a random-weight `family` model (a few MB) with its tokenizer and processor into `out_dir`."""
+    """Build a random-weight `family` model (a few MB) with its tokenizer and processor into `out_dir`.
+    `vision_depth` overrides a Qwen-VL vision tower's blocks (2): llama.cpp's converter names Qwen2-VL's merger tensors
+    by block index and needs 3 (tests/test_gguf_export.py)."""
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
@@ -366,6 +369,11 @@ def make_tiny_model(
                          f"(patch {PATCH} × merge {MERGE}), e.g. 32")
     tok = build_tokenizer(fam, vocab_words, max_length=context_length(image_size))
     config, processor = (UNREGISTERED[family][1] if family in UNREGISTERED else BUILDERS[family])(tok, image_size)
+    if vision_depth is not None:
+        if not hasattr(config.vision_config, "depth"):
+            raise ModelError(f"tiny {family}: its vision config has no `depth` to set to {vision_depth}; "
+                             "vision_depth applies to the Qwen-VL families")
+        config.vision_config.depth = vision_depth
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     _fan_in_init(model)
@@ -377,7 +385,8 @@ def make_tiny_model(
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
         atomic_write_json(tmp / "tamis_tiny.json", {"family": family, "image_size": image_size, "seed": seed,
-                                                    "vocab_size": len(tok)})
+                                                    "vocab_size": len(tok),
+                                                    **({"vision_depth": vision_depth} if vision_depth else {})})
     n = sum(p.numel() for p in model.parameters())
     log.info("built tiny %s model in %s: %.2fM parameters, %d-px images, vocab %d", family, out, n / 1e6,
              image_size, len(tok))

@@ -1,5 +1,5 @@
 """llama.cpp at one pinned commit: its converter (convert_hf_to_gguf.py, conversion/, gguf-py) and, when asked, its
-`llama-mtmd-cli` and `llama-quantize` built from the same source.
+`llama-mtmd-cli`, `llama-server` and `llama-quantize` built from the same source.
 
 The only network tamis may count on is a package registry, so the source comes from PyPI: llama-cpp-python's sdist
 vendors llama.cpp whole (the converter, gguf-py and tools/mtmd). It is fetched once with pip, checked against its
@@ -41,11 +41,13 @@ class LlamaCppPin:
 LLAMA_CPP = LlamaCppPin("0c1e57098", "llama-cpp-python", "0.3.36",
                         "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
 VENDORED = "vendor/llama.cpp/"
-TOOLS = ("llama-mtmd-cli", "llama-quantize")
-# Static binaries, no tests/examples/server/network code: the two tools and what they link, nothing else.
+TOOLS = ("llama-mtmd-cli", "llama-server", "llama-quantize")
+# Static binaries, no tests/examples: the three tools and what they link, nothing else. llama-server answers over
+# HTTP, where llama-mtmd-cli prints through a log that can lose its last lines at exit (llama.cpp #22142); its web UI
+# would be downloaded from Hugging Face at build time (LLAMA_USE_PREBUILT_UI), so it is built without one.
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
-               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TOOLS=ON")
+               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF",
+               "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TOOLS=ON")
 CONVERT_SCRIPT = Path(__file__).with_name("gguf_convert.py")
 
 
@@ -113,7 +115,7 @@ def build_commands(root: Path | None = None, *, jobs: int = 2) -> list[list[str]
 def build_hint() -> str:
     """How a user builds llama-quantize (and llama-mtmd-cli) from the pinned source, for messages."""
     return (f"build it from the same pinned source with `python -m pipeline.serving.llama_cpp` (cmake and g++; "
-            f"~30 min on 2 cores, cached in {cache_root()})")
+            f"13.5 min CPU: ~10 min on 2 free cores, 48 min on 2 busy ones; cached in {cache_root()})")
 
 
 def build_tools(root: Path | None = None, *, jobs: int = 2) -> dict[str, Path]:

@@ -21,6 +21,7 @@ import csv
 import io
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -30,18 +31,20 @@ from typing import Any
 
 from benchmarks import _round_driver as driver
 from benchmarks._pool_flow import _label, _summary
-from benchmarks._results import code_version
+from benchmarks._results import code_version, cpu_seconds
 from benchmarks.ingest_scale import write_pool
 from pipeline.data.demo import write_digits
 
 
-def _tamis(*args: str, cwd: Path, art: Path, api: str | None) -> tuple[float, str]:
-    t = time.perf_counter()
+def _tamis(*args: str, cwd: Path, art: Path, api: str | None) -> tuple[float, str, float]:
+    """(wall seconds, output, CPU seconds) of `tamis ARGS` as a user types it."""
+    t, cpu = time.perf_counter(), cpu_seconds(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([str(Path(sys.executable).with_name("tamis")), *args], cwd=cwd, capture_output=True,
                           text=True, env=driver.child_env(art, api), timeout=3600, check=False)
     if proc.returncode:
         raise SystemExit(f"tamis {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
-    return round(time.perf_counter() - t, 2), proc.stdout + proc.stderr
+    return (round(time.perf_counter() - t, 2), proc.stdout + proc.stderr,
+            round(cpu_seconds(resource.RUSAGE_CHILDREN) - cpu, 2))
 
 
 def _test_folder(root: Path) -> Path:
@@ -95,7 +98,7 @@ def _init_project(root: Path, model: Path, art: Path) -> dict[str, Any]:
     shutil.rmtree(art, ignore_errors=True)
     (root / "tamis.yaml").unlink(missing_ok=True)
     labels = _test_folder(root)
-    init_s, init_out = _tamis("init", "pool", "--test", str(labels.relative_to(root)), "--model", str(model),
+    init_s, init_out, _ = _tamis("init", "pool", "--test", str(labels.relative_to(root)), "--model", str(model),
                               "--out", "tamis.yaml", cwd=root, art=art, api=None)
     return {"defaults_init_s": init_s, "defaults_config": (root / "tamis.yaml").read_text(),
             "defaults_init_output": init_out}
@@ -161,8 +164,8 @@ def _after_labels(root: Path, config: Path, art: Path, api: str) -> dict[str, An
     steady = driver.run_round(config, api_url=api, simulate=False, timeout_s=7200)
     out["defaults_steady"] = {**_summary(steady), "candidates": steady.state.get("candidates"),
                               "strategy": steady.state.get("strategy")}
-    ingest_s, ingest_out = _tamis("ingest", "--config", "tamis.yaml", cwd=root, art=art, api=api)
-    out["defaults_noop_ingest"] = {"total_s": ingest_s,
+    ingest_s, ingest_out, ingest_cpu = _tamis("ingest", "--config", "tamis.yaml", cwd=root, art=art, api=api)
+    out["defaults_noop_ingest"] = {"total_s": ingest_s, "cpu_s": ingest_cpu,
                                    "flow_started": "nothing changed since the last ingest" not in ingest_out}
     # Round 1 imported labels, so the next run goes through the flow (a replay of round 1); the one after
     # has nothing to do and says so without a flow.

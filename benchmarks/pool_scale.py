@@ -16,10 +16,11 @@ Parts:
              steady-state round, an unchanged re-run (flow and CLI), a round after adding --flow-add images; wall
              time, executed stages and peak RSS per run (benchmarks/_pool_flow.py). Not in --part all (its pools
              take minutes to hours to write and run).
-  defaults   a --defaults-pool pool (100,000 PNGs) with the config `tamis init` writes for it, untouched: first
-             round, an annotator's labels, a steady round (keys steady_round_s_100k_defaults, candidates_100k_defaults)
-             and a no-op `tamis ingest` and `tamis round` (noop_ingest_s_100k_defaults, noop_round_s_100k_defaults)
-             (benchmarks/_pool_defaults.py). Not in --part all.
+  defaults   a --defaults-pool pool (100,000 PNGs; the 10⁶ case with the command below) with the config `tamis init`
+             writes for it, untouched: first round, an annotator's labels, a steady round (keys
+             steady_round_s_100k_defaults, candidates_100k_defaults) and a no-op `tamis ingest` and `tamis round`
+             (noop_ingest_s_100k_defaults, noop_round_s_100k_defaults) (benchmarks/_pool_defaults.py). Not in
+             --part all.
   scoring    peak RSS of scoring + selecting a 10k and a 100k pool (keys rss_mb_10k, rss_mb_100k, rss_ratio;
              target ratio <= 1.2). Each pool is a real prepared dataset on disk (generated images of varied sizes
              run through preprocess_dataset; Arrow, memory-mapped), scored with the tiny 4-bit Idefics3 in a fresh
@@ -34,6 +35,9 @@ Parts:
         --json-out benchmarks/results/pool_scale.json
     python benchmarks/pool_scale.py --part defaults --work-dir /tmp/tamis-pool-scale \
         --json-out benchmarks/results/pool_scale_defaults.json
+    python benchmarks/pool_scale.py --part defaults --defaults-pool 1000000 --work-dir /tmp/tamis-pool-scale \
+        --defaults-keep-first --json-out benchmarks/results/pool_scale_defaults.json --nest-under pool_1000000
+        # 10 min to write the PNGs once, round 0 50 min at load ~10; then --defaults-from-first reruns the rest
     python benchmarks/pool_scale.py --part scoring --pools 1000,5000     # a quick look
     python benchmarks/pool_scale.py --part select10m --big-n 1000000 --big-k 1000 --big-clusters 100   # 10^6
 """

@@ -104,7 +104,7 @@ def _init_project(root: Path, model: Path, art: Path) -> dict[str, Any]:
             "defaults_init_output": init_out}
 
 
-def _first_round(args: Any, root: Path, config: Path, art: Path, api: str) -> dict[str, Any]:
+def _first_round(args: Any, root: Path, config: Path, art: Path, api: str, init: dict[str, Any]) -> dict[str, Any]:
     """Round 0, run, or restored from the copy an earlier run kept (--defaults-from-first): a 10⁶ pool's round 0
     takes 40+ min on 2 shared cores, and what a steady round and a no-op ingest cost does not depend on who ran it."""
     keep = root / FIRST_COPY
@@ -118,7 +118,7 @@ def _first_round(args: Any, root: Path, config: Path, art: Path, api: str) -> di
            "defaults_first_commit": code_version()}
     if args.defaults_keep_first:
         copy_project(art, keep / "artifacts")
-        (keep / "first.json").write_text(json.dumps(out))
+        (keep / "first.json").write_text(json.dumps({**init, **out}))  # what a restored run reports of them
     return out
 
 
@@ -146,7 +146,8 @@ def run_pool_defaults(args: Any) -> dict[str, Any]:
         out.update(_init_project(root, model, art))
     target = load_digits().target
     with driver.prefect_server(work / "server") as api:
-        out.update(_first_round(args, root, config, art, api))
+        out.update(_first_round(args, root, config, art, api,
+                                init={k: v for k, v in out.items() if k.startswith(("defaults_init", "defaults_config"))}))
         out["defaults_labeled"] = _label_export(Path(out["defaults_first_export"]), art / "inbox",
                                                 lambda name: str(int(target[int(Path(name).stem) % len(target)])))
         out.update(_after_labels(root, config, art, api))

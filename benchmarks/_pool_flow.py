@@ -90,6 +90,7 @@ def _summary(run: driver.RoundRun) -> dict[str, Any]:
     for e, nxt in zip(run.executed, times[1:], strict=False):
         per_stage[e["stage"]] += nxt - e["time"]
     return {"wall_s": round(run.wall_s, 1), "import_s": run.import_s, "flow_s": run.flow_s, "rss_mb": run.rss_mb,
+            "cpu_s": run.cpu_s,
             "stages_executed": dict(Counter(run.stages)),
             "stage_s": {k: round(v, 1) for k, v in per_stage.items()},
             "round": (run.state or {}).get("round"), "selected": (run.state or {}).get("selected")}

@@ -56,6 +56,15 @@ def code_version() -> str:
     return commit[:12] + ("+dirty" if status else "")
 
 
+def cpu_seconds(who: int | None = None) -> float:
+    """CPU seconds (user + system) of this process and the children it waited on; `who`: resource.RUSAGE_CHILDREN
+    alone. On a machine shared with other work, wall time moves with the load and this much less."""
+    import resource
+
+    kinds = (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) if who is None else (who,)
+    return round(sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, kinds)), 2)
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set (MB) since it started: VmHWM, the high-water mark of its own address space.
     Not ru_maxrss: Linux carries that across fork and exec, so a child started by a benchmark that had held 4.4 GB

@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -185,6 +186,7 @@ class RoundRun:
     temp_reads: list[str] = field(default_factory=list)  # opens of temp leftovers that existed when it started
     error: str | None = None  # the log's tail when the round failed (neither finished nor killed)
     rss_mb: float | None = None  # the round process's peak RSS
+    cpu_s: float | None = None  # CPU seconds (user + system) of the round process and the children it waited on
     flow_end: float | None = None  # time.time() when labeling_round returned
 
     @property
@@ -208,15 +210,18 @@ def cli_round(config: Path, api_url: str | None, *extra: str) -> dict[str, Any]:
     from pipeline.store import executions
 
     art = config.parent / "artifacts"
+    from benchmarks._results import cpu_seconds
+
     runs = len(list(executions(art)))
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), cpu_seconds(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([str(Path(sys.executable).with_name("tamis")), "round", "--config", str(config), *extra],
                           env=child_env(art, api_url), cwd=config.parent, capture_output=True, text=True,
                           timeout=900, check=False)
     wall = time.perf_counter() - t
     if proc.returncode:
         raise SystemExit(f"tamis round {' '.join(extra)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
-    return {"total_s": round(wall, 2), "flow_started": "nothing changed since it ran" not in proc.stdout,
+    return {"total_s": round(wall, 2), "cpu_s": round(cpu_seconds(resource.RUSAGE_CHILDREN) - cpu, 2),
+            "flow_started": "nothing changed since it ran" not in proc.stdout,
             "stages_executed": len(list(executions(art))) - runs}
 
 
@@ -284,7 +289,7 @@ def run_round(config: Path, *, api_url: str | None, kill: Kill | None = None, si
     if result_path.is_file():
         res = json.loads(result_path.read_text())
         run.import_s, run.flow_s, run.state, run.temp_reads = res["import_s"], res["flow_s"], res["state"], res["temp_reads"]
-        run.rss_mb, run.flow_end = res.get("rss_mb"), res.get("flow_end")
+        run.rss_mb, run.flow_end, run.cpu_s = res.get("rss_mb"), res.get("flow_end"), res.get("cpu_s")
     elif not run.killed:
         run.error = _tail(log, 80)
     return run
@@ -389,12 +394,12 @@ def _child(spec_path: str) -> None:
     t1 = time.perf_counter()
     state = labeling_round(spec["config"], simulate=spec["simulate"])
     t2 = time.perf_counter()
-    from benchmarks._results import peak_rss_mb
+    from benchmarks._results import cpu_seconds, peak_rss_mb
     from pipeline.store import atomic_write_json
 
     atomic_write_json(spec["result"], {"state": state, "import_s": round(t1 - t0, 3), "flow_s": round(t2 - t1, 3),
                                        "temp_reads": temp_reads,
-                                       "rss_mb": peak_rss_mb(),
+                                       "rss_mb": peak_rss_mb(), "cpu_s": cpu_seconds(),
                                        "flow_end": time.time()})
 
 

@@ -16,10 +16,11 @@ Parts:
              steady-state round, an unchanged re-run (flow and CLI), a round after adding --flow-add images; wall
              time, executed stages and peak RSS per run (benchmarks/_pool_flow.py). Not in --part all (its pools
              take minutes to hours to write and run).
-  defaults   a --defaults-pool pool (100,000 PNGs) with the config `tamis init` writes for it, untouched: first
-             round, an annotator's labels, a steady round (keys steady_round_s_100k_defaults, candidates_100k_defaults)
-             and a no-op `tamis ingest` and `tamis round` (noop_ingest_s_100k_defaults, noop_round_s_100k_defaults)
-             (benchmarks/_pool_defaults.py). Not in --part all.
+  defaults   a --defaults-pool pool (100,000 PNGs; the 10⁶ case with the command below) with the config `tamis init`
+             writes for it, untouched: first round, an annotator's labels, a steady round (keys
+             steady_round_s_100k_defaults, candidates_100k_defaults) and a no-op `tamis ingest` and `tamis round`
+             (noop_ingest_s_100k_defaults, noop_round_s_100k_defaults) (benchmarks/_pool_defaults.py). Not in
+             --part all.
   scoring    peak RSS of scoring + selecting a 10k and a 100k pool (keys rss_mb_10k, rss_mb_100k, rss_ratio;
              target ratio <= 1.2). Each pool is a real prepared dataset on disk (generated images of varied sizes
              run through preprocess_dataset; Arrow, memory-mapped), scored with the tiny 4-bit Idefics3 in a fresh
@@ -34,6 +35,9 @@ Parts:
         --json-out benchmarks/results/pool_scale.json
     python benchmarks/pool_scale.py --part defaults --work-dir /tmp/tamis-pool-scale \
         --json-out benchmarks/results/pool_scale_defaults.json
+    python benchmarks/pool_scale.py --part defaults --defaults-pool 1000000 --work-dir /tmp/tamis-pool-scale \
+        --defaults-keep-first --json-out benchmarks/results/pool_scale_defaults.json --nest-under pool_1000000
+        # 10 min to write the PNGs once, round 0 50 min at load ~10; then --defaults-from-first reruns the rest
     python benchmarks/pool_scale.py --part scoring --pools 1000,5000     # a quick look
     python benchmarks/pool_scale.py --part select10m --big-n 1000000 --big-k 1000 --big-clusters 100   # 10^6
 """
@@ -65,6 +69,7 @@ from benchmarks._pool_10m import run_select_10m  # noqa: E402
 from benchmarks._pool_defaults import run_pool_defaults  # noqa: E402
 from benchmarks._pool_flow import run_pool_flow  # noqa: E402
 from benchmarks._results import CacheFolder, write_result  # noqa: E402
+from pipeline.store import atomic_write_json  # noqa: E402
 from pipeline.strategies.coverage import MaxHerding, ProbCover, TypiClust  # noqa: E402
 from pipeline.strategies.selectors import ClusterMargin, KCenter, faiss_threads  # noqa: E402
 
@@ -366,6 +371,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-classes", type=int, default=10, help="ProbCover: k-means clusters of its purity radius")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--nest-under", default=None, metavar="KEY",
+                    help="keep what --json-out holds and put this run (with its own commit and load) under KEY: "
+                         "e.g. the 10^6 defaults case beside the 100k one")
     sc = ap.add_argument_group("scoring part")
     sc.add_argument("--pools", default="10000,100000", help="pool sizes, comma-separated; the ratio is last / first")
     sc.add_argument("--shard-size", type=int, default=1000)
@@ -385,8 +393,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fl = ap.add_argument_group("flow part")
     fl.add_argument("--flow-pools", default="10000,100000", help="pool sizes through the real flow, comma-separated")
     fl.add_argument("--flow-add", type=int, default=10_000, help="images added before the last round")
-    ap.add_argument_group("defaults part").add_argument(
-        "--defaults-pool", type=int, default=100_000, help="pool size run with the config `tamis init` writes")
+    dp = ap.add_argument_group("defaults part")
+    dp.add_argument("--defaults-pool", type=int, default=100_000, help="pool size run with the config `tamis init` writes")
+    dp.add_argument("--defaults-keep-first", action="store_true",
+                    help="keep a copy of the project as round 0 left it (hard links; in the work dir)")
+    dp.add_argument("--defaults-from-first", action="store_true",
+                    help="restore that copy instead of running init and round 0 (its figures and commit are kept)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-10m", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -422,8 +434,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result.update(PARTS[part](args))
             except NotImplementedError as exc:
                 ap.exit(2, f"pool_scale: {exc}; run --part selection\n")
-    return write_result(result, args.json_out, cache=cache, started=started, reused_s=None if cache else 0.0,
-                        config={k: v for k, v in vars(args).items() if k not in ("json_out", "child")})
+    run = write_result(result, None if args.nest_under else args.json_out, cache=cache, started=started,
+                       reused_s=None if cache else 0.0,
+                       config={k: v for k, v in vars(args).items() if k not in ("json_out", "child")})
+    if args.nest_under and args.json_out:
+        held = json.loads(args.json_out.read_text(encoding="utf-8")) if args.json_out.is_file() else {}
+        atomic_write_json(args.json_out, {**held, args.nest_under: run})
+    return run
 
 
 if __name__ == "__main__":

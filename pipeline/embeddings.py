@@ -360,6 +360,13 @@ def load_selection_embeddings(folder: str | os.PathLike[str]) -> tuple[list[str]
 def lookup(ids_all: Sequence[str] | IdIndex, emb_all: np.ndarray, wanted_ids: Sequence[str]) -> np.ndarray:
     """Rows of `emb_all` for `wanted_ids`, in that order; a sample without an embedding is a DataError. Pass an
     IdIndex of `ids_all` when looking up in the same space more than once."""
+    rows = lookup_rows(ids_all, wanted_ids)
+    return emb_all[rows] if len(rows) else emb_all[:0]
+
+
+def lookup_rows(ids_all: Sequence[str] | IdIndex, wanted_ids: Sequence[str]) -> np.ndarray:
+    """Row numbers of `wanted_ids` in the selection space, in that order (what `lookup` reads); a sample without an
+    embedding is a DataError. For several arrays row-aligned with the same space, look the rows up once."""
     index = ids_all if isinstance(ids_all, IdIndex) else IdIndex(ids_all)
     wanted = list(wanted_ids)
     rows = index.rows(wanted)
@@ -367,7 +374,7 @@ def lookup(ids_all: Sequence[str] | IdIndex, emb_all: np.ndarray, wanted_ids: Se
     if missing:
         raise DataError(f"sample {missing[0]!r} has no selection embedding ({len(missing)} of {len(wanted)} "
                         "missing); recompute the selection embeddings for the current dataset")
-    return emb_all[rows] if len(rows) else emb_all[:0]
+    return rows
 
 
 @dataclass(frozen=True)

@@ -31,3 +31,40 @@ def test_ids_of_unequal_length_and_beyond_ascii():
     assert index.rows(["abc", "é-1", "a", "abcd", "ab"]).tolist() == [3, 2, 0, -1, 1]
     assert IdIndex([]).rows(["a"]).tolist() == [-1] and len(IdIndex(ids)) == 5
     assert IdIndex(ids).rows([]).dtype == np.int64
+
+
+def test_many_ids_looked_up_at_once_match_a_dict():
+    # Above a few thousand wanted IDs the index searches them in sorted order (a pool's every eligible sample);
+    # equal-length ASCII lists take the joined-buffer path. Both must answer as a dict does, in the asked order.
+    rng = np.random.default_rng(0)
+    ids = [sample_id_for(int(i).to_bytes(4, "little"), "q") for i in range(20_000)]
+    ids[19_999] = ids[7]  # repeated: the first row wins
+    first = {}
+    for i, s in enumerate(ids):
+        first.setdefault(s, i)
+    absent = [f"{i:020x}" for i in range(3000)]  # same width, never an ID
+    wanted = [ids[i] for i in rng.integers(0, len(ids), 9000)] + absent + [ids[7]] * 3
+    wanted = [wanted[i] for i in rng.permutation(len(wanted))]
+    expect = [first.get(s, -1) for s in wanted]
+    for built in (IdIndex(ids), IdIndex(pa.array(ids))):
+        assert built.rows(wanted).tolist() == expect
+    # Lists the joined buffer cannot hold (a wider character of the same length, a NUL, unequal widths) still match.
+    odd = ["é" * 20, "e" * 20, "a\0" * 10, "x" * 19] + ids[:5000]
+    assert IdIndex(odd).rows(odd[::-1] + ["é" * 20]).tolist() == [*range(len(odd) - 1, -1, -1), 0]
+
+
+def test_argsort_bytes_is_numpys_stable_sort():
+    # By 8-byte prefix, then whole keys within tied prefixes: the same order as numpy's stable string sort, for
+    # random hex IDs (a few tied prefixes), IDs sharing long prefixes (every prefix tied), short keys and NUL padding.
+    from pipeline.idindex import argsort_bytes
+
+    rng = np.random.default_rng(3)
+    cases = [
+        np.array([sample_id_for(int(i).to_bytes(4, "little"), "q") for i in range(30_000)], dtype="S20"),
+        np.array([f"img_{i % 700:08d}" for i in rng.permutation(20_000)], dtype="S12"),
+        np.array([b"ab", b"a", b"", b"abcdefghij", b"abcdefghi", b"abcdefgh", b"abcdefghij", b"a\x00"], dtype="S10"),
+        np.array([f"{i % 97:03d}".encode() for i in range(5000)], dtype="S3"),
+    ]
+    for keys in cases:
+        assert argsort_bytes(keys).tolist() == np.argsort(keys, kind="stable").tolist()
+

@@ -271,7 +271,7 @@ def round_candidates(sel_cfg: SelectConfig, *, pool_ids: Sequence[str], labeled_
     labeled set's neighbours are the regions it avoids, and even its own first `size` picks as candidates change what
     it picks from them (both cost MaxHerding + margin labels on the digits, benchmarks/results/label_efficiency.json
     at commits 6b530bb and the one after 2c4ce5f)."""
-    from pipeline.embeddings import lookup
+    from pipeline.embeddings import lookup_rows
 
     cand = sel_cfg.candidates
     cand = cand.model_copy(update={"shares": shares_for(cand, diversity or sel_cfg.diversity)})
@@ -288,12 +288,13 @@ def round_candidates(sel_cfg: SelectConfig, *, pool_ids: Sequence[str], labeled_
                                    "labeled": len(labeled), "candidates": len(chosen),
                                    "sources": {f"{name} (coverage phase)": len(chosen)}, "clusters": None})
     clusters = labeled_clusters = None
+    rows, labeled_rows = lookup_rows(at, eligible), lookup_rows(at, labeled)  # once: 10⁶ eligible IDs cost seconds
     if cand.shares.get("clusters", 0) > 0:
         all_labels = cluster_labels(space_ids, space_emb, n_clusters=cand.clusters, seed=seed, cache_dir=cache_dir,
                                     inputs={"space": space_digest})
-        clusters, labeled_clusters = lookup(at, all_labels, eligible), lookup(at, all_labels, labeled)
-    out = pick_candidates(cand, eligible=eligible, eligible_emb=lookup(at, space_emb, eligible),
-                          labeled_emb=lookup(at, space_emb, labeled), batch_size=sel_cfg.batch_size,
+        clusters, labeled_clusters = all_labels[rows], all_labels[labeled_rows]
+    out = pick_candidates(cand, eligible=eligible, eligible_emb=space_emb[rows],
+                          labeled_emb=space_emb[labeled_rows], batch_size=sel_cfg.batch_size,
                           seed=round_seed, clusters=clusters, labeled_clusters=labeled_clusters)
     out.info["clusters"] = cand.clusters if clusters is not None else None
     return out

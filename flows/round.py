@@ -33,7 +33,7 @@ from pipeline.round.records import record_relabel, record_selection, relabels
 from pipeline.round.simulate import answer_round, simulated
 from pipeline.round.stop import batch_for, budget_left, close_round, redundancy_cap
 from pipeline.round_state import RoundState
-from pipeline.roundreport.sources import resolve_sources
+from pipeline.roundreport.sources import SelectionInputs, round_sources
 from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy
 from pipeline.status import annotation_time
@@ -73,12 +73,13 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     eligible = eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
                              stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
     close_round(cfg, plan, state, eligible, agreed=agreed)
+    read = SelectionInputs()  # a stopped round selects nothing: its report has no selection space nor score shards
     if not state.stopped:
         with progress.step("score pool", "select"):
-            sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=eligible.ids, exclude=sorted(eligible.exclude),
-                             round_dir=plan.dir, labels=plan.labels, history_dirs=plan.history,
-                             adapter=scorer,
-                             batch_size=batch_for(cfg.rounds, cfg.select.batch_size, state))
+            sel, read = select_ref(cfg, prepared=prep["prepare"], pool_ids=eligible.ids,
+                                   exclude=sorted(eligible.exclude), round_dir=plan.dir, labels=plan.labels,
+                                   history_dirs=plan.history, adapter=scorer,
+                                   batch_size=batch_for(cfg.rounds, cfg.select.batch_size, state))
         with progress.step("export"):
             record_selection(state, sel, export_ref(cfg, selection=sel, prepared=prep["prepare"],
                                                     round_index=plan.index))
@@ -91,7 +92,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
                                           cap=redundancy_cap(cfg.rounds, state)))
 
     state.adapter = adapter
-    up = write_up(art, cfg.data.scored_answers, plan, state, check, resolve=lambda: resolve_sources(cfg, state, prep))
+    up = write_up(art, cfg.data.scored_answers, plan, state, check, resolve=lambda: round_sources(
+        cfg.data, cfg.model, cfg.select, state, prep, plan.dir, read, artifacts=art, seed=cfg.seed))
     if simulated(cfg.rounds, simulate):
         answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                      seed=cfg.seed, crowd=cfg.rounds)

@@ -28,11 +28,11 @@ from pipeline.config import ProjectConfig, load_config
 from pipeline.lock import ProjectLock
 from pipeline.model.resolve import resolve_configured
 from pipeline.quality import excluded_ids, explain_flags
-from pipeline.round.plan import PoolData, eligible_pool, import_round, labels_now, plan_round
+from pipeline.round.plan import PoolData, eligible_pool, labels_now, next_round_index, plan_after
 from pipeline.round.records import record_relabel, record_selection, relabels
 from pipeline.round.simulate import answer_round, simulated
 from pipeline.round.stop import batch_for, budget_left, close_round, redundancy_cap
-from pipeline.round_state import RoundState
+from pipeline.round_state import RoundState, completed_rounds
 from pipeline.roundreport.sources import SelectionInputs, round_sources
 from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy
@@ -53,13 +53,15 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     with progress.step("prepare"):
         prep = prepare_refs(cfg, ing)
     with progress.step("import labels"):
-        pool, start = PoolData.load(prep["prepare"]["dir"]), import_round(art)
+        # Every round.json read once: the round labels are imported into (import_round) and the one this run plans.
+        pool, done = PoolData.load(prep["prepare"]["dir"]), completed_rounds(art)
+        start = next_round_index(done, None)
         # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
         imports = pull_labels(cfg.annotate, cfg.data, art, known_ids=pool.index, round_index=start) + import_inbox(
             art, index=pool.index, answers=cfg.data.scored_answers, round_index=start, keys=LabelKeys.from_config(cfg.data),
             aliases=cfg.data.answer_aliases)
         agreed = settle_votes(art, cfg.annotate, answers=cfg.data.scored_answers, round_index=start)
-        plan = plan_round(art, labels_now(art, pool, round_index=start))
+        plan = plan_after(done, art, labels_now(art, pool, round_index=start))
         state = plan.state(imports, annotation_time=annotation_time(art, next_batch=cfg.select.batch_size),
                            strategy=planned_strategy(cfg.select, cfg.data.scored_answers, plan.labels, plan.history),
                            quality_flags=explain_flags(prep["quality"]["info"], cfg.quality))

@@ -28,12 +28,12 @@ from pipeline.config import ProjectConfig, load_config
 from pipeline.lock import ProjectLock
 from pipeline.model.resolve import resolve_configured
 from pipeline.quality import excluded_ids, explain_flags
-from pipeline.round.plan import PoolData, eligible_pool, import_round, labels_now, plan_round
+from pipeline.round.plan import PoolData, eligible_pool, labels_now, next_round_index, plan_after
 from pipeline.round.records import record_relabel, record_selection, relabels
 from pipeline.round.simulate import answer_round, simulated
 from pipeline.round.stop import batch_for, budget_left, close_round, redundancy_cap
-from pipeline.round_state import RoundState
-from pipeline.roundreport.sources import resolve_sources
+from pipeline.round_state import RoundState, completed_rounds
+from pipeline.roundreport.sources import SelectionInputs, round_sources
 from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy
 from pipeline.status import annotation_time
@@ -53,13 +53,15 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     with progress.step("prepare"):
         prep = prepare_refs(cfg, ing)
     with progress.step("import labels"):
-        pool, start = PoolData.load(prep["prepare"]["dir"]), import_round(art)
+        # Every round.json read once: the round labels are imported into (import_round) and the one this run plans.
+        pool, done = PoolData.load(prep["prepare"]["dir"]), completed_rounds(art)
+        start = next_round_index(done, None)
         # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
         imports = pull_labels(cfg.annotate, cfg.data, art, known_ids=pool.index, round_index=start) + import_inbox(
             art, index=pool.index, answers=cfg.data.scored_answers, round_index=start, keys=LabelKeys.from_config(cfg.data),
             aliases=cfg.data.answer_aliases)
         agreed = settle_votes(art, cfg.annotate, answers=cfg.data.scored_answers, round_index=start)
-        plan = plan_round(art, labels_now(art, pool, round_index=start))
+        plan = plan_after(done, art, labels_now(art, pool, round_index=start))
         state = plan.state(imports, annotation_time=annotation_time(art, next_batch=cfg.select.batch_size),
                            strategy=planned_strategy(cfg.select, cfg.data.scored_answers, plan.labels, plan.history),
                            quality_flags=explain_flags(prep["quality"]["info"], cfg.quality))
@@ -73,12 +75,13 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     eligible = eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
                              stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
     close_round(cfg, plan, state, eligible, agreed=agreed)
+    read = SelectionInputs()  # a stopped round selects nothing: its report has no selection space nor score shards
     if not state.stopped:
         with progress.step("score pool", "select"):
-            sel = select_ref(cfg, prepared=prep["prepare"], pool_ids=eligible.ids, exclude=sorted(eligible.exclude),
-                             round_dir=plan.dir, labels=plan.labels, history_dirs=plan.history,
-                             adapter=scorer,
-                             batch_size=batch_for(cfg.rounds, cfg.select.batch_size, state))
+            sel, read = select_ref(cfg, prepared=prep["prepare"], pool_ids=eligible.ids,
+                                   exclude=sorted(eligible.exclude), round_dir=plan.dir, labels=plan.labels,
+                                   history_dirs=plan.history, adapter=scorer,
+                                   batch_size=batch_for(cfg.rounds, cfg.select.batch_size, state))
         with progress.step("export"):
             record_selection(state, sel, export_ref(cfg, selection=sel, prepared=prep["prepare"],
                                                     round_index=plan.index))
@@ -91,7 +94,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
                                           cap=redundancy_cap(cfg.rounds, state)))
 
     state.adapter = adapter
-    up = write_up(art, cfg.data.scored_answers, plan, state, check, resolve=lambda: resolve_sources(cfg, state, prep))
+    up = write_up(art, cfg.data.scored_answers, plan, state, check, resolve=lambda: round_sources(
+        cfg.data, cfg.model, cfg.select, state, prep, plan.dir, read, artifacts=art, seed=cfg.seed))
     if simulated(cfg.rounds, simulate):
         answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                      seed=cfg.seed, crowd=cfg.rounds)

@@ -18,6 +18,7 @@ from flows.ui import detach
 from pipeline import selection as sel
 from pipeline.config import ProjectConfig
 from pipeline.embeddings import EMBEDDINGS_VERSION, embeddings_params, embeddings_stage
+from pipeline.roundreport.sources import SelectionInputs
 from pipeline.score_stage import (
     SCORE_VERSION,
     plan_pool_scoring,
@@ -75,19 +76,21 @@ def score_pool_flow(artifacts: str, model: dict[str, Any], scoring: dict[str, An
 
 
 def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
-               pool_ids: list[str], round_dir: Path) -> list[dict[str, Any]]:
-    """Score the pool in shards with the task runner `select.runner` asks for (also under a deployment's worker)."""
+               pool_ids: list[str], round_dir: Path) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """Score the pool in shards with the task runner `select.runner` asks for (also under a deployment's worker).
+    Returns the shards' refs and each shard's (first sample ID, folder), what the round's report reads."""
     plan = plan_pool_scoring(cfg, prepared=prepared, adapter=adapter, pool_ids=pool_ids)
+    shards = [(p.shard_ids[0], p.out_dir) for p in plan.shards]
     pool_file = write_pool_file(round_dir, pool_ids)
     if (refs := scored_on_disk(plan.shards)) is not None:
         # A subflow of cached tasks would only cost API round trips (about a second per 20 shards).
         log.info("pool scoring: all %d shards already scored (outputs verified); nothing to run", len(refs))
-        return refs
+        return refs, shards
     runner_flow = score_pool_flow.with_options(task_runner=make_task_runner(cfg),
                                                flow_run_name=f"round-{round_dir.name}-score-pool")
     # A plain copy: the subflow's own result, passed on to the select task, would make the Task Runs tab list nothing.
     return detach(runner_flow(artifacts=str(cfg.artifacts), **plan.parts, pool_file=pool_file,
-                              shard_size=plan.shard_size))
+                              shard_size=plan.shard_size)), shards
 
 
 def embeddings_ref(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, Any] | None:
@@ -98,15 +101,16 @@ def embeddings_ref(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, An
 
 def select_ref(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
                pool_ids: list[str], exclude: list[str], round_dir: Path, labels: dict[str, str] | None = None,
-               history_dirs: list[Path] = (), batch_size: int | None = None) -> dict[str, Any]:
-    """Score the eligible pool (and the labeled samples) and select; writes round_dir/selection/. Call in a flow."""
+               history_dirs: list[Path] = (), batch_size: int | None = None) -> tuple[dict[str, Any], SelectionInputs]:
+    """Score the eligible pool (and the labeled samples) and select; writes round_dir/selection/. Call in a flow.
+    Returns the select stage's ref and the stage folders it read (for the round's report)."""
     space = embeddings_ref(cfg, prepared)
     plan = sel.plan_selection(cfg, round_dir=round_dir, pool_ids=pool_ids, exclude=exclude, labels=dict(labels or {}),
                               adapter=adapter, space=space, history_dirs=list(history_dirs), batch_size=batch_size)
-    refs = score_pool(cfg, prepared=prepared, adapter=adapter, pool_ids=plan.candidates,
-                      round_dir=round_dir) if plan.score else []
+    refs, shards = score_pool(cfg, prepared=prepared, adapter=adapter, pool_ids=plan.candidates,
+                               round_dir=round_dir) if plan.score else ([], [])
     ref = run_stage(select_task, params=plan.stage_params(refs))
     rows = sel.selection_rows(ref)
     create_table_artifact(key="selection", table=sel.selection_table(rows),
                           description=f"Top of the selection ({len(rows)} samples)")
-    return ref
+    return ref, SelectionInputs(space and space["dir"], shards)

@@ -66,7 +66,7 @@ def stop_set_agreement(cfg: ProjectConfig, prep: dict[str, Any], adapter: dict[s
     the previous round's adapter's."""
     from flows.select import score_pool
 
-    refs = score_pool(cfg, prepared=prep["prepare"], adapter=adapter, pool_ids=stop.ids,
-                      round_dir=stop.out_dir)
+    refs, _ = score_pool(cfg, prepared=prep["prepare"], adapter=adapter, pool_ids=stop.ids,
+                         round_dir=stop.out_dir)
     return measure_stop_set(refs, ids=stop.ids, answers=cfg.data.scored_answers, round_dir=stop.round_dir,
                             previous_dir=stop.previous_dir, target=stop.target)

@@ -159,6 +159,21 @@ def test_per_class_metrics_agree_with_the_evaluation_and_prefer_its_own_file(pho
     assert per_class_metrics(own, sources.answers)["accuracy"] == 0.123
 
 
+def test_the_round_keeps_the_sources_its_stages_read_as_the_project_derives_them(photo_rounds):
+    """The round hands its report the embeddings folder and score shards its select stage read (no key worked out
+    again); `tamis report` on a round that kept no report_sources.json derives them from the project: the same."""
+    from pipeline.config import load_config
+    from pipeline.preprocess import latest_refs
+    from pipeline.roundreport.sources import resolve_sources
+
+    config, art, states = photo_rounds
+    kept = ReportSources.load(art / "rounds/001")
+    derived = resolve_sources(load_config(config), states[1], latest_refs(art))
+    assert kept.shards and kept.space_dir and Path(kept.space_dir).is_dir()
+    assert all((Path(d) / "manifest.json").is_file() for _, d in kept.shards)
+    assert dataclasses.asdict(derived) == dataclasses.asdict(kept)
+
+
 def test_pool_map_is_seeded_bounded_and_marks_the_batch(photo_rounds, monkeypatch):
     from pipeline.roundreport import gather, poolmap
 

@@ -64,7 +64,7 @@ def select_test_flow(cfg_data: dict, prepared: dict, adapter: dict | None, pool_
                      exclude: list[str], round_dir: str) -> dict:
     cfg = ProjectConfig.model_validate(cfg_data)
     return select_ref(cfg, prepared=prepared, adapter=adapter, pool_ids=pool_ids, exclude=exclude,
-                      round_dir=Path(round_dir))
+                      round_dir=Path(round_dir))[0]
 
 
 def run_select(cfg: ProjectConfig, pool: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
@@ -182,7 +182,7 @@ def test_schedule_phase_reaches_the_selection(prefect_harness, tmp_path, pool):
     @flow(name="test-select-phase")
     def phase_flow() -> dict:
         return select_ref(cfg, prepared=pool["prepared"], adapter=pool["adapter"], pool_ids=pool["ids"],
-                          exclude=[], round_dir=cfg.artifacts / "rounds" / "001", labels=labels)
+                          exclude=[], round_dir=cfg.artifacts / "rounds" / "001", labels=labels)[0]
 
     ref = phase_flow()
     assert ref["phase"]["phase"] == "coverage" and "2 labels < 10" in ref["phase"]["reason"]

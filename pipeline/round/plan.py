@@ -179,7 +179,12 @@ class RoundPlan:
 
 def plan_round(artifacts: str | os.PathLike[str], labels: dict[str, str]) -> RoundPlan:
     """The round for this labeled set: the last one again when it is unchanged (a re-run), else the next."""
-    digest, done = digest_json(sorted(labels.items())), completed_rounds(artifacts)
+    return plan_after(completed_rounds(artifacts), artifacts, labels)
+
+
+def plan_after(done: Sequence[RoundState], artifacts: str | os.PathLike[str], labels: dict[str, str]) -> RoundPlan:
+    """plan_round after the finished rounds `done` (completed_rounds, read once by a round that has them)."""
+    digest = digest_json(sorted(labels.items()))
     r = next_round_index(done, digest)
     previous = [s for s in done if s.round < r]
     return RoundPlan(index=r, dir=round_dir(artifacts, r), labels=labels, labeled_digest=digest,

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import DataConfig, ModelConfig, ProjectConfig
+from pipeline.config import DataConfig, ModelConfig, ProjectConfig, SelectConfig
 from pipeline.errors import ArtifactError
 from pipeline.round_state import RoundState, adapter_ref, round_dir
 from pipeline.store import MANIFEST_NAME, atomic_write_json
@@ -60,6 +60,15 @@ class ReportSources:
         return cls(**data)
 
 
+@dataclass(frozen=True)
+class SelectionInputs:
+    """The stage folders a round's select stage read, as its report reads them: the selection embeddings' (None: the
+    model's own embeddings, or no selection) and each score shard's (first sample ID, folder)."""
+
+    space_dir: str | None = None
+    shards: list[tuple[str, str]] = field(default_factory=list)
+
+
 def check_sources(sources: ReportSources, recorded_in: str) -> None:
     """Refuse, naming each path and what rebuilds it, a report whose stage folders were recorded (so their stages
     ran) but are gone now: "has not finished here" would send the user to run a stage that did finish."""
@@ -94,32 +103,43 @@ def find_eval_dir(artifacts: str | os.PathLike[str], adapter_digest: str) -> str
 
 def resolve_sources(cfg: ProjectConfig, state: RoundState,
                     prepared: dict[str, Any] | None) -> ReportSources:
-    """The report's sources for a finished round (`state`, its round.json) of the project `cfg` (the whole project:
-    the embeddings and score stages' keys are re-derived from it); `prepared` holds the round's prepare and quality
-    stage refs ({"prepare": ref, "quality": ref}, as flows/prepare returns them).
+    """The report's sources for a finished round (`state`, its round.json) of the project `cfg`, for `tamis report`
+    when the round kept none: the embeddings and score stages' keys are re-derived from the project; `prepared` holds
+    the round's prepare and quality stage refs ({"prepare": ref, "quality": ref}, as flows/prepare returns them).
 
     The score shards are those the round's select stage read: its pool.jsonl planned by
     pipeline.score_stage.plan_pool_scoring as flows/select.score_pool plans it (same adapter, prepared data, model
-    identity and shard size), so every folder is one the score stage wrote."""
+    identity and shard size), so every folder is one the score stage wrote. A round in progress knows both and
+    calls round_sources."""
     from pipeline.embeddings import embeddings_params
     from pipeline.score_stage import POOL_FILE, plan_pool_scoring, read_pool_file
 
     rd = round_dir(cfg.artifacts, state.round)
     prep = (prepared or {}).get("prepare")
     space = embeddings_params(cfg, prep) if prep else None
-    adapter = state.adapter
-    eval_dir = state.eval_dir or (adapter and find_eval_dir(cfg.artifacts, adapter["adapter_digest"]))
     shards: list[tuple[str, str]] = []
     if prep is not None and (rd / POOL_FILE).is_file():
-        plan = plan_pool_scoring(cfg, prepared=prep, adapter=adapter_ref(adapter),
+        plan = plan_pool_scoring(cfg, prepared=prep, adapter=adapter_ref(state.adapter),
                                  pool_ids=read_pool_file(rd / POOL_FILE))
         shards = [(p.shard_ids[0], p.out_dir) for p in plan.shards]
+    return round_sources(cfg.data, cfg.model, cfg.select, state, prepared, rd,
+                         SelectionInputs(space and space.out_dir, shards), artifacts=cfg.artifacts, seed=cfg.seed)
+
+
+def round_sources(data: DataConfig, model: ModelConfig, select: SelectConfig, state: RoundState,
+                  prepared: dict[str, Any] | None, rd: Path, selected: SelectionInputs, *,
+                  artifacts: str | os.PathLike[str], seed: int) -> ReportSources:
+    """The report's sources of the round in folder `rd` from the stage folders the round read: its prepare and quality
+    refs (`prepared`, as flows/prepare returns them) and what its select stage read (`selected`)."""
+    adapter = state.adapter
+    eval_dir = state.eval_dir or (adapter and find_eval_dir(artifacts, adapter["adapter_digest"]))
+    prep = (prepared or {}).get("prepare")
     return ReportSources(
-        round=state.round, round_dir=str(rd), artifacts=str(cfg.artifacts), answers=cfg.data.scored_answers,
-        seed=cfg.seed, prepared_dir=prep and prep["dir"], quality_dir=((prepared or {}).get("quality") or {}).get("dir"),
-        space_dir=space and space.out_dir, space_source=cfg.select.embeddings.source,
-        shards=shards, eval_dir=eval_dir,
-        labelcheck_dir=(state.labelcheck or {}).get("dir"), box_codec=_box_codec(cfg.data, cfg.model))
+        round=state.round, round_dir=str(rd), artifacts=str(artifacts), answers=data.scored_answers,
+        seed=seed, prepared_dir=prep and prep["dir"], quality_dir=((prepared or {}).get("quality") or {}).get("dir"),
+        space_dir=selected.space_dir, space_source=select.embeddings.source,
+        shards=selected.shards, eval_dir=eval_dir,
+        labelcheck_dir=(state.labelcheck or {}).get("dir"), box_codec=_box_codec(data, model))
 
 
 def _box_codec(data: DataConfig, model: ModelConfig) -> str | None:

@@ -16,7 +16,7 @@ from flows.export import export_ref
 from flows.ingest import ingest_ref
 from flows.labelcheck import relabel_ref
 from flows.prepare import prepare_refs
-from flows.select import select_ref
+from flows.select import select_ref, stopped_round_inputs
 from flows.train import train_round
 from flows.ui import library_logs_to_ui, name_run, progress_sink, publish_round
 from pipeline import report, unchanged
@@ -33,7 +33,7 @@ from pipeline.round.records import record_relabel, record_selection, relabels
 from pipeline.round.simulate import answer_round, simulated
 from pipeline.round.stop import batch_for, budget_left, close_round, redundancy_cap
 from pipeline.round_state import RoundState, completed_rounds
-from pipeline.roundreport.sources import SelectionInputs, round_sources
+from pipeline.roundreport.sources import round_sources
 from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy
 from pipeline.status import annotation_time
@@ -75,8 +75,9 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     eligible = eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
                              stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
     close_round(cfg, plan, state, eligible, agreed=agreed)
-    read = SelectionInputs()  # a stopped round selects nothing: its report has no selection space nor score shards
-    if not state.stopped:
+    if state.stopped:
+        read = stopped_round_inputs(cfg, prep["prepare"])
+    else:
         with progress.step("score pool", "select"):
             sel, read = select_ref(cfg, prepared=prep["prepare"], pool_ids=eligible.ids,
                                    exclude=sorted(eligible.exclude), round_dir=plan.dir, labels=plan.labels,

@@ -68,6 +68,9 @@ def test_cost_aware_selection_picks_the_cheaper_sample_at_equal_gain(diversity):
     kw = dict(k=4, strategy="margin", diversity=diversity, seed=0)
     if diversity == "probcover":
         kw["options"] = {"radius": 1.0}
+    if diversity == "class_balanced":  # box projects' selector: each answer's predicted boxes per class
+        kw["options"] = {"box_labels": ["a", "b", "c"]}
+        arrays["predicted"] = np.eye(3, dtype=int)[predicted]
     aware = select_batch(Candidates(ids, costs=costs, **arrays), **kw)
     if SELECTORS[diversity].cost_use == "none":
         assert aware.ids == select_batch(Candidates(ids, **arrays), **kw).ids  # no gain to divide: cost-blind, as its info says

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -155,3 +156,18 @@ def learning_curve(artifacts: str | os.PathLike[str], rows: Sequence[Mapping[str
     if not rows:
         return None
     return plot_learning_curve(rows, Path(artifacts) / CURVE_FILE, chance=1 / len(answers) if answers else None)
+
+
+def round_curve_png(rows: Sequence[Mapping[str, Any]], round_index: int, *, answers: Sequence[str] | None = None,
+                    drawn: str | os.PathLike[str] | None = None) -> bytes | None:
+    """The learning curve as it stood after round `round_index` (later rounds' points left out), as PNG bytes; None
+    before any metric. `drawn`: the project's learning_curve.png that learning_curve just drew from the same `rows`
+    and `answers`, whose bytes are the same picture when no later round is logged: it is read, not drawn again."""
+    upto = [r for r in rows if int(r["round"]) <= round_index]
+    if not upto:
+        return None
+    if drawn is not None and len(upto) == len(rows):
+        return Path(drawn).read_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        return plot_learning_curve(upto, Path(tmp) / CURVE_FILE,
+                                   chance=1 / len(answers) if answers else None).read_bytes()

@@ -74,6 +74,20 @@ def test_summary_carries_the_curve_as_a_picture_and_its_file(tmp_path):
     assert "data:image" not in text and "## Learning curve" in text
 
 
+def test_the_reports_curve_is_the_one_the_round_drew_and_stops_at_its_round(tmp_path):
+    """The round's report shows the learning curve write_up just drew, read back rather than drawn a second time; the
+    report of an earlier round (a rerun, `tamis report --round 1`) leaves later rounds out, on the same chance axis."""
+    from pipeline.metrics import learning_curve, round_curve_png
+
+    answers = ["0", "1", "2", "3"]
+    drawn = learning_curve(tmp_path, ROWS, answers=answers)
+    drawn.write_bytes(drawn.read_bytes() + b"as learning_curve left it")  # the bytes prove the file was read back
+    assert round_curve_png(ROWS, 2, answers=answers, drawn=drawn) == drawn.read_bytes()
+    first = plot_learning_curve(ROWS[:2], tmp_path / "round1.png", chance=0.25).read_bytes()
+    assert round_curve_png(ROWS, 1, answers=answers, drawn=drawn) == first
+    assert round_curve_png(ROWS, 1, answers=answers) == first and round_curve_png(ROWS, 0, drawn=drawn) is None
+
+
 def test_handoff_gives_copyable_paths_and_commands_not_file_links(tmp_path):
     art = tmp_path / "my art"
     md = handoff_markdown(art / "rounds/002/export", artifacts=art, round_index=2, count=6,

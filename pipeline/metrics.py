@@ -39,15 +39,6 @@ def read_metrics(artifacts: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return sorted(latest.values(), key=lambda r: int(r["round"]))
 
 
-def merge_equal_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
-    """Metrics with the same value under one joined name, in first-seen order: on a closed answer set accuracy and
-    exact match are usually the same number, shown once as `accuracy = exact_match`."""
-    groups: dict[float, list[str]] = {}
-    for name, value in metrics.items():
-        groups.setdefault(float(value), []).append(name)
-    return {" = ".join(names): value for value, names in groups.items()}
-
-
 def _curve_lines(rows: Sequence[Mapping[str, Any]], metric: str) -> dict[str, dict[int, tuple[float, Any]]]:
     """strategy → labels → (value, its 95 % interval or None); a re-evaluated round replaces its earlier value (the
     log is append-only, newest wins)."""

@@ -14,7 +14,6 @@ from typing import Any
 
 from pipeline.boxes.batch import NAMES_FILE as BOX_NAMES_FILE
 from pipeline.mdtext import escape_md
-from pipeline.metrics import merge_equal_metrics
 from pipeline.round_state import RoundState
 
 # The stages of a round in the order the flow runs them, with their rough share of a round's time on a CPU (training
@@ -237,6 +236,15 @@ def time_text(t: Mapping[str, Any] | None) -> str:
         return ""
     return (f"{t['hours']:.2f} h over {t['timed']} timed labels (median {t['median_s']:.0f} s, p90 {t['p90_s']:.0f} s)"
             + (f"; next batch of {t['next_batch']} ≈ {t['next_batch_hours']:.2f} h" if t.get("next_batch") else ""))
+
+
+def merge_equal_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Metrics with the same value under one joined name, in first-seen order: on a closed answer set accuracy and
+    exact match are usually the same number, shown once as `accuracy = exact_match`."""
+    groups: dict[float, list[str]] = {}
+    for name, value in metrics.items():
+        groups.setdefault(float(value), []).append(name)
+    return {" = ".join(names): value for value, names in groups.items()}
 
 
 def metrics_text(metrics: Mapping[str, float] | None) -> str:

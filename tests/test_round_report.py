@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from pipeline.annotation.inbox import receive_labels
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError
-from pipeline.metrics import merge_equal_metrics, plot_learning_curve
+from pipeline.metrics import plot_learning_curve
 from pipeline.model.train import planned_train_steps
 from pipeline.report import (
     ROUND_STAGES,
@@ -22,6 +22,7 @@ from pipeline.report import (
     curve_table,
     handoff_markdown,
     import_record,
+    merge_equal_metrics,
     png_data_uri,
     run_name,
     run_tags,

@@ -117,6 +117,7 @@ def main() -> None:
         t0 = time.perf_counter()
         sources = write_round(Path(tmp), args.pool, args.batch)
         setup_s = time.perf_counter() - t0
+        from pipeline.metrics import round_curve_png
         from pipeline.roundreport import build_report
 
         state = {"round": 1, "labeled": 1000, "pool": args.pool - 3000, "selected": args.batch,
@@ -125,10 +126,10 @@ def main() -> None:
         metrics = [{"round": r, "labels": 500 * r, "metric": "accuracy", "value": 0.6 + 0.1 * r, "strategy": "m"}
                    for r in (1, 2)]
         t0 = time.perf_counter()
-        first = build_report(sources, state, metrics)
+        first = build_report(sources, state, round_curve_png(metrics, 1))
         first_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        second = build_report(sources, state, metrics)
+        second = build_report(sources, state, round_curve_png(metrics, 1))
         second_s = time.perf_counter() - t0
         html = second.html.read_text()
         result = {

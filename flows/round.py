@@ -90,8 +90,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
                 record_relabel(cfg.annotate, art, state, relabel_ref(cfg, check=check, prepared=prep["prepare"],
                                                                      round_index=plan.index,
                                                                      cap=budget_left(cfg.rounds, state)))
-            state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.scored_answers,
-                                          prepared_dir=prep["prepare"]["dir"], round_index=plan.index,
+            state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.scored_answers, dataset=pool.dataset,
+                                          round_folder=plan.dir, round_index=plan.index,
                                           cap=redundancy_cap(cfg.rounds, state)))
 
     state.adapter = adapter

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,15 +37,6 @@ def read_metrics(artifacts: str | os.PathLike[str]) -> list[dict[str, Any]]:
     for r in read_jsonl(Path(artifacts) / METRICS_NAME):
         latest[int(r["round"]), r["metric"]] = r
     return sorted(latest.values(), key=lambda r: int(r["round"]))
-
-
-def merge_equal_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
-    """Metrics with the same value under one joined name, in first-seen order: on a closed answer set accuracy and
-    exact match are usually the same number, shown once as `accuracy = exact_match`."""
-    groups: dict[float, list[str]] = {}
-    for name, value in metrics.items():
-        groups.setdefault(float(value), []).append(name)
-    return {" = ".join(names): value for value, names in groups.items()}
 
 
 def _curve_lines(rows: Sequence[Mapping[str, Any]], metric: str) -> dict[str, dict[int, tuple[float, Any]]]:
@@ -155,3 +147,18 @@ def learning_curve(artifacts: str | os.PathLike[str], rows: Sequence[Mapping[str
     if not rows:
         return None
     return plot_learning_curve(rows, Path(artifacts) / CURVE_FILE, chance=1 / len(answers) if answers else None)
+
+
+def round_curve_png(rows: Sequence[Mapping[str, Any]], round_index: int, *, answers: Sequence[str] | None = None,
+                    drawn: str | os.PathLike[str] | None = None) -> bytes | None:
+    """The learning curve as it stood after round `round_index` (later rounds' points left out), as PNG bytes; None
+    before any metric. `drawn`: the project's learning_curve.png that learning_curve just drew from the same `rows`
+    and `answers`, whose bytes are the same picture when no later round is logged: it is read, not drawn again."""
+    upto = [r for r in rows if int(r["round"]) <= round_index]
+    if not upto:
+        return None
+    if drawn is not None and len(upto) == len(rows):
+        return Path(drawn).read_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        return plot_learning_curve(upto, Path(tmp) / CURVE_FILE,
+                                   chance=1 / len(answers) if answers else None).read_bytes()

@@ -14,7 +14,6 @@ from typing import Any
 
 from pipeline.boxes.batch import NAMES_FILE as BOX_NAMES_FILE
 from pipeline.mdtext import escape_md
-from pipeline.metrics import merge_equal_metrics
 from pipeline.round_state import RoundState
 
 # The stages of a round in the order the flow runs them, with their rough share of a round's time on a CPU (training
@@ -231,10 +230,26 @@ def _stability_line(st: Mapping[str, Any]) -> str:
             f"{st['forecast']}")
 
 
-def _time_line(t: Mapping[str, Any]) -> str:
-    return (f"- annotator time so far: {t['hours']:.2f} h over {t['timed']} timed labels (median {t['median_s']:.0f} s, "
-            f"p90 {t['p90_s']:.0f} s)" + (f"; next batch of {t['next_batch']} ≈ {t['next_batch_hours']:.2f} h"
-                                           if t.get("next_batch") else ""))
+def time_text(t: Mapping[str, Any] | None) -> str:
+    """round.json's annotation_time in words ("" without one), for summary.md and the round's report."""
+    if not t:
+        return ""
+    return (f"{t['hours']:.2f} h over {t['timed']} timed labels (median {t['median_s']:.0f} s, p90 {t['p90_s']:.0f} s)"
+            + (f"; next batch of {t['next_batch']} ≈ {t['next_batch_hours']:.2f} h" if t.get("next_batch") else ""))
+
+
+def merge_equal_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Metrics with the same value under one joined name, in first-seen order: on a closed answer set accuracy and
+    exact match are usually the same number, shown once as `accuracy = exact_match`."""
+    groups: dict[float, list[str]] = {}
+    for name, value in metrics.items():
+        groups.setdefault(float(value), []).append(name)
+    return {" = ".join(names): value for value, names in groups.items()}
+
+
+def metrics_text(metrics: Mapping[str, float] | None) -> str:
+    """The round's test metrics, equal ones merged ("accuracy = exact_match = 0.8000"), for summary.md and the report."""
+    return ", ".join(f"{k} = {v:.4f}" for k, v in merge_equal_metrics(metrics or {}).items())
 
 
 def _cost_line(c: Mapping[str, Any]) -> str:
@@ -260,13 +275,13 @@ def _counts_lines(s: RoundState) -> list[str]:
     if s.embeddings and s.embeddings != "model":
         lines.append(f"- selection space: `{s.embeddings}` embeddings (select.embeddings)")
     if s.metrics:
-        lines.append("- test metrics: " + ", ".join(f"{k} = {v:.4f}" for k, v in merge_equal_metrics(s.metrics).items()))
+        lines.append("- test metrics: " + metrics_text(s.metrics))
     if s.stopped:
         lines.append(f"- **stopped**: {s.stopped}")
     if s.stability:
         lines.append(_stability_line(s.stability))
     if s.annotation_time:
-        lines.append(_time_line(s.annotation_time))
+        lines.append("- annotator time so far: " + time_text(s.annotation_time))
     if s.cost:
         lines.append(_cost_line(s.cost))
     for imp in s.imports:

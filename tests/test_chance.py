@@ -95,7 +95,7 @@ def test_the_round_records_it_and_summary_report_and_card_show_it(tmp_path):
     assert md.splitlines()[2] == f"**{state.at_chance}**"  # right under the title
     plan.dir.mkdir(parents=True, exist_ok=True)
     sources = ReportSources(round=plan.index, round_dir=str(plan.dir), artifacts=str(art), answers=LETTERS, seed=0)
-    html = build_report(sources, state, []).html.read_text()
+    html = build_report(sources, state, None).html.read_text()
     assert 'id="at-chance"' in html and "still at chance: accuracy 0.170" in html
     assert card_lines(state.at_chance)[-1] == state.at_chance
 

@@ -209,23 +209,13 @@ def test_redundancy_requeues_unsure_samples_counts_them_and_settles_them(tmp_pat
     assert settled["samples"] == 30
 
 
-def _prepared_folder(ds, folder):
-    """`ds` as the prepare stage's output folder (what queue_redundancy reads the pool from)."""
-    from pipeline.preprocess import STAGE
-    from pipeline.store import save_dataset, write_manifest
-
-    save_dataset(ds, folder / "dataset")
-    write_manifest(folder, stage=STAGE, stage_version="test", inputs={}, config={}, outputs={"dataset": "dataset"})
-    return folder
-
-
 def test_the_redundancy_queue_is_capped_by_the_label_budget_and_says_so(tmp_path, make_vqa):
     """Issue 46, row 19: each second opinion costs a label; the queue gets what the budget leaves after the batch and
     the re-label tasks, least confident first, and the round says how many it held back and why."""
     from pipeline.annotation.redundancy import queue_redundancy
     from pipeline.report import summary_markdown
     from pipeline.round.stop import redundancy_cap
-    from pipeline.round_state import RoundState
+    from pipeline.round_state import RoundState, round_dir
 
     cfg, ds, gt, ids = _project(tmp_path, make_vqa, redundancy={"threshold": 0.8, "max_labels": 3})
     simulate_annotators(export_dir(cfg.artifacts, 0), gt, cfg.artifacts / "inbox", annotators=ANNOTATORS,
@@ -240,7 +230,7 @@ def test_the_redundancy_queue_is_capped_by_the_label_budget_and_says_so(tmp_path
     assert redundancy_cap(rounds_cfg, state) == 3
     assert redundancy_cap(rounds_cfg, RoundState(round=1, labels_spent=40, selected=10)) == 0
     state.update(queue_redundancy(cfg.artifacts, cfg.annotate, answers=DIGITS, round_index=1,
-                                  prepared_dir=_prepared_folder(ds, tmp_path / "prepared"),
+                                  dataset=ds, round_folder=round_dir(cfg.artifacts, 1),
                                   cap=redundancy_cap(rounds_cfg, state)))
     assert state.consensus_requeued == 3 and redundancy_spent(cfg.artifacts, before_round=2) == 3
     assert state.consensus_trimmed["count"] == len(ties) - 3

@@ -208,7 +208,7 @@ def test_likely_label_errors_show_with_image_given_label_and_model_answer(photo_
     (check / "verdict.json").write_text(json.dumps({"message": "label check: 1 likely label error"}))
     copy = shutil.copytree(art / "rounds/001", tmp_path / "001")  # the round's own report is left alone
     sources = dataclasses.replace(ReportSources.load(copy), round_dir=str(copy), labelcheck_dir=str(check))
-    html = build_report(sources, states[1], []).html.read_text()
+    html = build_report(sources, states[1], None).html.read_text()
     section = html[html.index("Likely label errors"):html.index('id="quality"')]
     assert "label check: 1 likely label error" in section and "93 % likely wrong" in section
     assert 'given <b class="bad">rocket</b>' in section and "model <b>coffee</b>" in section

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from pipeline.annotation.inbox import receive_labels
 from pipeline.config import ProjectConfig
 from pipeline.errors import DataError
-from pipeline.metrics import merge_equal_metrics, plot_learning_curve
+from pipeline.metrics import plot_learning_curve
 from pipeline.model.train import planned_train_steps
 from pipeline.report import (
     ROUND_STAGES,
@@ -22,6 +22,7 @@ from pipeline.report import (
     curve_table,
     handoff_markdown,
     import_record,
+    merge_equal_metrics,
     png_data_uri,
     run_name,
     run_tags,
@@ -72,6 +73,20 @@ def test_summary_carries_the_curve_as_a_picture_and_its_file(tmp_path):
     assert "| 2 | 12 | 0.5000 |" in md and md.count("0.5000") == 2
     text = summary_markdown(STATE, ROWS, curve_path=png)  # the summary.md file: no inline image
     assert "data:image" not in text and "## Learning curve" in text
+
+
+def test_the_reports_curve_is_the_one_the_round_drew_and_stops_at_its_round(tmp_path):
+    """The round's report shows the learning curve write_up just drew, read back rather than drawn a second time; the
+    report of an earlier round (a rerun, `tamis report --round 1`) leaves later rounds out, on the same chance axis."""
+    from pipeline.metrics import learning_curve, round_curve_png
+
+    answers = ["0", "1", "2", "3"]
+    drawn = learning_curve(tmp_path, ROWS, answers=answers)
+    drawn.write_bytes(drawn.read_bytes() + b"as learning_curve left it")  # the bytes prove the file was read back
+    assert round_curve_png(ROWS, 2, answers=answers, drawn=drawn) == drawn.read_bytes()
+    first = plot_learning_curve(ROWS[:2], tmp_path / "round1.png", chance=0.25).read_bytes()
+    assert round_curve_png(ROWS, 1, answers=answers, drawn=drawn) == first
+    assert round_curve_png(ROWS, 1, answers=answers) == first and round_curve_png(ROWS, 0, drawn=drawn) is None
 
 
 def test_handoff_gives_copyable_paths_and_commands_not_file_links(tmp_path):

@@ -232,7 +232,7 @@ def status_cmd(
     config = config_file(config)
     import json
 
-    from pipeline.metrics import merge_equal_metrics
+    from pipeline.report import merge_equal_metrics
     from pipeline.round_state import completed_rounds
 
     cfg = load(config)

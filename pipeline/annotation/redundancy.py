@@ -34,10 +34,11 @@ log = logging.getLogger(__name__)
 
 REDUNDANCY_VERSION = stage_version("1", "pipeline.annotation.redundancy")  # the queue's export moves with its code
 REDUNDANCY_TABLE = "redundancy.jsonl"
+REDUNDANCY_DIR = "consensus"  # in the round's folder
 
 
 def redundancy_dir(artifacts: str | os.PathLike[str], round_index: int) -> Path:
-    return round_dir(artifacts, round_index, "consensus")
+    return round_dir(artifacts, round_index, REDUNDANCY_DIR)
 
 
 def redundancy_queued(artifacts: str | os.PathLike[str], before_round: int | None = None) -> dict[int, list[dict]]:
@@ -130,25 +131,25 @@ def export_redundancy(rows: Sequence[Mapping[str, Any]], dataset: Any, out_dir: 
 
 
 def queue_redundancy(artifacts: str | os.PathLike[str], annotate: AnnotateConfig, *, answers: Sequence[str] | None,
-                     prepared_dir: str | os.PathLike[str], round_index: int, cap: int | None = None) -> dict[str, Any]:
+                     dataset: Any, round_folder: str | os.PathLike[str], round_index: int,
+                     cap: int | None = None) -> dict[str, Any]:
     """The round's redundancy queue from the current consensus.json, at most `cap` tasks (what rounds.label_budget
     leaves: pipeline.round.stop.redundancy_cap), as round.json records it: {"consensus_dir", "consensus_requeued"}, with
     "consensus_trimmed" ({"count", "reason"}) when the budget held samples back; {} when annotate.redundancy is off
-    or no sample is unsure."""
+    or no sample is unsure. `dataset`: the prepared pool the round already holds (its samples are the eligible ones
+    and the tasks' pictures); `round_folder`: the round's folder, the queue goes to its consensus/."""
     from pipeline.annotation.consensus import read_consensus
-    from pipeline.preprocess import load_prepared
 
     if annotate.redundancy is None:
         return {}
-    prepared = load_prepared(prepared_dir)
     rows = redundancy_candidates(read_consensus(artifacts), annotate.redundancy,
                                  queued=redundancy_queued(artifacts, round_index),
-                                 eligible=set(column(prepared, "sample_id")))
+                                 eligible=set(column(dataset, "sample_id")))
     rows, trimmed = budget_trim(rows, cap)
     if trimmed:
         log.warning("redundancy queue: %s", trimmed["reason"])
-    out = redundancy_dir(artifacts, round_index)
-    m = export_redundancy(rows, prepared, out, annotate=annotate, answers=answers, artifacts=artifacts,
+    out = Path(round_folder) / REDUNDANCY_DIR
+    m = export_redundancy(rows, dataset, out, annotate=annotate, answers=answers, artifacts=artifacts,
                           round_index=round_index)
     sent = {} if m is None else {"consensus_dir": str(out), "consensus_requeued": int(m.info["count"])}
     return sent | ({"consensus_trimmed": trimmed} if trimmed else {})

@@ -13,8 +13,7 @@ from typing import Any
 
 from pipeline import __version__
 from pipeline.errors import ArtifactError, DataError
-from pipeline.metrics import merge_equal_metrics
-from pipeline.report import candidates_line
+from pipeline.report import candidates_line, metrics_text, time_text
 from pipeline.round_state import RoundState, round_dir
 from pipeline.roundreport import gather, pictures, poolmap
 from pipeline.roundreport.page import render_page
@@ -51,23 +50,15 @@ def _thumbs(ids: Sequence[str], images: gather.Images, draw: Draw | None = None)
     return out
 
 
-def _time_line(t: Mapping[str, Any] | None) -> str:
-    if not t:
-        return ""
-    return (f"{t['hours']:.2f} h over {t['timed']} timed labels (median {t['median_s']:.0f} s, p90 {t['p90_s']:.0f} s)"
-            + (f"; next batch of {t['next_batch']} ≈ {t['next_batch_hours']:.2f} h" if t.get("next_batch") else ""))
-
-
 def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
 
 
 def _header(state: RoundState, sources: ReportSources) -> dict[str, Any]:
     phase = state.phase or {}
-    metrics = ", ".join(f"{k} = {v:.4f}" for k, v in merge_equal_metrics(state.metrics or {}).items())
     return {"round": state.round, "labeled": state.labeled, "pool": state.pool, "selected": state.selected_count,
             "strategy": state.strategy, "phase": phase.get("phase"), "phase_reason": phase.get("reason"),
-            "metrics": metrics, "stopped": state.stopped, "at_chance": state.at_chance, "round_dir": sources.round_dir}
+            "metrics": metrics_text(state.metrics), "stopped": state.stopped, "at_chance": state.at_chance, "round_dir": sources.round_dir}
 
 
 def _box_drawer(sources: ReportSources, images: gather.Images, labels: Mapping[str, str],
@@ -100,9 +91,9 @@ def _test_errors(sources: ReportSources, images: gather.Images) -> list[dict[str
     return gather.confident_errors(sources.eval_dir)
 
 
-def build_report(sources: ReportSources, state: RoundState,
-                 metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport:
-    """Write report.html (and batch.png, confusion.png) for the round `state` from `sources`."""
+def build_report(sources: ReportSources, state: RoundState, curve: bytes | None) -> RoundReport:
+    """Write report.html (and batch.png, confusion.png) for the round `state` from `sources`; `curve`: the learning
+    curve as it stood after the round (pipeline.metrics.round_curve_png), None before any metric."""
     start = time.perf_counter()
     rd = Path(sources.round_dir)
     labels = gather.labeled_answers(rd)
@@ -124,7 +115,6 @@ def build_report(sources: ReportSources, state: RoundState,
         b.name = names[b.sample_id]
     sheet = pictures.contact_sheet(batch, batch_png)
     confusion = pictures.confusion_png(pc, sources.eval_dir) if pc else None
-    curve = pictures.curve_png(metrics_rows, state.round)
     balance = gather.class_balance(labels, sources.answers)
     c = state.candidates
     view = {
@@ -148,7 +138,7 @@ def build_report(sources: ReportSources, state: RoundState,
         "flags": [{**asdict(f), "thumb": thumbs.get(f.example) if f.example else None,
                    "name": names.get(f.example) if f.example else None} for f in flags],
         "checked": checked, "curve": curve and pictures.data_uri(curve), "balance": balance,
-        "balance_max": max([n for _, n in balance] or [1]) or 1, "time": _time_line(state.annotation_time),
+        "balance_max": max([n for _, n in balance] or [1]) or 1, "time": time_text(state.annotation_time),
         "annotators": state.consensus, "seconds": time.perf_counter() - start,
     }
     html = atomic_write_text(rd / REPORT_FILE, render_page(view))
@@ -157,21 +147,20 @@ def build_report(sources: ReportSources, state: RoundState,
     return RoundReport(html, sheet_path, confusion_path, html.stat().st_size, time.perf_counter() - start)
 
 
-def write_round_report(sources: ReportSources, state: RoundState,
-                       metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport:
+def write_round_report(sources: ReportSources, state: RoundState, curve: bytes | None) -> RoundReport:
     """A finished round's report: its sources kept in report_sources.json (for later rebuilds), then built."""
     sources.save()
-    return build_report(sources, state, metrics_rows)
+    return build_report(sources, state, curve)
 
 
 def try_round_report(resolve: Callable[[], ReportSources], state: RoundState,
-                     metrics_rows: Sequence[Mapping[str, Any]]) -> RoundReport | None:
+                     curve: bytes | None) -> RoundReport | None:
     """write_round_report at the end of a round, its sources resolved by `resolve()` (resolve_sources). The report
     is a view of a round whose round.json is already written: a failure to resolve or draw it is logged with the
     command that retries it, and never fails the round (a failed round would be re-run with the same labels, and
     fail the same way, instead of going on to the next)."""
     try:
-        return write_round_report(resolve(), state, metrics_rows)
+        return write_round_report(resolve(), state, curve)
     except Exception as exc:  # noqa: BLE001 - any failure of a view; the round itself is done
         log.warning("round %d: report.html not built (%s: %s); retry with `tamis report --round %d --debug`",
                     state.round, type(exc).__name__, exc, state.round)
@@ -183,7 +172,7 @@ def rebuild_report(artifacts: str | os.PathLike[str], round_index: int | None = 
     """`tamis report`: the report of round `round_index` (default: the last finished one) rebuilt from the sources
     its round kept, or, for a round finished before reports existed, resolved from the project's latest data by
     `resolve(state, prepared refs or None)` (resolve_sources on the project)."""
-    from pipeline.metrics import read_metrics
+    from pipeline.metrics import read_metrics, round_curve_png
     from pipeline.preprocess import latest_refs
     from pipeline.round_state import ROUND_FILE, completed_rounds
     from pipeline.roundreport.sources import SOURCES_FILE, check_sources
@@ -208,4 +197,4 @@ def rebuild_report(artifacts: str | os.PathLike[str], round_index: int | None = 
             prepared = None  # no prepared data: the report shows what the round's own files hold
         sources = resolve(states[r], prepared)
         check_sources(sources, f"the round's {ROUND_FILE} and the last `tamis prepare`")
-    return write_round_report(sources, states[r], read_metrics(art))
+    return write_round_report(sources, states[r], round_curve_png(read_metrics(art), r, answers=sources.answers))

@@ -171,14 +171,3 @@ def confusion_png(pc: Mapping[str, Any], eval_dir: str | Path | None) -> bytes:
         return own.read_bytes()
     with tempfile.TemporaryDirectory() as tmp:
         return plot_confusion(pc, Path(tmp) / CONFUSION_FILE).read_bytes()
-
-
-def curve_png(rows: Sequence[Mapping[str, Any]], round_index: int) -> bytes | None:
-    """The learning curve as it stood after this round (later rounds' points left out)."""
-    from pipeline.metrics import plot_learning_curve
-
-    upto = [r for r in rows if int(r["round"]) <= round_index]
-    if not upto:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        return plot_learning_curve(upto, Path(tmp) / "curve.png").read_bytes()

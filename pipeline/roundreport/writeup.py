@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.labelcheck import check_report_markdown
-from pipeline.metrics import learning_curve, read_metrics
+from pipeline.metrics import learning_curve, read_metrics, round_curve_png
 from pipeline.perclass import EvalReport, load_eval_report
 from pipeline.report import summary_markdown
 from pipeline.round.plan import RoundPlan
@@ -40,8 +40,10 @@ def write_up(artifacts: str | os.PathLike[str], answers: Sequence[str] | None, p
     rows = read_metrics(artifacts)
     label_report = check_report_markdown(check)
     curve = learning_curve(artifacts, rows, answers=answers)
+    # The report's curve stops at this round: the picture just drawn, unless a later round is logged (a rerun).
+    report_curve = round_curve_png(rows, state.round, answers=answers, drawn=curve)
     evaluation = load_eval_report(state.eval_dir)  # per-class metrics and the confusion matrix
     # The file keeps the PNG's path (a data URI would make summary.md unreadable as text); the UI gets the picture.
     write_round(plan, state, summary_markdown(state, rows, label_report, curve_path=curve, evaluation=evaluation))
     return WriteUp(rows, label_report, curve, evaluation,
-                   try_round_report(resolve, state, rows))
+                   try_round_report(resolve, state, report_curve))

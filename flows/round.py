@@ -16,7 +16,7 @@ from flows.export import export_ref
 from flows.ingest import ingest_ref
 from flows.labelcheck import relabel_ref
 from flows.prepare import prepare_refs
-from flows.select import select_ref, stopped_round_inputs
+from flows.select import select_ref
 from flows.train import train_round
 from flows.ui import library_logs_to_ui, name_run, progress_sink, publish_round
 from pipeline import report, unchanged
@@ -25,6 +25,7 @@ from pipeline.annotation.label_files import LabelKeys
 from pipeline.annotation.label_studio import pull_labels
 from pipeline.annotation.redundancy import queue_redundancy, settle_votes
 from pipeline.config import ProjectConfig, load_config
+from pipeline.embeddings import embeddings_params
 from pipeline.lock import ProjectLock
 from pipeline.model.resolve import resolve_configured
 from pipeline.quality import excluded_ids, explain_flags
@@ -33,7 +34,7 @@ from pipeline.round.records import record_relabel, record_selection, relabels
 from pipeline.round.simulate import answer_round, simulated
 from pipeline.round.stop import batch_for, budget_left, close_round, redundancy_cap
 from pipeline.round_state import RoundState, completed_rounds
-from pipeline.roundreport.sources import round_sources
+from pipeline.roundreport.sources import round_sources, stopped_round_inputs
 from pipeline.roundreport.writeup import write_up
 from pipeline.selection import planned_strategy
 from pipeline.status import annotation_time
@@ -76,7 +77,7 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
                              stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
     close_round(cfg, plan, state, eligible, agreed=agreed)
     if state.stopped:
-        read = stopped_round_inputs(cfg, prep["prepare"])
+        read = stopped_round_inputs(embeddings_params(cfg, prep["prepare"]))
     else:
         with progress.step("score pool", "select"):
             sel, read = select_ref(cfg, prepared=prep["prepare"], pool_ids=eligible.ids,

@@ -99,13 +99,6 @@ def embeddings_ref(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, An
     return run_stage(embeddings_task, params=params) if params is not None else None
 
 
-def stopped_round_inputs(cfg: ProjectConfig, prepared: dict[str, Any]) -> SelectionInputs:
-    """What a round that selects nothing hands its report: no score shards, and the selection space earlier rounds
-    made from the same prepared pool (its folder when there is one), so the last round still draws its pool map."""
-    params = embeddings_params(cfg, prepared)
-    return SelectionInputs(params.out_dir if params is not None and Path(params.out_dir).is_dir() else None)
-
-
 def select_ref(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
                pool_ids: list[str], exclude: list[str], round_dir: Path, labels: dict[str, str] | None = None,
                history_dirs: list[Path] = (), batch_size: int | None = None) -> tuple[dict[str, Any], SelectionInputs]:

@@ -8,12 +8,15 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import DataConfig, ModelConfig, ProjectConfig, SelectConfig
 from pipeline.errors import ArtifactError
 from pipeline.round_state import RoundState, adapter_ref, round_dir
 from pipeline.store import MANIFEST_NAME, atomic_write_json
+
+if TYPE_CHECKING:  # the annotation only: the report reads the space's folder, not the embeddings code
+    from pipeline.embeddings import EmbeddingsParams
 
 SOURCES_FILE = "report_sources.json"
 _PREPARE = "`tamis prepare -c <your config>` (the same images and config write the same folder)"
@@ -67,6 +70,13 @@ class SelectionInputs:
 
     space_dir: str | None = None
     shards: list[tuple[str, str]] = field(default_factory=list)
+
+
+def stopped_round_inputs(space: EmbeddingsParams | None) -> SelectionInputs:
+    """What a round that selects nothing hands its report: no score shards, and the selection space earlier rounds
+    made from the same prepared pool (`space`: its stage parameters; its folder when there is one), so the last round
+    still draws its pool map."""
+    return SelectionInputs(space.out_dir if space is not None and Path(space.out_dir).is_dir() else None)
 
 
 def check_sources(sources: ReportSources, recorded_in: str) -> None:

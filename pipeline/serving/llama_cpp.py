@@ -159,5 +159,8 @@ def require_source() -> Path:
 
 
 if __name__ == "__main__":  # python -m pipeline.serving.llama_cpp: build the tools (see build_hint)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     for name, path in build_tools().items():
-        print(f"{name}: {path}")
+        logging.getLogger(__name__).info("%s: %s", name, path)

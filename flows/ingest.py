@@ -14,7 +14,6 @@ from pipeline.data.ingest import (
     ingest_params,
     ingest_stage,
     record_latest,
-    source_digest,
 )
 
 ingest_task = stage_task(STAGE, INGEST_VERSION)(ingest_stage)
@@ -25,7 +24,6 @@ def ingest_ref(cfg: ProjectConfig, digest: str | None = None) -> dict[str, Any]:
 
     `digest` is `source_digest(cfg.data, cfg.artifacts)` if the caller computed it already.
     """
-    digest = digest or source_digest(cfg.data, cfg.artifacts)
     ref = run_stage(ingest_task, params=ingest_params(cfg.data, cfg.artifacts, digest))
     record_latest(cfg.artifacts, ref)
     return ref

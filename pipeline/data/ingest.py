@@ -422,8 +422,10 @@ class IngestParams:
     out_dir: str
 
 
-def ingest_params(data: DataConfig, artifacts: str | os.PathLike[str], digest: str) -> IngestParams:
-    """The ingest stage's parameters for the sources of `data` whose content digest is `digest`."""
+def ingest_params(data: DataConfig, artifacts: str | os.PathLike[str], digest: str | None = None) -> IngestParams:
+    """The ingest stage's parameters for the sources of `data` whose content digest is `digest` (source_digest's, when
+    the caller has not computed it already)."""
+    digest = digest or source_digest(data, artifacts)
     data_config = ingest_key_config(data.model_dump(mode="json"))
     return IngestParams(artifacts=str(artifacts), source_digest=digest, data_config=data_config,
                         out_dir=str(ingest_dir(artifacts, digest, data_config)))

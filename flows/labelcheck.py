@@ -9,6 +9,7 @@ from typing import Any
 
 from flows.select import embeddings_ref
 from flows.stages import run_stage, stage_task
+from pipeline.annotation.label_studio import push_batch
 from pipeline.config import ProjectConfig
 from pipeline.labelcheck import (
     LABELCHECK_VERSION,
@@ -47,8 +48,12 @@ def relabel_ref(cfg: ProjectConfig, *, check: dict[str, Any], prepared: dict[str
                 round_index: int, cap: int | None = None) -> dict[str, Any]:
     """Export the likely errors at least `labelcheck.min_confidence` likely wrong that no earlier round sent back,
     at most `labelcheck.relabel_top_n` (and `cap`), to rounds/NNN/relabel/; {"count": 0} when there are none (an
-    abstaining check reports none)."""
-    return run_stage(relabel_task, params=plan_relabel(artifacts=cfg.artifacts, annotate=cfg.annotate,
-                                                       labelcheck=cfg.labelcheck, answers=cfg.data.answers,
-                                                       check=check, prepared=prepared, round_index=round_index,
-                                                       cap=cap, box_labels=cfg.data.box_labels))
+    abstaining check reports none). With annotate.label_studio the queue is pushed beside the batch (its result under
+    "label_studio", as export_ref's)."""
+    ref = run_stage(relabel_task, params=plan_relabel(artifacts=cfg.artifacts, annotate=cfg.annotate,
+                                                      labelcheck=cfg.labelcheck, answers=cfg.data.answers,
+                                                      check=check, prepared=prepared, round_index=round_index,
+                                                      cap=cap, box_labels=cfg.data.box_labels))
+    if cfg.annotate.label_studio is not None and ref.get("count"):
+        ref = {**ref, "label_studio": push_batch(cfg.annotate, cfg.artifacts, ref["dir"])}
+    return ref

@@ -20,24 +20,21 @@ from flows.select import select_ref
 from flows.train import train_round
 from flows.ui import library_logs_to_ui, name_run, progress_sink, publish_round
 from pipeline import report, unchanged
-from pipeline.annotation.inbox import import_inbox, receive_labels
-from pipeline.annotation.label_files import LabelKeys
-from pipeline.annotation.label_studio import pull_labels
-from pipeline.annotation.redundancy import queue_redundancy, settle_votes
+from pipeline.annotation.inbox import receive_labels
+from pipeline.annotation.redundancy import queue_redundancy
 from pipeline.config import ProjectConfig, load_config
 from pipeline.embeddings import embeddings_params
 from pipeline.lock import ProjectLock
 from pipeline.model.resolve import resolve_configured
-from pipeline.quality import excluded_ids, explain_flags
-from pipeline.round.plan import PoolData, eligible_pool, labels_now, next_round_index, plan_after
+from pipeline.quality import excluded_ids
+from pipeline.round.intake import open_round
+from pipeline.round.plan import PoolData, eligible_pool
 from pipeline.round.records import record_relabel, record_selection, relabels
 from pipeline.round.simulate import answer_round, simulated
 from pipeline.round.stop import batch_for, budget_left, close_round, redundancy_cap
-from pipeline.round_state import RoundState, completed_rounds
+from pipeline.round_state import RoundState
 from pipeline.roundreport.sources import round_sources, stopped_round_inputs
 from pipeline.roundreport.writeup import write_up
-from pipeline.selection import planned_strategy
-from pipeline.status import annotation_time
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +51,10 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     with progress.step("prepare"):
         prep = prepare_refs(cfg, ing)
     with progress.step("import labels"):
-        # Every round.json read once: the round labels are imported into (import_round) and the one this run plans.
-        pool, done = PoolData.load(prep["prepare"]["dir"]), completed_rounds(art)
-        start = next_round_index(done, None)
-        # A live Label Studio project (annotate.label_studio) first, then the inbox: the same importer for both.
-        imports = pull_labels(cfg.annotate, cfg.data, art, known_ids=pool.index, round_index=start) + import_inbox(
-            art, index=pool.index, answers=cfg.data.scored_answers, round_index=start, keys=LabelKeys.from_config(cfg.data),
-            aliases=cfg.data.answer_aliases)
-        agreed = settle_votes(art, cfg.annotate, answers=cfg.data.scored_answers, round_index=start)
-        plan = plan_after(done, art, labels_now(art, pool, round_index=start))
-        state = plan.state(imports, annotation_time=annotation_time(art, next_batch=cfg.select.batch_size),
-                           strategy=planned_strategy(cfg.select, cfg.data.scored_answers, plan.labels, plan.history),
-                           quality_flags=explain_flags(prep["quality"]["info"], cfg.quality))
-        name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
-                 report.run_tags(plan.index, rerun=plan.rerun is not None))
+        pool = PoolData.load(prep["prepare"]["dir"])
+        plan, state, agreed = open_round(art, pool, annotate=cfg.annotate, data=cfg.data, select=cfg.select,
+                                         quality=cfg.quality, quality_info=prep["quality"]["info"])
+        name_run(plan.index, rerun=plan.rerun is not None)
 
     adapter, scorer, check = train_round(cfg, plan, prep, state, progress, pool) if plan.labels else (None,) * 3
     if not plan.labels:
@@ -88,9 +75,9 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
             record_selection(state, sel, export_ref(cfg, selection=sel, prepared=prep["prepare"],
                                                     round_index=plan.index))
             if relabels(cfg.labelcheck, check):
-                record_relabel(cfg.annotate, art, state, relabel_ref(cfg, check=check, prepared=prep["prepare"],
-                                                                     round_index=plan.index,
-                                                                     cap=budget_left(cfg.rounds, state)))
+                queued = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=plan.index,
+                                     cap=budget_left(cfg.rounds, state))
+                record_relabel(state, queued)
             state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.scored_answers, dataset=pool.dataset,
                                           round_folder=plan.dir, round_index=plan.index,
                                           cap=redundancy_cap(cfg.rounds, state)))
@@ -102,11 +89,8 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
         answer_round(art, state, ground_truth=cfg.data.ground_truth, noise=cfg.rounds.simulate_noise,
                      seed=cfg.seed, crowd=cfg.rounds)
     waits = not waiting.resumed() and waiting.waits_for_labels(cfg, state)
-    publish_round(cfg.artifacts, state, up, waiting=waits)
+    publish_round(art, state, up, progress, waiting=waits, rerun=plan.rerun is not None)
     unchanged.record_round_inputs(art, state, inputs, unchanged.round_inputs(cfg, sources=inputs.sources))
-    progress.complete(report.state_message(state))
-    name_run(report.run_name(plan.index, rerun=plan.rerun is not None),
-             report.run_tags(plan.index, rerun=plan.rerun is not None, stopped=state.stopped, waiting=waits))
     return state, waits
 
 

@@ -8,10 +8,14 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flows.cli.logs import HARMLESS, UI_ONLY
 from pipeline.round_state import RoundState
+
+if TYPE_CHECKING:
+    from pipeline.report import RoundProgress
+    from pipeline.roundreport.writeup import WriteUp
 
 # The library's loggers (all under `pipeline`) and Python warnings (`py.warnings` once captured) reach a run's logs.
 UI_LOGGERS = ("pipeline", "py.warnings")
@@ -24,16 +28,18 @@ def _run_context() -> Any:
     return ctx if ctx is not None and ctx.flow_run is not None else None
 
 
-def name_run(name: str, tags: list[str]) -> None:
-    """Rename the current flow run and set its round's tags; kept: the deployment's tags and earlier rounds' numbers
-    (a resumed run did two rounds), dropped: the flags of the round before (`waiting-for-labels`, …)."""
+def name_run(index: int, *, rerun: bool, stopped: bool = False, waiting: bool = False) -> None:
+    """Name the current flow run after round `index` and set the round's tags (pipeline.report.run_name / run_tags);
+    kept: the deployment's tags and earlier rounds' numbers (a resumed run did two rounds), dropped: the flags of the
+    round before (`waiting-for-labels`, …)."""
     from prefect import get_client
 
-    from pipeline.report import ROUND_FLAGS
+    from pipeline.report import ROUND_FLAGS, run_name, run_tags
 
     ctx = _run_context()
     if ctx is None:
         return
+    name, tags = run_name(index, rerun=rerun), run_tags(index, rerun=rerun, stopped=stopped, waiting=waiting)
     merged = list(dict.fromkeys([*(t for t in ctx.flow_run.tags or [] if t not in ROUND_FLAGS), *tags]))
     with get_client(sync_client=True) as client:
         client.update_flow_run(ctx.flow_run.id, name=name, tags=merged)
@@ -120,15 +126,17 @@ def detach(value: Any) -> Any:
     return plain
 
 
-def publish_round(artifacts: Any, state: RoundState, up: Any, *, waiting: bool) -> None:
+def publish_round(artifacts: Any, state: RoundState, up: WriteUp, progress: RoundProgress, *, waiting: bool, rerun: bool) -> None:
     """The round in the Prefect UI: its summary (with the curve, the batch's contact sheet and the confusion matrix
-    inline, and where the round's report.html is), the curve, and the export hand-off. `up`: what the round wrote
-    (pipeline.roundreport.writeup.WriteUp)."""
+    inline, and where the round's report.html is), the curve, the export hand-off, the progress bar's last line and
+    the run's name and tags. `up`: what the round wrote (pipeline.roundreport.writeup.WriteUp); `progress`: the
+    round's pipeline.report.RoundProgress."""
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
     from pipeline import report
     from pipeline.annotation import export
 
+    name_run(state.round, rerun=rerun, stopped=state.stopped, waiting=waiting)  # first: the run list shows the round
     curve = up.curve
     uri = report.png_data_uri(curve) if curve else None
     confusion = up.evaluation.confusion_png if up.evaluation is not None else None
@@ -149,3 +157,4 @@ def publish_round(artifacts: Any, state: RoundState, up: Any, *, waiting: bool) 
                                      count=state.selected_count, tasks_file=export.TASKS_FILE,
                                      label_config_file=export.LABEL_CONFIG_FILE, csv_file=export.CSV_FILE,
                                      waiting=waiting))
+    progress.complete(report.state_message(state))

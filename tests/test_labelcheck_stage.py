@@ -281,3 +281,26 @@ def test_the_task_runs_the_spec_it_was_planned_with(art, name):
         assert spec.held_out.trained_ids == {"s0", "s1", "s2"}
     else:
         assert spec.held_out is None
+
+
+def test_a_relabel_queue_goes_to_label_studio_beside_the_batch(art, monkeypatch):
+    """relabel_ref pushes a non-empty queue to annotate.label_studio as export_ref pushes the batch, and the round's
+    state records what the push said; an empty queue pushes nothing (the state's record of its stages only records:
+    it used to push from there)."""
+    from pipeline.round.records import record_relabel
+
+    pushed: list[tuple[str, str]] = []
+    monkeypatch.setattr(flows.labelcheck, "push_batch",
+                        lambda annotate, artifacts, folder: pushed.append((annotate.label_studio.project, folder))
+                        or {"project": 7, "pushed": 2, "already": 0})
+    cfg = _cfg(annotate={"label_studio": {"project": "errors"}})
+    for count, expected in ((2, [("errors", "art/rounds/003/relabel")]), (0, [])):
+        pushed.clear()
+        monkeypatch.setattr(flows.labelcheck, "run_stage",
+                            lambda task, params, n=count: {"count": n, "dir": "art/rounds/003/relabel"})
+        state = RoundState(round=3)
+        record_relabel(state, flows.labelcheck.relabel_ref(cfg, check=CHECK, prepared=PREPARED, round_index=3))
+        assert pushed == expected
+        assert state.relabel == count
+        assert state.label_studio_relabel == ({"project": 7, "pushed": 2, "already": 0} if count else None)
+        assert state.relabel_dir == ("art/rounds/003/relabel" if count else None)

@@ -5,6 +5,7 @@
 - stop: the stop rules and the label budget (close_round, stop_reason, budget_left)
 - records: what a round's state records of its stages, and summary.md then round.json
 - simulate: the simulated annotator that answers a finished round's export
+- intake: the labels in from every source, then the round planned on them and its first state (open_round)
 
 Plain functions of the project's files and config sections, unit-tested without a Prefect server. round.json itself
 is read and written as a RoundState (pipeline/round_state.py).

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.config import AnnotateConfig, LabelCheckConfig
+from pipeline.config import LabelCheckConfig
 from pipeline.round.plan import RoundPlan
 from pipeline.round_state import ROUND_FILE, LabelCheckRecord, RoundState
 from pipeline.store import atomic_write_json, atomic_write_text
@@ -45,18 +45,13 @@ def relabels(labelcheck: LabelCheckConfig, check: Mapping[str, Any] | None) -> b
     return check is not None and bool(labelcheck.relabel_top_n)
 
 
-def record_relabel(annotate: AnnotateConfig, artifacts: str | os.PathLike[str], state: RoundState,
-                   rel: Mapping[str, Any]) -> None:
-    """The re-label queue in the round's state ({"count", "dir"} from flows/labelcheck.relabel_ref), pushed to
-    annotate.label_studio beside the batch when one is configured."""
+def record_relabel(state: RoundState, rel: Mapping[str, Any]) -> None:
+    """The re-label queue in the round's state ({"count", "dir", "label_studio"?} from flows/labelcheck.relabel_ref)."""
     state.relabel = rel["count"]
-    if not rel["count"]:
-        return
-    state.relabel_dir = rel["dir"]
-    if annotate.label_studio is not None:
-        from pipeline.annotation.label_studio import push_batch
-
-        state.label_studio_relabel = push_batch(annotate, artifacts, rel["dir"])
+    if rel["count"]:
+        state.relabel_dir = rel["dir"]
+    if "label_studio" in rel:
+        state.label_studio_relabel = rel["label_studio"]
 
 
 def record_evaluation(artifacts: str | os.PathLike[str], plan: RoundPlan, state: RoundState,

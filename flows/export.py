@@ -8,11 +8,12 @@ from flows.stages import run_stage, stage_task
 from pipeline.annotation.export import EXPORT_VERSION, export_params, export_stage
 from pipeline.annotation.label_studio import push_batch
 from pipeline.config import ProjectConfig
+from pipeline.stage_ref import StageRef
 
 export_task = stage_task("export", EXPORT_VERSION)(export_stage)
 
 
-def export_ref(cfg: ProjectConfig, *, selection: dict[str, Any], prepared: dict[str, Any],
+def export_ref(cfg: ProjectConfig, *, selection: dict[str, Any], prepared: StageRef | dict[str, Any],
                round_index: int) -> dict[str, Any]:
     """Run (or reuse) the export of a round's selection; with annotate.label_studio the batch is pushed too (its
     result under "label_studio"). Call it inside a flow."""

@@ -21,6 +21,7 @@ from pipeline.labelcheck import (
 )
 from pipeline.model.identity import with_identity
 from pipeline.round_state import RoundState
+from pipeline.stage_ref import StageRef
 
 # Each task takes its stage's one parameters dataclass (pipeline/labelcheck/stage.py), keyed on its fields.
 labelcheck_task = stage_task("labelcheck", LABELCHECK_VERSION)(run_label_check)
@@ -28,7 +29,7 @@ relabel_task = stage_task("relabel", LABELCHECK_VERSION)(run_relabel)
 
 
 def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: RoundState | None,
-                    round_dir: Path, prepared: dict[str, Any] | None = None) -> dict[str, Any] | None:
+                    round_dir: Path, prepared: StageRef | dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Run (or reuse) the label check of the labeled set; None when labelcheck.method is off or the heldout method
     has no earlier adapter to score with (the first trained round). `prepared` (the prepare stage's ref) gives the
     kNN signal the selection embeddings when select.embeddings is not `model` (the same cached stage selection
@@ -44,7 +45,7 @@ def label_check_ref(cfg: ProjectConfig, *, labeled: dict[str, Any], previous: Ro
     return None if params is None else run_stage(labelcheck_task, params=params)
 
 
-def relabel_ref(cfg: ProjectConfig, *, check: dict[str, Any], prepared: dict[str, Any],
+def relabel_ref(cfg: ProjectConfig, *, check: dict[str, Any], prepared: StageRef | dict[str, Any],
                 round_index: int, cap: int | None = None) -> dict[str, Any]:
     """Export the likely errors at least `labelcheck.min_confidence` likely wrong that no earlier round sent back,
     at most `labelcheck.relabel_top_n` (and `cap`), to rounds/NNN/relabel/; {"count": 0} when there are none (an

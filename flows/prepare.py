@@ -13,20 +13,21 @@ from pipeline import augment as aug
 from pipeline import preprocess as prep
 from pipeline import quality as qual
 from pipeline.config import ProjectConfig, load_config
+from pipeline.stage_ref import PreparedRefs, StageRef
 
 preprocess_task = stage_task(prep.STAGE, prep.PREPROCESS_VERSION)(prep.preprocess_stage)
 quality_task = stage_task(qual.STAGE, qual.QUALITY_VERSION)(qual.quality_stage)
 augment_task = stage_task(aug.STAGE, aug.AUGMENT_VERSION)(aug.augment_stage)
 
 
-def prepare_refs(cfg: ProjectConfig, ingest_ref: dict[str, Any]) -> dict[str, Any]:
-    """Preprocess + quality for an ingested dataset; call it inside a flow. Returns {"prepare": ref, "quality": ref},
-    each ref {"dir", "digest", "info"}; load with pipeline.preprocess.load_prepared / pipeline.quality.load_quality."""
+def prepare_refs(cfg: ProjectConfig, ingest_ref: dict[str, Any]) -> PreparedRefs:
+    """Preprocess + quality for an ingested dataset; call it inside a flow. Each ref's info holds the stage's counts;
+    load with pipeline.preprocess.load_prepared / pipeline.quality.load_quality."""
     prepared = run_stage(preprocess_task, params=prep.preprocess_params(cfg.artifacts, ingest_ref, cfg.preprocess,
                                                                        cfg.model, cfg.data.max_image_pixels))
     quality = run_stage(quality_task, params=qual.quality_params(cfg.artifacts, prepared, cfg.quality))
-    refs = {"prepare": prepared, "quality": quality}
-    prep.record_latest(cfg.artifacts, refs)
+    refs = PreparedRefs(StageRef.of(prepared), StageRef.of(quality))
+    prep.record_latest(cfg.artifacts, refs.as_dict())
     return refs
 
 
@@ -52,4 +53,4 @@ def prepare_flow(
         from flows.ingest import ingest_ref
 
         ingest = ingest_ref(cfg, source_digest)
-    return {"ingest": ingest, **prepare_refs(cfg, ingest)}
+    return {"ingest": ingest, **prepare_refs(cfg, ingest).as_dict()}

@@ -51,31 +51,31 @@ def run_round(cfg: ProjectConfig, *, simulate: bool | None = None,
     with progress.step("prepare"):
         prep = prepare_refs(cfg, ing)
     with progress.step("import labels"):
-        pool = PoolData.load(prep["prepare"]["dir"])
+        pool = PoolData.load(prep.prepare.dir)
         plan, state, agreed = open_round(art, pool, annotate=cfg.annotate, data=cfg.data, select=cfg.select,
-                                         quality=cfg.quality, quality_info=prep["quality"]["info"])
+                                         quality=cfg.quality, quality_info=prep.quality.info)
         name_run(plan.index, rerun=plan.rerun is not None)
 
     adapter, scorer, check = train_round(cfg, plan, prep, state, progress, pool) if plan.labels else (None,) * 3
     if not plan.labels:
         progress.skip("train", "evaluate", "label check")
 
-    eligible = eligible_pool(art, pool, plan, excluded_ids(prep["quality"]["dir"]),
+    eligible = eligible_pool(art, pool, plan, excluded_ids(prep.quality.dir),
                              stop=pool.stop_set(cfg.rounds.stop_set, cfg.seed))
     close_round(cfg, plan, state, eligible, agreed=agreed)
     if state.stopped:
-        read = stopped_round_inputs(embeddings_params(cfg, prep["prepare"]))
+        read = stopped_round_inputs(embeddings_params(cfg, prep.prepare))
     else:
         with progress.step("score pool", "select"):
-            sel, read = select_ref(cfg, prepared=prep["prepare"], pool_ids=eligible.ids,
+            sel, read = select_ref(cfg, prepared=prep.prepare, pool_ids=eligible.ids,
                                    exclude=sorted(eligible.exclude), round_dir=plan.dir, labels=plan.labels,
                                    history_dirs=plan.history, adapter=scorer,
                                    batch_size=batch_for(cfg.rounds, cfg.select.batch_size, state))
         with progress.step("export"):
-            record_selection(state, sel, export_ref(cfg, selection=sel, prepared=prep["prepare"],
+            record_selection(state, sel, export_ref(cfg, selection=sel, prepared=prep.prepare,
                                                     round_index=plan.index))
             if relabels(cfg.labelcheck, check):
-                queued = relabel_ref(cfg, check=check, prepared=prep["prepare"], round_index=plan.index,
+                queued = relabel_ref(cfg, check=check, prepared=prep.prepare, round_index=plan.index,
                                      cap=budget_left(cfg.rounds, state))
                 record_relabel(state, queued)
             state.update(queue_redundancy(art, cfg.annotate, answers=cfg.data.scored_answers, dataset=pool.dataset,

@@ -28,6 +28,7 @@ from pipeline.score_stage import (
     shard_params,
     write_pool_file,
 )
+from pipeline.stage_ref import StageRef
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def score_pool_flow(artifacts: str, model: dict[str, Any], scoring: dict[str, An
     return refs
 
 
-def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
+def score_pool(cfg: ProjectConfig, *, prepared: StageRef | dict[str, Any], adapter: dict[str, Any] | None,
                pool_ids: list[str], round_dir: Path) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
     """Score the pool in shards with the task runner `select.runner` asks for (also under a deployment's worker).
     Returns the shards' refs and each shard's (first sample ID, folder), what the round's report reads."""
@@ -93,13 +94,13 @@ def score_pool(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[st
                               shard_size=plan.shard_size)), shards
 
 
-def embeddings_ref(cfg: ProjectConfig, prepared: dict[str, Any]) -> dict[str, Any] | None:
+def embeddings_ref(cfg: ProjectConfig, prepared: StageRef | dict[str, Any]) -> dict[str, Any] | None:
     """The cached selection-embeddings stage, or None when selection uses the model's own embeddings."""
     params = embeddings_params(cfg, prepared)
     return run_stage(embeddings_task, params=params) if params is not None else None
 
 
-def select_ref(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
+def select_ref(cfg: ProjectConfig, *, prepared: StageRef | dict[str, Any], adapter: dict[str, Any] | None,
                pool_ids: list[str], exclude: list[str], round_dir: Path, labels: dict[str, str] | None = None,
                history_dirs: list[Path] = (), batch_size: int | None = None) -> tuple[dict[str, Any], SelectionInputs]:
     """Score the eligible pool (and the labeled samples) and select; writes round_dir/selection/. Call in a flow.

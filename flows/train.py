@@ -18,6 +18,7 @@ from pipeline.round.plan import PoolData, RoundPlan
 from pipeline.round.records import label_check_record, record_evaluation
 from pipeline.round.stop import StopSetCheck, stop_set_check
 from pipeline.round_state import RoundState, adapter_ref
+from pipeline.stage_ref import PreparedRefs
 from pipeline.stopping import measure_stop_set
 
 evaluate_task = stage_task("evaluate", EVAL_VERSION)(evaluate_stage)
@@ -30,7 +31,7 @@ def train_task(params: TrainParams) -> dict[str, Any]:
     return train_stage(params, rows, on_step=reporter)
 
 
-def train_round(cfg: ProjectConfig, plan: RoundPlan, prep: dict[str, Any], state: RoundState,
+def train_round(cfg: ProjectConfig, plan: RoundPlan, prep: PreparedRefs, state: RoundState,
                 progress: report.RoundProgress,
                 pool: PoolData) -> tuple[dict[str, Any], dict[str, str], dict[str, Any] | None]:
     """(the adapter's ref, the adapter as the score and select stages take it, the label check's ref or None) of a
@@ -55,18 +56,18 @@ def train_round(cfg: ProjectConfig, plan: RoundPlan, prep: dict[str, Any], state
             state.stability = stop_set_agreement(cfg, prep, scorer, stop)
     with progress.step("label check"):
         check = label_check_ref(cfg, labeled=labeled, previous=plan.last,
-                                round_dir=plan.dir, prepared=prep["prepare"])
+                                round_dir=plan.dir, prepared=prep.prepare)
     state.labelcheck = label_check_record(check)
     return adapter, scorer, check
 
 
-def stop_set_agreement(cfg: ProjectConfig, prep: dict[str, Any], adapter: dict[str, str],
+def stop_set_agreement(cfg: ProjectConfig, prep: PreparedRefs, adapter: dict[str, str],
                        stop: StopSetCheck) -> dict[str, Any]:
     """Score the stop set with the round's adapter (cached shards, like the pool's) and compare its answers with
     the previous round's adapter's."""
     from flows.select import score_pool
 
-    refs, _ = score_pool(cfg, prepared=prep["prepare"], adapter=adapter, pool_ids=stop.ids,
+    refs, _ = score_pool(cfg, prepared=prep.prepare, adapter=adapter, pool_ids=stop.ids,
                          round_dir=stop.out_dir)
     return measure_stop_set(refs, ids=stop.ids, answers=cfg.data.scored_answers, round_dir=stop.round_dir,
                             previous_dir=stop.previous_dir, target=stop.target)

@@ -391,7 +391,7 @@ class EmbeddingsParams:
     out_dir: str
 
 
-def embeddings_params(cfg: ProjectConfig, prepared: Mapping[str, Any]) -> EmbeddingsParams | None:
+def embeddings_params(cfg: ProjectConfig, prepared: StageRef | Mapping[str, Any]) -> EmbeddingsParams | None:
     """The selection-embeddings stage's parameters (its cache key), or None when selection uses the model's own
     embeddings. Keyed by the prepared data's content, the embeddings config, the seed, the base model
     (vision_tower) and the user's file (file), never by the adapter. A round's planning function: it reads the
@@ -401,11 +401,12 @@ def embeddings_params(cfg: ProjectConfig, prepared: Mapping[str, Any]) -> Embedd
         return None
     # Prefect's cache sees only parameters: a changed embeddings file must change them.
     file_digest = digest_json(file_inputs(emb)) if emb.source == "file" else None
-    params = {"prepared": dict(prepared), "select": {"embeddings": cfg.section("select")["embeddings"]},
+    prepared = StageRef.of(prepared)
+    params = {"prepared": prepared.as_dict(), "select": {"embeddings": cfg.section("select")["embeddings"]},
               "model": cfg.section("model") if emb.source == "vision_tower" else None,
               "file_digest": file_digest, "seed": cfg.seed}
     out = Path(cfg.artifacts) / "embeddings" / digest_json(params)[:16]
-    return EmbeddingsParams(artifacts=str(cfg.artifacts), out_dir=str(out), **{**params, "prepared": StageRef.of(prepared)})
+    return EmbeddingsParams(artifacts=str(cfg.artifacts), out_dir=str(out), **{**params, "prepared": prepared})
 
 
 # ------------------------------------------------------------------------------------------------ sharded pools

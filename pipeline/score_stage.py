@@ -77,7 +77,7 @@ class ShardParams:
 
 
 def shard_params(artifacts: str | Path, *, model: dict[str, Any], scoring: dict[str, Any],
-                 adapter: Mapping[str, Any] | None, prepared: Mapping[str, Any], pool_ids: Sequence[str],
+                 adapter: Mapping[str, Any] | None, prepared: StageRef | Mapping[str, Any], pool_ids: Sequence[str],
                  shard_size: int) -> list[ShardParams]:
     """One score-shard stage's parameters (its cache key) per shard of the pool, in shard order; `adapter` and
     `prepared` as the flow passes them (adapter_ref, the prepare stage's result)."""
@@ -101,7 +101,7 @@ class PoolScoring:
     shards: list[ShardParams]
 
 
-def plan_pool_scoring(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: dict[str, Any] | None,
+def plan_pool_scoring(cfg: ProjectConfig, *, prepared: StageRef | Mapping[str, Any], adapter: dict[str, Any] | None,
                       pool_ids: Sequence[str]) -> PoolScoring:
     """The score shards of the pool `pool_ids` for the adapter `adapter` ({dir, digest}, None for the base model) on
     the prepared data `prepared` (its stage ref), keyed as the score stage keys them. A round's planning function:
@@ -110,7 +110,7 @@ def plan_pool_scoring(cfg: ProjectConfig, *, prepared: dict[str, Any], adapter: 
 
     scoring = score_config(cfg.select, cfg.model, answers=cfg.data.scored_answers, seed=cfg.seed)
     parts = dict(model=keyed_model(cfg.model, cfg.artifacts), scoring=scoring, adapter=adapter,
-                 prepared=prepared)
+                 prepared=StageRef.of(prepared).as_dict())  # JSON: the score-pool subflow's parameters
     size = pool_shard_size(len(pool_ids), cfg.select.shard_size, cfg.select.max_tasks)
     return PoolScoring(parts, size, shard_params(cfg.artifacts, **parts, pool_ids=sorted(pool_ids), shard_size=size))
 

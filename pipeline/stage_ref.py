@@ -26,8 +26,10 @@ class StageRef:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, ref: Mapping[str, Any]) -> StageRef:
-        """From a stage task's result (or the part of one a consumer keeps)."""
+    def of(cls, ref: Mapping[str, Any] | StageRef) -> StageRef:
+        """From a stage task's result (or the part of one a consumer keeps); a StageRef is taken as it is."""
+        if isinstance(ref, StageRef):
+            return ref
         missing = [k for k in ("dir", "digest") if k not in ref]
         if missing:
             raise ArtifactError(f"a stage reference needs {' and '.join(missing)}, got fields {sorted(ref)}; pass the "
@@ -37,6 +39,28 @@ class StageRef:
     def as_dict(self) -> dict[str, Any]:
         """The flat JSON form: a task's result, and what a cache key holds."""
         return {"dir": self.dir, "digest": self.digest, **self.extra}
+
+    @property
+    def info(self) -> Mapping[str, Any]:
+        """What the stage reported as its `info` (the prepare and quality stages: counts, thresholds, flags)."""
+        return self.extra.get("info") or {}
+
+
+@dataclass(frozen=True)
+class PreparedRefs:
+    """The prepare flow's two outputs, what a round's later stages read: the prepared dataset (`prepare`) and its
+    quality flags (`quality`)."""
+
+    prepare: StageRef
+    quality: StageRef
+
+    @classmethod
+    def of(cls, refs: Mapping[str, Any]) -> PreparedRefs:
+        """From {"prepare": ref, "quality": ref}, as artifacts/prepare/latest.json keeps them."""
+        return cls(StageRef.of(refs["prepare"]), StageRef.of(refs["quality"]))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prepare": self.prepare.as_dict(), "quality": self.quality.as_dict()}
 
 
 def key_fields(params: Any) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def test_stages_cached_and_only_augment_reruns_when_only_augment_changes(tmp_pat
     @flow(name="round-like")
     def round_like(config_path: str) -> dict:
         cfg = load_config(config_path)
-        refs = prepare_refs(cfg, ingest_ref(cfg))
+        refs = prepare_refs(cfg, ingest_ref(cfg)).as_dict()
         return {**refs, "augment": augment_ref(cfg, refs["prepare"])}
 
     config = write_project(tmp_path)

@@ -165,10 +165,11 @@ def test_the_round_keeps_the_sources_its_stages_read_as_the_project_derives_them
     from pipeline.config import load_config
     from pipeline.preprocess import latest_refs
     from pipeline.roundreport.sources import resolve_sources
+    from pipeline.stage_ref import PreparedRefs
 
     config, art, states = photo_rounds
     kept = ReportSources.load(art / "rounds/001")
-    derived = resolve_sources(load_config(config), states[1], latest_refs(art))
+    derived = resolve_sources(load_config(config), states[1], PreparedRefs.of(latest_refs(art)))
     assert kept.shards and kept.space_dir and Path(kept.space_dir).is_dir()
     assert all((Path(d) / "manifest.json").is_file() for _, d in kept.shards)
     assert dataclasses.asdict(derived) == dataclasses.asdict(kept)

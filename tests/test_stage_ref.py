@@ -59,6 +59,26 @@ def test_the_embeddings_stage_is_keyed_and_placed_as_when_its_ref_was_a_dict(tmp
     assert params.out_dir == str(tmp_path / "embeddings" / digest_json(folder_key)[:16])
 
 
+def test_the_prepare_flows_typed_refs_key_its_consumers_as_their_dicts_did(tmp_path):
+    """The round holds the prepare and quality refs as PreparedRefs (issue 48): each consumer given the typed ref
+    keys and places its stage exactly as it did given the task's dict, and latest.json's form round-trips."""
+    from pipeline.config import ProjectConfig
+    from pipeline.embeddings import embeddings_params
+    from pipeline.score_stage import plan_pool_scoring
+    from pipeline.stage_ref import PreparedRefs
+
+    quality = {"dir": "art/quality/q", "digest": "q" * 64, "info": {"rows": 3, "flags": {"blur": 1}}}
+    refs = PreparedRefs.of({"prepare": PREPARED, "quality": quality})
+    assert refs.as_dict() == {"prepare": PREPARED, "quality": quality}
+    assert refs.quality.info == {"rows": 3, "flags": {"blur": 1}} and StageRef.of(refs.prepare) is refs.prepare
+    cfg = ProjectConfig.model_validate({"paths": {"artifacts": str(tmp_path)}, "select": {"embeddings": "pixels"},
+                                        "model": {"name_or_path": str(tmp_path / "model"), "family": "idefics3"}})
+    assert embeddings_params(cfg, refs.prepare) == embeddings_params(cfg, PREPARED)
+    typed, plain = (plan_pool_scoring(cfg, prepared=p, adapter=None, pool_ids=["s2", "s1"])
+                    for p in (refs.prepare, PREPARED))
+    assert typed == plain and typed.parts["prepared"] == PREPARED  # the score-pool subflow's parameters stay JSON
+
+
 def test_the_score_shards_are_keyed_and_placed_as_when_their_refs_were_dicts():
     from pipeline.score_stage import shard_params
     from pipeline.store import digest_json

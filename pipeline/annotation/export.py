@@ -513,7 +513,7 @@ class ExportParams:
 
 
 def export_params(annotate: AnnotateConfig, answers: Sequence[str] | None, *, artifacts: str | os.PathLike[str],
-                  selection: Mapping[str, Any], prepared: Mapping[str, Any], round_index: int,
+                  selection: Mapping[str, Any], prepared: StageRef | Mapping[str, Any], round_index: int,
                   box_labels: Sequence[str] | None = None, model: ModelConfig | None = None,
                   schema: AnswerSchema | None = None) -> ExportParams:
     """The export stage's parameters for round `round_index`'s selection (the select and prepare stages' results),

@@ -194,7 +194,7 @@ def run_label_check(params: LabelCheckParams) -> dict[str, Any]:
 
 
 def plan_relabel(*, artifacts: str | os.PathLike[str], annotate: AnnotateConfig, labelcheck: LabelCheckConfig,
-                 answers: Sequence[str] | None, check: Mapping[str, Any], prepared: Mapping[str, Any],
+                 answers: Sequence[str] | None, check: Mapping[str, Any], prepared: StageRef | Mapping[str, Any],
                  round_index: int, cap: int | None = None, box_labels: Sequence[str] | None = None) -> RelabelParams:
     """The relabel task's parameters: the likely errors of `check` (the labelcheck stage's ref) at least
     labelcheck.min_confidence likely wrong that no earlier round sent back, at most labelcheck.relabel_top_n (and at

@@ -18,6 +18,7 @@ from pipeline.round_state import RoundState, round_dir
 from pipeline.roundreport import gather, pictures, poolmap
 from pipeline.roundreport.page import render_page
 from pipeline.roundreport.sources import ReportSources
+from pipeline.stage_ref import PreparedRefs
 from pipeline.store import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ def try_round_report(resolve: Callable[[], ReportSources], state: RoundState,
 
 
 def rebuild_report(artifacts: str | os.PathLike[str], round_index: int | None = None, *,
-                   resolve: Callable[[RoundState, dict[str, Any] | None], ReportSources]) -> RoundReport:
+                   resolve: Callable[[RoundState, PreparedRefs | None], ReportSources]) -> RoundReport:
     """`tamis report`: the report of round `round_index` (default: the last finished one) rebuilt from the sources
     its round kept, or, for a round finished before reports existed, resolved from the project's latest data by
     `resolve(state, prepared refs or None)` (resolve_sources on the project)."""
@@ -192,7 +193,7 @@ def rebuild_report(artifacts: str | os.PathLike[str], round_index: int | None = 
         check_sources(sources, str(rd / SOURCES_FILE))
     else:
         try:
-            prepared = latest_refs(art)
+            prepared = PreparedRefs.of(latest_refs(art))
         except ArtifactError:
             prepared = None  # no prepared data: the report shows what the round's own files hold
         sources = resolve(states[r], prepared)

@@ -8,11 +8,12 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeline.config import DataConfig, ModelConfig, ProjectConfig, SelectConfig
 from pipeline.errors import ArtifactError
 from pipeline.round_state import RoundState, adapter_ref, round_dir
+from pipeline.stage_ref import PreparedRefs
 from pipeline.store import MANIFEST_NAME, atomic_write_json
 
 if TYPE_CHECKING:  # the annotation only: the report reads the space's folder, not the embeddings code
@@ -111,11 +112,10 @@ def find_eval_dir(artifacts: str | os.PathLike[str], adapter_digest: str) -> str
     return max(found)[1] if found else None
 
 
-def resolve_sources(cfg: ProjectConfig, state: RoundState,
-                    prepared: dict[str, Any] | None) -> ReportSources:
+def resolve_sources(cfg: ProjectConfig, state: RoundState, prepared: PreparedRefs | None) -> ReportSources:
     """The report's sources for a finished round (`state`, its round.json) of the project `cfg`, for `tamis report`
-    when the round kept none: the embeddings and score stages' keys are re-derived from the project; `prepared` holds
-    the round's prepare and quality stage refs ({"prepare": ref, "quality": ref}, as flows/prepare returns them).
+    when the round kept none: the embeddings and score stages' keys are re-derived from the project; `prepared`: the
+    round's prepare and quality stage refs (as flows/prepare returns them; PreparedRefs.of the latest ones on disk).
 
     The score shards are those the round's select stage read: its pool.jsonl planned by
     pipeline.score_stage.plan_pool_scoring as flows/select.score_pool plans it (same adapter, prepared data, model
@@ -125,7 +125,7 @@ def resolve_sources(cfg: ProjectConfig, state: RoundState,
     from pipeline.score_stage import POOL_FILE, plan_pool_scoring, read_pool_file
 
     rd = round_dir(cfg.artifacts, state.round)
-    prep = (prepared or {}).get("prepare")
+    prep = prepared.prepare if prepared is not None else None
     space = embeddings_params(cfg, prep) if prep else None
     shards: list[tuple[str, str]] = []
     if prep is not None and (rd / POOL_FILE).is_file():
@@ -137,16 +137,15 @@ def resolve_sources(cfg: ProjectConfig, state: RoundState,
 
 
 def round_sources(data: DataConfig, model: ModelConfig, select: SelectConfig, state: RoundState,
-                  prepared: dict[str, Any] | None, rd: Path, selected: SelectionInputs, *,
+                  prepared: PreparedRefs | None, rd: Path, selected: SelectionInputs, *,
                   artifacts: str | os.PathLike[str], seed: int) -> ReportSources:
     """The report's sources of the round in folder `rd` from the stage folders the round read: its prepare and quality
-    refs (`prepared`, as flows/prepare returns them) and what its select stage read (`selected`)."""
+    refs (`prepared`, as flows/prepare returns them; None: no prepared data) and what its select stage read (`selected`)."""
     adapter = state.adapter
     eval_dir = state.eval_dir or (adapter and find_eval_dir(artifacts, adapter["adapter_digest"]))
-    prep = (prepared or {}).get("prepare")
     return ReportSources(
         round=state.round, round_dir=str(rd), artifacts=str(artifacts), answers=data.scored_answers,
-        seed=seed, prepared_dir=prep and prep["dir"], quality_dir=((prepared or {}).get("quality") or {}).get("dir"),
+        seed=seed, prepared_dir=prepared and prepared.prepare.dir, quality_dir=prepared and prepared.quality.dir,
         space_dir=selected.space_dir, space_source=select.embeddings.source,
         shards=selected.shards, eval_dir=eval_dir,
         labelcheck_dir=(state.labelcheck or {}).get("dir"), box_codec=_box_codec(data, model))

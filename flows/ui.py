@@ -126,11 +126,11 @@ def detach(value: Any) -> Any:
     return plain
 
 
-def publish_round(artifacts: Any, state: RoundState, up: WriteUp, progress: RoundProgress, *, waiting: bool, rerun: bool) -> None:
+def publish_round(artifacts: Any, state: RoundState, up: WriteUp, progress: RoundProgress, *, waiting: bool,
+                  rerun: bool) -> None:
     """The round in the Prefect UI: its summary (with the curve, the batch's contact sheet and the confusion matrix
     inline, and where the round's report.html is), the curve, the export hand-off, the progress bar's last line and
-    the run's name and tags. `up`: what the round wrote (pipeline.roundreport.writeup.WriteUp); `progress`: the
-    round's pipeline.report.RoundProgress."""
+    the run's name and tags. `up`: what the round wrote."""
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
     from pipeline import report
